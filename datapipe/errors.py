@@ -1,0 +1,141 @@
+"""The one error hierarchy of datapipe.
+
+Every error datapipe raises on purpose derives from :class:`DatapipeError`, so a caller
+can catch the whole family with one clause. Messages say what went wrong, where (URL,
+shard, sample key, byte offset or state path) and, where there is one, what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DatapipeError",
+    "FormatError",
+    "CorruptShardError",
+    "IntegrityError",
+    "ChecksumError",
+    "PackError",
+    "InputFileError",
+    "EmptyInputError",
+    "DuplicateKeyError",
+    "InvalidMemberNameError",
+    "SampleTooLargeError",
+    "DestinationExistsError",
+    "StorageError",
+    "ObjectNotFoundError",
+    "RemoteError",
+    "TruncatedReadError",
+    "CacheBudgetError",
+    "PlanError",
+    "StateMismatchError",
+    "CheckpointError",
+    "NoCheckpointError",
+    "CorruptCheckpointError",
+    "UnsupportedStateError",
+]
+
+
+class DatapipeError(Exception):
+    """Base of every error datapipe raises on purpose."""
+
+
+# --- format: shard bytes and the index -------------------------------------------------
+
+
+class FormatError(DatapipeError):
+    """A shard, index or manifest does not follow docs/FORMAT.md."""
+
+
+class CorruptShardError(FormatError):
+    """A shard's bytes are not the tar (or zstd frame) the index promises."""
+
+
+class IntegrityError(DatapipeError):
+    """Stored bytes do not match the checksum recorded for them."""
+
+
+class ChecksumError(IntegrityError):
+    """A checksum mismatch, naming the object (and sample or chunk) that failed."""
+
+
+# --- pack: small files -> shards ------------------------------------------------------
+
+
+class PackError(DatapipeError):
+    """Packing could not go on."""
+
+
+class InputFileError(PackError):
+    """An input file could not be read (vanished, unreadable, not a regular file)."""
+
+
+class EmptyInputError(PackError):
+    """The input holds no sample."""
+
+
+class DuplicateKeyError(PackError):
+    """Two samples share one key, or one sample has the same field twice."""
+
+
+class InvalidMemberNameError(PackError):
+    """A key or field cannot be stored as a safe tar member name."""
+
+
+class SampleTooLargeError(PackError):
+    """One sample is larger than the shard size limit."""
+
+
+class DestinationExistsError(PackError):
+    """The destination already holds a dataset; pass overwrite=True (--overwrite)."""
+
+
+# --- storage: bytes by URL, in tiers ---------------------------------------------------
+
+
+class StorageError(DatapipeError):
+    """Reading or writing bytes at a URL failed."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """No object exists at the URL."""
+
+
+class RemoteError(StorageError):
+    """The remote store failed, after the configured retries."""
+
+
+class TruncatedReadError(StorageError):
+    """A read returned fewer bytes than the object (or range) holds."""
+
+
+class CacheBudgetError(StorageError):
+    """A cache budget cannot hold what it is asked to hold."""
+
+
+# --- plan: order, partition and resume -------------------------------------------------
+
+
+class PlanError(DatapipeError):
+    """An epoch plan cannot be built from these arguments."""
+
+
+class StateMismatchError(PlanError):
+    """A resume state belongs to another dataset, seed or configuration."""
+
+
+# --- checkpoint -----------------------------------------------------------------------
+
+
+class CheckpointError(DatapipeError):
+    """Saving or loading a checkpoint failed."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """No complete checkpoint exists at the URL (or for the requested step)."""
+
+
+class CorruptCheckpointError(CheckpointError, IntegrityError):
+    """A checkpoint's manifest or data failed verification."""
+
+
+class UnsupportedStateError(CheckpointError, TypeError):
+    """The state holds an object the checkpoint format cannot store; names its path."""
