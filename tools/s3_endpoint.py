@@ -29,7 +29,11 @@ class LocalS3:
         self.endpoint_url = ""
 
     def start(self) -> "LocalS3":
+        import logging
+
         from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
         for k, v in _ENV.items():
             os.environ.setdefault(k, v)

@@ -400,6 +400,7 @@ class FsspecStore(Store):
             yield f
         except BaseException:
             f.discard()
+            f.closed = True  # else fsspec's __del__ would flush (publish) the partial upload
             raise
         try:
             f.close()
