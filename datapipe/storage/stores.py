@@ -285,7 +285,15 @@ class LocalStore(Store):
         try:
             os.unlink(self.path(key))
         except FileNotFoundError:
-            pass
+            return
+        # drop directories the delete left empty, up to (not including) the root
+        d = os.path.dirname(self.path(key))
+        while d != self.root and d.startswith(self.root):
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+            d = os.path.dirname(d)
 
     def list(self, prefix: str = "") -> list[str]:
         out = []
