@@ -1,0 +1,191 @@
+"""The `datapipe` command: pack, join, inspect, verify, cache, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any
+
+from . import __version__
+from .errors import DatapipeError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
+
+
+def parse_size(text: str) -> int:
+    """``'128M' -> 134217728``; plain numbers are bytes."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 65536, 64M, 1G)")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
+
+
+def _storage_options(text: str | None) -> dict[str, Any] | None:
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--storage-options must be JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--storage-options must be a JSON object")
+    return value
+
+
+def _add_storage(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-options", type=_storage_options, default=None, metavar="JSON",
+                   help='fsspec options for remote URLs, e.g. \'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'')
+
+
+def _cmd_pack(a: argparse.Namespace) -> int:
+    from .pack import pack
+
+    r = pack(a.src, a.dest, shard_bytes=a.shard_bytes, shard_samples=a.shard_samples,
+             compression=a.compression, level=a.level, workers=a.workers, part=a.part,
+             overwrite=a.overwrite, skip_errors=a.skip_errors, storage_options=a.storage_options,
+             progress=not a.quiet)
+    print(r.summary())
+    return 0
+
+
+def _cmd_join(a: argparse.Namespace) -> int:
+    from .pack import join_parts
+
+    n = join_parts(a.dest, storage_options=a.storage_options, overwrite=a.overwrite)
+    print(f"joined {n:,} samples at {a.dest}")
+    return 0
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    from .dataset import open_index
+
+    ix = open_index(a.url, a.storage_options)
+    m = ix.manifest
+    info = {
+        "url": ix.url,
+        "shards": ix.num_shards,
+        "samples": ix.num_samples,
+        "stored_bytes": m.get("stored_bytes"),
+        "compression": ix.compression,
+        "fields": m.get("fields"),
+        "format_version": m.get("version"),
+        "created_by": m.get("created_by"),
+    }
+    if a.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    for k, v in info.items():
+        print(f"{k:>15}: {v}")
+    counts = ix.sample_counts
+    if len(counts):
+        sizes = [s.bytes for s in ix.shards]
+        print(f"{'per shard':>15}: {counts.min()}..{counts.max()} samples, "
+              f"{min(sizes) / 1e6:.1f}..{max(sizes) / 1e6:.1f} MB")
+    return 0
+
+
+def _cmd_verify(a: argparse.Namespace) -> int:
+    from .verify import verify_dataset
+
+    r = verify_dataset(a.url, all_problems=a.all, storage_options=a.storage_options, progress=not a.quiet)
+    for p in r.problems:
+        print(f"FAIL {p}", file=sys.stderr)
+    if r.ok:
+        print(f"OK {r.url}: {r.shards} shards, {r.samples:,} samples, {r.bytes / 1e6:,.1f} MB verified")
+        return 0
+    print(f"{len(r.problems)} problem(s) in {r.url}" + ("" if a.all else " (stopped at the first; --all reports every one)"),
+          file=sys.stderr)
+    return 1
+
+
+def _cmd_cache(a: argparse.Namespace) -> int:
+    from . import storage
+
+    if a.cache_cmd == "stats":
+        print(json.dumps(storage.warm_dir_stats(a.dir), indent=1))
+    else:
+        n = storage.clear_warm_dir(a.dir)
+        print(f"removed {n} cached objects from {a.dir}")
+    return 0
+
+
+def _cmd_demo(a: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="datapipe", description="Pack, cache, stream and checkpoint training data.")
+    ap.add_argument("--version", action="version", version=f"datapipe {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("pack", help="pack small files, JSONL or Parquet into tar shards with an index",
+                       description="Pack SRC (a directory of small files grouped by key, a .jsonl file, or a "
+                                   "Parquet file/directory) into WebDataset-compatible tar shards at DEST "
+                                   "(a local path or any fsspec URL). Running the same command again after "
+                                   "a crash finishes the job.")
+    p.add_argument("src")
+    p.add_argument("dest")
+    p.add_argument("--shard-bytes", type=parse_size, default="128M", help="shard size limit, of tar bytes (default 128M)")
+    p.add_argument("--shard-samples", type=int, default=100_000, help="samples per shard limit (default 100000)")
+    p.add_argument("--compression", choices=["none", "zstd"], default="none", help="zstd: one frame per sample (.tar.zst)")
+    p.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
+    p.add_argument("--part", default=None, metavar="I/N", help="pack only part I (0-based) of N, into DEST/part-I-of-N; then `datapipe join DEST`")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DEST")
+    p.add_argument("--skip-errors", action="store_true", help="skip unreadable inputs and list them in the summary")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_storage(p)
+    p.set_defaults(func=_cmd_pack)
+
+    p = sub.add_parser("join", help="join the parts written by `pack --part I/N` into one dataset")
+    p.add_argument("dest")
+    p.add_argument("--overwrite", action="store_true")
+    _add_storage(p)
+    p.set_defaults(func=_cmd_join)
+
+    p = sub.add_parser("inspect", help="show a dataset's shards, samples, bytes, fields and compression")
+    p.add_argument("url")
+    p.add_argument("--json", action="store_true")
+    _add_storage(p)
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("verify", help="re-read every shard and check checksums and structure")
+    p.add_argument("url")
+    p.add_argument("--all", action="store_true", help="report every problem, not only the first")
+    p.add_argument("-q", "--quiet", action="store_true")
+    _add_storage(p)
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("cache", help="inspect or clear a warm cache directory")
+    csub = p.add_subparsers(dest="cache_cmd", required=True)
+    for name, text in (("stats", "objects, bytes and pins in a warm directory"), ("clear", "remove every cached object")):
+        c = csub.add_parser(name, help=text)
+        c.add_argument("dir")
+    p.set_defaults(func=_cmd_cache)
+
+    p = sub.add_parser("demo", help="the main job end to end on a generated corpus (pack, cache, stream, train, checkpoint, resume)")
+    p.add_argument("--workdir", default=None, help="where to put the corpus, shards, cache and checkpoints (default: a temp dir)")
+    p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--no-s3", action="store_true", help="use a local directory as the cold tier instead of a loopback S3 endpoint")
+    p.set_defaults(func=_cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DatapipeError as e:
+        print(f"datapipe {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"datapipe {args.cmd}: interrupted; run the same command again to finish", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

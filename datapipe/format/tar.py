@@ -1,0 +1,198 @@
+"""Tar members as WebDataset writes and reads them, without the `tarfile` module's overhead.
+
+A sample is the run of consecutive members that share a key; the key and the field are cut
+from a member name by WebDataset's rule (``webdataset.tariterators.base_plus_ext``):
+
+    key   = the directory part + the basename up to its FIRST dot
+    field = the rest of the basename after that dot
+
+so ``a/b.c/img001.seg.png`` is key ``a/b.c/img001``, field ``seg.png``: dots in directory
+names are fine, a dot in a basename ends the key. A basename that starts with a dot, or
+has none, names no sample (WebDataset skips it; the packer refuses it).
+"""
+
+from __future__ import annotations
+
+import re
+import tarfile
+from collections.abc import Iterator
+
+from ..errors import CorruptShardError, InvalidMemberNameError
+
+__all__ = [
+    "BLOCK",
+    "END_OF_ARCHIVE",
+    "split_member_name",
+    "member_name",
+    "check_key",
+    "member_header",
+    "padding",
+    "iter_members",
+]
+
+BLOCK = 512
+END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
+_ZERO_BLOCK = b"\0" * BLOCK
+_NAME_RE = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]*)$")  # the leading [^./]: no dot-files
+_MAX_SIZE = 8**11 - 1  # 11 octal digits in the ustar size field
+
+
+def split_member_name(name: str) -> tuple[str, str] | None:
+    """``'dir/x.y/img1.seg.png' -> ('dir/x.y/img1', 'seg.png')``; ``None`` if the name has
+    no key/field shape (no dot in the basename, or a leading dot)."""
+    m = _NAME_RE.match(name)
+    if m is None or not m.group(2):
+        return None
+    return m.group(1), m.group(2)
+
+
+def check_key(key: str) -> None:
+    """Refuse keys that cannot be a safe, relative tar member name, or that would not cut
+    back to themselves."""
+    if not key:
+        raise InvalidMemberNameError("empty sample key")
+    if "\0" in key or "\\" in key:
+        raise InvalidMemberNameError(f"sample key {key!r} contains NUL or a backslash")
+    if key.startswith("/"):
+        raise InvalidMemberNameError(f"sample key {key!r} is absolute; keys must be relative")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise InvalidMemberNameError(
+            f"sample key {key!r} has an empty, '.' or '..' path component"
+        )
+    if "." in parts[-1]:
+        raise InvalidMemberNameError(
+            f"sample key {key!r} has a dot in its last component; WebDataset would cut the "
+            "key at that dot (rename it, e.g. replace '.' with '_')"
+        )
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidMemberNameError(f"sample key {key!r} is not valid UTF-8: {e}") from None
+
+
+def member_name(key: str, field: str) -> str:
+    if not field or "/" in field or "\0" in field or field.startswith("."):
+        raise InvalidMemberNameError(
+            f"field {field!r} of sample {key!r}: a field must be non-empty, without '/' or NUL, "
+            "and not start with a dot"
+        )
+    return f"{key}.{field}"
+
+
+def padding(size: int) -> int:
+    return -size % BLOCK
+
+
+def _octal(value: int, width: int) -> bytes:
+    return b"%0*o\0" % (width - 1, value)
+
+
+def member_header(name: str, size: int, mtime: int = 0) -> bytes:
+    """The header block(s) of one regular-file member: plain ustar when the name fits,
+    else ustar with a split prefix, else a PAX header (as `tarfile` writes it)."""
+    if size > _MAX_SIZE:
+        raise InvalidMemberNameError(f"member {name!r} is larger than tar's 8 GiB ustar limit")
+    raw = name.encode("utf-8")
+    prefix = b""
+    if len(raw) > 100:
+        cut = raw.rfind(b"/", 0, 156)
+        if 0 < cut and len(raw) - cut - 1 <= 100:
+            prefix, raw = raw[:cut], raw[cut + 1 :]
+        else:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime, info.mode = size, mtime, 0o644
+            info.uname = info.gname = ""
+            return info.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8")
+    header = bytearray(BLOCK)
+    header[0 : len(raw)] = raw
+    header[100:108] = _octal(0o644, 8)
+    header[108:116] = _octal(0, 8)
+    header[116:124] = _octal(0, 8)
+    header[124:136] = _octal(size, 12)
+    header[136:148] = _octal(mtime, 12)
+    header[148:156] = b"        "
+    header[156:157] = b"0"
+    header[257:265] = b"ustar\x0000"
+    header[345 : 345 + len(prefix)] = prefix
+    header[148:156] = b"%06o\0 " % sum(header)
+    return bytes(header)
+
+
+def _parse_octal(field: bytes, where: str) -> int:
+    field = field.rstrip(b"\0 ").lstrip(b" ")
+    if field and field[0] & 0x80:  # GNU base-256 for huge values
+        return int.from_bytes(field[1:], "big")
+    try:
+        return int(field or b"0", 8)
+    except ValueError:
+        raise CorruptShardError(f"{where}: bad number {field!r} in a tar header") from None
+
+
+def _parse_pax(data: bytes, where: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    pos = 0
+    while pos < len(data):
+        sp = data.find(b" ", pos)
+        if sp < 0:
+            raise CorruptShardError(f"{where}: malformed PAX header")
+        length = int(data[pos:sp])
+        record = data[sp + 1 : pos + length - 1]
+        k, _, v = record.partition(b"=")
+        out[k.decode("utf-8")] = v.decode("utf-8")
+        pos += length
+    return out
+
+
+def iter_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[str, memoryview, int]]:
+    """Yield ``(name, data, header_offset)`` of each regular-file member of a tar byte
+    buffer, stopping at the end-of-archive blocks or the end of the buffer. ``where`` names
+    the shard in errors."""
+    mv = memoryview(buf)
+    pos, n = 0, len(mv)
+    pax: dict[str, str] = {}
+    long_name: str | None = None
+    member_start = 0
+    while pos + BLOCK <= n:
+        header = bytes(mv[pos : pos + BLOCK])
+        if header == _ZERO_BLOCK:
+            return
+        if not pax and long_name is None:
+            member_start = pos
+        stored = _parse_octal(header[148:156], f"{where} @{pos}")
+        actual = sum(header) - sum(header[148:156]) + 8 * 32
+        if stored != actual:
+            raise CorruptShardError(
+                f"{where}: tar header checksum mismatch at byte {pos} (corrupt or not a tar)"
+            )
+        size = _parse_octal(header[124:136], f"{where} @{pos}")
+        kind = header[156:157]
+        data_start = pos + BLOCK
+        data_end = data_start + size
+        if data_end > n:
+            raise CorruptShardError(
+                f"{where}: member at byte {pos} needs {size} bytes, the shard ends at {n} "
+                "(truncated)"
+            )
+        pos = data_end + padding(size)
+        if kind == b"x":
+            pax = _parse_pax(bytes(mv[data_start:data_end]), where)
+            continue
+        if kind == b"L":
+            long_name = bytes(mv[data_start:data_end]).rstrip(b"\0").decode("utf-8")
+            continue
+        if kind == b"g":
+            continue
+        if kind not in (b"0", b"\0"):
+            pax, long_name = {}, None
+            continue  # directories, links: not sample data
+        if "path" in pax:
+            name = pax["path"]
+        elif long_name is not None:
+            name = long_name
+        else:
+            raw = header[0:100].split(b"\0", 1)[0]
+            prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
+            name = ((prefix + b"/" + raw) if prefix else raw).decode("utf-8")
+        pax, long_name = {}, None
+        yield name, mv[data_start:data_end], member_start

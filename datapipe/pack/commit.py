@@ -1,0 +1,52 @@
+"""Publish a dataset: shard table and sample table first, ``manifest.json`` last (the
+commit point: a dataset without a manifest does not exist for readers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import DestinationExistsError
+from ..format import MANIFEST, SAMPLES_FILE, SHARDS_FILE, SampleRecords, SampleTableWriter, ShardRecord
+from ..format import make_manifest, shard_table_bytes
+from ..storage import Store
+
+__all__ = ["write_index", "check_destination", "retract_dataset"]
+
+
+def write_index(
+    store: Store,
+    shards: list[ShardRecord],
+    samples: Iterable[SampleRecords],
+    compression: str,
+    fields: Iterable[str],
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """``samples`` yields each shard's records in the order of ``shards``."""
+    with store.open_writer(SAMPLES_FILE) as f:
+        writer = SampleTableWriter(f)
+        for i, records in enumerate(samples):
+            writer.add(i, records)
+        writer.close()
+    if writer.rows != sum(s.samples for s in shards):
+        raise ValueError("sample records do not match the shard table")  # internal invariant
+    store.put(SHARDS_FILE, shard_table_bytes(shards))
+    store.put(MANIFEST, make_manifest(shards, compression, sorted(set(fields)), extra))
+
+
+def check_destination(store: Store, overwrite: bool) -> None:
+    """Refuse a destination that holds a dataset unless ``overwrite``; with it, retract the
+    old dataset (manifest first, so it stops existing before its parts go)."""
+    if store.exists(MANIFEST):
+        if not overwrite:
+            raise DestinationExistsError(
+                f"{store.url(MANIFEST)} exists: {store.root} already holds a dataset "
+                "(pass overwrite=True / --overwrite to replace it)"
+            )
+        retract_dataset(store)
+
+
+def retract_dataset(store: Store) -> None:
+    store.delete(MANIFEST)
+    for key in store.list():
+        store.delete(key)

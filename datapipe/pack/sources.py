@@ -1,0 +1,155 @@
+"""What `pack` reads: a directory tree of small files, a JSONL file, or a Parquet file or
+directory. Each source lists samples in a deterministic order."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import EmptyInputError, InputFileError, InvalidMemberNameError, PackError
+from ..format.tar import BLOCK, check_key, padding, split_member_name
+
+__all__ = ["FileSample", "DirectoryListing", "list_directory", "iter_table", "count_table_rows", "source_kind"]
+
+
+@dataclass
+class FileSample:
+    key: str
+    files: list[tuple[str, str]]  # (field, absolute path), sorted by field
+    tar_bytes: int  # estimated size in the tar (headers + padded data)
+
+
+@dataclass
+class DirectoryListing:
+    samples: list[FileSample]
+    ignored: list[str] = field(default_factory=list)  # dot-files and names with no field
+    bad: list[tuple[str, str]] = field(default_factory=list)  # (path, reason), skip_errors only
+
+
+def source_kind(src: str) -> str:
+    if os.path.isdir(src):
+        if any(n.endswith(".parquet") for n in os.listdir(src)) and not any(
+            os.path.isdir(os.path.join(src, n)) for n in os.listdir(src)
+        ):
+            return "parquet"
+        return "directory"
+    if not os.path.exists(src):
+        raise InputFileError(f"input {src} does not exist")
+    if src.endswith((".jsonl", ".json", ".ndjson")):
+        return "jsonl"
+    if src.endswith(".parquet"):
+        return "parquet"
+    raise PackError(f"cannot pack {src}: expected a directory, a .jsonl file or a .parquet file/directory")
+
+
+def _member_tar_bytes(name: str, size: int) -> int:
+    extra = 0 if len(name.encode("utf-8", "surrogateescape")) <= 100 else 3 * BLOCK  # PAX/prefix
+    return BLOCK + extra + size + padding(size)
+
+
+def list_directory(root: str, skip_errors: bool = False) -> DirectoryListing:
+    """Group every regular file under ``root`` into samples by WebDataset's key rule, sorted
+    by key. Dot-files and names without a field are listed as ignored."""
+    root = os.path.abspath(root)
+    groups: dict[str, list[tuple[str, str, int]]] = {}
+    out = DirectoryListing([])
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
+            cut = split_member_name(rel)
+            if cut is None:
+                out.ignored.append(path)
+                continue
+            try:
+                rel.encode("utf-8")
+                check_key(cut[0])
+            except (UnicodeEncodeError, InvalidMemberNameError) as e:
+                reason = f"file name cannot be stored in tar as UTF-8: {e}"
+                if not skip_errors:
+                    raise InvalidMemberNameError(f"{path!r}: {reason} (rename it, or pass --skip-errors)") from None
+                out.bad.append((path, reason))
+                continue
+            try:
+                st = os.stat(path)
+            except OSError as e:
+                if not skip_errors:
+                    raise InputFileError(f"cannot stat {path}: {e.strerror} (pass --skip-errors to skip it)") from None
+                out.bad.append((path, e.strerror or str(e)))
+                continue
+            groups.setdefault(cut[0], []).append((cut[1], path, st.st_size))
+    for key in sorted(groups):
+        files = sorted(groups[key])
+        size = sum(_member_tar_bytes(f"{key}.{f}", s) for f, _, s in files)
+        out.samples.append(FileSample(key, [(f, p) for f, p, _ in files], size))
+    if not out.samples:
+        raise EmptyInputError(f"no sample found under {root} (files need a 'key.field' name)")
+    return out
+
+
+def count_table_rows(src: str, kind: str) -> int:
+    if kind == "jsonl":
+        with open(src, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    import pyarrow.dataset as pads
+
+    return pads.dataset(src, format="parquet").count_rows()
+
+
+def _row_to_sample(row: dict[str, Any], index: int, where: str) -> dict[str, Any]:
+    key = row.pop("__key__", None)
+    if key is None:
+        key = f"{index:09d}"
+    elif not isinstance(key, str):
+        key = str(key)
+    sample: dict[str, Any] = {"__key__": key}
+    for name, value in row.items():
+        if value is None:
+            continue
+        sample[name] = value
+    if len(sample) == 1:
+        raise PackError(f"{where}: row {index} (key {key!r}) has no non-null field")
+    return sample
+
+
+def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> Iterator[dict[str, Any]]:
+    """Rows ``[start, stop)`` of a JSONL or Parquet table as sample dicts: a row is a sample,
+    a column a field; ``__key__`` names the sample, else the row number (zero-padded)."""
+    if kind == "jsonl":
+        with open(src, "rb") as f:
+            i = 0
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                if i >= start and (stop is None or i < stop):
+                    try:
+                        row = json.loads(line)
+                    except ValueError as e:
+                        raise InputFileError(f"{src}:{lineno}: not JSON: {e}") from None
+                    if not isinstance(row, dict):
+                        raise InputFileError(f"{src}:{lineno}: a line must be a JSON object")
+                    yield _row_to_sample(row, i, f"{src}:{lineno}")
+                i += 1
+                if stop is not None and i >= stop:
+                    return
+        return
+    import pyarrow.dataset as pads
+
+    ds = pads.dataset(src, format="parquet")
+    i = 0
+    for batch in ds.to_batches():
+        n = batch.num_rows
+        if i + n <= start:
+            i += n
+            continue
+        for row in batch.to_pylist():
+            if i >= start and (stop is None or i < stop):
+                yield _row_to_sample(row, i, src)
+            i += 1
+            if stop is not None and i >= stop:
+                return

@@ -1,0 +1,119 @@
+"""`ShardWriter`: write samples one by one into shards at a URL, as WebDataset's
+ShardWriter does, plus the index and checksums."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import DuplicateKeyError, SampleTooLargeError
+from ..format import COMPRESSIONS, encode_sample, SampleRecords, ShardBuilder, ShardRecord, shard_name
+from ..storage import open_store
+from .commit import check_destination, write_index
+
+__all__ = ["ShardWriter", "DEFAULT_SHARD_BYTES", "DEFAULT_SHARD_SAMPLES"]
+
+DEFAULT_SHARD_BYTES = 128 * 2**20  # object stores serve 64-256 MB objects at full speed
+DEFAULT_SHARD_SAMPLES = 100_000
+
+
+class ShardWriter:
+    """``with ShardWriter(dest) as w: w.write({"__key__": "a", "jpg": b"..."})``
+
+    Shards roll over at ``max_bytes`` (of tar bytes, before compression) or ``max_samples``.
+    On a clean exit the index and manifest are written; after an exception nothing is
+    committed and the destination does not read as a dataset.
+    """
+
+    def __init__(
+        self,
+        dest: str,
+        *,
+        max_bytes: int = DEFAULT_SHARD_BYTES,
+        max_samples: int = DEFAULT_SHARD_SAMPLES,
+        compression: str | None = None,
+        level: int = 3,
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        compression = compression or "none"
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+        if max_bytes <= 0 or max_samples <= 0:
+            raise ValueError("max_bytes and max_samples must be positive")
+        self.store = open_store(dest, storage_options)
+        check_destination(self.store, overwrite)
+        self.max_bytes, self.max_samples = max_bytes, max_samples
+        self.compression, self.level = compression, level
+        self.shards: list[ShardRecord] = []
+        self._samples: list[SampleRecords] = []
+        self._fields: set[str] = set()
+        self._keys: set[str] = set()
+        self._ctx: Any = None
+        self._builder: ShardBuilder | None = None
+        self._closed = False
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.abort(exc)
+
+    def _open_shard(self) -> ShardBuilder:
+        name = shard_name(len(self.shards), self.compression)
+        self._ctx = self.store.open_writer(name)
+        sink = self._ctx.__enter__()
+        self._builder = ShardBuilder(sink, name, self.compression, self.level)
+        return self._builder
+
+    def _close_shard(self) -> None:
+        b = self._builder
+        if b is None:
+            return
+        record = b.finish()
+        self._ctx.__exit__(None, None, None)
+        self.shards.append(record)
+        self._samples.append(b.records)
+        self._fields |= b.fields
+        self._builder = self._ctx = None
+
+    def write(self, sample: Mapping[str, Any]) -> None:
+        if self._closed:
+            raise ValueError("write() on a closed ShardWriter")
+        key = sample.get("__key__")
+        if key in self._keys:
+            raise DuplicateKeyError(f"sample key {key!r} was written twice")
+        key, parts = encode_sample(sample)
+        size = sum(len(p) for p in parts)
+        if size + 1024 > self.max_bytes:
+            raise SampleTooLargeError(
+                f"sample {key!r} takes {size} bytes in a shard, more than max_bytes={self.max_bytes}"
+            )
+        b = self._builder
+        if b is not None and (b.tar_bytes + size + 1024 > self.max_bytes or len(b.records) >= self.max_samples):
+            self._close_shard()
+            b = None
+        b = b or self._open_shard()
+        b.add_encoded(key, parts, [k for k in sample if not k.startswith("__")])
+        self._keys.add(key)
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """Discard the shard being written; commit nothing."""
+        if self._ctx is not None:
+            err = exc or RuntimeError("ShardWriter aborted")
+            try:
+                self._ctx.__exit__(type(err), err, None)
+            except BaseException:
+                pass
+        self._builder = self._ctx = None
+        self._closed = True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._close_shard()
+        self._closed = True
+        write_index(self.store, self.shards, self._samples, self.compression, self._fields)

@@ -1,0 +1,103 @@
+"""Re-read every shard of a dataset and check it against its index: shard checksum, sample
+checksums, tar structure, keys, and that samples tile the shard exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .checksum import checksum
+from .dataset import open_index
+from .errors import DatapipeError
+from .format import decode_sample
+from .format.sample import decompress_frame
+from .format.tar import END_OF_ARCHIVE
+
+__all__ = ["Problem", "VerifyReport", "verify_dataset"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    shard: str
+    sample: str | None  # the sample key, None for shard-level problems
+    message: str
+
+    def __str__(self) -> str:
+        where = self.shard + (f" sample {self.sample!r}" if self.sample else "")
+        return f"{where}: {self.message}"
+
+
+@dataclass
+class VerifyReport:
+    url: str
+    shards: int = 0
+    samples: int = 0
+    bytes: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
+    info = ix.shards[i]
+    try:
+        data = ix.store.get(info.name)
+    except DatapipeError as e:
+        yield Problem(info.url, None, f"cannot read: {e}")
+        return
+    if len(data) != info.bytes:
+        yield Problem(info.url, None, f"has {len(data)} bytes, the index says {info.bytes} (truncated or replaced)")
+    elif checksum(data) != info.checksum:
+        yield Problem(info.url, None, f"checksum mismatch: index {info.checksum}, stored {checksum(data)}")
+    table = ix.shard_samples(i)
+    expected_offset = 0
+    for key, off, length, digest in zip(table.keys, table.offsets, table.lengths, table.checksums):
+        off, length = int(off), int(length)
+        where = f"{info.url} sample {key!r} (bytes {off}..{off + length})"
+        if off != expected_offset:
+            yield Problem(info.url, key, f"starts at byte {off}, expected {expected_offset}")
+        expected_offset = off + length
+        piece = data[off : off + length]
+        if len(piece) != length:
+            yield Problem(info.url, key, f"byte range {off}..{off + length} runs past the end ({len(data)} bytes)")
+            continue
+        if checksum(piece) != digest:
+            yield Problem(info.url, key, f"checksum mismatch at bytes {off}..{off + length}")
+            continue
+        try:
+            sample = decode_sample(piece, ix.compression, where)
+        except DatapipeError as e:
+            yield Problem(info.url, key, str(e))
+            continue
+        if sample["__key__"] != key:
+            yield Problem(info.url, key, f"holds key {sample['__key__']!r}, the index says {key!r}")
+    tail = data[expected_offset:]
+    if ix.compression == "zstd" and tail:
+        try:
+            tail = decompress_frame(tail, info.url)
+        except DatapipeError as e:
+            yield Problem(info.url, None, f"end-of-archive frame: {e}")
+            return
+    if tail != END_OF_ARCHIVE:
+        yield Problem(info.url, None, f"does not end with the tar end-of-archive blocks after byte {expected_offset}")
+
+
+def verify_dataset(url: str, *, all_problems: bool = False, storage_options: dict[str, Any] | None = None,
+                   progress: bool = False) -> VerifyReport:
+    """Check every shard; stop at the first problem unless ``all_problems``."""
+    ix = open_index(url, storage_options)
+    report = VerifyReport(ix.url)
+    from tqdm import tqdm
+
+    for i in tqdm(range(ix.num_shards), desc="verify", unit="shards", disable=not progress):
+        for p in _check_shard(ix, i):
+            report.problems.append(p)
+            if not all_problems:
+                return report
+        report.shards += 1
+        report.samples += ix.shards[i].samples
+        report.bytes += ix.shards[i].bytes
+    return report
