@@ -1,0 +1,202 @@
+"""Walk a nested training state into a JSON tree plus a flat list of array leaves.
+
+The tree keeps everything that is not an array (dict keys in order, list vs tuple,
+ints, floats, strings, None, bytes) as tagged JSON; arrays become ``{"leaf": i}``
+and their bytes travel separately. Anything else is refused with its path in the
+state (``optim.state.3.exp_avg``), before a byte is written.
+
+torch is never imported here: a tensor can only exist if torch is already loaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError, UnsupportedStateError
+
+__all__ = ["Leaf", "flatten", "unflatten", "torch_dtype_name", "torch_dtype_from_name"]
+
+
+@dataclass
+class Leaf:
+    """One array of the state: where it sits and what its bytes mean."""
+
+    path: str
+    kind: str  # "torch" | "numpy" | "npscalar"
+    dtype: str  # torch dtype name ("bfloat16") or numpy dtype str ("<f4")
+    shape: tuple[int, ...]
+    nbytes: int
+    strides: tuple[int, ...] | None  # element strides of a dense permuted layout, else None
+    obj: Any = None  # the live array (save side only)
+    device: str = "cpu"
+
+    def spec(self, offset: int) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "path": self.path,
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "offset": offset,
+        }
+        if self.strides is not None:
+            d["strides"] = list(self.strides)
+        return d
+
+
+def torch_dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype_from_name(name: str, where: str) -> Any:
+    import torch
+
+    # A whitelist of real dtypes, never a free getattr on a name read from storage.
+    value = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(value, torch.dtype):
+        raise CorruptCheckpointError(f"{where}: unknown torch dtype {name!r}")
+    return value
+
+
+def _dense_permuted(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """True if the strides are a permutation of a contiguous layout: no gaps, no overlap."""
+    expected = 1
+    for d in sorted(range(len(shape)), key=lambda d: strides[d]):
+        if shape[d] == 1:
+            continue
+        if strides[d] != expected:
+            return False
+        expected *= shape[d]
+    return True
+
+
+def _path(parent: str, key: Any) -> str:
+    return f"{parent}.{key}" if parent else str(key)
+
+
+def _torch_leaf(t: Any, path: str, torch: Any, allow_meta: bool = False) -> Leaf:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedStateError(
+            f"state path {path!r}: tensor subclass {type(t).__name__} is not supported "
+            "(convert it to a plain tensor first, e.g. DTensor.to_local())"
+        )
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        raise UnsupportedStateError(f"state path {path!r}: {t.layout} / quantized / nested tensors are not supported")
+    if t.device.type == "meta" and not allow_meta:
+        raise UnsupportedStateError(f"state path {path!r}: a meta tensor has no data to save")
+    shape = tuple(t.shape)
+    strides = None
+    if not t.is_contiguous() and t.numel() > 0 and _dense_permuted(shape, tuple(t.stride())):
+        strides = tuple(t.stride())
+    return Leaf(path, "torch", torch_dtype_name(t.dtype), shape, t.numel() * t.element_size(),
+                strides, t, str(t.device))
+
+
+def _numpy_leaf(a: np.ndarray, path: str, kind: str) -> Leaf:
+    if a.dtype.hasobject or a.dtype.names is not None or a.dtype.kind == "V":
+        raise UnsupportedStateError(
+            f"state path {path!r}: numpy dtype {a.dtype} (objects or structured records) is not supported"
+        )
+    strides = None
+    if kind == "numpy" and a.ndim > 1 and not a.flags.c_contiguous and a.flags.f_contiguous:
+        strides = tuple(s // a.itemsize for s in a.strides)
+    return Leaf(path, kind, a.dtype.str, tuple(a.shape), int(a.nbytes), strides, a)
+
+
+def flatten(state: Any, *, allow_meta: bool = False) -> tuple[Any, list[Leaf]]:
+    """``(tree, leaves)``; raises :class:`UnsupportedStateError` naming the first bad path.
+    ``allow_meta`` admits meta tensors, which describe a layout without data (prepare())."""
+    leaves: list[Leaf] = []
+    torch = sys.modules.get("torch")
+    seen: set[int] = set()
+
+    def walk(x: Any, path: str) -> Any:
+        if x is None or isinstance(x, (bool, str)):
+            return x
+        if isinstance(x, np.generic):  # before int/float: np.float64 subclasses float
+            leaves.append(_numpy_leaf(np.asarray(x), path, "npscalar"))
+            return {"leaf": len(leaves) - 1}
+        if isinstance(x, int):
+            return int(x)
+        if isinstance(x, float):
+            return float(x) if math.isfinite(x) else {"float": repr(float(x))}
+        if torch is not None and isinstance(x, torch.Tensor):
+            leaves.append(_torch_leaf(x, path, torch, allow_meta))
+            return {"leaf": len(leaves) - 1}
+        if isinstance(x, np.ndarray):
+            leaves.append(_numpy_leaf(x, path, "numpy"))
+            return {"leaf": len(leaves) - 1}
+        if isinstance(x, (bytes, bytearray)):
+            return {"bytes": base64.b64encode(bytes(x)).decode()}
+        if isinstance(x, (dict, list, tuple)):
+            if id(x) in seen:
+                raise UnsupportedStateError(f"state path {path!r}: the state contains itself (a cycle)")
+            seen.add(id(x))
+            try:
+                if isinstance(x, dict):
+                    items = []
+                    for k, v in x.items():
+                        if isinstance(k, bool) or not isinstance(k, (str, int)):
+                            raise UnsupportedStateError(
+                                f"state path {_path(path, k)!r}: dict key {k!r} of type "
+                                f"{type(k).__name__} is not supported (use str or int keys)"
+                            )
+                        items.append([k if isinstance(k, str) else int(k), walk(v, _path(path, k))])
+                    return {"odict" if isinstance(x, OrderedDict) else "dict": items}
+                if type(x) is tuple or type(x) is list:
+                    tag = "tuple" if type(x) is tuple else "list"
+                    return {tag: [walk(v, _path(path, i)) for i, v in enumerate(x)]}
+            finally:
+                seen.discard(id(x))
+        where = path or "<root>"
+        raise UnsupportedStateError(
+            f"state path {where!r}: cannot store an object of type {type(x).__module__}.{type(x).__qualname__} "
+            "(supported: tensors, numpy arrays, dict/list/tuple, int, float, bool, str, bytes, None)"
+        )
+
+    tree = walk(state, "")
+    return tree, leaves
+
+
+def unflatten(tree: Any, leaves: list[Any], where: str) -> Any:
+    """Rebuild the state from a tree and its loaded leaves; malformed trees raise
+    :class:`CorruptCheckpointError` naming ``where``."""
+
+    def bad(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: malformed state tree: {msg}")
+
+    def build(node: Any) -> Any:
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if isinstance(node, dict) and len(node) == 1:
+            (tag, val), = node.items()
+            if tag == "leaf":
+                if not isinstance(val, int) or not 0 <= val < len(leaves):
+                    raise bad(f"leaf index {val!r} out of range")
+                return leaves[val]
+            if tag in ("dict", "odict"):
+                if not isinstance(val, list):
+                    raise bad("dict items are not a list")
+                out = OrderedDict() if tag == "odict" else {}
+                for item in val:
+                    if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))):
+                        raise bad(f"bad dict item {item!r:.80}")
+                    out[item[0]] = build(item[1])
+                return out
+            if tag in ("list", "tuple") and isinstance(val, list):
+                items = [build(v) for v in val]
+                return tuple(items) if tag == "tuple" else items
+            if tag == "float" and val in ("nan", "inf", "-inf"):
+                return float(val)
+            if tag == "bytes" and isinstance(val, str):
+                return base64.b64decode(val.encode(), validate=True)
+        raise bad(f"unknown node {node!r:.80}")
+
+    return build(tree)

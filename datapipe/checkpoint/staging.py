@@ -1,0 +1,160 @@
+"""Host staging: one reused, already-touched byte buffer that a save copies the state into.
+
+Fresh memory is slow (every first touch of a page faults), a copy into touched memory is
+fast, so the buffer lives as long as the writer and is only regrown when a larger state
+arrives. For a layout seen before, the per-leaf destination views are cached too, so a
+save is one ``copy_`` per leaf and nothing else. Tensors on an accelerator are copied
+into a pinned buffer on a side stream.
+
+Layout: leaves back to back in state order, each at an offset aligned to ``ALIGN``;
+padding bytes are zero so the stored bytes depend only on the state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError
+from .flatten import Leaf
+
+__all__ = ["ALIGN", "StagingBuffer", "plan_layout"]
+
+ALIGN = 64
+
+
+def plan_layout(leaves: list[Leaf]) -> tuple[list[int], int]:
+    """Offsets of each leaf and the total byte count."""
+    offsets, pos = [], 0
+    for leaf in leaves:
+        pos = (pos + ALIGN - 1) // ALIGN * ALIGN
+        offsets.append(pos)
+        pos += leaf.nbytes
+    return offsets, pos
+
+
+def _layout_key(leaves: list[Leaf]) -> tuple:
+    return tuple((l.kind, l.dtype, l.shape) for l in leaves)
+
+
+class StagingBuffer:
+    """The reused host buffer of one writer. Not thread-safe: the writer guarantees that
+    a copy-in never overlaps the background thread reading the previous contents."""
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and max_bytes <= 0:
+            raise CheckpointError(f"max_staging_bytes must be positive, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._buf: Any = None  # torch uint8 tensor
+        self._np: np.ndarray | None = None
+        self.pinned = False
+        self._key: tuple | None = None
+        self._views: list[Any] = []
+        self.offsets: list[int] = []
+        self.total = 0
+        self._lock = threading.Lock()  # prepare() may run in its own thread
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self._buf is None else int(self._buf.numel())
+
+    def _check_budget(self, total: int) -> None:
+        if self.max_bytes is not None and total > self.max_bytes:
+            raise CheckpointError(
+                f"the state needs {total} bytes of staging, more than max_staging_bytes="
+                f"{self.max_bytes}; raise the limit or save a smaller state"
+            )
+
+    def _reserve(self, total: int, pinned: bool, touch: bool) -> None:
+        import torch
+
+        if self._buf is not None and self.capacity >= total and (self.pinned or not pinned):
+            return
+        self._buf = self._np = None  # free the old buffer before taking the new one
+        self._key, self._views = None, []
+        buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pinned)
+        if touch:
+            buf.zero_()  # fault every page in now, not during a save
+        self._buf, self.pinned = buf, pinned
+        self._np = buf.numpy()
+
+    def _build_views(self, leaves: list[Leaf], offsets: list[int], total: int) -> None:
+        import torch
+
+        from .flatten import torch_dtype_from_name
+
+        views: list[Any] = []
+        prev_end = 0
+        buf, npbuf = self._buf, self._np
+        for leaf, off in zip(leaves, offsets):
+            if off > prev_end:
+                buf[prev_end:off].zero_()
+            prev_end = off + leaf.nbytes
+            raw = buf[off : off + leaf.nbytes]
+            if leaf.kind == "torch":
+                dt = torch_dtype_from_name(leaf.dtype, leaf.path)
+                views.append(raw.view(dt).view(leaf.shape))
+            else:
+                views.append(npbuf[off : off + leaf.nbytes].view(np.dtype(leaf.dtype)).reshape(leaf.shape))
+        self._views = views
+        self.offsets, self.total = offsets, total
+
+    def prepare(self, leaves: list[Leaf]) -> float:
+        """Allocate and touch the buffer for this layout, build its views; returns seconds."""
+        t0 = time.perf_counter()
+        offsets, total = plan_layout(leaves)
+        self._check_budget(total)
+        with self._lock:
+            pinned = any(l.device.startswith("cuda") for l in leaves)
+            self._reserve(total, pinned, touch=True)
+            self._build_views(leaves, offsets, total)
+            self._key = _layout_key(leaves)
+        return time.perf_counter() - t0
+
+    def stage(self, leaves: list[Leaf]) -> None:
+        """Copy every leaf into the buffer. Returns once the bytes are in host memory."""
+        import torch
+
+        key = _layout_key(leaves)
+        with self._lock:
+            if key != self._key:
+                offsets, total = plan_layout(leaves)
+                self._check_budget(total)
+                pinned = any(l.device.startswith("cuda") for l in leaves)
+                # First save of a layout: no separate touch, the copy faults the pages in once.
+                self._reserve(total, pinned, touch=False)
+                self._build_views(leaves, offsets, total)
+                self._key = key
+            views = self._views
+            with torch.no_grad():
+                cuda = [i for i, l in enumerate(leaves) if l.kind == "torch" and l.obj.device.type == "cuda"]
+                if cuda:
+                    self._stage_cuda(leaves, views, cuda)
+                for i, (leaf, dst) in enumerate(zip(leaves, views)):
+                    if leaf.kind == "torch":
+                        if leaf.obj.device.type != "cuda":
+                            dst.copy_(leaf.obj)
+                    else:
+                        np.copyto(dst, leaf.obj, casting="no")
+
+    @staticmethod
+    def _stage_cuda(leaves: list[Leaf], views: list[Any], idx: list[int]) -> None:
+        import torch
+
+        # A side stream that first waits for the training stream, so the copies see the
+        # latest values; we wait for it before returning, so training may then overwrite.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in idx:
+                views[i].copy_(leaves[i].obj, non_blocking=True)
+        side.synchronize()
+
+    def view(self, start: int, end: int) -> memoryview:
+        """The staged bytes ``[start, end)`` without a copy."""
+        if self._np is None or end > self.total:
+            raise CheckpointError(f"staging range [{start}, {end}) outside the staged {self.total} bytes")
+        return memoryview(self._np[start:end])

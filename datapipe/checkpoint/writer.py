@@ -1,0 +1,376 @@
+"""CheckpointWriter: the training loop pays for one copy into host memory, a background
+thread does the rest (chunks, checksums, optional zstd, the rank part, the commit
+manifest, ``latest``, retention).
+
+One save is in flight at a time: the staging buffer holds exactly one state, so a save
+while the previous one still writes waits for it (or is skipped, if asked) and reports
+the wait. A failure in the background is kept and raised at the next ``save()``,
+``wait()`` or ``close()``; it is never only logged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures as cf
+import queue
+import re
+import sys
+import threading
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from ..checksum import checksum
+from ..errors import CheckpointError, DatapipeError
+from ..storage import open_store
+from .commit import apply_retention, await_parts, sync_dirs, write_latest, write_manifest
+from .flatten import Leaf, flatten
+from .format import chunk_key, encode_doc, part_key
+from .staging import StagingBuffer
+
+__all__ = ["CheckpointWriter", "SaveHandle"]
+
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
+
+
+class SaveHandle:
+    """The future of one save. ``metrics`` fills in as the save progresses: ``stall_s``,
+    ``waited_s``, ``staging_s``, ``staging_gbps`` at return; ``write_s``, ``write_gbps``,
+    ``commit_s``, ``total_s``, ``stored_bytes`` once done."""
+
+    def __init__(self, step: int, on_report: Any = None) -> None:
+        self.step = step
+        self.skipped = False
+        self.metrics: dict[str, Any] = {"step": step, "skipped": False}
+        self._event = threading.Event()
+        self._exc: BaseException | None = None
+        self._on_report = on_report
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The error of a failed save (None if it succeeded); waits up to ``timeout``."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"save of step {self.step} still running after {timeout} s")
+        if self._exc is not None and self._on_report is not None:
+            self._on_report(self)
+        return self._exc
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the save is durable (on rank 0: committed); return its metrics or
+        raise its error."""
+        exc = self.exception(timeout)
+        if exc is not None:
+            raise exc
+        return self.metrics
+
+    def _finish(self, exc: BaseException | None = None) -> None:
+        self._exc = exc
+        self._event.set()
+
+    def __repr__(self) -> str:
+        state = "skipped" if self.skipped else ("done" if self.done() else "running")
+        return f"SaveHandle(step={self.step}, {state})"
+
+
+@dataclass
+class _Job:
+    step: int
+    attempt: str
+    tree: Any
+    leaves: list[Leaf]
+    offsets: list[int]
+    total: int
+    handle: SaveHandle
+    t_start: float
+
+
+def _agree_run_id(rank: int, world_size: int, run_id: str | None) -> str:
+    if run_id is not None:
+        if not _RUN_ID_RE.match(run_id):
+            raise CheckpointError(f"run_id must match {_RUN_ID_RE.pattern}, got {run_id!r}")
+        return run_id
+    if world_size == 1:
+        return uuid.uuid4().hex[:12]
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        # One collective at construction, never in the background: rank 0 draws the id.
+        import torch as _torch
+
+        dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = _torch.randint(0, 2**62, (1,), dtype=_torch.int64, device=dev)
+        dist.broadcast(t, src=0)
+        return f"{int(t.item()):016x}"
+    raise CheckpointError(
+        "world_size > 1 without an initialized torch.distributed: pass run_id=<the same fresh "
+        "string on every rank> so that the ranks' parts of one save can be matched"
+    )
+
+
+def _topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None)
+    live = dist is not None and dist.is_available() and dist.is_initialized()
+    if rank is None:
+        rank = dist.get_rank() if live else 0
+    if world_size is None:
+        world_size = dist.get_world_size() if live else 1
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise CheckpointError(f"invalid rank {rank!r} for world_size {world_size!r}")
+    return rank, world_size
+
+
+def _close_at_exit(ref: Any) -> None:
+    w = ref()
+    if w is not None and not w._closed:
+        try:
+            w.close()
+        except Exception as e:  # the interpreter is exiting: say it, do not hide it
+            print(f"datapipe: checkpoint writer for {w.url} failed at exit: {e}", file=sys.stderr)
+
+
+class CheckpointWriter:
+    """Nonblocking checkpoints to a local directory or any fsspec URL.
+
+    ``keep_last`` complete checkpoints are kept, plus every step divisible by
+    ``keep_every``; ``compression`` is None or ``"zstd"`` (per chunk); ``if_busy`` is
+    ``"wait"`` or ``"skip"`` for a save that finds the previous one still writing.
+    ``rank``/``world_size`` default to torch.distributed's when it is initialized.
+    """
+
+    def __init__(self, url: str, *, keep_last: int = 3, keep_every: int | None = None,
+                 compression: str | None = None, max_staging_bytes: int | None = None,
+                 storage_options: dict[str, Any] | None = None, rank: int | None = None,
+                 world_size: int | None = None, run_id: str | None = None,
+                 chunk_bytes: int = 64 << 20, io_threads: int = 2, if_busy: str = "wait",
+                 commit_timeout: float = 600.0, zstd_level: int = 3) -> None:
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise CheckpointError(f"keep_last must be an int >= 1 (the last good checkpoint is always kept), got {keep_last!r}")
+        if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
+            raise CheckpointError(f"keep_every must be None or an int >= 1, got {keep_every!r}")
+        if compression not in (None, "zstd"):
+            raise CheckpointError(f"compression must be None or 'zstd', got {compression!r}")
+        if not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
+            raise CheckpointError(f"chunk_bytes must be an int >= 4096, got {chunk_bytes!r}")
+        if not isinstance(io_threads, int) or io_threads < 1:
+            raise CheckpointError(f"io_threads must be an int >= 1, got {io_threads!r}")
+        if if_busy not in ("wait", "skip"):
+            raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+        self.url = url
+        self.store = open_store(url, storage_options)
+        self.rank, self.world_size = _topology(rank, world_size)
+        self.run_id = _agree_run_id(self.rank, self.world_size, run_id)
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.compression, self.zstd_level = compression, zstd_level
+        self.chunk_bytes, self.if_busy, self.commit_timeout = chunk_bytes, if_busy, commit_timeout
+        self._staging = StagingBuffer(max_staging_bytes)
+        self._attempts: dict[int, int] = {}
+        self._current: SaveHandle | None = None
+        self._failed: SaveHandle | None = None  # a failed save nobody has been told about yet
+        self._prepare_thread: threading.Thread | None = None
+        self._prepare_error: BaseException | None = None
+        self._closed = False
+        self._tls = threading.local()
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="datapipe-ckpt-io")
+        self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
+        self._thread.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- training side -------------------------------------------------------------------
+    def prepare(self, state_or_layout: Any, *, block: bool = False) -> None:
+        """Allocate and touch the staging buffer for a state (real or ``meta`` tensors
+        give the same layout) in a background thread, so the first save only copies."""
+        self._check_open()
+        _tree, leaves = flatten(state_or_layout, allow_meta=True)
+        self._join_prepare()
+        prev = self._current
+
+        def work() -> None:
+            try:
+                if prev is not None:
+                    prev._event.wait()  # never reallocate under a save being written
+                self._staging.prepare(leaves)
+            except BaseException as e:
+                self._prepare_error = e
+
+        self._prepare_thread = threading.Thread(target=work, name="datapipe-ckpt-prepare", daemon=True)
+        self._prepare_thread.start()
+        if block:
+            self._join_prepare()
+
+    def save(self, step: int, state: Any, *, if_busy: str | None = None) -> SaveHandle:
+        """Copy ``state`` into host staging and return; the rest happens in the background."""
+        t0 = time.perf_counter()
+        self._check_open()
+        self._raise_failed()
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**12:
+            raise CheckpointError(f"step must be an int in [0, 10**12), got {step!r}")
+        mode = if_busy or self.if_busy
+        if mode not in ("wait", "skip"):
+            raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {mode!r}")
+        tree, leaves = flatten(state)  # unsupported objects fail here, before any write
+        waited = 0.0
+        prev = self._current
+        if prev is not None and not prev.done():
+            if mode == "skip":
+                h = SaveHandle(step, self._reported)
+                h.skipped = True
+                h.metrics.update(skipped=True, stall_s=time.perf_counter() - t0, waited_s=0.0)
+                h._finish()
+                return h
+            tw = time.perf_counter()
+            prev._event.wait()
+            waited = time.perf_counter() - tw
+            self._raise_failed()
+        self._join_prepare()
+        ts = time.perf_counter()
+        self._staging.stage(leaves)
+        staging_s = time.perf_counter() - ts
+        total = self._staging.total
+        n = self._attempts.get(step, 0)
+        self._attempts[step] = n + 1
+        h = SaveHandle(step, self._reported)
+        h.metrics.update(bytes=total, waited_s=waited, staging_s=staging_s,
+                         staging_gbps=total / staging_s / 1e9 if staging_s > 0 else float("inf"))
+        self._current = h
+        self._queue.put(_Job(step, f"{self.run_id}-{n}", tree, leaves, list(self._staging.offsets),
+                             total, h, t0))
+        h.metrics["stall_s"] = time.perf_counter() - t0
+        return h
+
+    def wait(self) -> None:
+        """Block until the last save is done; raise any unreported background error."""
+        if self._current is not None:
+            self._current._event.wait()
+        self._raise_failed()
+
+    flush = wait
+
+    def close(self) -> None:
+        """Flush the last save, stop the background thread, raise any unreported error."""
+        if self._closed:
+            return
+        try:
+            self._join_prepare()
+        finally:
+            if self._current is not None:
+                self._current._event.wait()
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+            self._pool.shutdown(wait=True)
+        self._raise_failed()
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the checkpoint writer for {self.url} is closed")
+
+    def _reported(self, handle: SaveHandle) -> None:
+        if self._failed is handle:
+            self._failed = None
+
+    def _raise_failed(self) -> None:
+        h = self._failed
+        if h is not None:
+            self._failed = None
+            raise h._exc  # type: ignore[misc]
+
+    def _join_prepare(self) -> None:
+        t = self._prepare_thread
+        if t is not None:
+            t.join()
+            self._prepare_thread = None
+            err, self._prepare_error = self._prepare_error, None
+            if err is not None:
+                raise err
+
+    # -- background side -----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._persist(job)
+            except BaseException as e:
+                err = e
+                if not isinstance(e, CheckpointError):
+                    what = type(e).__name__ if isinstance(e, DatapipeError) else f"{type(e).__name__}"
+                    err = CheckpointError(
+                        f"saving step {job.step} to {self.url} failed ({what}: {e}); the previous "
+                        "complete checkpoint is untouched"
+                    )
+                    err.__cause__ = e
+                self._failed = job.handle  # before the event, so a waiter sees it
+                job.handle._finish(err)
+            else:
+                job.handle._finish()
+            finally:
+                job.leaves = []  # drop references to the caller's tensors
+
+    def _persist(self, job: _Job) -> None:
+        t0 = time.perf_counter()
+        cb = self.chunk_bytes
+        starts = list(range(0, job.total, cb))
+        futs = [self._pool.submit(self._write_chunk, job, i, a, min(a + cb, job.total))
+                for i, a in enumerate(starts)]
+        # Wait for every chunk, failed or not: the staging buffer is reused only after.
+        cf.wait(futs)
+        chunks = [f.result() for f in futs]
+        if chunks:
+            sync_dirs(self.store, chunks[0]["key"])
+        doc = {
+            "step": job.step, "attempt": job.attempt, "rank": self.rank,
+            "world_size": self.world_size, "compression": self.compression,
+            "chunk_bytes": cb, "data_bytes": job.total,
+            "stored_bytes": sum(c["stored_bytes"] for c in chunks),
+            "chunks": chunks, "tree": job.tree,
+            "leaves": [leaf.spec(off) for leaf, off in zip(job.leaves, job.offsets)],
+        }
+        pkey = part_key(job.step, job.attempt, self.rank)
+        self.store.put(pkey, encode_doc(doc, "part"))
+        sync_dirs(self.store, pkey)
+        t1 = time.perf_counter()
+        m = job.handle.metrics
+        m.update(write_s=t1 - t0, write_gbps=job.total / (t1 - t0) / 1e9 if t1 > t0 else float("inf"),
+                 stored_bytes=doc["stored_bytes"])
+        if self.rank == 0:
+            parts = await_parts(self.store, job.step, job.attempt, self.world_size, self.commit_timeout)
+            write_manifest(self.store, job.step, job.attempt, self.world_size, parts)
+            write_latest(self.store, job.step, job.attempt)
+            m["committed"] = True
+            m["deleted_steps"] = apply_retention(self.store, job.step, job.attempt,
+                                                 self.keep_last, self.keep_every)
+        t2 = time.perf_counter()
+        m.update(commit_s=t2 - t1, total_s=t2 - job.t_start)
+
+    def _write_chunk(self, job: _Job, index: int, start: int, end: int) -> dict[str, Any]:
+        data = self._staging.view(start, end)
+        raw_ck = checksum(data)
+        rec: dict[str, Any] = {"key": chunk_key(job.step, job.attempt, self.rank, index),
+                               "offset": start, "bytes": end - start}
+        if self.compression == "zstd":
+            cctx = getattr(self._tls, "cctx", None)
+            if cctx is None:
+                import zstandard
+
+                cctx = self._tls.cctx = zstandard.ZstdCompressor(level=self.zstd_level)
+            stored: Any = cctx.compress(data)
+            rec.update(checksum=checksum(stored), raw_checksum=raw_ck)
+        else:
+            stored = data
+            rec["checksum"] = raw_ck
+        rec["stored_bytes"] = len(stored)
+        self.store.put(rec["key"], stored)
+        return rec
