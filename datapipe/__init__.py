@@ -5,6 +5,7 @@ __version__ = "0.1.0"
 
 from .dataset import Dataset, DatasetIndex, open_dataset, open_index  # noqa: E402
 from .pack import PackResult, ShardWriter, join_parts, pack  # noqa: E402
+from .verify import VerifyReport, verify_dataset  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -16,4 +17,6 @@ __all__ = [
     "open_dataset",
     "open_index",
     "pack",
+    "VerifyReport",
+    "verify_dataset",
 ]

@@ -33,7 +33,7 @@ __all__ = [
 BLOCK = 512
 END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
 _ZERO_BLOCK = b"\0" * BLOCK
-_NAME_RE = re.compile(r"^((?:.*/|)[^./][^.]*)\.([^/]*)$")  # the leading [^./]: no dot-files
+_NAME_RE = re.compile(r"^((?:.*/|)[^./][^./]*)\.([^/]*)$")  # the leading [^./]: no dot-files
 _MAX_SIZE = 8**11 - 1  # 11 octal digits in the ustar size field
 
 

@@ -3,15 +3,17 @@ commit point: a dataset without a manifest does not exist for readers)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
 from ..errors import DestinationExistsError
 from ..format import MANIFEST, SAMPLES_FILE, SHARDS_FILE, SampleRecords, SampleTableWriter, ShardRecord
 from ..format import make_manifest, shard_table_bytes
-from ..storage import Store
+from ..storage import LocalStore, Store
+from ..storage.stores import TMP_MARK
 
-__all__ = ["write_index", "check_destination", "retract_dataset"]
+__all__ = ["write_index", "check_destination", "retract_dataset", "remove_temporaries"]
 
 
 def write_index(
@@ -50,3 +52,17 @@ def retract_dataset(store: Store) -> None:
     store.delete(MANIFEST)
     for key in store.list():
         store.delete(key)
+
+
+def remove_temporaries(store: Store) -> int:
+    """Delete the temporary files a killed writer left in a local destination (object
+    stores never show an unfinished upload). Only one pack may write a destination at once."""
+    if not isinstance(store, LocalStore) or not os.path.isdir(store.root):
+        return 0
+    n = 0
+    for dirpath, _dirs, files in os.walk(store.root):
+        for name in files:
+            if name.startswith(TMP_MARK):
+                os.unlink(os.path.join(dirpath, name))
+                n += 1
+    return n

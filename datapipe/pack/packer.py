@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import DestinationExistsError, DuplicateKeyError, InputFileError, PackError, SampleTooLargeError
 from ..format import COMPRESSIONS, MANIFEST, SampleRecords, ShardBuilder, ShardRecord, encode_sample, shard_name
 from ..storage import Store, open_store
-from .commit import check_destination, write_index
+from .commit import check_destination, remove_temporaries, write_index
 from .sources import FileSample, count_table_rows, iter_table, list_directory, source_kind
 from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES
 
@@ -235,6 +235,7 @@ def pack(
         dest = dest.rstrip("/") + "/" + part_dir(*parsed)
     store = open_store(dest, storage_options)
     check_destination(store, overwrite)
+    remove_temporaries(store)
     kind = source_kind(src)
     opts = {"shard_bytes": shard_bytes, "shard_samples": shard_samples, "compression": compression,
             "level": level, "part": parsed, "kind": kind, "src": os.path.abspath(src)}
