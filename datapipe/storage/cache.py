@@ -1,0 +1,456 @@
+"""TieredCache: read-through hot (memory) -> warm (shared local directory) -> cold (any URL).
+
+    cache = TieredCache(hot_bytes=2 << 30, warm_dir="/local/cache", warm_bytes=500 << 30)
+    data = cache.read("s3://bucket/ds/shard-00007.tar", checksum=index_checksum)
+    with cache.pinned(url) as path: ...        # a local file, never evicted while pinned
+    cache.set_schedule(epoch_order)            # clairvoyant eviction + prefetch in that order
+
+The object holds configuration only; threads, stores, file descriptors and counters are
+created in each process on first use (checked by pid), so a cache is picklable and safe in
+forked or spawned DataLoader workers. Budgets: the warm directory never holds more than
+``warm_bytes`` (downloads reserve their size first); this process's memory holds at most
+``hot_bytes`` in the hot tier plus ``max_inflight_bytes`` being downloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, Callable
+
+from ..checksum import checksum as compute_checksum, verify
+from ..errors import CacheBudgetError, ChecksumError, StorageError
+from .cache_ops import CacheOpsMixin
+from .eviction import Schedule, choose_victims
+from .hot import HotTier, InflightBytes
+from .retry import RetryPolicy, call_with_retry, fetch_object, fetch_range
+from .stores import Store, open_store, split_url
+from .warm import DISK_FULL_ERRNOS, WarmDir, url_key
+
+__all__ = ["TieredCache"]
+
+
+class _Proc:
+    """Everything a TieredCache creates per process."""
+
+    def __init__(self, cache: "TieredCache") -> None:
+        self.pid = os.getpid()
+        self.lock = threading.RLock()
+        self.stores: dict[str, Store] = {}
+        self.sizes: dict[str, int] = {}
+        self.hot = HotTier(cache.hot_bytes)
+        self.inflight = InflightBytes(cache.max_inflight_bytes)
+        self.stats: Counter = Counter()
+        self.pins: dict[str, list[int]] = {}
+        self.pending: dict[str, Future] = {}
+        self.pool = ThreadPoolExecutor(cache.prefetch_threads, thread_name_prefix="datapipe-prefetch")
+        self.parts = ThreadPoolExecutor(cache.retry.max_parts + 1, thread_name_prefix="datapipe-cold")
+        self.warm: WarmDir | None = None
+        self.warned: set[str] = set()
+        self.refused: dict[str, int] = {}
+        self.last_prefetch_error: str | None = None
+        self.prefetcher: threading.Thread | None = None
+        self.wake = threading.Condition()
+        self.closed = False
+        if cache.warm_dir is not None:
+            try:
+                self.warm = WarmDir(cache.warm_dir, cache.warm_bytes)
+                self.stats["warm_tmp_cleaned"] += self.warm.cleaned
+            except OSError as e:
+                cache._warn(self, "warm-init", f"warm cache {cache.warm_dir} unusable ({e}); "
+                            "reading through to the cold tier")
+
+
+class TieredCache(CacheOpsMixin):
+    """Read-through cache of whole objects by URL, in three tiers (see the module docstring).
+
+    Schedules: ``set_schedule(urls)`` hands over this process's future reads in order
+    (repeats allowed). Eviction then keeps what is needed soonest (Belady) and does not
+    admit an object that would be evicted before its next use; a background thread
+    prefetches the next ``lookahead`` scheduled objects, within ``max_inflight_bytes``.
+    The reader's position moves by itself: a ``read(url)`` whose URL occurs at most
+    ``window`` places ahead moves the position past that occurrence (``read_range`` only
+    when the URL is exactly the next one, so many ranges of one shard count once). Call
+    ``advance(n)`` to skip ``n`` scheduled reads yourself; ``schedule_position`` tells
+    where the cache believes the reader is."""
+
+    def __init__(
+        self,
+        hot_bytes: int = 0,
+        warm_dir: str | os.PathLike | None = None,
+        warm_bytes: int = 0,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        max_inflight_bytes: int = 1 << 30,
+        retry: RetryPolicy | None = None,
+        prefetch_threads: int = 4,
+        pin_wait_s: float = 60.0,
+        cold_wrapper: Callable[[Store], Store] | None = None,
+    ) -> None:
+        for name, v in (("hot_bytes", hot_bytes), ("warm_bytes", warm_bytes),
+                        ("max_inflight_bytes", max_inflight_bytes)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise CacheBudgetError(f"{name} must be a non-negative int, got {v!r}")
+        if warm_dir is not None and warm_bytes <= 0:
+            raise CacheBudgetError(f"warm_dir={warm_dir!s} needs warm_bytes > 0")
+        if warm_dir is None and warm_bytes:
+            raise CacheBudgetError("warm_bytes given without warm_dir")
+        if max_inflight_bytes <= 0:
+            raise CacheBudgetError("max_inflight_bytes must be > 0")
+        if prefetch_threads < 1:
+            raise ValueError("prefetch_threads must be >= 1")
+        self.hot_bytes = hot_bytes
+        self.warm_dir = os.fspath(warm_dir) if warm_dir is not None else None
+        self.warm_bytes = warm_bytes
+        self.storage_options = dict(storage_options or {})
+        self.max_inflight_bytes = max_inflight_bytes
+        self.retry = retry or RetryPolicy()
+        self.prefetch_threads = prefetch_threads
+        self.pin_wait_s = pin_wait_s
+        self.cold_wrapper = cold_wrapper
+        self.schedule: Schedule | None = None
+        self.schedule_checksums: dict[str, str] = {}
+        self.lookahead = 0
+        self._p: _Proc | None = None
+        self._plock = threading.Lock()
+
+    # -- per-process state ---------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_p"], state["_plock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._plock = threading.Lock()
+
+    def _proc(self) -> _Proc:
+        p = self._p
+        if p is None or p.pid != os.getpid() or p.closed:
+            with self._plock:
+                p = self._p
+                if p is None or p.pid != os.getpid() or p.closed:
+                    p = self._p = _Proc(self)  # a forked child never touches its parent's
+        return p
+
+    def _warn(self, p: _Proc, kind: str, msg: str) -> None:
+        p.stats[f"warnings_{kind}"] += 1
+        if kind not in p.warned:
+            p.warned.add(kind)
+            warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def _cold(self, p: _Proc, url: str) -> tuple[Store, str]:
+        root, name = split_url(url)
+        store = p.stores.get(root)
+        if store is None:
+            store = open_store(root, self.storage_options)
+            if self.cold_wrapper is not None:
+                store = self.cold_wrapper(store)
+            p.stores[root] = store
+        return store, name
+
+    def _size(self, p: _Proc, url: str) -> int:
+        size = p.sizes.get(url)
+        if size is None:
+            store, key = self._cold(p, url)
+            size = call_with_retry(lambda: store.size(key), url, self.retry,
+                                   on_retry=lambda e: p.stats.update(cold_retries=1))
+            p.sizes[url] = size
+        return size
+
+    # -- policy --------------------------------------------------------------------------
+    def _locate(self, url: str, *, exact: bool = False) -> int | None:
+        s = self.schedule
+        if s is None:
+            return None
+        with self._proc().lock:
+            if exact:
+                i = s.position if s.position < len(s) and s.keys[s.position] == url else None
+            else:
+                i = s.locate(url)
+            if i is not None:
+                s.position = i + 1
+        if i is not None:
+            self._wake()
+        return i
+
+    def _chooser(self, url: str, index: int | None, *, prefetch_at: int | None = None,
+                 to_url: Callable[[str], str] = lambda k: k, force: bool = False):
+        """choose(cands, need) for the tier: LRU, or Belady against the schedule."""
+        s = self.schedule
+        if s is None or force:
+            return lambda cands, need, *_: choose_victims(cands, need, url)
+        if prefetch_at is not None:
+            horizon, nxt = s.position, prefetch_at
+        else:
+            horizon = (index + 1) if index is not None else s.position
+            nxt = s.next_use(url, horizon)
+
+        def choose(cands, need, *_):
+            named = [(to_url(k), size, rec) for k, size, rec in cands]
+            back = {to_url(k): k for k, _s, _r in cands}
+            v = choose_victims(named, need, url, schedule=s, incoming_next=nxt, horizon=horizon)
+            return None if v is None else [back[u] for u in v]
+
+        return choose
+
+    def _warm_key_to_url(self) -> Callable[[str], str]:
+        s = self.schedule
+        if s is None:
+            return lambda k: k
+        table = getattr(s, "warm_keys", None)
+        if table is None:  # warm files are named by hash; the schedule speaks URLs
+            table = s.warm_keys = {url_key(u): u for u in s._at}
+        return lambda k: table.get(k, k)
+
+    # -- the read path -------------------------------------------------------------------
+    def read(self, url: str, *, checksum: str | None = None) -> bytes:
+        """The whole object at ``url``, from the first tier that has it; verified against
+        ``checksum`` when given (a mismatch from cold is fetched once more, then raised)."""
+        p = self._proc()
+        index = self._locate(url)
+        data = self._from_hot(p, url, checksum)
+        if data is not None:
+            return data
+        data = self._below_hot(p, url, checksum, index)
+        self._admit_hot(p, url, data, checksum, index)
+        return data
+
+    def read_range(self, url: str, start: int, end: int, *, checksum: str | None = None) -> bytes:
+        """Bytes ``[start, end)``; ``checksum`` is of those bytes. A miss fills the whole
+        object into the cache when there is a cache to fill; otherwise one range request.
+        A range that fails its checksum drops the cached copy and is read once more."""
+        if start < 0 or end < start:
+            raise StorageError(f"invalid byte range [{start}, {end}) for {url}")
+        p = self._proc()
+        index = self._locate(url, exact=True)
+        for attempt in (0, 1):
+            part = self._range_once(p, url, start, end, index if attempt == 0 else None)
+            if _ok(part, checksum):
+                return part
+            p.stats["range_refetches"] += 1
+            p.hot.discard(url)
+            if p.warm is not None:
+                p.warm.discard(url_key(url))
+        verify(part, checksum, f"{url} [{start}, {end})")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _range_once(self, p: _Proc, url: str, start: int, end: int, index: int | None) -> bytes:
+        hit = p.hot.get(url)
+        if hit is not None:
+            p.stats.update(hot_hits=1, hot_bytes=end - start)
+            return _slice(hit[0], start, end, url)
+        p.stats["hot_misses"] += 1
+        if p.warm is not None:
+            key = url_key(url)
+            fd = p.warm.open_pinned(key)
+            if fd is not None:
+                try:
+                    size = os.fstat(fd).st_size
+                    if end <= size:
+                        part = os.pread(fd, end - start, start)
+                        if len(part) == end - start:
+                            p.stats.update(warm_hits=1, warm_bytes=end - start)
+                            return part
+                    elif size == self._size(p, url):  # the copy is whole: a bad range
+                        _slice(b"", start, end, url, size)
+                    p.stats["warm_corrupt"] += 1  # a copy shorter than the object
+                    p.warm.discard(key, fd)
+                    fd = None
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+            p.stats["warm_misses"] += 1
+            data = self._fill(p, url, None, index)
+            self._admit_hot(p, url, data, None, index)
+            return _slice(data, start, end, url)
+        if self.hot_bytes > 0:
+            data = self._fetch_cold(p, url, None)
+            self._admit_hot(p, url, data, None, index)
+            return _slice(data, start, end, url)
+        size = self._size(p, url)
+        if end > size:
+            _slice(b"", start, end, url, size)
+        store, key = self._cold(p, url)
+        part = fetch_range(store, key, start, end, self.retry, pool=p.parts,
+                           on_retry=lambda e: p.stats.update(cold_retries=1))
+        p.stats.update(cold_reads=1, cold_bytes=len(part))
+        return part
+
+    def _from_hot(self, p: _Proc, url: str, checksum: str | None) -> bytes | None:
+        hit = p.hot.get(url)
+        if hit is not None:
+            data, known = hit
+            if checksum is None or checksum == known or _ok(data, checksum):
+                p.stats.update(hot_hits=1, hot_bytes=len(data))
+                return data
+            p.hot.discard(url)
+        p.stats["hot_misses"] += 1
+        return None
+
+    def _admit_hot(self, p: _Proc, url: str, data: bytes, checksum: str | None, index: int | None) -> None:
+        if self.hot_bytes <= 0:
+            return
+        if len(data) > self.hot_bytes:
+            raise CacheBudgetError(
+                f"{url} is {len(data)} bytes, more than hot_bytes={self.hot_bytes}; raise "
+                f"hot_bytes to at least {len(data)} or set it to 0")
+        before = p.hot.evictions
+        if not p.hot.admit(url, data, checksum, self._chooser(url, index)):
+            p.stats["hot_not_admitted"] += 1
+        p.stats["hot_evictions"] += p.hot.evictions - before
+
+    def _read_pinned(self, p: _Proc, url: str, fd: int, checksum: str | None) -> bytes | None:
+        """The whole pinned copy, or None (copy discarded) if it fails verification."""
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, size, 0)
+        expected = p.sizes.get(url)
+        if len(data) == size and (expected is None or expected == size) and _ok(data, checksum):
+            return data
+        p.stats["warm_corrupt"] += 1
+        return None
+
+    def _below_hot(self, p: _Proc, url: str, checksum: str | None, index: int | None) -> bytes:
+        if p.warm is None:
+            fut = p.pending.get(url)
+            if fut is not None:  # a prefetch of this URL is under way: wait for it
+                t0 = time.monotonic()
+                fut.exception()
+                p.stats["wait_seconds"] += time.monotonic() - t0
+                hit = self._from_hot(p, url, checksum)
+                if hit is not None:
+                    return hit
+            return self._fetch_cold(p, url, checksum)
+        key = url_key(url)
+        fd = p.warm.open_pinned(key)
+        if fd is not None:
+            try:
+                data = self._read_pinned(p, url, fd, checksum)
+            except BaseException:
+                os.close(fd)
+                raise
+            if data is None:
+                p.warm.discard(key, fd)
+            else:
+                os.close(fd)
+                p.stats.update(warm_hits=1, warm_bytes=len(data))
+                return data
+        p.stats["warm_misses"] += 1
+        return self._fill(p, url, checksum, index)
+
+    def _fetch_cold(self, p: _Proc, url: str, checksum: str | None) -> bytes:
+        size = self._size(p, url)
+        store, key = self._cold(p, url)
+        p.stats["wait_seconds"] += p.inflight.acquire(size, url)
+        try:
+            for attempt in (0, 1):
+                data = fetch_object(store, key, size, self.retry, pool=p.parts,
+                                    on_retry=lambda e: p.stats.update(cold_retries=1))
+                p.stats.update(cold_reads=1, cold_bytes=len(data))
+                if _ok(data, checksum):
+                    return data
+                if attempt:
+                    verify(data, checksum, url)  # raises ChecksumError naming the URL
+                p.stats["cold_refetches"] += 1
+        finally:
+            p.inflight.release(size)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _fill(self, p: _Proc, url: str, checksum: str | None, index: int | None, *,
+              pin: bool = False, prefetch: bool = False, prefetch_at: int | None = None) -> Any:
+        """Fetch ``url`` into the warm tier under the node-wide single-flight lock. Returns
+        the bytes, or with ``pin`` an fd pinning the published copy. A prefetch returns
+        None, and downloads nothing when the policy would not admit the object
+        (``prefetch_at``: its index in the schedule)."""
+        warm = p.warm
+        key = url_key(url)
+        deadline = time.monotonic() + self.pin_wait_s
+        while True:
+            with warm.fill_lock(key) as waited:
+                p.stats["wait_seconds"] += waited
+                fd = warm.open_pinned(key)
+                if fd is not None:  # filled by another thread or process while we waited
+                    if pin:
+                        return fd
+                    if prefetch:
+                        os.close(fd)
+                        return None
+                    data = self._read_pinned(p, url, fd, checksum)
+                    if data is not None:
+                        os.close(fd)
+                        p.stats.update(warm_hits=1, warm_bytes=len(data))
+                        return data
+                    warm.discard(key, fd)
+                size = self._size(p, url)
+                if size > warm.budget:
+                    raise CacheBudgetError(
+                        f"{url} is {size} bytes, more than warm_bytes={warm.budget}; raise "
+                        f"warm_bytes to at least {size}")
+                choose = self._chooser(url, index, prefetch_at=prefetch_at, force=pin,
+                                       to_url=self._warm_key_to_url())
+                before = warm.evictions
+                try:
+                    res = warm.reserve(key, size, choose)
+                except OSError as e:
+                    if e.errno not in DISK_FULL_ERRNOS:
+                        raise
+                    self._warn(p, "warm_full", f"warm cache {warm.root} cannot take {url} ({e}); reading through")
+                    res = None
+                p.stats["warm_evictions"] += warm.evictions - before
+                if res is None and prefetch:
+                    p.stats["prefetch_not_admitted"] += 1
+                    return None
+                if res is None and pin:
+                    if time.monotonic() > deadline:
+                        raise CacheBudgetError(
+                            f"no room in warm cache {warm.root} ({warm.budget} bytes) for {url} "
+                            f"({size} bytes): the rest is pinned or downloading; release pins "
+                            f"or raise warm_bytes")
+                    continue
+                if res is None:
+                    p.stats["warm_not_admitted"] += 1
+                    return self._fetch_cold(p, url, checksum)
+                try:
+                    data = self._fetch_cold(p, url, checksum)
+                    res.write_and_publish(data)
+                except OSError as e:
+                    res.abort()
+                    if e.errno not in DISK_FULL_ERRNOS:
+                        raise
+                    self._warn(p, "warm_full", f"warm cache {warm.root} is full ({e}); reading through")
+                    if pin:
+                        raise CacheBudgetError(f"cannot keep a local copy of {url}: {e}") from e
+                    return data
+                except BaseException:
+                    res.abort()
+                    raise
+                p.stats["warm_fills"] += 1
+                if prefetch:
+                    return None
+                if not pin:
+                    return data
+                fd = warm.open_pinned(key)
+                if fd is not None:
+                    return fd
+            # evicted between publish and pin (or no room yet): go round again
+            time.sleep(0.01)
+
+
+
+def _slice(data: bytes, start: int, end: int, url: str, size: int | None = None) -> bytes:
+    size = len(data) if size is None else size
+    if end > size:
+        raise StorageError(f"range [{start}, {end}) runs past the end of {url} ({size} bytes)")
+    return data[start:end]
+
+
+def _ok(data: bytes | memoryview, expected: str | None) -> bool:
+    return expected is None or compute_checksum(data) == expected
+

@@ -1,0 +1,222 @@
+"""TieredCache's operations beyond reading: pinned local copies, prefetch, the access
+schedule, async twins, metrics and shutdown. A mixin, so that cache.py stays readable;
+every method here works on the per-process state that ``TieredCache._proc`` creates."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any
+
+from ..errors import StorageError
+from .eviction import Schedule
+from .warm import url_key
+
+__all__ = ["CacheOpsMixin"]
+
+
+class CacheOpsMixin:
+    # -- pinned local copies -------------------------------------------------------------
+    def local_path(self, url: str, *, checksum: str | None = None) -> str:
+        """The path of a warm copy of ``url``, pinned (never evicted, by any process)
+        until :meth:`release`. Each call pins once; release once per call."""
+        p = self._proc()
+        if p.warm is None:
+            raise StorageError(f"local_path({url}) needs a usable warm_dir; this cache has none")
+        key = url_key(url)
+        for _attempt in (0, 1, 2):
+            fd = p.warm.open_pinned(key)
+            if fd is not None:
+                p.stats["warm_hits"] += 1
+            else:
+                p.stats["warm_misses"] += 1
+                fd = self._fill(p, url, checksum, self._locate(url), pin=True)
+            if checksum is None or self._read_pinned(p, url, fd, checksum) is not None:
+                with p.lock:
+                    p.pins.setdefault(url, []).append(fd)
+                return p.warm.path(key)
+            p.warm.discard(key, fd)  # corrupt copy: fill again
+        raise StorageError(f"could not obtain a verified local copy of {url}")
+
+    def release(self, url: str) -> None:
+        """Drop one pin taken by :meth:`local_path`."""
+        p = self._proc()
+        with p.lock:
+            fds = p.pins.get(url)
+            if not fds:
+                raise StorageError(f"release({url}): it is not pinned in this process")
+            fd = fds.pop()
+            if not fds:
+                del p.pins[url]
+        os.close(fd)
+
+    @contextmanager
+    def pinned(self, url: str, *, checksum: str | None = None) -> Iterator[str]:
+        """``with cache.pinned(url) as path:`` a local copy for the block's duration."""
+        path = self.local_path(url, checksum=checksum)
+        try:
+            yield path
+        finally:
+            self.release(url)
+
+    # -- prefetch ------------------------------------------------------------------------
+    def prefetch(self, urls: Sequence[str], *, checksums: Sequence[str | None] | dict | None = None) -> list[Future]:
+        """Fetch ``urls`` into the cache in the background (warm tier, or hot without
+        one), at most ``max_inflight_bytes`` downloading at a time. Returns the futures;
+        a failed prefetch only counts in ``stats()['prefetch_errors']``: the later read
+        retries and raises."""
+        if isinstance(checksums, dict):
+            cks = [checksums.get(u) for u in urls]
+        else:
+            cks = list(checksums) if checksums is not None else [None] * len(urls)
+            if len(cks) != len(urls):
+                raise ValueError(f"prefetch: {len(urls)} urls but {len(cks)} checksums")
+        p = self._proc()
+        return [self._submit_prefetch(p, u, c, None) for u, c in zip(urls, cks)]
+
+    def _submit_prefetch(self, p, url: str, checksum: str | None, at: int | None) -> Future:
+        with p.lock:
+            fut = p.pending.get(url)
+            if fut is None:
+                fut = p.pool.submit(self._prefetch_one, p, url, checksum, at)
+                p.pending[url] = fut
+                fut.add_done_callback(lambda f, u=url: p.pending.pop(u, None) if p.pending.get(u) is f else None)
+        return fut
+
+    def _prefetch_one(self, p, url: str, checksum: str | None, at: int | None) -> None:
+        try:
+            if p.warm is not None:
+                self._fill(p, url, checksum, None, prefetch=True, prefetch_at=at)
+            elif url not in p.hot:
+                self._admit_hot(p, url, self._fetch_cold(p, url, checksum), checksum, at)
+            p.stats["prefetched"] += 1
+        except Exception as e:
+            p.stats["prefetch_errors"] += 1
+            p.last_prefetch_error = f"{type(e).__name__}: {e}"
+
+    # -- the access schedule -------------------------------------------------------------
+    def set_schedule(self, urls: Sequence[str], *, checksums: dict[str, str] | None = None,
+                     position: int = 0, lookahead: int = 8, window: int = 64) -> None:
+        """Hand over this process's future reads, in order (repeats allowed). Eviction in
+        both tiers becomes clairvoyant, and a background thread prefetches the next
+        ``lookahead`` scheduled objects that are not cached (0: no prefetch). Reads move
+        the position (see the class docstring); so does :meth:`advance`. ``checksums``
+        (url -> checksum) verify prefetched objects. ``set_schedule([])`` or
+        :meth:`clear_schedule` returns to LRU."""
+        if lookahead < 0:
+            raise ValueError("lookahead must be >= 0")
+        p = self._proc()
+        with p.lock:
+            self.schedule = Schedule(list(urls), position, window) if len(urls) else None
+            self.schedule_checksums = dict(checksums or {})
+            self.lookahead = lookahead
+            p.refused = {}
+        if self.schedule is not None and lookahead and p.prefetcher is None:
+            p.prefetcher = threading.Thread(target=self._prefetch_loop, args=(p,),
+                                            name="datapipe-schedule-prefetch", daemon=True)
+            p.prefetcher.start()
+        self._wake()
+
+    def clear_schedule(self) -> None:
+        self.set_schedule([])
+
+    def advance(self, n: int = 1) -> int:
+        """Move the schedule position ``n`` reads forward (reads the caller skipped or
+        served elsewhere); returns the new position."""
+        if self.schedule is None:
+            raise StorageError("advance(): no schedule set; call set_schedule(urls) first")
+        with self._proc().lock:
+            pos = self.schedule.advance(n)
+        self._wake()
+        return pos
+
+    @property
+    def schedule_position(self) -> int | None:
+        return None if self.schedule is None else self.schedule.position
+
+    def _wake(self) -> None:
+        p = self._p
+        if p is not None and p.pid == os.getpid():
+            with p.wake:
+                p.wake.notify_all()
+
+    def _prefetch_loop(self, p) -> None:
+        while not p.closed:
+            s = self.schedule
+            if s is not None and self.lookahead:
+                with p.lock:
+                    upcoming = s.upcoming(self.lookahead)
+                    pos = s.position
+                for i, url in upcoming:
+                    if len(p.pending) >= self.prefetch_threads or p.closed:
+                        break
+                    if url in p.pending or url in p.hot or p.refused.get(url) == pos:
+                        continue
+                    if p.warm is not None and os.path.exists(p.warm.path(url_key(url))):
+                        continue
+                    p.refused[url] = pos  # tried at this position; retried once it moves
+                    self._submit_prefetch(p, url, self.schedule_checksums.get(url), i)
+            with p.wake:
+                p.wake.wait(timeout=0.05)
+
+    # -- async twins ---------------------------------------------------------------------
+    async def aread(self, url: str, *, checksum: str | None = None) -> bytes:
+        return await asyncio.to_thread(self.read, url, checksum=checksum)
+
+    async def aread_range(self, url: str, start: int, end: int, *, checksum: str | None = None) -> bytes:
+        return await asyncio.to_thread(self.read_range, url, start, end, checksum=checksum)
+
+    async def alocal_path(self, url: str, *, checksum: str | None = None) -> str:
+        return await asyncio.to_thread(self.local_path, url, checksum=checksum)
+
+    # -- metrics and shutdown ------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """This process's counters (hits, misses and bytes per tier, evictions, bytes
+        from cold, retries, seconds waited, ...) and the tiers' current use."""
+        p = self._proc()
+        keys = ("hot_hits", "hot_misses", "hot_bytes", "hot_evictions", "hot_not_admitted",
+                "warm_hits", "warm_misses", "warm_bytes", "warm_fills", "warm_evictions",
+                "warm_not_admitted", "warm_corrupt", "cold_reads", "cold_bytes", "cold_retries",
+                "cold_refetches", "range_refetches", "prefetched", "prefetch_errors",
+                "prefetch_not_admitted", "wait_seconds")
+        out: dict[str, Any] = {k: p.stats.get(k, 0) for k in keys}
+        out.update({k: v for k, v in p.stats.items() if k not in out})
+        out["wait_seconds"] = float(out["wait_seconds"])
+        out["hot_used_bytes"] = p.hot.used
+        out["hot_budget_bytes"] = self.hot_bytes
+        out["warm_budget_bytes"] = self.warm_bytes
+        out["warm_used_bytes"] = p.warm.usage() if p.warm is not None else 0
+        out["inflight_peak_bytes"] = p.inflight.peak
+        out["pinned"] = sum(len(v) for v in p.pins.values())
+        out["schedule_position"] = self.schedule_position
+        if getattr(p, "last_prefetch_error", None):
+            out["last_prefetch_error"] = p.last_prefetch_error
+        return out
+
+    def close(self) -> None:
+        """Stop background work, drop pins and the hot tier. A later call starts afresh."""
+        p = self._p
+        if p is None or p.pid != os.getpid() or p.closed:
+            return
+        p.closed = True
+        self._wake()
+        if p.prefetcher is not None:
+            p.prefetcher.join(timeout=5)
+        p.pool.shutdown(wait=True, cancel_futures=True)
+        p.parts.shutdown(wait=True, cancel_futures=True)
+        with p.lock:
+            for fds in p.pins.values():
+                for fd in fds:
+                    os.close(fd)
+            p.pins.clear()
+        p.hot.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,178 @@
+"""Which cached objects to evict: LRU when the future is unknown, Belady when it is known.
+
+A seeded shuffle knows the order in which shards will be read, so the cache can do what an
+oracle does (Belady's MIN): evict the object whose next use lies furthest in the future,
+and refuse to admit an object that would itself be the first to go. Under repeated random
+epochs LRU thrashes once the data does not fit; the clairvoyant policy keeps a stable part
+of the working set and reaches the hit rate of the offline optimum.
+
+Both tiers use :func:`choose_victims`. The hot tier passes its own in-process recency
+counter, the warm tier the files' modification times (touched on every hit, so recency is
+shared by every process of a node).
+
+:func:`belady_hits` and :func:`lru_hits` are offline simulators written independently of
+the online code, for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+
+__all__ = ["NEVER", "Schedule", "choose_victims", "belady_hits", "lru_hits"]
+
+NEVER = float("inf")
+
+
+class Schedule:
+    """The future access order of one reader: a list of keys, repeats allowed, and the
+    position of the next expected access.
+
+    ``locate(key)`` maps a demand read to its index: the first occurrence at or after the
+    position, if it lies within ``window`` accesses (reads may run slightly out of order,
+    e.g. with several prefetch threads); further away, the read counts as unscheduled and
+    the position does not move."""
+
+    def __init__(self, keys: Sequence[Hashable], position: int = 0, window: int = 64) -> None:
+        self.keys = list(keys)
+        if not 0 <= position <= len(self.keys):
+            raise ValueError(f"schedule position {position} outside [0, {len(self.keys)}]")
+        self.position = position
+        self.window = window
+        self._at: dict[Hashable, list[int]] = {}
+        for i, k in enumerate(self.keys):
+            self._at.setdefault(k, []).append(i)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._at
+
+    def next_use(self, key: Hashable, start: int) -> float:
+        """The first index >= ``start`` at which ``key`` is read; NEVER if none."""
+        at = self._at.get(key)
+        if not at:
+            return NEVER
+        i = bisect.bisect_left(at, start)
+        return at[i] if i < len(at) else NEVER
+
+    def locate(self, key: Hashable) -> int | None:
+        j = self.next_use(key, self.position)
+        if j == NEVER or j - self.position > self.window:
+            return None
+        return int(j)
+
+    def advance(self, n: int = 1) -> int:
+        if n < 0:
+            raise ValueError(f"a schedule only moves forward; advance({n})")
+        self.position = min(len(self.keys), self.position + n)
+        return self.position
+
+    def upcoming(self, limit: int) -> list[tuple[int, Hashable]]:
+        end = min(len(self.keys), self.position + limit)
+        return [(i, self.keys[i]) for i in range(self.position, end)]
+
+
+def choose_victims(
+    candidates: Iterable[tuple[Hashable, int, float]],
+    need: int,
+    incoming: Hashable,
+    *,
+    schedule: Schedule | None = None,
+    incoming_next: float | None = None,
+    horizon: int | None = None,
+) -> list[Hashable] | None:
+    """Victims that free at least ``need`` bytes for ``incoming``, or None: do not admit it.
+
+    ``candidates`` are the evictable entries as ``(key, size, recency)`` (older recency =
+    less recently used). Without a schedule: LRU. With one: entries never used again go
+    first (least recently used among them), then the one used furthest in the future;
+    ``incoming_next`` is the index of incoming's next use, ``horizon`` the first index
+    still to come (so entries are ranked by their next use at or after it). An entry needed
+    no later than ``incoming`` is never evicted for it; if that leaves too little room,
+    the incoming object is not admitted (Belady's non-admission)."""
+    if need <= 0:
+        return []
+    cands = list(candidates)
+    if schedule is None:
+        cands.sort(key=lambda c: c[2])
+        incoming_rank = None
+    else:
+        start = schedule.position if horizon is None else horizon
+        ranked = [(schedule.next_use(k, start), -rec, k, size) for k, size, rec in cands]
+        ranked.sort(key=lambda r: (r[0], r[1]), reverse=True)  # furthest next use, then oldest
+        cands = [(k, size, nxt) for nxt, _r, k, size in ranked]
+        incoming_rank = NEVER if incoming_next is None else incoming_next
+    victims: list[Hashable] = []
+    freed = 0
+    for key, size, third in cands:
+        if freed >= need:
+            break
+        if key == incoming:
+            continue
+        if incoming_rank is not None and third <= incoming_rank:
+            return None
+        victims.append(key)
+        freed += size
+    return victims if freed >= need else None
+
+
+def belady_hits(accesses: Sequence[Hashable], sizes: dict, capacity: int) -> int:
+    """Hits of the offline optimum (for equal sizes; the natural greedy for unequal ones):
+    on a miss evict whatever is next used furthest away, or do not admit the missing object
+    if it is that one. A plain O(n^2) scan, deliberately unlike the online code."""
+    cache: set = set()
+    used = 0
+    hits = 0
+    n = len(accesses)
+
+    def next_use(key: Hashable, t: int) -> int:
+        for j in range(t + 1, n):
+            if accesses[j] == key:
+                return j
+        return n + 1  # never again
+
+    for t, key in enumerate(accesses):
+        if key in cache:
+            hits += 1
+            continue
+        size = sizes[key]
+        if size > capacity:
+            continue
+        while used + size > capacity:
+            far_key, far_t = key, next_use(key, t)
+            for k in cache:
+                nk = next_use(k, t)
+                if nk > far_t:
+                    far_key, far_t = k, nk
+            if far_key == key:
+                break
+            cache.remove(far_key)
+            used -= sizes[far_key]
+        if used + size <= capacity:
+            cache.add(key)
+            used += size
+    return hits
+
+
+def lru_hits(accesses: Sequence[Hashable], sizes: dict, capacity: int) -> int:
+    """Hits of a plain LRU cache of ``capacity`` bytes that admits every object that fits."""
+    cache: OrderedDict = OrderedDict()
+    used = 0
+    hits = 0
+    for key in accesses:
+        if key in cache:
+            hits += 1
+            cache.move_to_end(key)
+            continue
+        size = sizes[key]
+        if size > capacity:
+            continue
+        while used + size > capacity:
+            _k, s = cache.popitem(last=False)
+            used -= s
+        cache[key] = size
+        used += size
+    return hits

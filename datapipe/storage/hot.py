@@ -1,0 +1,107 @@
+"""The hot tier (whole objects in this process's memory) and the bound on bytes in flight."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+from ..errors import CacheBudgetError
+
+__all__ = ["HotTier", "InflightBytes"]
+
+Chooser = Callable[[list[tuple[str, int, float]], int, str], "list[str] | None"]
+
+
+class HotTier:
+    """URL -> (bytes, checksum verified at admission), within ``budget`` bytes. Only
+    complete, verified objects enter, so the budget counts every byte it holds."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.used = 0
+        self.evictions = 0
+        self._d: dict[str, tuple[bytes, str | None]] = {}
+        self._recency: dict[str, int] = {}
+        self._clock = itertools.count()
+        self._lock = threading.Lock()
+
+    def get(self, url: str) -> tuple[bytes, str | None] | None:
+        with self._lock:
+            hit = self._d.get(url)
+            if hit is not None:
+                self._recency[url] = next(self._clock)
+            return hit
+
+    def __contains__(self, url: str) -> bool:
+        return url in self._d
+
+    def admit(self, url: str, data: bytes, checksum: str | None, choose: Chooser) -> bool:
+        """Store ``data`` if the policy makes room for it; False when it is not admitted."""
+        size = len(data)
+        if self.budget <= 0 or size > self.budget:
+            return False
+        with self._lock:
+            if url in self._d:
+                return True
+            need = self.used + size - self.budget
+            if need > 0:
+                cands = [(k, len(v[0]), float(self._recency[k])) for k, v in self._d.items()]
+                victims = choose(cands, need, url)
+                if victims is None:
+                    return False
+                for v in victims:
+                    self._drop(v)
+                    self.evictions += 1
+            self._d[url] = (bytes(data), checksum)
+            self._recency[url] = next(self._clock)
+            self.used += size
+            return True
+
+    def discard(self, url: str) -> None:
+        with self._lock:
+            self._drop(url)
+
+    def _drop(self, url: str) -> None:
+        entry = self._d.pop(url, None)
+        if entry is not None:
+            self.used -= len(entry[0])
+            self._recency.pop(url, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._d.clear()
+            self._recency.clear()
+            self.used = 0
+
+
+class InflightBytes:
+    """A semaphore counted in bytes: downloads wait until their bytes fit under the limit.
+    An object larger than the whole limit could never fit, so it is an error, not a wait."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.current = 0
+        self.peak = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, what: str) -> float:
+        """Take ``n`` bytes; returns the seconds spent waiting."""
+        if n > self.limit:
+            raise CacheBudgetError(
+                f"{what} is {n} bytes, more than max_inflight_bytes={self.limit}; "
+                f"raise max_inflight_bytes to at least {n}"
+            )
+        t0 = time.monotonic()
+        with self._cond:
+            while self.current + n > self.limit:
+                self._cond.wait()
+            self.current += n
+            self.peak = max(self.peak, self.current)
+        return time.monotonic() - t0
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.current -= n
+            self._cond.notify_all()

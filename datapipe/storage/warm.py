@@ -1,0 +1,390 @@
+"""The warm tier: one local directory shared by every process of a node.
+
+Layout under the root::
+
+    objects/<key>      published copies, each complete (written elsewhere, then renamed)
+    tmp/<key>.<pid>.<rand>   downloads in progress, sized to the object up front
+    locks/<stripe>     single-flight locks, one of 1024 stripes per key; never deleted
+    budget.lock        held while usage is counted and space is reserved
+    meta.json          the budget last configured, for ``datapipe cache stats``
+
+Everything cross-process is an ``fcntl.flock``, which the kernel drops when its holder dies,
+so a process killed with SIGKILL leaves no stuck lock, only a temporary file, which the
+next process recognises (nobody holds its lock) and deletes. There is no shared memory.
+
+* Single flight: a filler holds the key's stripe lock while it downloads; a second process
+  that wants the same key waits on that lock, then finds the published copy.
+* Budget: usage = sizes of published copies + sizes of temporary files. A reservation
+  creates its temporary file already truncated to the object's size, so bytes still
+  downloading are counted, and usage never exceeds the budget.
+* Pins: a reader holds a shared flock on the copy it reads. Eviction takes an exclusive
+  flock without waiting and skips what it cannot lock, so a file being read (or pinned by
+  ``local_path``) is never removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import xxhash
+
+from ..errors import ObjectNotFoundError, StorageError
+
+__all__ = ["WarmDir", "Reservation", "warm_dir_stats", "clear_warm_dir", "DISK_FULL_ERRNOS"]
+
+N_STRIPES = 1024
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def url_key(url: str) -> str:
+    """A file name for ``url``: a 128-bit hash (unique) plus the readable tail of the URL."""
+    tail = _SAFE.sub("_", url.rstrip("/").rsplit("/", 1)[-1])[-48:]
+    return f"{xxhash.xxh3_128_hexdigest(url.encode())}-{tail}"
+
+
+def _try_lock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+@dataclass
+class Reservation:
+    """Space for one object: a temporary file already of the object's size, locked by us."""
+
+    warm: "WarmDir"
+    key: str
+    size: int
+    tmp: str
+    fd: int
+
+    def write_and_publish(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        off = 0
+        while off < len(view):
+            off += os.pwrite(self.fd, view[off:], off)
+        # Published by rename: readers see the whole copy or none; its size is unchanged,
+        # so the accounting does not move. Closing drops our lock on the published file.
+        os.rename(self.tmp, self.warm.path(self.key))
+        os.close(self.fd)
+        self.fd = -1
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.unlink(self.tmp)
+            except FileNotFoundError:
+                pass
+            os.close(self.fd)
+            self.fd = -1
+
+
+class WarmDir:
+    """One process's handle on a shared warm directory (see the module docstring)."""
+
+    def __init__(self, root: str, budget_bytes: int) -> None:
+        self.root = os.path.abspath(root)
+        self.budget = int(budget_bytes)
+        self.objects = os.path.join(self.root, "objects")
+        self.tmpdir = os.path.join(self.root, "tmp")
+        self.locks = os.path.join(self.root, "locks")
+        for d in (self.objects, self.tmpdir, self.locks):
+            os.makedirs(d, exist_ok=True)
+        self.evictions = 0
+        self.cleaned = self.clean_dead_tmp()
+        try:
+            _write_meta(self.root, self.budget)
+        except OSError:
+            pass  # only informational; a full disk must not stop reads
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.objects, key)
+
+    # -- reading -------------------------------------------------------------------------
+    def open_pinned(self, key: str) -> int | None:
+        """An fd of the published copy holding a shared flock (a pin), or None if absent.
+        Also marks the copy as just used (its mtime is the node-wide LRU clock)."""
+        path = self.path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            # Between open and flock an evictor may have unlinked it (and a filler may have
+            # published a new copy): only the inode still at the path counts.
+            st = os.fstat(fd)
+            try:
+                cur = os.stat(path)
+            except FileNotFoundError:
+                cur = None
+            if cur is None or (cur.st_ino, cur.st_dev) != (st.st_ino, st.st_dev):
+                os.close(fd)
+                return None
+            try:
+                os.utime(fd)
+            except OSError:
+                pass  # a read-only mount still serves hits; recency just stops moving
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def discard(self, key: str, fd: int | None = None) -> None:
+        """Remove a copy found corrupt (the caller's pin, if any, is released)."""
+        path = self.path(key)
+        try:
+            if fd is not None:
+                st = os.fstat(fd)
+                cur = os.stat(path)
+                if (cur.st_ino, cur.st_dev) != (st.st_ino, st.st_dev):
+                    return  # already replaced by someone else
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    # -- filling -------------------------------------------------------------------------
+    @contextmanager
+    def fill_lock(self, key: str) -> Iterator[float]:
+        """Single flight for ``key`` across processes; yields the seconds spent waiting."""
+        stripe = int(key[:8], 16) % N_STRIPES
+        fd = os.open(os.path.join(self.locks, f"{stripe:04d}"), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            t0 = time.monotonic()
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield time.monotonic() - t0
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def _budget_lock(self) -> Iterator[None]:
+        fd = os.open(os.path.join(self.root, "budget.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def entries(self) -> list[tuple[str, int, float]]:
+        """Published copies as ``(key, size, mtime_ns)``."""
+        out = []
+        with os.scandir(self.objects) as it:
+            for e in it:
+                try:
+                    st = e.stat()
+                except FileNotFoundError:
+                    continue
+                out.append((e.name, st.st_size, st.st_mtime_ns))
+        return out
+
+    def _tmp_bytes(self) -> int:
+        total = 0
+        with os.scandir(self.tmpdir) as it:
+            for e in it:
+                try:
+                    total += e.stat().st_size
+                except FileNotFoundError:
+                    pass
+        return total
+
+    def usage(self) -> int:
+        return sum(s for _k, s, _m in self.entries()) + self._tmp_bytes()
+
+    def _try_evict(self, key: str) -> bool:
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return True
+        try:
+            if not _try_lock(fd, fcntl.LOCK_EX):
+                return False  # someone is reading it or holds it pinned
+            try:
+                st, cur = os.fstat(fd), os.stat(self.path(key))
+                if (cur.st_ino, cur.st_dev) == (st.st_ino, st.st_dev):  # not a newer copy
+                    os.unlink(self.path(key))
+            except FileNotFoundError:
+                pass
+            self.evictions += 1
+            return True
+        finally:
+            os.close(fd)
+
+    def reserve(
+        self,
+        key: str,
+        size: int,
+        choose: Callable[[list[tuple[str, int, float]], int], list[str] | None],
+    ) -> Reservation | None:
+        """Make room for ``size`` bytes (evicting what ``choose(candidates, need)`` names,
+        never a pinned copy) and create the sized temporary file. None when there is no
+        room that may be made now: the caller reads through instead."""
+        with self._budget_lock():
+            entries = [e for e in self.entries() if e[0] != key]
+            need = sum(s for _k, s, _m in entries) + self._tmp_bytes() + size - self.budget
+            if need > 0 and self.clean_dead_tmp():
+                need = sum(s for _k, s, _m in entries) + self._tmp_bytes() + size - self.budget
+            busy: set[str] = set()
+            while need > 0:
+                cands = [e for e in entries if e[0] not in busy]
+                victims = choose(cands, need)
+                if victims is None:
+                    return None
+                for v in victims:
+                    if self._try_evict(v):
+                        need -= next(s for k, s, _m in entries if k == v)
+                        entries = [e for e in entries if e[0] != v]
+                    else:
+                        busy.add(v)
+                    if need <= 0:
+                        break
+            tmp = os.path.join(self.tmpdir, f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                os.ftruncate(fd, size)
+            except BaseException:
+                os.close(fd)
+                os.unlink(tmp)
+                raise
+            return Reservation(self, key, size, tmp, fd)
+
+    def clean_dead_tmp(self) -> int:
+        """Delete temporary files whose writer is gone (nobody holds their lock)."""
+        return _clean_dead_tmp(self.tmpdir)
+
+
+def _clean_dead_tmp(tmpdir: str) -> int:
+    removed = 0
+    try:
+        names = os.listdir(tmpdir)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        p = os.path.join(tmpdir, name)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            if _try_lock(fd, fcntl.LOCK_EX):
+                try:
+                    os.unlink(p)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _write_meta(root: str, budget: int) -> None:
+    tmp = os.path.join(root, f".meta.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        json.dump({"format": "datapipe-warm-cache", "version": 1, "budget_bytes": budget}, f)
+    os.replace(tmp, os.path.join(root, "meta.json"))
+
+
+def _check_warm_dir(root: str) -> str:
+    root = os.path.abspath(root)
+    if not os.path.isdir(root):
+        raise ObjectNotFoundError(f"no warm cache directory at {root}")
+    if not os.path.isdir(os.path.join(root, "objects")):
+        raise StorageError(
+            f"{root} is not a datapipe warm cache directory (it has no objects/ folder)"
+        )
+    return root
+
+
+def warm_dir_stats(root: str) -> dict:
+    """What a warm directory holds: objects, bytes, pinned copies, downloads in progress
+    (and dead ones awaiting cleanup), and the budget last configured."""
+    root = _check_warm_dir(root)
+    objects = os.path.join(root, "objects")
+    n = total = pinned = 0
+    with os.scandir(objects) as it:
+        for e in it:
+            try:
+                size = e.stat().st_size
+                fd = os.open(e.path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                if _try_lock(fd, fcntl.LOCK_EX):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                else:
+                    pinned += 1
+            finally:
+                os.close(fd)
+            n += 1
+            total += size
+    live = dead = tmp_bytes = 0
+    tmpdir = os.path.join(root, "tmp")
+    for name in os.listdir(tmpdir) if os.path.isdir(tmpdir) else []:
+        p = os.path.join(tmpdir, name)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+            tmp_bytes += os.fstat(fd).st_size
+        except FileNotFoundError:
+            continue
+        try:
+            if _try_lock(fd, fcntl.LOCK_EX):
+                dead += 1
+            else:
+                live += 1
+        finally:
+            os.close(fd)
+    budget = None
+    try:
+        with open(os.path.join(root, "meta.json")) as f:
+            budget = json.load(f).get("budget_bytes")
+    except (OSError, ValueError):
+        pass
+    return {
+        "dir": root,
+        "objects": n,
+        "bytes": total,
+        "pinned": pinned,
+        "downloading": live,
+        "dead_tmp_files": dead,
+        "tmp_bytes": tmp_bytes,
+        "budget_bytes": budget,
+    }
+
+
+def clear_warm_dir(root: str) -> int:
+    """Delete every copy that nobody has pinned or is reading, and dead temporary files;
+    returns how many files were removed. Safe while other processes use the directory."""
+    root = _check_warm_dir(root)
+    objects = os.path.join(root, "objects")
+    removed = 0
+    for name in os.listdir(objects):
+        p = os.path.join(objects, name)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            if _try_lock(fd, fcntl.LOCK_EX):
+                os.unlink(p)
+                removed += 1
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)
+    return removed + _clean_dead_tmp(os.path.join(root, "tmp"))
