@@ -1,0 +1,16 @@
+"""Runtime: the prefetching, decoding StreamingDataset and its torch adapter."""
+
+from .dataset import StreamingDataset, resolve_topology
+from .decode import DEFAULT_DECODERS, make_decoder
+from .mixing import Stream
+
+__all__ = ["DEFAULT_DECODERS", "Stream", "StreamingDataLoader", "StreamingDataset", "make_decoder",
+           "resolve_topology"]
+
+
+def __getattr__(name: str):  # torch is optional: import the DataLoader subclass on demand
+    if name == "StreamingDataLoader":
+        from .dataloader import StreamingDataLoader
+
+        return StreamingDataLoader
+    raise AttributeError(name)

@@ -1,0 +1,281 @@
+"""StreamingDataset: what a trainer iterates.
+
+    ds = StreamingDataset("s3://bucket/ds", cache=TieredCache(...), seed=0, window=16,
+                          batch_size=32)
+    loader = StreamingDataLoader(ds, batch_size=32, num_workers=4)
+    for epoch in range(start, n):
+        ds.set_epoch(epoch)
+        for batch in loader: ...
+        state = loader.state_dict()          # a few integers; ds.load_state_dict(state)
+
+Order, partition and resume come from :mod:`datapipe.plan`; this module resolves the
+topology (explicit arguments, else ``torch.distributed`` if initialised, else the
+``RANK``/``WORLD_SIZE`` environment, else one rank), cuts the worker's share of the rank's
+stream into chunks, fetches their shards through a :class:`.prefetch.Prefetcher` and
+decodes samples. Without torch installed it is a plain iterable.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from ..errors import DatapipeError, PlanError, StateMismatchError
+from ..format import decode_sample
+from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
+from .decode import make_decoder
+from .mixing import Stream, epoch_layout, stream_targets
+from .prefetch import Chunk, Prefetcher
+from .source import ShardSource
+
+try:  # torch is optional: without it the dataset is a plain iterable
+    from torch.utils.data import IterableDataset as _Base
+except ImportError:  # pragma: no cover - torch is installed in the test environment
+    _Base = object  # type: ignore[assignment,misc]
+
+__all__ = ["StreamingDataset", "resolve_topology"]
+
+
+def resolve_topology(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """(rank, world size): explicit, else torch.distributed, else RANK/WORLD_SIZE, else (0, 1)."""
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            raise PlanError("give both rank and world_size, or neither")
+        r, w = int(rank), int(world_size)
+    else:
+        r, w = 0, 1
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                return dist.get_rank(), dist.get_world_size()
+        except ImportError:  # pragma: no cover
+            pass
+        if "WORLD_SIZE" in os.environ or "RANK" in os.environ:
+            try:
+                r, w = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+            except ValueError:
+                raise PlanError(
+                    f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
+                    "are not integers"
+                ) from None
+    if w < 1 or not 0 <= r < w:
+        raise PlanError(f"rank {r} is not inside world size {w}")
+    return r, w
+
+
+def _worker() -> tuple[int, int]:
+    try:
+        from torch.utils.data import get_worker_info
+    except ImportError:  # pragma: no cover
+        return 0, 1
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+class StreamingDataset(_Base):
+    """Samples of one or more packed datasets in a deterministic, resumable, shuffled order.
+
+    ``source``: a dataset URL, a list of URLs (read as one dataset), or a list of
+    :class:`Stream` (a mix with weights or repeat counts; ``epoch_size`` sizes a weighted
+    mix). ``window``: shards a sample may be shuffled across (``None``: all, a full global
+    shuffle). ``drop_last``: every rank yields the same number of samples per epoch by
+    dropping the last ``< world`` samples (True) or repeating as many (False).
+    ``batch_size``: the DataLoader's, so that workers take whole batches in turn and the
+    loader's output is the rank's stream in order (exact resume). ``on_error``: "raise" on a
+    corrupt sample, or "skip" it and report all skipped at the end of the pass.
+    """
+
+    def __init__(self, source: str | list[str] | list[Stream], *, cache: Any = None, shuffle: bool = True,
+                 seed: int = 0, window: int | None = 16, drop_last: bool = False, decode: Any = "auto",
+                 map: Callable[[dict[str, Any]], Any] | None = None, batch_size: int = 1,
+                 rank: int | None = None, world_size: int | None = None,
+                 storage_options: dict[str, Any] | None = None, on_error: str = "raise",
+                 epoch_size: int | None = None, prefetch_bytes: int = 512 << 20, concurrency: int = 8,
+                 chunk_samples: int = 8192, return_position: bool = False) -> None:
+        streams = [source] if isinstance(source, (str, Stream)) else list(source)
+        if not streams:
+            raise PlanError("a StreamingDataset needs at least one dataset URL")
+        self.streams = [s if isinstance(s, Stream) else Stream(os.fspath(s)) for s in streams]
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if int(seed) < 0:
+            raise PlanError(f"seed must be non-negative, got {seed}")
+        if window is not None and int(window) < 1:
+            raise PlanError(f"window must be at least 1 shard (or None for all), got {window}")
+        if int(batch_size) < 1 or int(chunk_samples) < 1:
+            raise ValueError("batch_size and chunk_samples must be at least 1")
+        self.source = ShardSource([s.url for s in self.streams],
+                                  storage_options or self.streams[0].storage_options)
+        self.cache = cache
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        n_shards = max(self.source.num_shards, 1)
+        self.window = n_shards if window is None else min(int(window), n_shards)
+        self.drop_last = bool(drop_last)
+        self.batch_size = int(batch_size)
+        self.rank, self.world_size = rank, world_size
+        self.on_error = on_error
+        self.epoch_size = epoch_size
+        self.prefetch_bytes = int(prefetch_bytes)
+        self.concurrency = int(concurrency)
+        self.chunk_samples = int(chunk_samples)
+        self.return_position = bool(return_position)
+        self._decode = make_decoder(decode, map)
+        sizes = [int(ix.num_samples) for ix in self.source.indexes]
+        self._targets = stream_targets(self.streams, sizes, epoch_size)
+        self._stream_counts = [ix.sample_counts for ix in self.source.indexes]
+        mix = [s.describe() for s in self.streams] + [epoch_size]
+        self.fingerprint = layout_fingerprint(self.source.counts, self.source.identity() + repr(mix))
+        self.epoch = 0
+        self._resume: dict[str, Any] | None = None
+        self._topology: tuple[int, int] | None = None
+        self._plan: EpochPlan | None = None
+        self._yielded = 0
+        #: (shard url, sample key or None, reason) of everything skipped in this process
+        self.skipped: list[tuple[str, str | None, str]] = []
+        if sum(self._targets) == 0:
+            raise PlanError(f"{', '.join(self.source.urls)}: the mix asks for no sample per epoch")
+
+    # -- pickling into DataLoader workers ------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        # Spawned workers have no process group: pin the topology seen by the parent.
+        state["_topology"] = self._topology or resolve_topology(self.rank, self.world_size)
+        state["_plan"] = None
+        return state
+
+    # -- plan ---------------------------------------------------------------------------
+    def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        return epoch_layout(self._stream_counts, self._targets, self.seed, epoch)
+
+    def _make_plan(self, world: int) -> tuple[EpochPlan, np.ndarray]:
+        counts, real = self._layout(self.epoch)
+        algo = "window" if self.shuffle else "none"
+        window = self.window if self.shuffle else 1
+        if self._resume is not None and self._resume.get("epoch") == self.epoch:
+            plan = EpochPlan.from_state(counts, self._resume, seed=self.seed, window=window, algorithm=algo,
+                                        world=world, drop_last=self.drop_last, fingerprint=self.fingerprint)
+        else:
+            plan = EpochPlan(counts, seed=self.seed, epoch=self.epoch, window=window, algorithm=algo,
+                             world=world, drop_last=self.drop_last, fingerprint=self.fingerprint)
+        return plan, real
+
+    def set_epoch(self, epoch: int) -> None:
+        if int(epoch) < 0:
+            raise PlanError(f"epoch must be non-negative, got {epoch}")
+        self.epoch = int(epoch)
+        if self._resume is not None and self._resume.get("epoch") != self.epoch:
+            self._resume = None
+        self._plan = None
+
+    def __len__(self) -> int:
+        """Samples this rank yields in the current epoch (from the resume point on)."""
+        plan, _ = self._make_plan(self._world()[1])
+        return plan.per_rank - plan.start
+
+    def _world(self) -> tuple[int, int]:
+        return self._topology or resolve_topology(self.rank, self.world_size)
+
+    # -- resume -------------------------------------------------------------------------
+    def state_dict(self, samples_seen: int | None = None) -> dict[str, Any]:
+        """Resume state once this rank has taken ``samples_seen`` samples in the current pass
+        (counted from the resume point, if the pass resumed). ``None``: the samples this
+        object yielded itself (iterating in this process, without DataLoader workers)."""
+        plan = self._plan
+        if plan is None:
+            plan, _ = self._make_plan(self._world()[1])
+        seen = self._yielded if samples_seen is None else int(samples_seen)
+        if not 0 <= seen <= plan.per_rank - plan.start:
+            raise PlanError(f"samples_seen={seen} is outside [0, {plan.per_rank - plan.start}] for this pass")
+        return plan.state_dict(plan.start + seen)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` on the next pass; the world size may differ (elastic)."""
+        if not isinstance(state, dict) or not isinstance(state.get("epoch"), int) or state["epoch"] < 0:
+            raise StateMismatchError(f"not a StreamingDataset state: {state!r:.200}")
+        keep = (self.epoch, self._resume)
+        self.epoch, self._resume = state["epoch"], state
+        try:
+            self._make_plan(self._world()[1])  # check it now, not in a worker later
+        except (StateMismatchError, PlanError) as e:
+            self.epoch, self._resume = keep
+            raise StateMismatchError(str(e)) from None
+        self._plan = None
+
+    # -- iteration ----------------------------------------------------------------------
+    def _chunks(self, plan: EpochPlan, real: np.ndarray, rank: int, worker: int,
+                num_workers: int) -> Iterator[Chunk]:
+        start, stop = plan.start, plan.per_rank
+        batches = worker_batches(start, stop, self.batch_size, worker, num_workers)
+        per_chunk = max(1, self.chunk_samples // self.batch_size)
+        for number, i in enumerate(range(0, len(batches), per_chunk)):
+            steps = batch_steps(start, stop, self.batch_size, batches[i : i + per_chunk])
+            vshard, sample, pad = plan.rank_samples(rank, steps)
+            yield Chunk.make(number, steps, real[vshard], sample, pad)
+
+    def __iter__(self) -> Iterator[Any]:
+        rank, world = self._world()
+        worker, num_workers = _worker()
+        plan, real = self._make_plan(world)
+        self._plan, self._yielded = plan, 0
+        cache = self.cache
+        source = self.source
+
+        def schedule(order: list[int]) -> None:
+            if cache is not None and hasattr(cache, "set_schedule"):
+                cache.set_schedule([source.url(g) for g in order], lookahead=0)
+
+        pre = Prefetcher(self._chunks(plan, real, rank, worker, num_workers),
+                         lambda g: source.fetch(g, cache), source.shard_bytes,
+                         max_bytes=self.prefetch_bytes, concurrency=self.concurrency, schedule=schedule)
+        try:
+            for chunk in pre:
+                yield from self._read_chunk(pre, chunk)
+                pre.done(chunk)
+        finally:
+            pre.close()
+        self._report_skipped()
+        self._resume = None  # the resumed pass is over; the next pass starts the epoch afresh
+
+    def _read_chunk(self, pre: Prefetcher, chunk: Chunk) -> Iterator[Any]:
+        decoder, skip, with_pos = self._decode, self.on_error == "skip", self.return_position
+        current_g, data, failed = -1, None, None
+        for g, j in zip(chunk.shard.tolist(), chunk.sample.tolist()):
+            if g != current_g:
+                current_g, failed = g, None
+                try:
+                    data = pre.shard(g)
+                except DatapipeError as e:
+                    if not skip:
+                        raise
+                    failed = e
+            if failed is not None:
+                self.skipped.append((self.source.url(g), None, f"sample #{j}: {failed}"))
+                self._yielded += 1  # a plan step consumed, so resume still lines up
+                continue
+            try:
+                key = data.keys[j]
+                where = f"{data.url} sample {key!r} (#{j})"
+                item = decoder(decode_sample(data.sample_bytes(j), data.compression, where), where)
+            except DatapipeError as e:
+                if not skip:
+                    raise
+                self.skipped.append((data.url, data.keys[j], str(e)))
+                self._yielded += 1
+                continue
+            if with_pos and isinstance(item, dict):
+                item["__shard__"], item["__sample__"] = g, j
+            self._yielded += 1
+            yield item
+
+    def _report_skipped(self) -> None:
+        if self.skipped:
+            shown = "; ".join(f"{u} {k!r}: {why}" for u, k, why in self.skipped[:5])
+            more = f" (and {len(self.skipped) - 5} more)" if len(self.skipped) > 5 else ""
+            warnings.warn(f"StreamingDataset skipped {len(self.skipped)} unreadable samples: {shown}{more}",
+                          RuntimeWarning, stacklevel=3)

@@ -1,0 +1,272 @@
+"""Fetching shards ahead of the reader, in plan order, within a byte budget.
+
+A worker's stream is cut into chunks of consecutive samples (numpy arrays of shard and
+sample indices, from the pure plan). An asyncio loop on a thread of its own walks the
+chunks ahead of the consumer: for each chunk it starts fetching the shards the chunk needs
+(in order of first use, ``concurrency`` at a time) and hands the chunk to the consumer.
+Shards are reference-counted by chunk and closed when the last chunk using them is done.
+
+Budget: bytes of shards held or being fetched stay under ``max_bytes``, except that the
+shards of the chunk being read are always fetched (else a window larger than the budget
+could never be read); so the bound is ``max(max_bytes, bytes of one chunk's shards)``.
+The cache is told the upcoming shard order (``set_schedule``) so its eviction is
+clairvoyant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Chunk", "Prefetcher"]
+
+
+@dataclass
+class Chunk:
+    """Consecutive samples of a worker's stream."""
+
+    number: int
+    steps: np.ndarray
+    shard: np.ndarray
+    sample: np.ndarray
+    pad: np.ndarray
+    shards: list[int] = field(default_factory=list)  # distinct, in order of first use
+
+    @classmethod
+    def make(cls, number: int, steps: np.ndarray, shard: np.ndarray, sample: np.ndarray,
+             pad: np.ndarray) -> "Chunk":
+        uniq, first = np.unique(shard, return_index=True)
+        return cls(number, steps, shard, sample, pad, uniq[np.argsort(first)].tolist())
+
+
+class _Slot:
+    __slots__ = ("ready", "data", "error", "refs", "size")
+
+    def __init__(self, size: int) -> None:
+        self.ready = threading.Event()
+        self.data: Any = None
+        self.error: BaseException | None = None
+        self.refs = 0
+        self.size = size
+
+
+_END = object()
+
+
+class Prefetcher:
+    """``for chunk in p: for g in chunk.shards: p.shard(g) ...; p.done(chunk)``."""
+
+    def __init__(self, chunks: Iterator[Chunk], fetch: Callable[[int], Any],
+                 shard_bytes: Callable[[int], int], *, max_bytes: int = 512 << 20,
+                 concurrency: int = 8, lookahead_chunks: int = 4,
+                 schedule: Callable[[list[int]], None] | None = None) -> None:
+        if max_bytes < 1 or concurrency < 1 or lookahead_chunks < 1:
+            raise ValueError("max_bytes, concurrency and lookahead_chunks must be positive")
+        self._chunks = chunks
+        self._fetch = fetch
+        self._shard_bytes = shard_bytes
+        self.max_bytes = int(max_bytes)
+        self.concurrency = int(concurrency)
+        self._schedule = schedule
+        self._queue: queue.Queue = queue.Queue(maxsize=lookahead_chunks)
+        self._lock = threading.Lock()
+        self._slots: dict[int, _Slot] = {}
+        self._held = 0  # bytes of shards held or being fetched
+        self.peak_bytes = 0
+        self._reading = 0  # number of the chunk the consumer reads
+        self._planned: list[Chunk] = []  # handed out or queued, not yet done
+        self._stop = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._thread_main, name="datapipe-prefetch", daemon=True)
+        self._thread.start()
+
+    # -- consumer side -----------------------------------------------------------------
+    def __iter__(self) -> Iterator[Chunk]:
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            self._reading = item.number
+            self._poke()
+            yield item
+
+    def shard(self, g: int) -> Any:
+        """The fetched shard ``g`` (waits for it); raises what fetching it raised."""
+        with self._lock:
+            slot = self._slots[g]
+        slot.ready.wait()
+        if slot.error is not None:
+            raise slot.error
+        return slot.data
+
+    def done(self, chunk: Chunk) -> None:
+        """The consumer has read ``chunk``; shards no later chunk needs are closed."""
+        closing = []
+        with self._lock:
+            for g in chunk.shards:
+                slot = self._slots[g]
+                slot.refs -= 1
+                if slot.refs == 0:
+                    del self._slots[g]
+                    self._held -= slot.size
+                    closing.append(slot)
+            if self._planned and self._planned[0] is chunk:
+                self._planned.pop(0)
+            # the next chunk is now the one being read: its shards may exceed the budget
+            self._reading = max(self._reading, chunk.number + 1)
+        for slot in closing:
+            # a fetch still running closes its own result when it finds the slot gone
+            if slot.ready.is_set() and slot.data is not None:
+                slot.data.close()
+                slot.data = None
+        self._poke()
+
+    def close(self) -> None:
+        self._stop = True
+        self._poke()
+        while True:  # unblock the producer if it waits on a full queue
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=30)
+        with self._lock:
+            slots, self._slots = list(self._slots.values()), {}
+        for slot in slots:
+            if slot.ready.is_set() and slot.data is not None:
+                slot.data.close()
+
+    def _poke(self) -> None:
+        loop, ev = self._loop, self._changed
+        if loop is not None and ev is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # loop already closed
+                pass
+
+    # -- producer side -----------------------------------------------------------------
+    def _thread_main(self) -> None:
+        loop = asyncio.new_event_loop()
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="datapipe-fetch")
+        loop.set_default_executor(pool)
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._run())
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._put(e)
+        finally:
+            pending = asyncio.all_tasks(loop)
+            for t in pending:
+                t.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            pool.shutdown(wait=True, cancel_futures=True)
+            loop.close()
+
+    def _put(self, item: Any) -> None:
+        while not self._stop:
+            try:
+                self._queue.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    async def _put_async(self, item: Any) -> bool:
+        while not self._stop:
+            try:
+                self._queue.put_nowait(item)
+                return True
+            except queue.Full:
+                await self._wait_change(0.05)
+        return False
+
+    async def _wait_change(self, timeout: float) -> None:
+        if self._changed is None:
+            raise RuntimeError("prefetch loop not started")
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        self._changed.clear()
+
+    async def _run(self) -> None:
+        self._changed = asyncio.Event()
+        sem = asyncio.Semaphore(self.concurrency)
+        tasks: set[asyncio.Task] = set()
+        for chunk in self._chunks:
+            if self._stop:
+                return
+            with self._lock:
+                self._planned.append(chunk)
+            self._tell_schedule()
+            for g in chunk.shards:
+                with self._lock:
+                    slot = self._slots.get(g)
+                    if slot is not None:
+                        slot.refs += 1
+                        continue
+                size = max(int(self._shard_bytes(g)), 1)
+                # wait for budget, unless this chunk is the one being read (progress first)
+                while not self._stop:
+                    with self._lock:
+                        fits = self._held + size <= self.max_bytes or chunk.number <= self._reading
+                        if fits:
+                            slot = _Slot(size)
+                            slot.refs = 1
+                            self._slots[g] = slot
+                            self._held += size
+                            self.peak_bytes = max(self.peak_bytes, self._held)
+                            break
+                    await self._wait_change(0.05)
+                if self._stop:
+                    return
+                await sem.acquire()
+                t = asyncio.get_running_loop().create_task(self._load(g, slot, sem))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+            if not await self._put_async(chunk):
+                return
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._put(_END)
+
+    async def _load(self, g: int, slot: _Slot, sem: asyncio.Semaphore) -> None:
+        try:
+            slot.data = await asyncio.to_thread(self._fetch, g)
+        except BaseException as e:  # noqa: BLE001 - raised to the consumer when it asks
+            slot.error = e
+        finally:
+            sem.release()
+            slot.ready.set()
+        with self._lock:
+            gone = self._slots.get(g) is not slot
+        if gone and slot.data is not None:
+            slot.data.close()
+            slot.data = None
+
+    def _tell_schedule(self) -> None:
+        if self._schedule is None:
+            return
+        with self._lock:
+            order: list[int] = []
+            seen: set[int] = set()
+            for c in self._planned:
+                for g in c.shards:
+                    if g not in seen:
+                        seen.add(g)
+                        order.append(g)
+        try:
+            self._schedule(order)
+        except Exception:  # a cache that cannot take hints still serves reads
+            pass

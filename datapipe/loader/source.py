@@ -1,0 +1,180 @@
+"""The shards a StreamingDataset reads: one or more dataset indexes as one list of shards,
+and fetching one shard's bytes (through a TieredCache, or straight from its store).
+
+Bytes are kept zero-copy where possible: a local shard (or a cache's pinned warm copy) is
+memory-mapped and samples are memoryview slices of the map.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..checksum import verify
+from ..errors import (
+    CorruptShardError,
+    DatapipeError,
+    FormatError,
+    IntegrityError,
+    ObjectNotFoundError,
+    PlanError,
+)
+from ..storage.retry import RetryPolicy, call_with_retry
+from ..storage.stores import LocalStore
+from .. import dataset as _dataset
+
+__all__ = ["ShardData", "ShardSource"]
+
+
+@dataclass
+class ShardData:
+    """One fetched shard: its bytes and its sample table."""
+
+    shard: int
+    url: str
+    buf: memoryview
+    keys: list[str]
+    offsets: np.ndarray
+    lengths: np.ndarray
+    checksums: list[str]
+    compression: str
+    _closer: Any = None
+    #: why the shard's bytes could not be had (its table could): every sample read raises it
+    error: Exception | None = None
+
+    def sample_bytes(self, j: int) -> memoryview:
+        """Stored bytes of sample ``j``, checked against its checksum."""
+        if self.error is not None:
+            raise CorruptShardError(f"{self.url} sample {self.keys[j]!r} (#{j}): {self.error}") from self.error
+        off, ln = int(self.offsets[j]), int(self.lengths[j])
+        if off + ln > len(self.buf):
+            raise CorruptShardError(
+                f"{self.url} sample {self.keys[j]!r} (#{j}): shard is truncated, the sample needs "
+                f"bytes {off}..{off + ln} but the shard holds {len(self.buf)}"
+            )
+        data = self.buf[off : off + ln]
+        if self.checksums:
+            verify(data, self.checksums[j] or None, f"{self.url} sample {self.keys[j]!r} (#{j})")
+        return data
+
+    def close(self) -> None:
+        buf, self.buf = self.buf, memoryview(b"")
+        buf.release()
+        if self._closer is not None:
+            closer, self._closer = self._closer, None
+            closer()
+
+
+def _mmap_file(path: str) -> tuple[memoryview, Any]:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return memoryview(b""), None
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        mm.madvise(mmap.MADV_WILLNEED)
+    except (AttributeError, OSError):  # not on every platform; only a hint
+        pass
+
+    def close() -> None:
+        try:
+            mm.close()
+        except BufferError:  # a caller still holds a zero-copy slice: the GC closes it later
+            pass
+
+    return memoryview(mm), close
+
+
+class ShardSource:
+    """The shards of one or more datasets, numbered globally in the order given."""
+
+    def __init__(self, urls: list[str], storage_options: dict[str, Any] | None = None,
+                 retry: RetryPolicy | None = None) -> None:
+        if not urls:
+            raise PlanError("a StreamingDataset needs at least one dataset URL")
+        self.urls = list(urls)
+        self.indexes = [_dataset.open_index(u, storage_options) for u in self.urls]
+        self.retry = retry or RetryPolicy()
+        counts = [ix.sample_counts.astype(np.int64) for ix in self.indexes]
+        self.counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+        self.source_of = np.repeat(np.arange(len(counts)), [c.size for c in counts])
+        self.shard_base = np.concatenate(([0], np.cumsum([c.size for c in counts]))).astype(np.int64)
+        self.num_samples = int(self.counts.sum())
+        if self.num_samples == 0:
+            raise PlanError(f"{', '.join(self.urls)}: the dataset holds no sample; nothing to stream")
+
+    @property
+    def num_shards(self) -> int:
+        return int(self.counts.size)
+
+    def identity(self) -> str:
+        """What makes these datasets these datasets (for resume checks): their manifests."""
+        import json
+
+        return json.dumps([ix.manifest for ix in self.indexes], sort_keys=True, default=str)
+
+    def info(self, g: int) -> tuple[Any, Any]:
+        s = int(self.source_of[g])
+        ix = self.indexes[s]
+        return ix, ix.shards[g - int(self.shard_base[s])]
+
+    def url(self, g: int) -> str:
+        return self.info(g)[1].url
+
+    def shard_bytes(self, g: int) -> int:
+        return int(self.info(g)[1].bytes)
+
+    def fetch(self, g: int, cache: Any = None) -> ShardData:
+        """Shard ``g``'s bytes and sample table (blocking; run it off the event loop)."""
+        ix, info = self.info(g)
+        try:
+            table = ix.shard_samples(g - int(self.shard_base[int(self.source_of[g])]))
+        except DatapipeError:
+            raise
+        except Exception as e:  # pyarrow errors on a damaged samples.parquet
+            raise FormatError(f"{ix.url}: cannot read the sample table of {info.url}: {e}") from e
+        if len(table.keys) != info.samples:
+            raise FormatError(f"{info.url}: index lists {len(table.keys)} samples, expected {info.samples}")
+        error: Exception | None = None
+        try:
+            buf, closer = self._bytes(ix, info, cache)
+        except (IntegrityError, CorruptShardError) as e:
+            buf, closer, error = memoryview(b""), None, e
+        return ShardData(g, info.url, buf, list(table.keys), np.asarray(table.offsets, np.int64),
+                         np.asarray(table.lengths, np.int64), list(table.checksums or []),
+                         ix.compression, closer, error)
+
+    def _bytes(self, ix: Any, info: Any, cache: Any) -> tuple[memoryview, Any]:
+        if cache is not None:
+            if getattr(cache, "warm_dir", None):
+                try:
+                    path = cache.local_path(info.url, checksum=info.checksum)
+                except IntegrityError as e:
+                    raise CorruptShardError(f"shard fails its checksum: {e}") from e
+                buf, close = _mmap_file(path)
+
+                def release() -> None:
+                    if close is not None:
+                        close()
+                    cache.release(info.url)
+
+                return buf, release
+            try:
+                return memoryview(cache.read(info.url, checksum=info.checksum)), None
+            except IntegrityError as e:
+                raise CorruptShardError(f"shard fails its checksum: {e}") from e
+        if isinstance(ix.store, LocalStore):
+            path = ix.store.path(info.name)
+            if not os.path.isfile(path):
+                raise ObjectNotFoundError(f"shard {info.url} is missing (listed in {ix.url})")
+            # Per-sample checksums are checked as samples are read, so a local shard is
+            # mapped, not read and hashed up front.
+            return _mmap_file(path)
+        # Transient failures are retried; a shard shorter than the index says is not
+        # (asking again cannot lengthen it) and shows as truncated samples when read.
+        data = call_with_retry(lambda: ix.store.get(info.name), info.url, self.retry)
+        return memoryview(data), None
