@@ -1,4 +1,4 @@
-"""The `datapipe` command: pack, join, inspect, verify, cache, demo."""
+"""The `datapipe` command: pack, join, inspect, verify, cache."""
 
 from __future__ import annotations
 
@@ -111,12 +111,6 @@ def _cmd_cache(a: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_demo(a: argparse.Namespace) -> int:
-    from .demo import run_demo
-
-    return run_demo(a)
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="datapipe", description="Pack, cache, stream and checkpoint training data.")
     ap.add_argument("--version", action="version", version=f"datapipe {__version__}")
@@ -167,11 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("dir")
     p.set_defaults(func=_cmd_cache)
 
-    p = sub.add_parser("demo", help="the main job end to end on a generated corpus (pack, cache, stream, train, checkpoint, resume)")
-    p.add_argument("--workdir", default=None, help="where to put the corpus, shards, cache and checkpoints (default: a temp dir)")
-    p.add_argument("--samples", type=int, default=2000)
-    p.add_argument("--no-s3", action="store_true", help="use a local directory as the cold tier instead of a loopback S3 endpoint")
-    p.set_defaults(func=_cmd_demo)
     return ap
 
 

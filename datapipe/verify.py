@@ -48,10 +48,12 @@ def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
     except DatapipeError as e:
         yield Problem(info.url, None, f"cannot read: {e}")
         return
+    # sample-level problems first, so the first one reported names the sample
+    shard_problem = None
     if len(data) != info.bytes:
-        yield Problem(info.url, None, f"has {len(data)} bytes, the index says {info.bytes} (truncated or replaced)")
+        shard_problem = Problem(info.url, None, f"has {len(data)} bytes, the index says {info.bytes} (truncated or replaced)")
     elif checksum(data) != info.checksum:
-        yield Problem(info.url, None, f"checksum mismatch: index {info.checksum}, stored {checksum(data)}")
+        shard_problem = Problem(info.url, None, f"checksum mismatch: index {info.checksum}, stored {checksum(data)}")
     table = ix.shard_samples(i)
     expected_offset = 0
     for key, off, length, digest in zip(table.keys, table.offsets, table.lengths, table.checksums):
@@ -74,6 +76,9 @@ def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
             continue
         if sample["__key__"] != key:
             yield Problem(info.url, key, f"holds key {sample['__key__']!r}, the index says {key!r}")
+    if shard_problem is not None:
+        yield shard_problem
+        return
     tail = data[expected_offset:]
     if ix.compression == "zstd" and tail:
         try:
