@@ -1,0 +1,382 @@
+"""StreamingDataset on local datasets: coverage, order, resume, decoding, mixing, bad input."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from datapipe import ShardWriter
+from datapipe.errors import (
+    ChecksumError,
+    CorruptShardError,
+    DatapipeError,
+    ObjectNotFoundError,
+    PlanError,
+    StateMismatchError,
+)
+from datapipe.loader import Stream, StreamingDataset
+from datapipe.loader.prefetch import Chunk, Prefetcher
+
+N = 500
+
+
+def _write(path, n, per_shard, prefix="k", compression=None):
+    with ShardWriter(str(path), max_samples=per_shard, compression=compression) as w:
+        for i in range(n):
+            w.write({"__key__": f"{prefix}{i:05d}", "cls": str(i), "txt": f"sample {i}",
+                     "json": {"i": i}, "bin": bytes([i % 256]) * (i % 50 + 1)})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ds_url(tmp_path_factory):
+    return _write(tmp_path_factory.mktemp("ds") / "a", N, 37)
+
+
+@pytest.fixture(scope="module")
+def zstd_url(tmp_path_factory):
+    return _write(tmp_path_factory.mktemp("dsz") / "z", 120, 25, prefix="z", compression="zstd")
+
+
+def _ids(items):
+    return [it["cls"] for it in items]
+
+
+def test_every_sample_once_decoded(ds_url):
+    ds = StreamingDataset(ds_url, window=3, seed=5)
+    items = list(ds)
+    assert sorted(_ids(items)) == list(range(N))
+    it = items[0]
+    i = it["cls"]
+    assert it["__key__"] == f"k{i:05d}" and it["txt"] == f"sample {i}" and it["json"] == {"i": i}
+    assert it["bin"] == bytes([i % 256]) * (i % 50 + 1)
+    assert _ids(items) != list(range(N))  # shuffled
+
+
+def test_order_is_deterministic_per_seed_and_epoch(ds_url):
+    a = _ids(StreamingDataset(ds_url, window=4, seed=1))
+    b = _ids(StreamingDataset(ds_url, window=4, seed=1))
+    c = StreamingDataset(ds_url, window=4, seed=1)
+    c.set_epoch(1)
+    assert a == b
+    assert a != _ids(c) and sorted(_ids(c)) == list(range(N))
+
+
+def test_no_shuffle_is_stored_order(ds_url, zstd_url):
+    assert _ids(StreamingDataset(ds_url, shuffle=False)) == list(range(N))
+    assert _ids(StreamingDataset(zstd_url, shuffle=False)) == list(range(120))
+
+
+def test_decode_raw_and_map(ds_url):
+    raw = next(iter(StreamingDataset(ds_url, decode="raw", shuffle=False)))
+    assert raw["cls"] == b"0" and raw["json"] == b'{"i": 0}'
+    mapped = next(iter(StreamingDataset(ds_url, shuffle=False, map=lambda s: (s["cls"], s["txt"]))))
+    assert mapped == (0, "sample 0")
+    custom = next(iter(StreamingDataset(ds_url, shuffle=False, decode={"bin": len})))
+    assert custom["bin"] == 1 and custom["cls"] == 0
+
+
+def test_npy_fields_decode_without_pickle(tmp_path):
+    url = str(tmp_path / "npy")
+    with ShardWriter(url) as w:
+        for i in range(5):
+            buf = io.BytesIO()
+            np.save(buf, np.arange(i + 1, dtype=np.float32))
+            w.write({"__key__": f"a{i}", "npy": buf.getvalue()})
+        buf = io.BytesIO()
+        np.save(buf, np.array([{"x": 1}], dtype=object), allow_pickle=True)
+        w.write({"__key__": "evil", "npy": buf.getvalue()})
+    ds = StreamingDataset(url, shuffle=False)
+    with pytest.raises(CorruptShardError, match="evil"):
+        got = [s["npy"] for s in ds]
+    with pytest.warns(RuntimeWarning, match="evil"):
+        got = [s["npy"] for s in StreamingDataset(url, shuffle=False, on_error="skip")]
+    assert [a.tolist() for a in got] == [list(range(i + 1)) for i in range(5)]
+
+
+def test_resume_in_process_continues_exactly(ds_url):
+    full = _ids(StreamingDataset(ds_url, window=3, seed=2, batch_size=4))
+    ds = StreamingDataset(ds_url, window=3, seed=2, batch_size=4)
+    it = iter(ds)
+    first = [next(it)["cls"] for _ in range(123)]
+    state = ds.state_dict()
+    it.close()
+    again = StreamingDataset(ds_url, window=3, seed=2, batch_size=4)
+    again.load_state_dict(state)
+    rest = _ids(again)
+    assert first + rest == full
+    # the pass after the resumed one starts the epoch afresh
+    assert _ids(again) == full
+
+
+def test_elastic_resume_across_ranks(ds_url):
+    def rank_ds(r, w, **kw):
+        return StreamingDataset(ds_url, window=5, seed=3, rank=r, world_size=w, **kw)
+
+    seen = []
+    states = []
+    for r in range(3):
+        ds = rank_ds(r, 3)
+        it = iter(ds)
+        seen += [next(it)["cls"] for _ in range(40)]
+        states.append(ds.state_dict())
+        it.close()
+    assert all(s == states[0] for s in states)  # lockstep ranks agree on the state
+    counts = set()
+    for r in range(2):
+        ds = rank_ds(r, 2)
+        ds.load_state_dict(states[0])
+        got = _ids(ds)
+        counts.add(len(got))
+        seen += got
+    assert len(counts) == 1
+    assert sorted(seen) == list(range(N))
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_equal_counts_per_rank(ds_url, drop):
+    lens = []
+    seen = []
+    for r in range(3):
+        ds = StreamingDataset(ds_url, window=2, rank=r, world_size=3, drop_last=drop)
+        got = _ids(ds)
+        assert len(ds) == len(got)
+        lens.append(len(got))
+        seen += got
+    assert len(set(lens)) == 1
+    if drop:
+        assert lens[0] == N // 3 and len(set(seen)) == len(seen)
+    else:
+        assert lens[0] == -(-N // 3) and set(seen) == set(range(N))
+
+
+def test_mixing_weights_and_repeats(ds_url, zstd_url):
+    mix = [Stream(ds_url, weight=3), Stream(zstd_url, weight=1)]
+    ds = StreamingDataset(mix, epoch_size=400, seed=1, window=4)
+    keys = [s["__key__"] for s in ds]
+    assert len(keys) == 400
+    from_a = sum(k.startswith("k") for k in keys)
+    assert from_a == 300
+    # zstd stream has 120 samples and is asked for 100: no repeats inside one epoch
+    assert len({k for k in keys if not k.startswith("k")}) == 100
+    again = [s["__key__"] for s in StreamingDataset(mix, epoch_size=400, seed=1, window=4)]
+    assert keys == again
+    rep = StreamingDataset([Stream(zstd_url, repeat=2.5)], seed=0)
+    rk = [s["__key__"] for s in rep]
+    assert len(rk) == 300 and all(rk.count(k) in (2, 3) for k in set(rk))
+    with pytest.raises(PlanError):
+        Stream(ds_url, weight=1, repeat=2)
+
+
+def test_mixing_resumes(ds_url, zstd_url):
+    mix = [Stream(ds_url, weight=1), Stream(zstd_url, weight=1)]
+    full = [s["__key__"] for s in StreamingDataset(mix, epoch_size=200, seed=4)]
+    ds = StreamingDataset(mix, epoch_size=200, seed=4)
+    it = iter(ds)
+    head = [next(it)["__key__"] for _ in range(77)]
+    state = ds.state_dict()
+    it.close()
+    ds2 = StreamingDataset(mix, epoch_size=200, seed=4)
+    ds2.load_state_dict(state)
+    assert head + [s["__key__"] for s in ds2] == full
+    with pytest.raises(StateMismatchError):
+        StreamingDataset(mix, epoch_size=300, seed=4).load_state_dict(state)
+
+
+def test_state_from_another_dataset_or_seed(ds_url, zstd_url):
+    state = StreamingDataset(ds_url, seed=1).state_dict(0)
+    with pytest.raises(StateMismatchError, match="seed"):
+        StreamingDataset(ds_url, seed=2).load_state_dict(state)
+    with pytest.raises(StateMismatchError, match="another dataset"):
+        StreamingDataset(zstd_url, seed=1).load_state_dict(state)
+    with pytest.raises(StateMismatchError):
+        StreamingDataset(ds_url, seed=1).load_state_dict({"epoch": "x"})
+    ds = StreamingDataset(ds_url, seed=1)
+    with pytest.raises(PlanError):
+        ds.state_dict(N + 1)
+
+
+def test_missing_and_empty_datasets(tmp_path):
+    with pytest.raises(ObjectNotFoundError, match="no dataset"):
+        StreamingDataset(str(tmp_path / "nope"))
+    try:
+        with ShardWriter(str(tmp_path / "empty")):
+            pass
+    except DatapipeError:
+        pytest.skip("the writer refuses to write an empty dataset")
+    with pytest.raises(PlanError, match="no sample"):
+        StreamingDataset(str(tmp_path / "empty"))
+
+
+def _copy_dataset(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def _corrupt(url, shard_index, *, truncate=False):
+    from datapipe import open_index
+
+    ix = open_index(url)
+    info, table = ix.shards[shard_index], ix.shard_samples(shard_index)
+    path = os.path.join(url, info.name)
+    victim = 3
+    if truncate:
+        with open(path, "r+b") as f:
+            f.truncate(int(table.offsets[victim]) + 10)
+    else:
+        with open(path, "r+b") as f:
+            f.seek(int(table.offsets[victim]) + 600)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+    return info.name, table.keys[victim]
+
+
+def test_corrupt_shard_mid_epoch_names_shard_and_sample(ds_url, tmp_path):
+    url = _copy_dataset(ds_url, tmp_path / "c")
+    name, key = _corrupt(url, 4)
+    with pytest.raises((ChecksumError, CorruptShardError)) as e:
+        list(StreamingDataset(url, window=2, seed=0))
+    assert name in str(e.value) and key in str(e.value)
+    with pytest.warns(RuntimeWarning, match="skipped 1 unreadable"):
+        ds = StreamingDataset(url, window=2, seed=0, on_error="skip")
+        got = _ids(ds)
+    assert len(got) == N - 1 and ds.skipped[0][1] == key
+
+
+def test_truncated_shard_names_shard_and_sample(ds_url, tmp_path):
+    url = _copy_dataset(ds_url, tmp_path / "t")
+    name, key = _corrupt(url, 2, truncate=True)
+    with pytest.raises(CorruptShardError, match="truncated") as e:
+        list(StreamingDataset(url, shuffle=False))
+    assert name in str(e.value) and key in str(e.value)
+    with pytest.warns(RuntimeWarning):
+        ds = StreamingDataset(url, shuffle=False, on_error="skip")
+        got = _ids(ds)
+    assert len(got) == N - (37 - 3) and len(ds.skipped) == 37 - 3
+
+
+def test_missing_shard_file_is_named(ds_url, tmp_path):
+    url = _copy_dataset(ds_url, tmp_path / "m")
+    from datapipe import open_index
+
+    name = open_index(url).shards[1].name
+    os.unlink(os.path.join(url, name))
+    with pytest.raises(ObjectNotFoundError, match=name):
+        list(StreamingDataset(url, shuffle=False))
+
+
+def test_bad_arguments(ds_url):
+    with pytest.raises(PlanError):
+        StreamingDataset(ds_url, window=0)
+    with pytest.raises(ValueError):
+        StreamingDataset(ds_url, on_error="ignore")
+    with pytest.raises(PlanError):
+        StreamingDataset([])
+    with pytest.raises(PlanError):
+        list(StreamingDataset(ds_url, rank=3, world_size=2))
+    with pytest.raises(ValueError):
+        StreamingDataset(ds_url, decode=42)
+
+
+def test_topology_from_environment(ds_url, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    ds = StreamingDataset(ds_url, seed=0)
+    assert len(ds) == -(-N // 4)
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(PlanError, match="not integers"):
+        len(StreamingDataset(ds_url))
+
+
+class _FakeShard:
+    def __init__(self):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_prefetcher_stays_inside_its_byte_budget():
+    sizes = {g: 100 for g in range(40)}
+    live, peak, lock = set(), [0], threading.Lock()
+
+    def fetch(g):
+        time.sleep(0.001)
+        with lock:
+            live.add(g)
+        return _FakeShard()
+
+    def chunks():
+        for k in range(20):
+            shard = np.array([2 * k, 2 * k + 1, 2 * k, 2 * k + 1])
+            yield Chunk.make(k, np.arange(4), shard, np.zeros(4, np.int64), np.zeros(4, bool))
+
+    seen_sched = []
+    pre = Prefetcher(chunks(), fetch, sizes.__getitem__, max_bytes=450, concurrency=4,
+                     schedule=seen_sched.append)
+    order = []
+    for chunk in pre:
+        for g in chunk.shards:
+            assert isinstance(pre.shard(g), _FakeShard)
+            order.append(g)
+        pre.done(chunk)
+    pre.close()
+    assert order == list(range(40))
+    assert pre.peak_bytes <= 450
+    assert seen_sched and seen_sched[0][:2] == [0, 1]
+
+
+def test_prefetcher_reads_a_window_larger_than_its_budget():
+    def chunks():
+        yield Chunk.make(0, np.arange(6), np.arange(6), np.zeros(6, np.int64), np.zeros(6, bool))
+        yield Chunk.make(1, np.arange(6), np.arange(6, 12), np.zeros(6, np.int64), np.zeros(6, bool))
+
+    pre = Prefetcher(chunks(), lambda g: _FakeShard(), lambda g: 100, max_bytes=150)
+    got = []
+    for c in pre:
+        got += [g for g in c.shards if isinstance(pre.shard(g), _FakeShard)]
+        pre.done(c)
+    pre.close()
+    assert sorted(got) == list(range(12))
+
+
+def test_prefetch_error_surfaces_in_order():
+    def fetch(g):
+        if g == 2:
+            raise ObjectNotFoundError("no object at shard-2")
+        return _FakeShard()
+
+    def chunks():
+        for k in range(4):
+            yield Chunk.make(k, np.arange(1), np.array([k]), np.zeros(1, np.int64), np.zeros(1, bool))
+
+    pre = Prefetcher(chunks(), fetch, lambda g: 1)
+    got = []
+    with pytest.raises(ObjectNotFoundError, match="shard-2"):
+        for c in pre:
+            got.append(pre.shard(c.shards[0]))
+            pre.done(c)
+    pre.close()
+    assert len(got) == 2
+
+
+def test_early_break_stops_the_prefetch_thread(ds_url):
+    before = threading.active_count()
+    ds = StreamingDataset(ds_url, window=2)
+    for _ in itertools.islice(ds, 3):
+        pass
+    time.sleep(0.2)
+    import gc
+
+    gc.collect()
+    time.sleep(0.2)
+    assert threading.active_count() <= before + 1
