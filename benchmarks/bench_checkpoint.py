@@ -1,0 +1,303 @@
+"""Checkpoint stall and total time: datapipe vs torch.save+fsync vs DCP async_save,
+against the floors (memcpy into preallocated buffers, a fresh clone, the disk's fsync'd
+sequential write of the same bytes), plus training step time while a save persists.
+
+    python -m benchmarks.bench_checkpoint            # ~0.75 GiB model + Adam state
+    python -m benchmarks.bench_checkpoint --quick    # small state, seconds
+    from benchmarks.bench_checkpoint import run; run({"layers": 8})   # -> dict of figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+
+from datapipe.checkpoint import CheckpointWriter
+
+DEFAULTS: dict[str, Any] = {
+    "layers": 64, "width": 1024, "saves": 3, "dir": None, "batch": 64,
+    "train_steps": 8, "dcp": True, "torch_save": True, "compression": None,
+}
+QUICK = {"layers": 8, "width": 512, "saves": 2, "train_steps": 4}
+
+
+def _state(layers: int, width: int):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    _step(model, opt, 8, width)
+    return model, opt
+
+
+def _step(model, opt, batch: int, width: int) -> None:
+    model(torch.randn(batch, width)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+
+
+def _tensors(state: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(state)
+    return out
+
+
+def _fsync_dir(path: str) -> None:
+    for root, dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
+def floors(state: Any, work: str) -> dict[str, float]:
+    ts = _tensors(state)
+    nbytes = sum(t.numel() * t.element_size() for t in ts)
+    gc.collect()
+    t0 = time.perf_counter()
+    clones = [t.clone() for t in ts]  # fresh memory: page faults included
+    clone_s = time.perf_counter() - t0
+    memcpy = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for d, s in zip(clones, ts):
+            d.copy_(s)
+        memcpy.append(time.perf_counter() - t0)
+    del clones
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    flat.fill_(1)
+    view = memoryview(flat.numpy())
+    disk = []
+    for i in range(2):
+        path = os.path.join(work, f"floor-{i}.bin")
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            f.write(view)
+            f.flush()
+            os.fsync(f.fileno())
+        disk.append(time.perf_counter() - t0)
+        os.unlink(path)
+    return {"bytes": nbytes, "tensors": len(ts), "memcpy_s": min(memcpy), "clone_fresh_s": clone_s,
+            "disk_s": min(disk), "disk_runs_s": disk, "disk_gbps": nbytes / min(disk) / 1e9}
+
+
+def bench_datapipe(state: Any, work: str, saves: int, compression: str | None) -> dict[str, Any]:
+    url = os.path.join(work, "datapipe")
+    w = CheckpointWriter(url, keep_last=2, compression=compression)
+    runs = []
+    for i in range(saves):
+        h = w.save(i, state)
+        stall = h.metrics["stall_s"]
+        m = h.wait()
+        runs.append({"stall_s": stall, "total_s": m["total_s"], "write_gbps": m["write_gbps"],
+                     "staging_gbps": m["staging_gbps"], "waited_s": m["waited_s"]})
+    w.close()
+    shutil.rmtree(url, ignore_errors=True)
+    # a new writer told the layout ahead (meta tensors), prepared off the training path
+    with torch.device("meta"):
+        layout = [torch.empty_like(t) for t in _tensors(state)]
+    w = CheckpointWriter(url, keep_last=2, compression=compression)
+    t0 = time.perf_counter()
+    w.prepare(_as_layout(state, iter(layout)), block=True)
+    prepare_s = time.perf_counter() - t0
+    h = w.save(0, state)
+    prepared_stall = h.metrics["stall_s"]
+    prepared_total = h.wait()["total_s"]
+    w.close()
+    shutil.rmtree(url, ignore_errors=True)
+    steady = runs[1:] or runs
+    return {
+        "first_stall_s": runs[0]["stall_s"], "first_total_s": runs[0]["total_s"],
+        "steady_stall_s": statistics.median(r["stall_s"] for r in steady),
+        "steady_total_s": statistics.median(r["total_s"] for r in steady),
+        "prepare_s": prepare_s, "prepared_first_stall_s": prepared_stall,
+        "prepared_first_total_s": prepared_total, "runs": runs,
+    }
+
+
+def _as_layout(state: Any, it) -> Any:
+    """The state's structure with each tensor replaced by the next meta tensor."""
+    if isinstance(state, torch.Tensor):
+        return next(it)
+    if isinstance(state, dict):
+        return {k: _as_layout(v, it) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_as_layout(v, it) for v in state)
+    return state
+
+
+def bench_torch_save(state: Any, work: str, saves: int) -> dict[str, Any]:
+    runs = []
+    for i in range(saves):
+        path = os.path.join(work, f"torch-{i}.pt")
+        t0 = time.perf_counter()
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        runs.append(time.perf_counter() - t0)
+        os.unlink(path)
+    return {"first_stall_s": runs[0], "first_total_s": runs[0],
+            "steady_stall_s": statistics.median(runs[1:] or runs),
+            "steady_total_s": statistics.median(runs[1:] or runs), "runs": runs}
+
+
+def bench_dcp(state: Any, work: str, saves: int) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    runs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        for i in range(saves):
+            path = os.path.join(work, f"dcp-{i}")
+            t0 = time.perf_counter()
+            fut = dcp.async_save(state, checkpoint_id=path)
+            stall = time.perf_counter() - t0
+            fut.result()
+            runs.append({"stall_s": stall, "total_s": time.perf_counter() - t0})
+            shutil.rmtree(path, ignore_errors=True)
+    steady = runs[1:] or runs
+    return {"first_stall_s": runs[0]["stall_s"], "first_total_s": runs[0]["total_s"],
+            "steady_stall_s": statistics.median(r["stall_s"] for r in steady),
+            "steady_total_s": statistics.median(r["total_s"] for r in steady), "runs": runs,
+            "process_group": False}
+
+
+def bench_training(model, opt, state_fn, work: str, batch: int, width: int, steps: int) -> dict[str, Any]:
+    """Mean step time without a save, and while a datapipe save persists (stall excluded)."""
+    for _ in range(2):
+        _step(model, opt, batch, width)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        _step(model, opt, batch, width)
+    base = (time.perf_counter() - t0) / steps
+    url = os.path.join(work, "train")
+    w = CheckpointWriter(url, keep_last=1)
+    w.save(0, state_fn()).wait()  # warm the staging buffer: measure the steady state
+    during, overlapped = [], 0
+    h = w.save(1, state_fn())
+    while not h.done() or not during:
+        t0 = time.perf_counter()
+        _step(model, opt, batch, width)
+        during.append(time.perf_counter() - t0)
+        overlapped += not h.done()
+    persist_s = h.wait()["total_s"]
+    w.close()
+    shutil.rmtree(url, ignore_errors=True)
+    mean_during = statistics.mean(during)
+    return {"step_s": base, "step_during_save_s": mean_during, "ratio": mean_during / base,
+            "steps_overlapped": overlapped, "persist_s": persist_s}
+
+
+def run(config: dict[str, Any] | None = None) -> dict[str, Any]:
+    cfg = dict(DEFAULTS)
+    if config and config.get("quick"):
+        cfg.update(QUICK)
+    cfg.update({k: v for k, v in (config or {}).items() if v is not None and k != "quick"})
+    work = tempfile.mkdtemp(prefix="bench-ckpt-", dir=cfg["dir"])
+    try:
+        model, opt = _state(cfg["layers"], cfg["width"])
+        state_fn = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
+        state = state_fn()
+        out: dict[str, Any] = {"config": cfg, "torch_threads": torch.get_num_threads(),
+                               "cpus": os.cpu_count()}
+        out["floors"] = floors(state, work)
+        out["datapipe"] = bench_datapipe(state, work, cfg["saves"], cfg["compression"])
+        if cfg["torch_save"]:
+            out["torch_save"] = bench_torch_save(state, work, cfg["saves"])
+        if cfg["dcp"]:
+            out["dcp_async_save"] = bench_dcp(state, work, cfg["saves"])
+        out["training"] = bench_training(model, opt, state_fn, work, cfg["batch"], cfg["width"],
+                                         cfg["train_steps"])
+        out["ratios"] = ratios(out)
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def ratios(out: dict[str, Any]) -> dict[str, float]:
+    f, d = out["floors"], out["datapipe"]
+    return {
+        "steady_stall_vs_memcpy": d["steady_stall_s"] / f["memcpy_s"],
+        "first_stall_vs_clone": d["first_stall_s"] / f["clone_fresh_s"],
+        "prepared_first_stall_s": d["prepared_first_stall_s"],
+        "steady_total_vs_disk": d["steady_total_s"] / f["disk_s"],
+        "step_time_while_persisting": out["training"]["ratio"],
+    }
+
+
+TARGETS = {"steady_stall_vs_memcpy": 1.5, "first_stall_vs_clone": 1.0, "prepared_first_stall_s": 0.3,
+           "steady_total_vs_disk": 1.2, "step_time_while_persisting": 1.1}
+
+
+def table(out: dict[str, Any]) -> str:
+    f = out["floors"]
+    lines = [f"state: {f['bytes'] / 2**30:.3f} GiB in {f['tensors']} tensors; "
+             f"floors: memcpy {f['memcpy_s']:.3f} s, fresh clone {f['clone_fresh_s']:.3f} s, "
+             f"disk {f['disk_s']:.3f} s ({f['disk_gbps']:.2f} GB/s)",
+             f"{'method':<16}{'1st stall':>10}{'stall':>9}{'1st total':>10}{'total':>9}"
+             f"{'stall/memcpy':>13}{'1st/clone':>10}{'total/disk':>11}"]
+    for name in ("datapipe", "torch_save", "dcp_async_save"):
+        r = out.get(name)
+        if r is None:
+            continue
+        lines.append(f"{name:<16}{r['first_stall_s']:>10.3f}{r['steady_stall_s']:>9.3f}"
+                     f"{r['first_total_s']:>10.3f}{r['steady_total_s']:>9.3f}"
+                     f"{r['steady_stall_s'] / f['memcpy_s']:>13.2f}"
+                     f"{r['first_stall_s'] / f['clone_fresh_s']:>10.2f}"
+                     f"{r['steady_total_s'] / f['disk_s']:>11.2f}")
+    d, t = out["datapipe"], out["training"]
+    lines.append(f"datapipe prepared ahead: prepare {d['prepare_s']:.3f} s off the path, "
+                 f"first stall {d['prepared_first_stall_s']:.3f} s")
+    lines.append(f"training step {t['step_s'] * 1e3:.1f} ms; while a save persists "
+                 f"{t['step_during_save_s'] * 1e3:.1f} ms ({t['ratio']:.2f}x, {t['steps_overlapped']} steps)")
+    lines.append("targets: " + ", ".join(
+        f"{k} {out['ratios'][k]:.2f} (<= {v}: {'met' if out['ratios'][k] <= v else 'MISSED'})"
+        for k, v in TARGETS.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small state, a few seconds")
+    p.add_argument("--layers", type=int, help="Linear layers (default 64: ~0.75 GiB with Adam)")
+    p.add_argument("--width", type=int, help="features per layer (default 1024)")
+    p.add_argument("--saves", type=int, help="saves per method (default 3; the first is cold)")
+    p.add_argument("--dir", help="where to write (default: a temporary directory)")
+    p.add_argument("--compression", choices=["zstd"], help="datapipe chunk compression")
+    p.add_argument("--no-dcp", dest="dcp", action="store_false", default=None)
+    p.add_argument("--no-torch-save", dest="torch_save", action="store_false", default=None)
+    p.add_argument("--json", help="also write the figures to this file")
+    a = p.parse_args(argv)
+    out = run({k: v for k, v in vars(a).items() if k != "json"})
+    print(table(out))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
