@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import CorruptShardError
 
-__all__ = ["DEFAULT_DECODERS", "make_decoder"]
+__all__ = ["DEFAULT_DECODERS", "SampleDecoder", "make_decoder"]
 
 
 def _text(b: bytes) -> str:
@@ -45,55 +45,52 @@ DEFAULT_DECODERS: dict[str, Callable[[bytes], Any]] = {
 }
 
 
-Decoder = Callable[[dict[str, Any], str], dict[str, Any]]
+class SampleDecoder:
+    """``decoder(sample, where) -> item``: picklable, so it travels into spawned workers."""
 
+    def __init__(self, table: Mapping[str, Callable[[bytes], Any]] | None,
+                 user: Callable[[dict[str, Any]], Any] | None = None,
+                 map_fn: Callable[[Any], Any] | None = None) -> None:
+        self.table = dict(table) if table is not None else None
+        self.user = user
+        self.map_fn = map_fn
 
-def _by_extension(table: Mapping[str, Callable[[bytes], Any]]) -> Decoder:
-    def decode(sample: dict[str, Any], where: str) -> dict[str, Any]:
+    def __call__(self, sample: dict[str, Any], where: str) -> Any:
+        if self.user is not None:
+            item = self.user(sample)
+        else:
+            item = sample
+            if self.table:
+                self._by_extension(sample, where)
+        return item if self.map_fn is None else self.map_fn(item)
+
+    def _by_extension(self, sample: dict[str, Any], where: str) -> None:
+        table = self.table
         for field, value in sample.items():
             if field[:2] == "__":
                 continue
-            fn = table.get(field.rpartition(".")[2].lower())
+            ext = field.rpartition(".")[2].lower()
+            fn = table.get(ext)
             if fn is None:
                 continue
             try:
                 sample[field] = fn(value)
             except Exception as e:  # a decoder of user data can raise anything
                 raise CorruptShardError(
-                    f"{where}: field {field!r} does not decode as .{field.rpartition('.')[2]}: "
-                    f"{type(e).__name__}: {e}"
+                    f"{where}: field {field!r} does not decode as .{ext}: {type(e).__name__}: {e}"
                 ) from e
-        return sample
-
-    return decode
 
 
-def _identity(sample: dict[str, Any], where: str) -> dict[str, Any]:
-    return sample
-
-
-def make_decoder(decode: Any = "auto", map_fn: Callable[[dict[str, Any]], Any] | None = None) -> Callable[
-        [dict[str, Any], str], Any]:
-    """A function ``(sample, where) -> item`` applying ``decode`` then ``map_fn``."""
-    if decode == "auto":
-        base = _by_extension(DEFAULT_DECODERS)
-    elif decode is None or decode == "raw":
-        base = _identity
-    elif isinstance(decode, Mapping):
-        base = _by_extension({**DEFAULT_DECODERS, **{k.lower(): v for k, v in decode.items()}})
-    elif callable(decode):
-        user = decode
-
-        def base(sample: dict[str, Any], where: str) -> Any:
-            return user(sample)
-    else:
-        raise ValueError(f"decode must be 'auto', 'raw', None, a dict of ext -> fn or a callable, got {decode!r}")
-    if map_fn is None:
-        return base
-    if not callable(map_fn):
+def make_decoder(decode: Any = "auto", map_fn: Callable[[Any], Any] | None = None) -> SampleDecoder:
+    """A picklable function ``(sample, where) -> item`` applying ``decode`` then ``map_fn``."""
+    if map_fn is not None and not callable(map_fn):
         raise ValueError(f"map must be callable, got {map_fn!r}")
-
-    def decode_and_map(sample: dict[str, Any], where: str) -> Any:
-        return map_fn(base(sample, where))
-
-    return decode_and_map
+    if decode == "auto":
+        return SampleDecoder(DEFAULT_DECODERS, None, map_fn)
+    if decode is None or decode == "raw":
+        return SampleDecoder(None, None, map_fn)
+    if isinstance(decode, Mapping):
+        return SampleDecoder({**DEFAULT_DECODERS, **{k.lower(): v for k, v in decode.items()}}, None, map_fn)
+    if callable(decode):
+        return SampleDecoder(None, decode, map_fn)
+    raise ValueError(f"decode must be 'auto', 'raw', None, a dict of ext -> fn or a callable, got {decode!r}")
