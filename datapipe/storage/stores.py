@@ -46,7 +46,7 @@ def split_url(url: str) -> tuple[str, str]:
     """``'s3://b/p/x.tar' -> ('s3://b/p', 'x.tar')``: the parent URL and the last name."""
     url = url.rstrip("/")
     head, _, name = url.rpartition("/")
-    if not name or (head.endswith(":/") or head.endswith(":")):
+    if not name or name.endswith(":") or head.endswith(":/") or head.endswith(":"):
         raise StorageError(f"{url!r} names no object inside a container")
     return head, name
 
@@ -392,14 +392,18 @@ class FsspecStore(Store):
     @contextmanager
     def open_writer(self, key: str) -> Iterator[BinaryIO]:
         # Object stores publish an object when its upload completes; on failure the
-        # multipart upload is discarded so nothing partial appears. For filesystems
-        # without `discard`, write to memory and publish with one put.
-        try:
-            f = self.fs.open(self._path(key), "wb")
-        except Exception as e:
-            raise self._translate(key, e) from e
-        if not hasattr(f, "discard"):
-            f.close()
+        # multipart upload is discarded so nothing partial appears. Other filesystems
+        # (memory:// publishes a file the moment it is opened) write to memory and
+        # publish with one put.
+        f = None
+        if self.protocol in _STREAMING_WRITE_PROTOCOLS:
+            try:
+                f = self.fs.open(self._path(key), "wb")
+            except Exception as e:
+                raise self._translate(key, e) from e
+        if f is None or not hasattr(f, "discard"):
+            if f is not None:
+                f.close()
             buf = io.BytesIO()
             yield buf
             self.put(key, buf.getbuffer())
@@ -436,7 +440,8 @@ class FsspecStore(Store):
             raise self._translate(key, e) from e
 
     def list(self, prefix: str = "") -> list[str]:
-        root = self.root.split("://", 1)[1].rstrip("/")
+        # Backends spell paths differently (memory:// keeps a leading "/"); compare bare.
+        root = self.root.split("://", 1)[1].strip("/")
         try:
             self.fs.invalidate_cache()
             found = self.fs.find(self._path(""), withdirs=False)
@@ -446,11 +451,14 @@ class FsspecStore(Store):
             raise self._translate("", e) from e
         out = []
         for p in found:
-            p = p.split("://", 1)[-1]
+            p = p.split("://", 1)[-1].lstrip("/")
             rel = p[len(root) :].lstrip("/") if p.startswith(root) else p
             if rel.startswith(prefix):
                 out.append(rel)
         return sorted(out)
+
+
+_STREAMING_WRITE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "abfss"}
 
 
 def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store:

@@ -1,0 +1,142 @@
+"""One conformance suite, run against every Store implementation (zarr v3's pattern)."""
+
+import asyncio
+import pickle
+import uuid
+
+import pytest
+
+from datapipe.errors import ObjectNotFoundError, StorageError, TruncatedReadError
+from datapipe.storage import (
+    FaultInjectingStore,
+    FsspecStore,
+    LocalStore,
+    MemoryStore,
+    join_url,
+    open_store,
+    split_url,
+)
+
+
+class StoreConformance:
+    """Subclasses provide a fresh ``store`` fixture."""
+
+    def test_put_get_roundtrip(self, store):
+        store.put("a.bin", b"hello world")
+        assert store.get("a.bin") == b"hello world"
+        store.put("a.bin", memoryview(b"replaced"))
+        assert store.get("a.bin") == b"replaced"
+        assert store.size("a.bin") == 8
+        assert store.exists("a.bin")
+
+    def test_ranges(self, store):
+        store.put("r", bytes(range(100)))
+        assert store.get_range("r", 10, 20) == bytes(range(10, 20))
+        assert store.get_range("r", 5, 5) == b""
+        with pytest.raises(StorageError):
+            store.get_range("r", 20, 10)
+        with pytest.raises(TruncatedReadError):
+            store.get_range("r", 90, 120)
+        buf = bytearray(30)
+        assert store.readinto("r", memoryview(buf), 50) == 30
+        assert bytes(buf) == bytes(range(50, 80))
+
+    def test_missing_object(self, store):
+        assert not store.exists("nope")
+        with pytest.raises(ObjectNotFoundError, match="nope"):
+            store.get("nope")
+        with pytest.raises(ObjectNotFoundError, match="nope"):
+            store.size("nope")
+        store.delete("nope")  # not an error
+
+    def test_delete_and_list(self, store):
+        for k in ("d/b", "d/a", "e/c", "dx"):
+            store.put(k, b"x")
+        assert store.list("d/") == ["d/a", "d/b"]
+        assert store.list("d") == ["d/a", "d/b", "dx"]
+        store.delete("d/a")
+        assert not store.exists("d/a")
+        assert store.list() == ["d/b", "dx", "e/c"]
+
+    def test_writer_publishes_only_on_success(self, store):
+        with store.open_writer("w") as f:
+            f.write(b"part1")
+            f.write(b"part2")
+        assert store.get("w") == b"part1part2"
+        with pytest.raises(RuntimeError):
+            with store.open_writer("w2") as f:
+                f.write(b"half")
+                raise RuntimeError("boom")
+        assert not store.exists("w2")
+        assert store.list() == ["w"]
+
+    def test_async_twins(self, store):
+        async def go():
+            await store.aput("x", b"abc")
+            return (await store.aget("x"), await store.aget_range("x", 1, 3),
+                    await store.aexists("x"), await store.asize("x"))
+
+        assert asyncio.run(go()) == (b"abc", b"bc", True, 3)
+
+
+class TestMemoryStore(StoreConformance):
+    @pytest.fixture
+    def store(self):
+        return MemoryStore()
+
+
+class TestLocalStore(StoreConformance):
+    @pytest.fixture
+    def store(self, tmp_path):
+        return LocalStore(str(tmp_path / "root"))
+
+    def test_no_temporary_left_and_url_is_path(self, store, tmp_path):
+        store.put("k/v", b"1")
+        assert store.url("k/v") == str(tmp_path / "root" / "k" / "v")
+        assert [p.name for p in (tmp_path / "root" / "k").iterdir()] == ["v"]
+
+
+class TestFsspecMemoryStore(StoreConformance):
+    @pytest.fixture
+    def store(self):
+        return FsspecStore(f"memory://t-{uuid.uuid4().hex[:8]}")
+
+
+class TestS3Store(StoreConformance):
+    @pytest.fixture
+    def store(self, s3):
+        root, opts = s3
+        return open_store(root, opts)
+
+    def test_pickles_without_its_filesystem(self, store):
+        store.put("p", b"1")
+        clone = pickle.loads(pickle.dumps(store))
+        assert clone._fs is None and clone.get("p") == b"1"
+
+
+class TestFaultInjectingStore(StoreConformance):
+    @pytest.fixture
+    def store(self):
+        return FaultInjectingStore(MemoryStore())
+
+    def test_plan_is_per_key_and_in_order(self):
+        s = FaultInjectingStore(MemoryStore(), errors=1, truncations=1, corruptions=1)
+        s.put("k", b"abcdef")
+        with pytest.raises(StorageError, match="SlowDown"):
+            s.get("k")
+        assert s.get("k") == b"abc"
+        assert s.get("k") == bytes([ord("a") ^ 0xFF]) + b"bcdef"
+        assert s.get("k") == b"abcdef"
+        assert s.injected == {"503": 1, "truncate": 1, "corrupt": 1}
+
+
+def test_url_helpers():
+    assert split_url("s3://b/p/x.tar") == ("s3://b/p", "x.tar")
+    assert split_url("/data/x.tar") == ("/data", "x.tar")
+    assert join_url("s3://b/p/", "/x") == "s3://b/p/x"
+    with pytest.raises(StorageError):
+        split_url("s3://")
+    assert isinstance(open_store("/tmp"), LocalStore)
+    assert isinstance(open_store("memory://x"), FsspecStore)
+    with pytest.raises(StorageError, match="no fsspec backend"):
+        open_store("nosuchproto://x").exists("y")
