@@ -131,8 +131,10 @@ class ShardSource:
     def fetch(self, g: int, cache: Any = None) -> ShardData:
         """Shard ``g``'s bytes and sample table (blocking; run it off the event loop)."""
         ix, info = self.info(g)
+        local = g - int(self.shard_base[int(self.source_of[g])])
         try:
-            table = ix.shard_samples(g - int(self.shard_base[int(self.source_of[g])]))
+            # the sample table is read in row groups from the store: retried like shard bytes
+            table = call_with_retry(lambda: ix.shard_samples(local), f"{ix.url} sample table", self.retry)
         except DatapipeError:
             raise
         except Exception as e:  # pyarrow errors on a damaged samples.parquet
