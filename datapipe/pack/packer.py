@@ -84,9 +84,20 @@ def _init_worker(counters: Any) -> None:
     _progress = counters
 
 
-def _read_file(path: str) -> bytes:
-    with open(path, "rb", buffering=0) as f:
-        return f.readall()
+def _read_file(path: str, size: int) -> bytes:
+    """The whole file: one read of the size seen when listing (plus one byte, to notice
+    growth), without the stat and EOF read of ``readall``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.read(fd, size + 1)
+        if len(data) > size:
+            chunks = [data]
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            data = b"".join(chunks)
+        return data
+    finally:
+        os.close(fd)
 
 
 def _pack_files(store: Store, name: str, compression: str, level: int, samples: list[FileSample],
@@ -98,8 +109,8 @@ def _pack_files(store: Store, name: str, compression: str, level: int, samples: 
         for s in samples:
             sample: dict[str, Any] = {"__key__": s.key}
             try:
-                for fld, path in s.files:
-                    sample[fld] = _read_file(path)
+                for fld, path, size in s.files:
+                    sample[fld] = _read_file(path, size)
             except OSError as e:
                 if not skip_errors:
                     raise InputFileError(
@@ -118,7 +129,7 @@ def _pack_files(store: Store, name: str, compression: str, level: int, samples: 
             raise _AllSkipped(skipped)
         record = b.finish()
     _bump(done_samples, done_bytes)
-    return {"record": asdict(record), "samples": asdict(b.records), "fields": sorted(b.fields), "skipped": skipped}
+    return {"record": asdict(record), "samples": vars(b.records), "fields": sorted(b.fields), "skipped": skipped}
 
 
 def _bump(samples: int, nbytes: int) -> None:
@@ -264,7 +275,10 @@ def _pack_directory(src: str, store: Store, opts: dict[str, Any], workers: int |
     result = PackResult("", len(plan), 0, 0, 0, 0.0, resumed_shards=len(plan) - len(todo),
                         skipped=list(listing.bad), ignored=len(listing.ignored))
     nworkers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
-    counters = mp.get_context("spawn").Array("q", 2)
+    # fork: no `if __name__ == "__main__"` guard needed in callers' scripts, and workers
+    # start in milliseconds; filesystem objects are re-created per process (FsspecStore)
+    ctx = mp.get_context("fork")
+    counters = ctx.Array("q", 2)
     bar = _progress_bar(sum(len(plan[i]) for i in todo), progress)
     stop = threading.Event()
 
@@ -290,7 +304,6 @@ def _pack_directory(src: str, store: Store, opts: dict[str, Any], workers: int |
             finally:
                 _init_worker(None)
         else:
-            ctx = mp.get_context("spawn")
             with ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=_init_worker,
                                      initargs=(counters,)) as pool:
                 futures: dict[Future, str] = {pool.submit(_run, a): a[1] for a in args}
@@ -377,7 +390,7 @@ def _pack_table(src: str, kind: str, store: Store, opts: dict[str, Any], progres
                 for key, parts, flds in pending:
                     b.add_encoded(key, parts, flds)
                 record = b.finish()
-            res = {"record": asdict(record), "samples": asdict(b.records), "fields": sorted(b.fields)}
+            res = {"record": asdict(record), "samples": vars(b.records), "fields": sorted(b.fields)}
             work.record(name, res)
             done[name] = res
         pending, pending_bytes = [], 0

@@ -18,7 +18,7 @@ __all__ = ["FileSample", "DirectoryListing", "list_directory", "iter_table", "co
 @dataclass
 class FileSample:
     key: str
-    files: list[tuple[str, str]]  # (field, absolute path), sorted by field
+    files: list[tuple[str, str, int]]  # (field, absolute path, size when listed), sorted by field
     tar_bytes: int  # estimated size in the tar (headers + padded data)
 
 
@@ -56,19 +56,23 @@ def list_directory(root: str, skip_errors: bool = False) -> DirectoryListing:
     root = os.path.abspath(root)
     groups: dict[str, list[tuple[str, str, int]]] = {}
     out = DirectoryListing([])
+    checked: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         rel_dir = os.path.relpath(dirpath, root)
+        prefix = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
         for name in filenames:
             path = os.path.join(dirpath, name)
-            rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
+            rel = prefix + name
             cut = split_member_name(rel)
             if cut is None:
                 out.ignored.append(path)
                 continue
             try:
-                rel.encode("utf-8")
-                check_key(cut[0])
+                if cut[0] not in checked:
+                    rel.encode("utf-8")
+                    check_key(cut[0])
+                    checked.add(cut[0])
             except (UnicodeEncodeError, InvalidMemberNameError) as e:
                 reason = f"file name cannot be stored in tar as UTF-8: {e}"
                 if not skip_errors:
@@ -76,17 +80,17 @@ def list_directory(root: str, skip_errors: bool = False) -> DirectoryListing:
                 out.bad.append((path, reason))
                 continue
             try:
-                st = os.stat(path)
+                size = os.stat(path).st_size
             except OSError as e:
                 if not skip_errors:
                     raise InputFileError(f"cannot stat {path}: {e.strerror} (pass --skip-errors to skip it)") from None
                 out.bad.append((path, e.strerror or str(e)))
                 continue
-            groups.setdefault(cut[0], []).append((cut[1], path, st.st_size))
+            groups.setdefault(cut[0], []).append((cut[1], path, size))
     for key in sorted(groups):
         files = sorted(groups[key])
         size = sum(_member_tar_bytes(f"{key}.{f}", s) for f, _, s in files)
-        out.samples.append(FileSample(key, [(f, p) for f, p, _ in files], size))
+        out.samples.append(FileSample(key, files, size))
     if not out.samples:
         raise EmptyInputError(f"no sample found under {root} (files need a 'key.field' name)")
     return out
