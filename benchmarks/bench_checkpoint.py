@@ -223,7 +223,7 @@ def run(config: dict[str, Any] | None = None) -> dict[str, Any]:
         state_fn = lambda: {"model": model.state_dict(), "optim": opt.state_dict()}  # noqa: E731
         state = state_fn()
         out: dict[str, Any] = {"config": cfg, "torch_threads": torch.get_num_threads(),
-                               "cpus": os.cpu_count()}
+                               "cpus": os.cpu_count(), "loadavg_before": os.getloadavg()}
         out["floors"] = floors(state, work)
         out["datapipe"] = bench_datapipe(state, work, cfg["saves"], cfg["compression"])
         if cfg["torch_save"]:
@@ -233,6 +233,7 @@ def run(config: dict[str, Any] | None = None) -> dict[str, Any]:
         out["training"] = bench_training(model, opt, state_fn, work, cfg["batch"], cfg["width"],
                                          cfg["train_steps"])
         out["ratios"] = ratios(out)
+        out["loadavg_after"] = os.getloadavg()
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -255,7 +256,9 @@ TARGETS = {"steady_stall_vs_memcpy": 1.5, "first_stall_vs_clone": 1.0, "prepared
 
 def table(out: dict[str, Any]) -> str:
     f = out["floors"]
-    lines = [f"state: {f['bytes'] / 2**30:.3f} GiB in {f['tensors']} tensors; "
+    lines = [f"machine: {out['cpus']} cpus, load average {out['loadavg_before'][0]:.1f} before, "
+             f"{out['loadavg_after'][0]:.1f} after (other processes share these cores)",
+             f"state: {f['bytes'] / 2**30:.3f} GiB in {f['tensors']} tensors; "
              f"floors: memcpy {f['memcpy_s']:.3f} s, fresh clone {f['clone_fresh_s']:.3f} s, "
              f"disk {f['disk_s']:.3f} s ({f['disk_gbps']:.2f} GB/s)",
              f"{'method':<16}{'1st stall':>10}{'stall':>9}{'1st total':>10}{'total':>9}"

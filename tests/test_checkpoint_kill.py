@@ -104,3 +104,20 @@ def test_write_failure_surfaces_and_previous_stays(tmp_path):
         state = load_checkpoint(url)
     assert torch.equal(state["x"], torch.ones(1000))
     assert [(s, c) for s, c in list_checkpoints(url)] in ([(1, True), (2, False)], [(1, True)])
+
+
+CHILD_EXIT_WITHOUT_CLOSE = r"""
+import sys, torch
+from datapipe.checkpoint import CheckpointWriter
+w = CheckpointWriter(sys.argv[1], chunk_bytes=1 << 16)
+w.save(7, {"x": torch.arange(1 << 20)})
+# no wait(), no close(): the interpreter's exit flushes the save in flight
+"""
+
+
+def test_exit_without_close_flushes(tmp_path):
+    url = str(tmp_path / "ckpt")
+    out = subprocess.run([sys.executable, "-c", CHILD_EXIT_WITHOUT_CLOSE, url], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert torch.equal(load_checkpoint(url)["x"], torch.arange(1 << 20))

@@ -11,7 +11,6 @@ the wait. A failure in the background is kept and raised at the next ``save()``,
 from __future__ import annotations
 
 import atexit
-import concurrent.futures as cf
 import queue
 import re
 import sys
@@ -23,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checksum import checksum
-from ..errors import CheckpointError, DatapipeError
+from ..errors import CheckpointError
 from ..storage import open_store
 from .commit import apply_retention, await_parts, sync_dirs, write_latest, write_manifest
 from .flatten import Leaf, flatten
@@ -176,10 +175,12 @@ class CheckpointWriter:
         self._closed = False
         self._tls = threading.local()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._pool = cf.ThreadPoolExecutor(io_threads, thread_name_prefix="datapipe-ckpt-io")
+        self.io_threads = io_threads
         self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
         self._thread.start()
-        atexit.register(_close_at_exit, weakref.ref(self))
+        # Flush at exit before daemon threads stop: threading's exit hooks run before
+        # atexit's, while the writer thread still runs (the hook concurrent.futures uses).
+        getattr(threading, "_register_atexit", atexit.register)(_close_at_exit, weakref.ref(self))
 
     # -- training side -------------------------------------------------------------------
     def prepare(self, state_or_layout: Any, *, block: bool = False) -> None:
@@ -263,7 +264,6 @@ class CheckpointWriter:
             self._closed = True
             self._queue.put(None)
             self._thread.join()
-            self._pool.shutdown(wait=True)
         self._raise_failed()
 
     def __enter__(self) -> "CheckpointWriter":
@@ -306,10 +306,9 @@ class CheckpointWriter:
             except BaseException as e:
                 err = e
                 if not isinstance(e, CheckpointError):
-                    what = type(e).__name__ if isinstance(e, DatapipeError) else f"{type(e).__name__}"
                     err = CheckpointError(
-                        f"saving step {job.step} to {self.url} failed ({what}: {e}); the previous "
-                        "complete checkpoint is untouched"
+                        f"saving step {job.step} to {self.url} failed ({type(e).__name__}: {e}); "
+                        "the previous complete checkpoint is untouched"
                     )
                     err.__cause__ = e
                 self._failed = job.handle  # before the event, so a waiter sees it
@@ -322,12 +321,7 @@ class CheckpointWriter:
     def _persist(self, job: _Job) -> None:
         t0 = time.perf_counter()
         cb = self.chunk_bytes
-        starts = list(range(0, job.total, cb))
-        futs = [self._pool.submit(self._write_chunk, job, i, a, min(a + cb, job.total))
-                for i, a in enumerate(starts)]
-        # Wait for every chunk, failed or not: the staging buffer is reused only after.
-        cf.wait(futs)
-        chunks = [f.result() for f in futs]
+        chunks = self._write_chunks(job, [(a, min(a + cb, job.total)) for a in range(0, job.total, cb)])
         if chunks:
             sync_dirs(self.store, chunks[0]["key"])
         doc = {
@@ -354,6 +348,37 @@ class CheckpointWriter:
                                                  self.keep_last, self.keep_every)
         t2 = time.perf_counter()
         m.update(commit_s=t2 - t1, total_s=t2 - job.t_start)
+
+    def _write_chunks(self, job: _Job, ranges: list[tuple[int, int]]) -> list[dict[str, Any]]:
+        """Write the chunks on ``io_threads`` threads of this save. Own threads, not a pool:
+        a pool refuses work once the interpreter starts to exit, and a flush at exit must
+        still write. Returns only when every thread is done, failed or not: the staging
+        buffer is reused only after that."""
+        results: list[Any] = [None] * len(ranges)
+        errors: list[BaseException] = []
+        next_index = iter(range(len(ranges)))
+        lock = threading.Lock()
+
+        def worker() -> None:
+            while not errors:
+                with lock:
+                    i = next(next_index, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = self._write_chunk(job, i, *ranges[i])
+                except BaseException as e:
+                    errors.append(e)
+
+        threads = [threading.Thread(target=worker, name="datapipe-ckpt-io", daemon=True)
+                   for _ in range(min(self.io_threads, len(ranges)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
 
     def _write_chunk(self, job: _Job, index: int, start: int, end: int) -> dict[str, Any]:
         data = self._staging.view(start, end)
