@@ -23,11 +23,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from ..errors import DatapipeError, PlanError, StateMismatchError
 from ..format import decode_sample
+from ..format.sample import decompress_frame
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
-from .decode import make_decoder
+from .decode import make_decoder, split_plain_members
 from .mixing import Stream, epoch_layout, stream_targets
 from .prefetch import Chunk, Prefetcher
 from .source import ShardSource
@@ -242,26 +244,44 @@ class StreamingDataset(_Base):
         self._report_skipped()
         self._resume = None  # the resumed pass is over; the next pass starts the epoch afresh
 
+    def _open_shard(self, pre: Prefetcher, g: int) -> tuple[Any, Any]:
+        """(shard data or None, fast-path tuple or the fetch error)."""
+        try:
+            data = pre.shard(g)
+        except DatapipeError as e:
+            if self.on_error != "skip":
+                raise
+            return None, e
+        # fast path: every sample has an xxh3 digest and all the bytes are there
+        if data.error is None and data.digests is not None and data.max_end <= len(data.buf):
+            return data, (data.buf, data.offs, data.ends, data.digests, data.compression == "zstd")
+        return data, None
+
     def _read_chunk(self, pre: Prefetcher, chunk: Chunk) -> Iterator[Any]:
         decoder, skip, with_pos = self._decode, self.on_error == "skip", self.return_position
-        current_g, data, failed = -1, None, None
+        hexdigest, split = xxhash.xxh3_64_hexdigest, split_plain_members
+        opened: dict[int, tuple[Any, Any]] = {}
         for g, j in zip(chunk.shard.tolist(), chunk.sample.tolist()):
-            if g != current_g:
-                current_g, failed = g, None
-                try:
-                    data = pre.shard(g)
-                except DatapipeError as e:
-                    if not skip:
-                        raise
-                    failed = e
-            if failed is not None:
-                self.skipped.append((self.source.url(g), None, f"sample #{j}: {failed}"))
+            got = opened.get(g)
+            if got is None:
+                got = opened[g] = self._open_shard(pre, g)
+            data, fast = got
+            if data is None:
+                self.skipped.append((self.source.url(g), None, f"sample #{j}: {fast}"))
                 self._yielded += 1  # a plan step consumed, so resume still lines up
                 continue
             try:
-                key = data.keys[j]
-                where = f"{data.url} sample {key!r} (#{j})"
-                item = decoder(decode_sample(data.sample_bytes(j), data.compression, where), where)
+                sample = None
+                if fast is not None:
+                    buf, offs, ends, digests, zstd = fast
+                    view = buf[offs[j] : ends[j]]
+                    if hexdigest(view) != digests[j]:
+                        data.sample_bytes(j)  # raises the ChecksumError naming the sample
+                    raw = decompress_frame(view, data.where(j)) if zstd else bytes(view)
+                    sample = split(raw)
+                if sample is None:
+                    sample = decode_sample(data.sample_bytes(j), data.compression, data.where(j))
+                item = decoder(sample, data.url)
             except DatapipeError as e:
                 if not skip:
                     raise

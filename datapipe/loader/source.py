@@ -46,6 +46,21 @@ class ShardData:
     #: why the shard's bytes could not be had (its table could): every sample read raises it
     error: Exception | None = None
 
+    def __post_init__(self) -> None:
+        # Plain lists for the reader's hot loop (numpy scalar indexing costs more than the
+        # work per sample); built here, on the prefetch thread.
+        self.offs = self.offsets.tolist()
+        self.ends = (self.offsets + self.lengths).tolist()
+        self.max_end = max(self.ends, default=0)
+        prefix = "xxh3_64:"
+        if self.checksums and all(c and c.startswith(prefix) for c in self.checksums):
+            self.digests: list[str] | None = [c[len(prefix):] for c in self.checksums]
+        else:
+            self.digests = None
+
+    def where(self, j: int) -> str:
+        return f"{self.url} sample {self.keys[j]!r} (#{j})"
+
     def sample_bytes(self, j: int) -> memoryview:
         """Stored bytes of sample ``j``, checked against its checksum."""
         if self.error is not None:
