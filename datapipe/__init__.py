@@ -3,20 +3,43 @@ and checkpoint without stalling."""
 
 __version__ = "0.1.0"
 
+from .checkpoint import CheckpointWriter, list_checkpoints, load_checkpoint  # noqa: E402
 from .dataset import Dataset, DatasetIndex, open_dataset, open_index  # noqa: E402
 from .pack import PackResult, ShardWriter, join_parts, pack  # noqa: E402
+from .storage import TieredCache  # noqa: E402
 from .verify import VerifyReport, verify_dataset  # noqa: E402
 
 __all__ = [
     "__version__",
+    "CheckpointWriter",
     "Dataset",
     "DatasetIndex",
     "PackResult",
     "ShardWriter",
+    "Stream",
+    "StreamingDataLoader",
+    "StreamingDataset",
+    "TieredCache",
+    "VerifyReport",
     "join_parts",
+    "list_checkpoints",
+    "load_checkpoint",
     "open_dataset",
     "open_index",
     "pack",
-    "VerifyReport",
     "verify_dataset",
 ]
+
+
+def __getattr__(name: str):
+    # The loader imports torch when it is installed: load it on first use, so that
+    # `datapipe pack` and friends start fast and torch stays optional.
+    if name in ("StreamingDataset", "Stream"):
+        from . import loader
+
+        return getattr(loader, name)
+    if name == "StreamingDataLoader":
+        from .loader.dataloader import StreamingDataLoader
+
+        return StreamingDataLoader
+    raise AttributeError(f"module 'datapipe' has no attribute {name!r}")

@@ -1,8 +1,11 @@
 """The main job end to end on an embedded default: ``python -m tools.demo``.
 
-Generates a small corpus of small files, packs it into shards, puts them on a cold tier
-(a loopback S3 endpoint, or a local directory with --no-s3), verifies them, and reads
-samples back. Every step prints what it did and how fast.
+Generates a small corpus of small files, packs it into shards on a cold tier (a loopback
+S3 endpoint, or a local directory with --no-s3), verifies them, reads samples back, then
+streams two shuffled epochs through a TieredCache with StreamingDataset and a DataLoader
+with workers into a tiny torch model while CheckpointWriter saves every few steps, stops
+the run mid-epoch as a crash would, resumes from the latest checkpoint with the loader's
+state, and checks that every sample of the interrupted epoch was trained on exactly once.
 """
 
 from __future__ import annotations
@@ -67,6 +70,10 @@ def run(workdir: str, samples: int, use_s3: bool) -> dict:
         dt = time.perf_counter() - t
         print(f"read 50 random samples in {dt * 1e3:.0f} ms; e.g. {s['__key__']}: {s['json'].decode()[:60]}")
         summary["random_access_ms_per_sample"] = round(dt / 50 * 1e3, 2)
+
+        from tools.demo_train import train_and_resume
+
+        summary.update(train_and_resume(dest, workdir, storage_options, _step))
     finally:
         if server is not None:
             server.stop()
