@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import warnings
-from collections import OrderedDict
 
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@ storage only (the process group is destroyed before the saves), per-rank loading
 
 from __future__ import annotations
 
-import os
 import socket
 import warnings
 

@@ -82,8 +82,6 @@ class StagingBuffer:
         self._np = buf.numpy()
 
     def _build_views(self, leaves: list[Leaf], offsets: list[int], total: int) -> None:
-        import torch
-
         from .flatten import torch_dtype_from_name
 
         views: list[Any] = []

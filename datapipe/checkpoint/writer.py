@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import atexit
 import queue
-import re
 import sys
 import threading
 import time
-import uuid
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -28,11 +26,9 @@ from .commit import apply_retention, await_parts, sync_dirs, write_latest, write
 from .flatten import Leaf, flatten
 from .format import chunk_key, encode_doc, part_key
 from .staging import StagingBuffer
+from .topology import agree_run_id, lower_thread_priority, topology
 
 __all__ = ["CheckpointWriter", "SaveHandle"]
-
-_RUN_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
-
 
 class SaveHandle:
     """The future of one save. ``metrics`` fills in as the save progresses: ``stall_s``,
@@ -87,42 +83,6 @@ class _Job:
     t_start: float
 
 
-def _agree_run_id(rank: int, world_size: int, run_id: str | None) -> str:
-    if run_id is not None:
-        if not _RUN_ID_RE.match(run_id):
-            raise CheckpointError(f"run_id must match {_RUN_ID_RE.pattern}, got {run_id!r}")
-        return run_id
-    if world_size == 1:
-        return uuid.uuid4().hex[:12]
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        # One collective at construction, never in the background: rank 0 draws the id.
-        import torch as _torch
-
-        dev = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        t = _torch.randint(0, 2**62, (1,), dtype=_torch.int64, device=dev)
-        dist.broadcast(t, src=0)
-        return f"{int(t.item()):016x}"
-    raise CheckpointError(
-        "world_size > 1 without an initialized torch.distributed: pass run_id=<the same fresh "
-        "string on every rank> so that the ranks' parts of one save can be matched"
-    )
-
-
-def _topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None)
-    live = dist is not None and dist.is_available() and dist.is_initialized()
-    if rank is None:
-        rank = dist.get_rank() if live else 0
-    if world_size is None:
-        world_size = dist.get_world_size() if live else 1
-    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
-        raise CheckpointError(f"invalid rank {rank!r} for world_size {world_size!r}")
-    return rank, world_size
-
-
 def _close_at_exit(ref: Any) -> None:
     w = ref()
     if w is not None and not w._closed:
@@ -161,8 +121,8 @@ class CheckpointWriter:
             raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         self.url = url
         self.store = open_store(url, storage_options)
-        self.rank, self.world_size = _topology(rank, world_size)
-        self.run_id = _agree_run_id(self.rank, self.world_size, run_id)
+        self.rank, self.world_size = topology(rank, world_size)
+        self.run_id = agree_run_id(self.rank, self.world_size, run_id)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.compression, self.zstd_level = compression, zstd_level
         self.chunk_bytes, self.if_busy, self.commit_timeout = chunk_bytes, if_busy, commit_timeout
@@ -297,6 +257,7 @@ class CheckpointWriter:
 
     # -- background side -----------------------------------------------------------------
     def _run(self) -> None:
+        lower_thread_priority()
         while True:
             job = self._queue.get()
             if job is None:
@@ -360,6 +321,7 @@ class CheckpointWriter:
         lock = threading.Lock()
 
         def worker() -> None:
+            lower_thread_priority()
             while not errors:
                 with lock:
                     i = next(next_index, None)
