@@ -62,63 +62,69 @@ def _tensors(state: Any) -> list[torch.Tensor]:
     return out
 
 
-def _fsync_dir(path: str) -> None:
-    for root, dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+def _memcpy_s(dst: list[torch.Tensor], src: list[torch.Tensor]) -> float:
+    """Floor of a steady-state stall: one copy into preallocated, touched buffers."""
+    t0 = time.perf_counter()
+    for d, s in zip(dst, src):
+        d.copy_(s)
+    return time.perf_counter() - t0
 
 
-def floors(state: Any, work: str) -> dict[str, float]:
-    ts = _tensors(state)
-    nbytes = sum(t.numel() * t.element_size() for t in ts)
+def _clone_s(src: list[torch.Tensor]) -> float:
+    """Floor of a first stall: a fresh clone, page faults included."""
     gc.collect()
     t0 = time.perf_counter()
-    clones = [t.clone() for t in ts]  # fresh memory: page faults included
-    clone_s = time.perf_counter() - t0
-    memcpy = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for d, s in zip(clones, ts):
-            d.copy_(s)
-        memcpy.append(time.perf_counter() - t0)
+    clones = [t.clone() for t in src]
+    dt = time.perf_counter() - t0
     del clones
-    flat = torch.empty(nbytes, dtype=torch.uint8)
-    flat.fill_(1)
-    view = memoryview(flat.numpy())
-    disk = []
-    for i in range(2):
-        path = os.path.join(work, f"floor-{i}.bin")
-        t0 = time.perf_counter()
-        with open(path, "wb") as f:
-            f.write(view)
-            f.flush()
-            os.fsync(f.fileno())
-        disk.append(time.perf_counter() - t0)
-        os.unlink(path)
-    return {"bytes": nbytes, "tensors": len(ts), "memcpy_s": min(memcpy), "clone_fresh_s": clone_s,
-            "disk_s": min(disk), "disk_runs_s": disk, "disk_gbps": nbytes / min(disk) / 1e9}
+    return dt
+
+
+def _disk_s(view: memoryview, path: str) -> float:
+    """Floor of the total: the same bytes written sequentially to one file and fsync'd."""
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(view)
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    os.unlink(path)
+    return dt
 
 
 def bench_datapipe(state: Any, work: str, saves: int, compression: str | None) -> dict[str, Any]:
+    """Each steady save is measured next to its floors (memcpy just before, disk write
+    just after), so that a ratio compares two things seen under the same machine load."""
+    ts = _tensors(state)
+    nbytes = sum(t.numel() * t.element_size() for t in ts)
+    dst = [t.clone() for t in ts]
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    flat.fill_(1)
+    view = memoryview(flat.numpy())
+    floor_path = os.path.join(work, "floor.bin")
     url = os.path.join(work, "datapipe")
     w = CheckpointWriter(url, keep_last=2, compression=compression)
-    runs = []
-    for i in range(saves):
+    clone_s = _clone_s(ts)
+    h = w.save(0, state)
+    first_stall = h.metrics["stall_s"]
+    first_total = h.wait()["total_s"]
+    pairs = []
+    for i in range(1, saves + 1):
+        mc = _memcpy_s(dst, ts)
         h = w.save(i, state)
         stall = h.metrics["stall_s"]
         m = h.wait()
-        runs.append({"stall_s": stall, "total_s": m["total_s"], "write_gbps": m["write_gbps"],
-                     "staging_gbps": m["staging_gbps"], "waited_s": m["waited_s"]})
+        dk = _disk_s(view, floor_path)
+        pairs.append({"memcpy_s": mc, "stall_s": stall, "total_s": m["total_s"], "disk_s": dk,
+                      "stall_vs_memcpy": stall / mc, "total_vs_disk": m["total_s"] / dk,
+                      "write_gbps": m["write_gbps"], "staging_gbps": m["staging_gbps"],
+                      "waited_s": m["waited_s"]})
     w.close()
     shutil.rmtree(url, ignore_errors=True)
+    del dst, flat, view
     # a new writer told the layout ahead (meta tensors), prepared off the training path
     with torch.device("meta"):
-        layout = [torch.empty_like(t) for t in _tensors(state)]
+        layout = [torch.empty_like(t) for t in ts]
     w = CheckpointWriter(url, keep_last=2, compression=compression)
     t0 = time.perf_counter()
     w.prepare(_as_layout(state, iter(layout)), block=True)
@@ -128,13 +134,19 @@ def bench_datapipe(state: Any, work: str, saves: int, compression: str | None) -
     prepared_total = h.wait()["total_s"]
     w.close()
     shutil.rmtree(url, ignore_errors=True)
-    steady = runs[1:] or runs
+
+    def med(k: str) -> float:
+        return statistics.median(p[k] for p in pairs)
+
     return {
-        "first_stall_s": runs[0]["stall_s"], "first_total_s": runs[0]["total_s"],
-        "steady_stall_s": statistics.median(r["stall_s"] for r in steady),
-        "steady_total_s": statistics.median(r["total_s"] for r in steady),
+        "bytes": nbytes, "tensors": len(ts),
+        "clone_fresh_s": clone_s, "memcpy_s": med("memcpy_s"), "disk_s": med("disk_s"),
+        "first_stall_s": first_stall, "first_total_s": first_total,
+        "first_stall_vs_clone": first_stall / clone_s,
+        "steady_stall_s": med("stall_s"), "steady_total_s": med("total_s"),
+        "steady_stall_vs_memcpy": med("stall_vs_memcpy"), "steady_total_vs_disk": med("total_vs_disk"),
         "prepare_s": prepare_s, "prepared_first_stall_s": prepared_stall,
-        "prepared_first_total_s": prepared_total, "runs": runs,
+        "prepared_first_total_s": prepared_total, "pairs": pairs,
     }
 
 
@@ -224,8 +236,10 @@ def run(config: dict[str, Any] | None = None) -> dict[str, Any]:
         state = state_fn()
         out: dict[str, Any] = {"config": cfg, "torch_threads": torch.get_num_threads(),
                                "cpus": os.cpu_count(), "loadavg_before": os.getloadavg()}
-        out["floors"] = floors(state, work)
-        out["datapipe"] = bench_datapipe(state, work, cfg["saves"], cfg["compression"])
+        out["datapipe"] = d = bench_datapipe(state, work, cfg["saves"], cfg["compression"])
+        out["floors"] = {"bytes": d["bytes"], "tensors": d["tensors"], "memcpy_s": d["memcpy_s"],
+                         "clone_fresh_s": d["clone_fresh_s"], "disk_s": d["disk_s"],
+                         "disk_gbps": d["bytes"] / d["disk_s"] / 1e9}
         if cfg["torch_save"]:
             out["torch_save"] = bench_torch_save(state, work, cfg["saves"])
         if cfg["dcp"]:
@@ -240,12 +254,12 @@ def run(config: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 def ratios(out: dict[str, Any]) -> dict[str, float]:
-    f, d = out["floors"], out["datapipe"]
+    d = out["datapipe"]
     return {
-        "steady_stall_vs_memcpy": d["steady_stall_s"] / f["memcpy_s"],
-        "first_stall_vs_clone": d["first_stall_s"] / f["clone_fresh_s"],
+        "steady_stall_vs_memcpy": d["steady_stall_vs_memcpy"],
+        "first_stall_vs_clone": d["first_stall_vs_clone"],
         "prepared_first_stall_s": d["prepared_first_stall_s"],
-        "steady_total_vs_disk": d["steady_total_s"] / f["disk_s"],
+        "steady_total_vs_disk": d["steady_total_vs_disk"],
         "step_time_while_persisting": out["training"]["ratio"],
     }
 
@@ -260,18 +274,21 @@ def table(out: dict[str, Any]) -> str:
              f"{out['loadavg_after'][0]:.1f} after (other processes share these cores)",
              f"state: {f['bytes'] / 2**30:.3f} GiB in {f['tensors']} tensors; "
              f"floors: memcpy {f['memcpy_s']:.3f} s, fresh clone {f['clone_fresh_s']:.3f} s, "
-             f"disk {f['disk_s']:.3f} s ({f['disk_gbps']:.2f} GB/s)",
+             f"disk {f['disk_s']:.3f} s ({f['disk_gbps']:.2f} GB/s) (medians)",
              f"{'method':<16}{'1st stall':>10}{'stall':>9}{'1st total':>10}{'total':>9}"
              f"{'stall/memcpy':>13}{'1st/clone':>10}{'total/disk':>11}"]
     for name in ("datapipe", "torch_save", "dcp_async_save"):
         r = out.get(name)
         if r is None:
             continue
+        # datapipe: per-save ratios against floors measured next to each save (the
+        # machine's load moves); the others: against the median floors
+        sm = r.get("steady_stall_vs_memcpy", r["steady_stall_s"] / f["memcpy_s"])
+        fc = r.get("first_stall_vs_clone", r["first_stall_s"] / f["clone_fresh_s"])
+        td = r.get("steady_total_vs_disk", r["steady_total_s"] / f["disk_s"])
         lines.append(f"{name:<16}{r['first_stall_s']:>10.3f}{r['steady_stall_s']:>9.3f}"
                      f"{r['first_total_s']:>10.3f}{r['steady_total_s']:>9.3f}"
-                     f"{r['steady_stall_s'] / f['memcpy_s']:>13.2f}"
-                     f"{r['first_stall_s'] / f['clone_fresh_s']:>10.2f}"
-                     f"{r['steady_total_s'] / f['disk_s']:>11.2f}")
+                     f"{sm:>13.2f}{fc:>10.2f}{td:>11.2f}")
     d, t = out["datapipe"], out["training"]
     lines.append(f"datapipe prepared ahead: prepare {d['prepare_s']:.3f} s off the path, "
                  f"first stall {d['prepared_first_stall_s']:.3f} s")

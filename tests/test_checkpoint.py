@@ -314,3 +314,22 @@ def test_data_loader_state_round_trips_and_resumes(tmp_path):
         steps = np.arange(6, plan.per_rank)
         for a, b in zip(plan.rank_samples(rank, steps), resumed.rank_samples(rank, steps)):
             assert np.array_equal(a, b)
+
+
+def test_every_torch_dtype_round_trips(tmp_path):
+    dtypes = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+    state, g = {}, torch.Generator().manual_seed(0)
+    for dt in dtypes:
+        if str(dt).startswith(("torch.qint", "torch.quint")):
+            continue  # quantized tensors are refused (they carry scales, not just bytes)
+        raw = torch.randint(0, 256, (3, 32), dtype=torch.uint8, generator=g)
+        if dt == torch.bool:
+            raw &= 1  # other byte patterns are not valid bools
+        state[str(dt)] = raw.view(dt)
+    assert len(state) >= 30  # bf16, float8 variants, sub-byte ints, uint16-64, complex32 ...
+    with CheckpointWriter(str(tmp_path)) as w:
+        w.save(1, state).wait()
+    loaded = load_checkpoint(str(tmp_path))
+    for k, v in state.items():
+        assert loaded[k].dtype == v.dtype and loaded[k].shape == v.shape, k
+        assert torch.equal(loaded[k].contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)), k

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedStateError
 
-__all__ = ["Leaf", "flatten", "unflatten", "torch_dtype_name", "torch_dtype_from_name"]
+__all__ = ["Leaf", "flatten", "unflatten", "torch_copyable", "torch_dtype_name", "torch_dtype_from_name"]
 
 
 @dataclass
@@ -65,6 +65,25 @@ def torch_dtype_from_name(name: str, where: str) -> Any:
     return value
 
 
+_COPYABLE: dict[Any, bool] = {}
+
+
+def torch_copyable(dtype: Any) -> bool:
+    """Whether torch's copy kernel handles ``dtype``; sub-byte types such as ``int4``
+    have none and are moved as raw bytes instead."""
+    ok = _COPYABLE.get(dtype)
+    if ok is None:
+        import torch
+
+        try:
+            torch.empty(2, dtype=dtype).copy_(torch.empty(2, dtype=dtype))
+            ok = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            ok = False
+        _COPYABLE[dtype] = ok
+    return ok
+
+
 def _dense_permuted(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     """True if the strides are a permutation of a contiguous layout: no gaps, no overlap."""
     expected = 1
@@ -93,7 +112,8 @@ def _torch_leaf(t: Any, path: str, torch: Any, allow_meta: bool = False) -> Leaf
         raise UnsupportedStateError(f"state path {path!r}: a meta tensor has no data to save")
     shape = tuple(t.shape)
     strides = None
-    if not t.is_contiguous() and t.numel() > 0 and _dense_permuted(shape, tuple(t.stride())):
+    if (not t.is_contiguous() and t.numel() > 0 and torch_copyable(t.dtype)
+            and _dense_permuted(shape, tuple(t.stride()))):
         strides = tuple(t.stride())
     return Leaf(path, "torch", torch_dtype_name(t.dtype), shape, t.numel() * t.element_size(),
                 strides, t, str(t.device))

@@ -82,7 +82,7 @@ class StagingBuffer:
         self._np = buf.numpy()
 
     def _build_views(self, leaves: list[Leaf], offsets: list[int], total: int) -> None:
-        from .flatten import torch_dtype_from_name
+        from .flatten import torch_copyable, torch_dtype_from_name
 
         views: list[Any] = []
         prev_end = 0
@@ -94,7 +94,8 @@ class StagingBuffer:
             raw = buf[off : off + leaf.nbytes]
             if leaf.kind == "torch":
                 dt = torch_dtype_from_name(leaf.dtype, leaf.path)
-                views.append(raw.view(dt).view(leaf.shape))
+                # dtypes without a copy kernel are staged as their raw bytes
+                views.append(raw.view(dt).view(leaf.shape) if torch_copyable(dt) else raw)
             else:
                 views.append(npbuf[off : off + leaf.nbytes].view(np.dtype(leaf.dtype)).reshape(leaf.shape))
         self._views = views
@@ -133,8 +134,12 @@ class StagingBuffer:
                     self._stage_cuda(leaves, views, cuda)
                 for i, (leaf, dst) in enumerate(zip(leaves, views)):
                     if leaf.kind == "torch":
-                        if leaf.obj.device.type != "cuda":
+                        if leaf.obj.device.type == "cuda":
+                            continue
+                        if dst.dtype is leaf.obj.dtype:
                             dst.copy_(leaf.obj)
+                        else:
+                            dst.copy_(leaf.obj.contiguous().view(torch.uint8).reshape(-1))
                     else:
                         np.copyto(dst, leaf.obj, casting="no")
 
