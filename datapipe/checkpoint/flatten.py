@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import math
 import sys
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +77,9 @@ def torch_copyable(dtype: Any) -> bool:
         import torch
 
         try:
-            torch.empty(2, dtype=dtype).copy_(torch.empty(2, dtype=dtype))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
+                torch.empty(2, dtype=dtype).copy_(torch.empty(2, dtype=dtype))
             ok = True
         except (RuntimeError, TypeError, NotImplementedError):
             ok = False
