@@ -131,3 +131,27 @@ def test_sigkill_mid_download_leaves_nothing_torn(tmp_path, s3):
     s = fresh.stats()
     assert s["warm_tmp_cleaned"] == 1 and s["cold_reads"] == 1
     assert os.listdir(tmp) == []
+
+
+def _forked_read(cache, url, q):
+    q.put(checksum(cache.read(url)))
+
+
+def test_usable_after_fork_once_the_parent_has_used_it(tmp_path, s3):
+    """The parent's fsspec filesystem, threads and pins stay behind; the child makes its own."""
+    sums = _put(s3, 2, 50_000)
+    a, b = sorted(sums)
+    cache = TieredCache(hot_bytes=1 << 20, warm_dir=tmp_path / "warm", warm_bytes=1 << 20,
+                        storage_options=s3[1])
+    assert checksum(cache.read(a)) == sums[a]
+    cache.prefetch([a])[0].result()
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_forked_read, args=(cache, b, q))
+    p.start()
+    assert q.get(timeout=60) == sums[b]
+    p.join(30)
+    assert p.exitcode == 0
+    assert cache.stats()["cold_reads"] == 1  # the parent's counters are its own
+    assert checksum(cache.read(b)) == sums[b]
+    assert cache.stats()["warm_hits"] == 1  # the child's fill is shared through the warm dir

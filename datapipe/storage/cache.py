@@ -14,21 +14,18 @@ forked or spawned DataLoader workers. Budgets: the warm directory never holds mo
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any, Callable
 
 from ..checksum import checksum as compute_checksum, verify
-from ..errors import CacheBudgetError, ChecksumError, StorageError
+from ..errors import CacheBudgetError, StorageError
 from .cache_ops import CacheOpsMixin
-from .eviction import Schedule, choose_victims
+from .eviction import Schedule
 from .hot import HotTier, InflightBytes
 from .retry import RetryPolicy, call_with_retry, fetch_object, fetch_range
 from .stores import Store, open_store, split_url
@@ -164,51 +161,6 @@ class TieredCache(CacheOpsMixin):
                                    on_retry=lambda e: p.stats.update(cold_retries=1))
             p.sizes[url] = size
         return size
-
-    # -- policy --------------------------------------------------------------------------
-    def _locate(self, url: str, *, exact: bool = False) -> int | None:
-        s = self.schedule
-        if s is None:
-            return None
-        with self._proc().lock:
-            if exact:
-                i = s.position if s.position < len(s) and s.keys[s.position] == url else None
-            else:
-                i = s.locate(url)
-            if i is not None:
-                s.position = i + 1
-        if i is not None:
-            self._wake()
-        return i
-
-    def _chooser(self, url: str, index: int | None, *, prefetch_at: int | None = None,
-                 to_url: Callable[[str], str] = lambda k: k, force: bool = False):
-        """choose(cands, need) for the tier: LRU, or Belady against the schedule."""
-        s = self.schedule
-        if s is None or force:
-            return lambda cands, need, *_: choose_victims(cands, need, url)
-        if prefetch_at is not None:
-            horizon, nxt = s.position, prefetch_at
-        else:
-            horizon = (index + 1) if index is not None else s.position
-            nxt = s.next_use(url, horizon)
-
-        def choose(cands, need, *_):
-            named = [(to_url(k), size, rec) for k, size, rec in cands]
-            back = {to_url(k): k for k, _s, _r in cands}
-            v = choose_victims(named, need, url, schedule=s, incoming_next=nxt, horizon=horizon)
-            return None if v is None else [back[u] for u in v]
-
-        return choose
-
-    def _warm_key_to_url(self) -> Callable[[str], str]:
-        s = self.schedule
-        if s is None:
-            return lambda k: k
-        table = getattr(s, "warm_keys", None)
-        if table is None:  # warm files are named by hash; the schedule speaks URLs
-            table = s.warm_keys = {url_key(u): u for u in s._at}
-        return lambda k: table.get(k, k)
 
     # -- the read path -------------------------------------------------------------------
     def read(self, url: str, *, checksum: str | None = None) -> bytes:
@@ -413,6 +365,7 @@ class TieredCache(CacheOpsMixin):
                             f"no room in warm cache {warm.root} ({warm.budget} bytes) for {url} "
                             f"({size} bytes): the rest is pinned or downloading; release pins "
                             f"or raise warm_bytes")
+                    time.sleep(0.05)  # until a pin is released or a download lands
                     continue
                 if res is None:
                     p.stats["warm_not_admitted"] += 1

@@ -10,10 +10,10 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import StorageError
-from .eviction import Schedule
+from .eviction import Schedule, choose_victims
 from .warm import url_key
 
 __all__ = ["CacheOpsMixin"]
@@ -28,13 +28,14 @@ class CacheOpsMixin:
         if p.warm is None:
             raise StorageError(f"local_path({url}) needs a usable warm_dir; this cache has none")
         key = url_key(url)
+        index = self._locate(url)
         for _attempt in (0, 1, 2):
             fd = p.warm.open_pinned(key)
             if fd is not None:
                 p.stats["warm_hits"] += 1
             else:
                 p.stats["warm_misses"] += 1
-                fd = self._fill(p, url, checksum, self._locate(url), pin=True)
+                fd = self._fill(p, url, checksum, index, pin=True)
             if checksum is None or self._read_pinned(p, url, fd, checksum) is not None:
                 with p.lock:
                     p.pins.setdefault(url, []).append(fd)
@@ -162,6 +163,51 @@ class CacheOpsMixin:
                     self._submit_prefetch(p, url, self.schedule_checksums.get(url), i)
             with p.wake:
                 p.wake.wait(timeout=0.05)
+
+    # -- eviction choices against the schedule --------------------------------------
+    def _locate(self, url: str, *, exact: bool = False) -> int | None:
+        s = self.schedule
+        if s is None:
+            return None
+        with self._proc().lock:
+            if exact:
+                i = s.position if s.position < len(s) and s.keys[s.position] == url else None
+            else:
+                i = s.locate(url)
+            if i is not None:
+                s.position = i + 1
+        if i is not None:
+            self._wake()
+        return i
+
+    def _chooser(self, url: str, index: int | None, *, prefetch_at: int | None = None,
+                 to_url: Callable[[str], str] = lambda k: k, force: bool = False):
+        """choose(cands, need) for the tier: LRU, or Belady against the schedule."""
+        s = self.schedule
+        if s is None or force:
+            return lambda cands, need, *_: choose_victims(cands, need, url)
+        if prefetch_at is not None:
+            horizon, nxt = s.position, prefetch_at
+        else:
+            horizon = (index + 1) if index is not None else s.position
+            nxt = s.next_use(url, horizon)
+
+        def choose(cands, need, *_):
+            named = [(to_url(k), size, rec) for k, size, rec in cands]
+            back = {to_url(k): k for k, _s, _r in cands}
+            v = choose_victims(named, need, url, schedule=s, incoming_next=nxt, horizon=horizon)
+            return None if v is None else [back[u] for u in v]
+
+        return choose
+
+    def _warm_key_to_url(self) -> Callable[[str], str]:
+        s = self.schedule
+        if s is None:
+            return lambda k: k
+        table = getattr(s, "warm_keys", None)
+        if table is None:  # warm files are named by hash; the schedule speaks URLs
+            table = s.warm_keys = {url_key(u): u for u in s._at}
+        return lambda k: table.get(k, k)
 
     # -- async twins ---------------------------------------------------------------------
     async def aread(self, url: str, *, checksum: str | None = None) -> bytes:

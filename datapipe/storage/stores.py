@@ -16,7 +16,6 @@ import asyncio
 import io
 import os
 import posixpath
-import tempfile
 import threading
 import uuid
 from abc import ABC, abstractmethod

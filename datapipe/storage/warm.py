@@ -77,6 +77,8 @@ class Reservation:
             off += os.pwrite(self.fd, view[off:], off)
         # Published by rename: readers see the whole copy or none; its size is unchanged,
         # so the accounting does not move. Closing drops our lock on the published file.
+        now = time.time_ns()
+        os.utime(self.fd, ns=(now, now))
         os.rename(self.tmp, self.warm.path(self.key))
         os.close(self.fd)
         self.fd = -1
@@ -134,7 +136,10 @@ class WarmDir:
                 os.close(fd)
                 return None
             try:
-                os.utime(fd)
+                # An explicit nanosecond stamp: the kernel's own "now" is only as fine as
+                # a timer tick, and ties would make the node-wide LRU order arbitrary.
+                now = time.time_ns()
+                os.utime(fd, ns=(now, now))
             except OSError:
                 pass  # a read-only mount still serves hits; recency just stops moving
             return fd
