@@ -241,3 +241,21 @@ def test_cli_helpers(tmp_path):
         warm_dir_stats(tmp_path / "nope")
     with pytest.raises(StorageError, match="not a datapipe warm cache"):
         clear_warm_dir(tmp_path / "cold")
+
+
+def test_local_path_verifies_and_names_the_url(tmp_path):
+    urls, blobs = _objects(tmp_path, 1, 3000)
+    u = urls[0]
+    warm = tmp_path / "warm"
+    c = TieredCache(warm_dir=warm, warm_bytes=1 << 20)
+    with pytest.raises(ChecksumError, match="shard-000"):
+        c.local_path(u, checksum=checksum(b"not this"))
+    assert os.listdir(warm / "objects") == [] and os.listdir(warm / "tmp") == []
+    assert c.stats()["cold_refetches"] == 1  # fetched once more before giving up
+    good = checksum(blobs[u])
+    for _ in range(2):  # the second pin reuses this process's verification
+        with c.pinned(u, checksum=good) as path:
+            assert open(path, "rb").read() == blobs[u]
+    assert c.stats()["cold_reads"] == 3
+    with pytest.raises(StorageError, match="needs a usable warm_dir"):
+        TieredCache(hot_bytes=1 << 20).local_path(u)

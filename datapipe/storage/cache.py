@@ -52,6 +52,7 @@ class _Proc:
         self.warm: WarmDir | None = None
         self.warned: set[str] = set()
         self.refused: dict[str, int] = {}
+        self.verified: set[tuple] = set()
         self.last_prefetch_error: str | None = None
         self.prefetcher: threading.Thread | None = None
         self.wake = threading.Condition()
@@ -259,12 +260,25 @@ class TieredCache(CacheOpsMixin):
             p.stats["hot_not_admitted"] += 1
         p.stats["hot_evictions"] += p.hot.evictions - before
 
-    def _read_pinned(self, p: _Proc, url: str, fd: int, checksum: str | None) -> bytes | None:
-        """The whole pinned copy, or None (copy discarded) if it fails verification."""
-        size = os.fstat(fd).st_size
-        data = os.pread(fd, size, 0)
+    def _read_pinned(self, p: _Proc, url: str, fd: int, checksum: str | None, *,
+                     want_bytes: bool = True) -> bytes | None:
+        """The whole pinned copy (b"" when not ``want_bytes``), or None if it fails
+        verification. A copy this process already verified (same inode, size and
+        checksum; copies are never rewritten in place, only replaced) is not hashed again,
+        so pinning a verified shard costs no read."""
+        st = os.fstat(fd)
         expected = p.sizes.get(url)
-        if len(data) == size and (expected is None or expected == size) and _ok(data, checksum):
+        if expected is not None and expected != st.st_size:
+            p.stats["warm_corrupt"] += 1
+            return None
+        memo = (st.st_dev, st.st_ino, st.st_size, checksum)
+        known = checksum is None or memo in p.verified
+        if known and not want_bytes:
+            return b""
+        data = os.pread(fd, st.st_size, 0)
+        if len(data) == st.st_size and (known or _ok(data, checksum)):
+            if not known:
+                p.verified.add(memo)
             return data
         p.stats["warm_corrupt"] += 1
         return None

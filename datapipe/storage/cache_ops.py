@@ -36,7 +36,7 @@ class CacheOpsMixin:
             else:
                 p.stats["warm_misses"] += 1
                 fd = self._fill(p, url, checksum, index, pin=True)
-            if checksum is None or self._read_pinned(p, url, fd, checksum) is not None:
+            if self._read_pinned(p, url, fd, checksum, want_bytes=False) is not None:
                 with p.lock:
                     p.pins.setdefault(url, []).append(fd)
                 return p.warm.path(key)
