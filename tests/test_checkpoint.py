@@ -333,3 +333,11 @@ def test_every_torch_dtype_round_trips(tmp_path):
     for k, v in state.items():
         assert loaded[k].dtype == v.dtype and loaded[k].shape == v.shape, k
         assert torch.equal(loaded[k].contiguous().view(torch.uint8), v.contiguous().view(torch.uint8)), k
+
+
+def test_state_without_arrays(tmp_path):
+    with CheckpointWriter(str(tmp_path)) as w:
+        assert w.save(1, {"epoch": 3, "names": ["a", "b"]}).wait()["bytes"] == 0
+        w.save(2, {}).wait()
+    assert load_checkpoint(str(tmp_path), step=1) == {"epoch": 3, "names": ["a", "b"]}
+    assert load_checkpoint(str(tmp_path)) == {}

@@ -30,12 +30,13 @@ __all__ = ["sync_dirs", "await_parts", "write_manifest", "write_latest", "apply_
 
 
 def sync_dirs(store: Store, key: str) -> None:
-    """fsync every directory from ``key``'s parent up to the store root, so entries of
-    freshly created directories survive a power loss (object stores need nothing)."""
+    """fsync every directory above ``key``'s parent up to the store root, so the entries
+    of freshly created directories survive a power loss (the parent itself is fsync'd by
+    LocalStore when it publishes ``key``; object stores need nothing)."""
     if not isinstance(store, LocalStore) or not store.durable:
         return
     parts = key.split("/")[:-1]
-    for i in range(len(parts), -1, -1):
+    for i in range(len(parts) - 1, -1, -1):
         d = os.path.join(store.root, *parts[:i])
         fd = os.open(d, os.O_RDONLY)
         try:
@@ -97,9 +98,9 @@ def write_manifest(store: Store, step: int, attempt: str, world_size: int,
         "data_bytes": sum(p["data_bytes"] for p in parts),
         "stored_bytes": sum(p["stored_bytes"] for p in parts),
     }
-    key = manifest_key(step)
-    store.put(key, encode_doc(doc, "manifest"))
-    sync_dirs(store, key)
+    # The step directory and its entry in the root are durable already (the chunks'
+    # sync_dirs); publishing fsyncs the step directory with the manifest's entry.
+    store.put(manifest_key(step), encode_doc(doc, "manifest"))
 
 
 def write_latest(store: Store, step: int, attempt: str) -> None:

@@ -56,7 +56,7 @@ def topology(rank: int | None, world_size: int | None) -> tuple[int, int]:
 def lower_thread_priority(increment: int = 10) -> None:
     """Raise the nice value of the calling thread only (Linux treats a thread id as a
     process id here), so that the training threads win the cores from checkpoint I/O."""
-    if not hasattr(os, "setpriority"):
+    if increment <= 0 or not hasattr(os, "setpriority"):
         return
     try:
         tid = threading.get_native_id()

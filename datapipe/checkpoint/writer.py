@@ -99,14 +99,16 @@ class CheckpointWriter:
     ``keep_every``; ``compression`` is None or ``"zstd"`` (per chunk); ``if_busy`` is
     ``"wait"`` or ``"skip"`` for a save that finds the previous one still writing.
     ``rank``/``world_size`` default to torch.distributed's when it is initialized.
+    Background threads run ``nice`` levels below the caller (0: same priority), so that
+    on a busy host the training threads keep the cores and the checkpoint waits.
     """
 
     def __init__(self, url: str, *, keep_last: int = 3, keep_every: int | None = None,
                  compression: str | None = None, max_staging_bytes: int | None = None,
                  storage_options: dict[str, Any] | None = None, rank: int | None = None,
                  world_size: int | None = None, run_id: str | None = None,
-                 chunk_bytes: int = 64 << 20, io_threads: int = 2, if_busy: str = "wait",
-                 commit_timeout: float = 600.0, zstd_level: int = 3) -> None:
+                 chunk_bytes: int = 64 << 20, io_threads: int = 4, if_busy: str = "wait",
+                 commit_timeout: float = 600.0, zstd_level: int = 3, nice: int = 10) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointError(f"keep_last must be an int >= 1 (the last good checkpoint is always kept), got {keep_last!r}")
         if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
@@ -135,7 +137,7 @@ class CheckpointWriter:
         self._closed = False
         self._tls = threading.local()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self.io_threads = io_threads
+        self.io_threads, self.nice = io_threads, nice
         self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
         self._thread.start()
         # Flush at exit before daemon threads stop: threading's exit hooks run before
@@ -257,7 +259,7 @@ class CheckpointWriter:
 
     # -- background side -----------------------------------------------------------------
     def _run(self) -> None:
-        lower_thread_priority()
+        lower_thread_priority(self.nice)
         while True:
             job = self._queue.get()
             if job is None:
@@ -295,7 +297,8 @@ class CheckpointWriter:
         }
         pkey = part_key(job.step, job.attempt, self.rank)
         self.store.put(pkey, encode_doc(doc, "part"))
-        sync_dirs(self.store, pkey)
+        if not chunks:
+            sync_dirs(self.store, pkey)  # an empty state: the part created the directories
         t1 = time.perf_counter()
         m = job.handle.metrics
         m.update(write_s=t1 - t0, write_gbps=job.total / (t1 - t0) / 1e9 if t1 > t0 else float("inf"),
@@ -321,7 +324,7 @@ class CheckpointWriter:
         lock = threading.Lock()
 
         def worker() -> None:
-            lower_thread_priority()
+            lower_thread_priority(self.nice)
             while not errors:
                 with lock:
                     i = next(next_index, None)
