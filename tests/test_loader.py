@@ -380,3 +380,20 @@ def test_early_break_stops_the_prefetch_thread(ds_url):
     gc.collect()
     time.sleep(0.2)
     assert threading.active_count() <= before + 1
+
+
+def test_shuffle_quality_is_reported(ds_url):
+    wide = StreamingDataset(ds_url, window=None, seed=0).shuffle_quality(batch_size=32)
+    narrow = StreamingDataset(ds_url, window=1, seed=0).shuffle_quality(batch_size=32)
+    stored = StreamingDataset(ds_url, shuffle=False).shuffle_quality(batch_size=32)
+    assert stored["position_correlation"] > 0.99
+    assert narrow["mean_shards_per_batch"] < 2.5 < wide["mean_shards_per_batch"]
+    assert abs(wide["position_correlation"]) < 0.3
+
+
+def test_state_from_a_repacked_dataset_with_the_same_layout(tmp_path):
+    a = _write(tmp_path / "a", 60, 20)
+    b = _write(tmp_path / "b", 60, 20, prefix="q")  # same counts, other samples
+    state = StreamingDataset(a, seed=0).state_dict(0)
+    with pytest.raises(StateMismatchError, match="another dataset"):
+        StreamingDataset(b, seed=0).load_state_dict(state)

@@ -27,7 +27,6 @@ import xxhash
 
 from ..errors import DatapipeError, PlanError, StateMismatchError
 from ..format import decode_sample
-from ..format.sample import decompress_frame
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
 from .decode import make_decoder, split_plain_members
 from .mixing import Stream, epoch_layout, stream_targets
@@ -175,6 +174,14 @@ class StreamingDataset(_Base):
             self._resume = None
         self._plan = None
 
+    def shuffle_quality(self, batch_size: int = 256, max_batches: int = 512) -> dict[str, Any]:
+        """Mean distinct shards per batch and stored-vs-delivered position correlation of
+        the current epoch's order (see :mod:`datapipe.plan.quality`): what a window costs."""
+        plan, _ = self._make_plan(1)
+        out = plan.quality(batch_size, max_batches)
+        out["window"] = self.window if self.shuffle else 0
+        return out
+
     def __len__(self) -> int:
         """Samples this rank yields in the current epoch (from the resume point on)."""
         plan, _ = self._make_plan(self._world()[1])
@@ -253,12 +260,14 @@ class StreamingDataset(_Base):
                 raise
             return None, e
         # fast path: every sample has an xxh3 digest and all the bytes are there
-        if data.error is None and data.digests is not None and data.max_end <= len(data.buf):
-            return data, (data.buf, data.offs, data.ends, data.digests, data.compression == "zstd")
+        if data.error is None and data.digests is not None and data.max_end <= len(data.buf) \
+                and data.compression == "none":
+            return data, (data.buf, data.src, data.offs, data.ends, data.digests)
         return data, None
 
     def _read_chunk(self, pre: Prefetcher, chunk: Chunk) -> Iterator[Any]:
-        decoder, skip, with_pos = self._decode, self.on_error == "skip", self.return_position
+        decoder = None if self._decode.is_identity else self._decode
+        skip, with_pos = self.on_error == "skip", self.return_position
         hexdigest, split = xxhash.xxh3_64_hexdigest, split_plain_members
         opened: dict[int, tuple[Any, Any]] = {}
         for g, j in zip(chunk.shard.tolist(), chunk.sample.tolist()):
@@ -266,31 +275,28 @@ class StreamingDataset(_Base):
             if got is None:
                 got = opened[g] = self._open_shard(pre, g)
             data, fast = got
+            self._yielded += 1  # a plan step consumed (also when skipped): resume lines up
             if data is None:
                 self.skipped.append((self.source.url(g), None, f"sample #{j}: {fast}"))
-                self._yielded += 1  # a plan step consumed, so resume still lines up
                 continue
             try:
                 sample = None
                 if fast is not None:
-                    buf, offs, ends, digests, zstd = fast
-                    view = buf[offs[j] : ends[j]]
-                    if hexdigest(view) != digests[j]:
+                    buf, src, offs, ends, digests = fast
+                    start, end = offs[j], ends[j]
+                    if hexdigest(buf[start:end]) != digests[j]:
                         data.sample_bytes(j)  # raises the ChecksumError naming the sample
-                    raw = decompress_frame(view, data.where(j)) if zstd else bytes(view)
-                    sample = split(raw)
+                    sample = split(src, start, end)
                 if sample is None:
                     sample = decode_sample(data.sample_bytes(j), data.compression, data.where(j))
-                item = decoder(sample, data.url)
+                item = sample if decoder is None else decoder(sample, data.url)
             except DatapipeError as e:
                 if not skip:
                     raise
                 self.skipped.append((data.url, data.keys[j], str(e)))
-                self._yielded += 1
                 continue
             if with_pos and isinstance(item, dict):
                 item["__shard__"], item["__sample__"] = g, j
-            self._yielded += 1
             yield item
 
     def _report_skipped(self) -> None:

@@ -54,6 +54,8 @@ class SampleDecoder:
         self.table = dict(table) if table is not None else None
         self.user = user
         self.map_fn = map_fn
+        #: returns samples unchanged: the reader may skip calling it
+        self.is_identity = not self.table and user is None and map_fn is None
 
     def __call__(self, sample: dict[str, Any], where: str) -> Any:
         if self.user is not None:
@@ -97,44 +99,47 @@ def make_decoder(decode: Any = "auto", map_fn: Callable[[Any], Any] | None = Non
     raise ValueError(f"decode must be 'auto', 'raw', None, a dict of ext -> fn or a callable, got {decode!r}")
 
 
-def split_plain_members(raw: bytes) -> dict[str, Any] | None:
-    """``{"__key__": key, field: bytes}`` of a sample's bytes made only of plain ustar
-    members without a name prefix (what the packer writes for short names), or ``None``
-    for anything else, which the caller hands to :func:`datapipe.format.decode_sample`.
+def split_plain_members(src: Any, pos: int = 0, n: int | None = None) -> dict[str, Any] | None:
+    """``{"__key__": key, field: bytes}`` of the sample in ``src[pos:n]`` (``src``: bytes or
+    an mmap, anything with ``find`` and slicing to bytes) if it is made only of plain ustar
+    members without a name prefix (what the packer writes for names up to 100 bytes), else
+    ``None``: the caller then hands the bytes to :func:`datapipe.format.decode_sample`.
 
     This fast path skips the tar header checksums: it is only used on bytes already
     verified against the sample's xxh3 checksum from the index, which is a stronger check.
+    Each field is copied once, straight from ``src``.
     """
     out: dict[str, Any] = {"__key__": None}  # first, as decode_sample orders it
-    pos, n, key = 0, len(raw), None
-    find = raw.find
+    n = len(src) if n is None else n
+    keydot = None
+    find = src.find
     while pos + 512 <= n:
-        kind = raw[pos + 156]
-        if kind != 48 and kind != 0 or raw[pos + 345] != 0:
+        if src[pos + 156] != 48 or src[pos + 345] != 0:
             return None  # PAX, GNU long names, prefixed names, non-files: the general path
         cut = find(b"\0", pos, pos + 100)
         if cut == pos:
             break  # end-of-archive block
-        if cut < 0:
-            cut = pos + 100
         try:
-            size = int(raw[pos + 124 : pos + 136].rstrip(b"\0 ") or b"0", 8)
-            name = raw[pos:cut].decode("utf-8")
+            size = int(src[pos + 124 : pos + 135], 8)  # 11 octal digits, as the packer writes
+            name = src[pos : cut if cut > 0 else pos + 100].decode("utf-8")
         except ValueError:
             return None
-        slash = name.rfind("/")
-        dot = name.find(".", slash + 1)
-        if dot <= slash + 1 or dot == len(name) - 1:
+        if keydot is None:
+            slash = name.rfind("/")
+            dot = name.find(".", slash + 1)
+            if dot <= slash + 1:
+                return None
+            keydot = name[: dot + 1]
+            out["__key__"] = name[:dot]
+        elif not name.startswith(keydot):
+            return None  # another sample's member: let the general path name the problem
+        field = name[len(keydot) :]
+        if not field or "/" in field or field in out:
             return None
-        k, field = name[:dot], name[dot + 1 :]
-        if key is None:
-            key = out["__key__"] = k
-        elif k != key or field in out:
-            return None  # let the general path name the problem
-        start = pos + 512
-        end = start + size
+        pos += 512
+        end = pos + size
         if end > n:
             return None
-        out[field] = raw[start:end]
+        out[field] = src[pos:end]
         pos = end + (-size % 512)
-    return None if key is None else out
+    return out if keydot is not None else None
