@@ -106,7 +106,8 @@ def split_plain_members(src: Any, pos: int = 0, n: int | None = None) -> dict[st
     ``None``: the caller then hands the bytes to :func:`datapipe.format.decode_sample`.
 
     This fast path skips the tar header checksums: it is only used on bytes already
-    verified against the sample's xxh3 checksum from the index, which is a stronger check.
+    verified against the index's xxh3 checksum of the sample or of the whole shard, which
+    is a stronger check.
     Each field is copied once, straight from ``src``.
     """
     out: dict[str, Any] = {"__key__": None}  # first, as decode_sample orders it

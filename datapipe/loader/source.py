@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checksum import verify
+from ..checksum import checksum, verify
 from ..errors import (
     CorruptShardError,
     DatapipeError,
@@ -45,6 +45,8 @@ class ShardData:
     _closer: Any = None
     #: why the shard's bytes could not be had (its table could): every sample read raises it
     error: Exception | None = None
+    #: the whole shard matched its checksum: samples need no check of their own
+    verified: bool = False
 
     def __post_init__(self) -> None:
         # Plain lists for the reader's hot loop (numpy scalar indexing costs more than the
@@ -120,6 +122,9 @@ class ShardSource:
         self.source_of = np.repeat(np.arange(len(counts)), [c.size for c in counts])
         self.shard_base = np.concatenate(([0], np.cumsum([c.size for c in counts]))).astype(np.int64)
         self.num_samples = int(self.counts.sum())
+        #: local shard files whose bytes matched their checksum in this process, by
+        #: (path, size, mtime): later epochs skip per-sample checks, as the cache does
+        self._verified: set[tuple[str, int, int]] = set()
         if self.num_samples == 0:
             raise PlanError(f"{', '.join(self.urls)}: the dataset holds no sample; nothing to stream")
 
@@ -131,8 +136,6 @@ class ShardSource:
         """What makes these datasets these datasets (for resume checks): a checksum of their
         manifests and shard checksums, so a re-packed or different dataset does not match."""
         import json
-
-        from ..checksum import checksum
 
         parts = [json.dumps(ix.manifest, sort_keys=True, default=str) + "\n" +
                  "\n".join(str(s.checksum) for s in ix.shards) for ix in self.indexes]
@@ -164,15 +167,19 @@ class ShardSource:
             raise FormatError(f"{info.url}: index lists {len(table.keys)} samples, expected {info.samples}")
         error: Exception | None = None
         try:
-            buf, closer = self._bytes(ix, info, cache)
+            buf, closer, verified = self._bytes(ix, info, cache)
         except (IntegrityError, CorruptShardError) as e:
-            buf, closer, error = memoryview(b""), None, e
+            buf, closer, error, verified = memoryview(b""), None, e, False
         return ShardData(g, info.url, buf, list(table.keys), np.asarray(table.offsets, np.int64),
                          np.asarray(table.lengths, np.int64), list(table.checksums or []),
-                         ix.compression, closer, error)
+                         ix.compression, closer, error, verified)
 
-    def _bytes(self, ix: Any, info: Any, cache: Any) -> tuple[memoryview, Any]:
+    def _bytes(self, ix: Any, info: Any, cache: Any) -> tuple[memoryview, Any, bool]:
+        """(bytes, closer, verified). A shard that fails its whole-shard checksum is still
+        returned, unverified: its samples are then checked one by one, so the error (or the
+        skip) names the bad sample and the good ones still read."""
         if cache is not None:
+            # the cache verifies what it serves against the checksum passed here
             if getattr(cache, "warm_dir", None):
                 try:
                     path = cache.local_path(info.url, checksum=info.checksum)
@@ -185,19 +192,26 @@ class ShardSource:
                         close()
                     cache.release(info.url)
 
-                return buf, release
+                return buf, release, bool(info.checksum)
             try:
-                return memoryview(cache.read(info.url, checksum=info.checksum)), None
+                return memoryview(cache.read(info.url, checksum=info.checksum)), None, bool(info.checksum)
             except IntegrityError as e:
                 raise CorruptShardError(f"shard fails its checksum: {e}") from e
         if isinstance(ix.store, LocalStore):
             path = ix.store.path(info.name)
-            if not os.path.isfile(path):
-                raise ObjectNotFoundError(f"shard {info.url} is missing (listed in {ix.url})")
-            # Per-sample checksums are checked as samples are read, so a local shard is
-            # mapped, not read and hashed up front.
-            return _mmap_file(path)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise ObjectNotFoundError(f"shard {info.url} is missing (listed in {ix.url})") from None
+            buf, close = _mmap_file(path)
+            seen = (path, st.st_size, st.st_mtime_ns)
+            if seen in self._verified:
+                return buf, close, True
+            ok = bool(info.checksum) and checksum(buf) == info.checksum
+            if ok:
+                self._verified.add(seen)
+            return buf, close, ok
         # Transient failures are retried; a shard shorter than the index says is not
         # (asking again cannot lengthen it) and shows as truncated samples when read.
         data = call_with_retry(lambda: ix.store.get(info.name), info.url, self.retry)
-        return memoryview(data), None
+        return memoryview(data), None, bool(info.checksum) and checksum(data) == info.checksum
