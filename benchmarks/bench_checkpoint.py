@@ -25,7 +25,7 @@ import torch
 from datapipe.checkpoint import CheckpointWriter
 
 DEFAULTS: dict[str, Any] = {
-    "layers": 64, "width": 1024, "saves": 3, "dir": None, "batch": 64,
+    "layers": 64, "width": 1024, "saves": 3, "dir": None, "batch": 8,
     "train_steps": 8, "dcp": True, "torch_save": True, "compression": None,
 }
 QUICK = {"layers": 8, "width": 512, "saves": 2, "train_steps": 4}
@@ -198,30 +198,35 @@ def bench_dcp(state: Any, work: str, saves: int) -> dict[str, Any]:
             "process_group": False}
 
 
-def bench_training(model, opt, state_fn, work: str, batch: int, width: int, steps: int) -> dict[str, Any]:
-    """Mean step time without a save, and while a datapipe save persists (stall excluded)."""
-    for _ in range(2):
-        _step(model, opt, batch, width)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        _step(model, opt, batch, width)
-    base = (time.perf_counter() - t0) / steps
+def bench_training(model, opt, state_fn, work: str, batch: int, width: int, steps: int,
+                   rounds: int = 3) -> dict[str, Any]:
+    """Step time without a save and while a datapipe save persists (its stall excluded),
+    in alternating windows so that both see the same machine load; medians."""
     url = os.path.join(work, "train")
     w = CheckpointWriter(url, keep_last=1)
     w.save(0, state_fn()).wait()  # warm the staging buffer: measure the steady state
-    during, overlapped = [], 0
-    h = w.save(1, state_fn())
-    while not h.done() or not during:
-        t0 = time.perf_counter()
-        _step(model, opt, batch, width)
-        during.append(time.perf_counter() - t0)
-        overlapped += not h.done()
-    persist_s = h.wait()["total_s"]
+    _step(model, opt, batch, width)
+    base: list[float] = []
+    during: list[float] = []
+    persist: list[float] = []
+    for r in range(rounds):
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            _step(model, opt, batch, width)
+            base.append(time.perf_counter() - t0)
+        h = w.save(r + 1, state_fn())
+        while not h.done():
+            t0 = time.perf_counter()
+            _step(model, opt, batch, width)
+            if not h.done():  # only steps that ran entirely while the save persisted
+                during.append(time.perf_counter() - t0)
+        persist.append(h.wait()["total_s"])
     w.close()
     shutil.rmtree(url, ignore_errors=True)
-    mean_during = statistics.mean(during)
-    return {"step_s": base, "step_during_save_s": mean_during, "ratio": mean_during / base,
-            "steps_overlapped": overlapped, "persist_s": persist_s}
+    b = statistics.median(base)
+    d = statistics.median(during) if during else float("nan")
+    return {"step_s": b, "step_during_save_s": d, "ratio": d / b, "steps_overlapped": len(during),
+            "persist_s": persist, "base_steps": base, "during_steps": during}
 
 
 def run(config: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -32,8 +32,10 @@ __all__ = ["CheckpointWriter", "SaveHandle"]
 
 class SaveHandle:
     """The future of one save. ``metrics`` fills in as the save progresses: ``stall_s``,
-    ``waited_s``, ``staging_s``, ``staging_gbps`` at return; ``write_s``, ``write_gbps``,
-    ``commit_s``, ``total_s``, ``stored_bytes`` once done."""
+    ``waited_s``, ``staging_s``, ``staging_gbps``, ``bytes`` at return; ``write_s``,
+    ``write_gbps``, ``stored_bytes``, ``commit_s``, ``total_s`` (save() to durable; on
+    rank 0 to committed) once done, and on rank 0 ``committed``, ``deleted_steps``,
+    ``retention_s``."""
 
     def __init__(self, step: int, on_report: Any = None) -> None:
         self.step = step
@@ -308,10 +310,19 @@ class CheckpointWriter:
             write_manifest(self.store, job.step, job.attempt, self.world_size, parts)
             write_latest(self.store, job.step, job.attempt)
             m["committed"] = True
-            m["deleted_steps"] = apply_retention(self.store, job.step, job.attempt,
-                                                 self.keep_last, self.keep_every)
         t2 = time.perf_counter()
+        # total_s: until durable (rank 0: committed); retention is reported on its own
         m.update(commit_s=t2 - t1, total_s=t2 - job.t_start)
+        if self.rank == 0:
+            try:
+                m["deleted_steps"] = apply_retention(self.store, job.step, job.attempt,
+                                                     self.keep_last, self.keep_every)
+            except Exception as e:
+                raise CheckpointError(
+                    f"step {job.step} is committed at {self.url}, but deleting old checkpoints "
+                    f"failed ({type(e).__name__}: {e}); they are retried after the next commit"
+                ) from e
+            m["retention_s"] = time.perf_counter() - t2
 
     def _write_chunks(self, job: _Job, ranges: list[tuple[int, int]]) -> list[dict[str, Any]]:
         """Write the chunks on ``io_threads`` threads of this save. Own threads, not a pool:
