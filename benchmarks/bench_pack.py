@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from benchmarks._pack_peers import FLOORS, OURS, PEERS, SYSTEMS, list_samples
+from benchmarks._pack_peers import OURS, PEERS, SYSTEMS, list_samples
 from tools.corpus import generate_corpus
 
 __all__ = ["PackBenchConfig", "run", "format_table", "main"]
