@@ -26,7 +26,7 @@ from ..checksum import checksum as compute_checksum, verify
 from ..errors import CacheBudgetError, StorageError
 from .cache_ops import CacheOpsMixin
 from .eviction import Schedule
-from .hot import HotTier, InflightBytes
+from .hot import HotTier, InflightBytes, Turns
 from .retry import RetryPolicy, call_with_retry, fetch_object, fetch_range
 from .stores import Store, open_store, split_url
 from .warm import DISK_FULL_ERRNOS, WarmDir, url_key
@@ -53,6 +53,7 @@ class _Proc:
         self.warned: set[str] = set()
         self.refused: dict[str, int] = {}
         self.verified: set[tuple] = set()
+        self.turns = Turns()
         self.last_prefetch_error: str | None = None
         self.prefetcher: threading.Thread | None = None
         self.wake = threading.Condition()
@@ -330,17 +331,38 @@ class TieredCache(CacheOpsMixin):
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _fill(self, p: _Proc, url: str, checksum: str | None, index: int | None, *,
-              pin: bool = False, prefetch: bool = False, prefetch_at: int | None = None) -> Any:
+              pin: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
+              ticket: int | None = None) -> Any:
         """Fetch ``url`` into the warm tier under the node-wide single-flight lock. Returns
         the bytes, or with ``pin`` an fd pinning the published copy. A prefetch returns
         None, and downloads nothing when the policy would not admit the object
-        (``prefetch_at``: its index in the schedule)."""
+        (``prefetch_at``: its index in the schedule; ``ticket``: its place in the order in
+        which scheduled prefetches reserve space)."""
+        if ticket is None:
+            return self._fill_once(p, url, checksum, index, pin=pin, prefetch=prefetch,
+                                   prefetch_at=prefetch_at)
+        try:
+            self._size(p, url)  # the HEAD request overlaps; only reservations go in turn
+            if not p.turns.wait(ticket):
+                return None
+            s = self.schedule
+            if s is not None and prefetch_at is not None and prefetch_at < s.position:
+                return None  # the reader got there first
+            return self._fill_once(p, url, checksum, index, prefetch=True,
+                                   prefetch_at=prefetch_at, ticket=ticket)
+        finally:
+            p.turns.done(ticket)
+
+    def _fill_once(self, p: _Proc, url: str, checksum: str | None, index: int | None, *,
+                   pin: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
+                   ticket: int | None = None) -> Any:
         warm = p.warm
         key = url_key(url)
         deadline = time.monotonic() + self.pin_wait_s
         while True:
             with warm.fill_lock(key) as waited:
-                p.stats["wait_seconds"] += waited
+                if not prefetch:  # the reader's waits, not the background's
+                    p.stats["wait_seconds"] += waited
                 fd = warm.open_pinned(key)
                 if fd is not None:  # filled by another thread or process while we waited
                     if pin:
@@ -370,6 +392,8 @@ class TieredCache(CacheOpsMixin):
                     self._warn(p, "warm_full", f"warm cache {warm.root} cannot take {url} ({e}); reading through")
                     res = None
                 p.stats["warm_evictions"] += warm.evictions - before
+                if ticket is not None:
+                    p.turns.done(ticket)  # space decided: the next prefetch may reserve
                 if res is None and prefetch:
                     p.stats["prefetch_not_admitted"] += 1
                     return None

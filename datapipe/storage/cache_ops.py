@@ -83,15 +83,19 @@ class CacheOpsMixin:
         with p.lock:
             fut = p.pending.get(url)
             if fut is None:
-                fut = p.pool.submit(self._prefetch_one, p, url, checksum, at)
+                ticket = p.turns.issue() if at is not None and p.warm is not None else None
+                fut = p.pool.submit(self._prefetch_one, p, url, checksum, at, ticket)
+                if ticket is not None:  # a cancelled task must not hold up the queue
+                    fut.add_done_callback(lambda f, t=ticket: p.turns.done(t))
                 p.pending[url] = fut
                 fut.add_done_callback(lambda f, u=url: p.pending.pop(u, None) if p.pending.get(u) is f else None)
         return fut
 
-    def _prefetch_one(self, p, url: str, checksum: str | None, at: int | None) -> None:
+    def _prefetch_one(self, p, url: str, checksum: str | None, at: int | None,
+                      ticket: int | None = None) -> None:
         try:
             if p.warm is not None:
-                self._fill(p, url, checksum, None, prefetch=True, prefetch_at=at)
+                self._fill(p, url, checksum, None, prefetch=True, prefetch_at=at, ticket=ticket)
             elif url not in p.hot:
                 self._admit_hot(p, url, self._fetch_cold(p, url, checksum), checksum, at)
             p.stats["prefetched"] += 1
@@ -187,7 +191,9 @@ class CacheOpsMixin:
         if s is None or force:
             return lambda cands, need, *_: choose_victims(cands, need, url)
         if prefetch_at is not None:
-            horizon, nxt = s.position, prefetch_at
+            # position - 1: the read that moved the position may not have opened (pinned)
+            # its object yet; the background must not evict it under the reader.
+            horizon, nxt = max(0, s.position - 1), prefetch_at
         else:
             horizon = (index + 1) if index is not None else s.position
             nxt = s.next_use(url, horizon)
@@ -249,6 +255,7 @@ class CacheOpsMixin:
         if p is None or p.pid != os.getpid() or p.closed:
             return
         p.closed = True
+        p.turns.close()
         self._wake()
         if p.prefetcher is not None:
             p.prefetcher.join(timeout=5)

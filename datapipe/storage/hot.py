@@ -1,4 +1,5 @@
-"""The hot tier (whole objects in this process's memory) and the bound on bytes in flight."""
+"""The hot tier (whole objects in this process's memory), the bound on bytes in flight, and
+the ordering of scheduled prefetches."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 
 from ..errors import CacheBudgetError
 
-__all__ = ["HotTier", "InflightBytes"]
+__all__ = ["HotTier", "InflightBytes", "Turns"]
 
 Chooser = Callable[[list[tuple[str, int, float]], int, str], "list[str] | None"]
 
@@ -104,4 +105,45 @@ class InflightBytes:
     def release(self, n: int) -> None:
         with self._cond:
             self.current -= n
+            self._cond.notify_all()
+
+
+class Turns:
+    """Tickets taken in issue order, served in that order: scheduled prefetches reserve warm
+    space one after another in schedule order (so a later object never takes the room an
+    earlier one needs), while their downloads still overlap. A ticket whose task ends
+    early (cancelled, already cached, failed) is marked done, and the queue moves on."""
+
+    def __init__(self) -> None:
+        self._issued = 0
+        self._next = 0
+        self._done: set[int] = set()
+        self._cond = threading.Condition()
+        self.closed = False
+
+    def issue(self) -> int:
+        with self._cond:
+            self._issued += 1
+            return self._issued - 1
+
+    def wait(self, ticket: int) -> bool:
+        """Block until it is ``ticket``'s turn; False if shut down meanwhile."""
+        with self._cond:
+            while self._next != ticket and not self.closed:
+                self._cond.wait(0.5)
+            return not self.closed
+
+    def done(self, ticket: int) -> None:
+        with self._cond:
+            if ticket < self._next or ticket in self._done:
+                return
+            self._done.add(ticket)
+            while self._next in self._done:
+                self._done.discard(self._next)
+                self._next += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
             self._cond.notify_all()
