@@ -145,3 +145,29 @@ def test_online_policy_matches_offline_optimum(accesses, slots):
         cache[k] = t
     assert hits == belady_hits(accesses, {k: 1 for k in accesses}, slots)
     assert hits >= lru_hits(accesses, {k: 1 for k in accesses}, slots)
+
+
+def test_turns_serve_tickets_in_issue_order():
+    import threading
+
+    from datapipe.storage.hot import Turns
+
+    turns = Turns()
+    tickets = [turns.issue() for _ in range(5)]
+    served = []
+
+    def worker(t):
+        if turns.wait(t):
+            served.append(t)
+            turns.done(t)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in reversed(tickets[1:])]
+    for th in threads:
+        th.start()
+    turns.done(tickets[0])  # the first task ended early (say, cancelled)
+    for th in threads:
+        th.join(5)
+    assert served == tickets[1:]
+    t = turns.issue()
+    turns.close()
+    assert turns.wait(t + 1) is False  # shut down: nobody waits forever
