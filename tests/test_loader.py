@@ -397,3 +397,20 @@ def test_state_from_a_repacked_dataset_with_the_same_layout(tmp_path):
     state = StreamingDataset(a, seed=0).state_dict(0)
     with pytest.raises(StateMismatchError, match="another dataset"):
         StreamingDataset(b, seed=0).load_state_dict(state)
+
+
+def test_plain_iterator_without_torch(ds_url):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"  # makes `import torch` fail, as if absent
+        "from datapipe.loader import StreamingDataset\n"
+        f"ds = StreamingDataset({ds_url!r}, window=2)\n"
+        "assert type(ds).__mro__[1] is object\n"
+        "print(len(sorted(s['cls'] for s in ds)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(N)

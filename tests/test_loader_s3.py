@@ -37,6 +37,8 @@ def test_s3_through_warm_cache_twice(s3_ds, tmp_path):
     assert sorted(first) == list(range(N))
     cold = cache.stats()["cold_reads"]
     assert cold >= 7  # every shard came from S3 once
+    # the loader handed the cache its upcoming shard order (clairvoyant eviction)
+    assert cache.schedule is not None and set(cache.schedule.keys) <= {s.url for s in ds.source.indexes[0].shards}
     ds.set_epoch(1)
     second = _ids(ds)
     assert sorted(second) == list(range(N)) and second != first

@@ -88,7 +88,11 @@ class StreamingDataset(_Base):
     dropping the last ``< world`` samples (True) or repeating as many (False).
     ``batch_size``: the DataLoader's, so that workers take whole batches in turn and the
     loader's output is the rank's stream in order (exact resume). ``on_error``: "raise" on a
-    corrupt sample, or "skip" it and report all skipped at the end of the pass.
+    corrupt sample, or "skip" it and report all skipped at the end of the pass (a rank that
+    skips yields fewer samples than the others that epoch).
+
+    With a plain ``DataLoader`` and ``persistent_workers=False`` (the default), each pass
+    pickles this object into the workers, so ``set_epoch`` and ``load_state_dict`` reach them.
     """
 
     def __init__(self, source: str | list[str] | list[Stream], *, cache: Any = None, shuffle: bool = True,
@@ -96,7 +100,7 @@ class StreamingDataset(_Base):
                  map: Callable[[dict[str, Any]], Any] | None = None, batch_size: int = 1,
                  rank: int | None = None, world_size: int | None = None,
                  storage_options: dict[str, Any] | None = None, on_error: str = "raise",
-                 epoch_size: int | None = None, prefetch_bytes: int = 512 << 20, concurrency: int = 8,
+                 epoch_size: int | None = None, prefetch_bytes: int = 512 << 20, concurrency: int = 4,
                  chunk_samples: int = 8192, return_position: bool = False) -> None:
         streams = [source] if isinstance(source, (str, Stream)) else list(source)
         if not streams:
@@ -111,7 +115,7 @@ class StreamingDataset(_Base):
         if int(batch_size) < 1 or int(chunk_samples) < 1:
             raise ValueError("batch_size and chunk_samples must be at least 1")
         self.source = ShardSource([s.url for s in self.streams],
-                                  storage_options or self.streams[0].storage_options)
+                                  [s.storage_options or storage_options for s in self.streams])
         self.cache = cache
         self.shuffle = bool(shuffle)
         self.seed = int(seed)

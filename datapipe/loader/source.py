@@ -110,12 +110,15 @@ def _mmap_file(path: str) -> tuple[memoryview, Any]:
 class ShardSource:
     """The shards of one or more datasets, numbered globally in the order given."""
 
-    def __init__(self, urls: list[str], storage_options: dict[str, Any] | None = None,
+    def __init__(self, urls: list[str], storage_options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
                  retry: RetryPolicy | None = None) -> None:
         if not urls:
             raise PlanError("a StreamingDataset needs at least one dataset URL")
         self.urls = list(urls)
-        self.indexes = [_dataset.open_index(u, storage_options) for u in self.urls]
+        options = storage_options if isinstance(storage_options, list) else [storage_options] * len(self.urls)
+        if len(options) != len(self.urls):
+            raise PlanError(f"{len(self.urls)} dataset URLs but {len(options)} storage_options")
+        self.indexes = [_dataset.open_index(u, o) for u, o in zip(self.urls, options)]
         self.retry = retry or RetryPolicy()
         counts = [ix.sample_counts.astype(np.int64) for ix in self.indexes]
         self.counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
