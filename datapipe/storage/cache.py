@@ -22,12 +22,12 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-from ..checksum import checksum as compute_checksum, verify
-from ..errors import CacheBudgetError, StorageError
-from .cache_ops import CacheOpsMixin
+from ..checksum import verify
+from ..errors import CacheBudgetError
+from .cache_ops import CacheOpsMixin, _ok
 from .eviction import Schedule
 from .hot import HotTier, InflightBytes, Turns
-from .retry import RetryPolicy, call_with_retry, fetch_object, fetch_range
+from .retry import RetryPolicy, call_with_retry, fetch_object
 from .stores import Store, open_store, split_url
 from .warm import DISK_FULL_ERRNOS, WarmDir, url_key
 
@@ -78,7 +78,20 @@ class TieredCache(CacheOpsMixin):
     ``window`` places ahead moves the position past that occurrence (``read_range`` only
     when the URL is exactly the next one, so many ranges of one shard count once). Call
     ``advance(n)`` to skip ``n`` scheduled reads yourself; ``schedule_position`` tells
-    where the cache believes the reader is."""
+    where the cache believes the reader is.
+
+    Arguments: ``hot_bytes`` (0: no memory tier), ``warm_dir``/``warm_bytes`` (None/0:
+    no disk tier), ``storage_options`` for the cold fsspec filesystems,
+    ``max_inflight_bytes`` (bytes downloading at once in this process), ``retry`` (a
+    :class:`RetryPolicy`: attempts, backoff, per-attempt timeout, range-request size),
+    ``prefetch_threads``, ``pin_wait_s`` (how long ``local_path`` waits for room when the
+    warm tier is all pinned before raising CacheBudgetError), ``cold_wrapper`` (a
+    picklable callable wrapping each cold Store, e.g. for fault injection).
+
+    Errors: ObjectNotFoundError (no object at the URL), RemoteError (retries exhausted),
+    ChecksumError (a fill failed its checksum twice), CacheBudgetError (an object larger
+    than a tier's budget, or no unpinned room for a pin). A warm tier that cannot be
+    written (full disk, read-only) warns once and reads through."""
 
     def __init__(
         self,
@@ -176,67 +189,6 @@ class TieredCache(CacheOpsMixin):
         data = self._below_hot(p, url, checksum, index)
         self._admit_hot(p, url, data, checksum, index)
         return data
-
-    def read_range(self, url: str, start: int, end: int, *, checksum: str | None = None) -> bytes:
-        """Bytes ``[start, end)``; ``checksum`` is of those bytes. A miss fills the whole
-        object into the cache when there is a cache to fill; otherwise one range request.
-        A range that fails its checksum drops the cached copy and is read once more."""
-        if start < 0 or end < start:
-            raise StorageError(f"invalid byte range [{start}, {end}) for {url}")
-        p = self._proc()
-        index = self._locate(url, exact=True)
-        for attempt in (0, 1):
-            part = self._range_once(p, url, start, end, index if attempt == 0 else None)
-            if _ok(part, checksum):
-                return part
-            p.stats["range_refetches"] += 1
-            p.hot.discard(url)
-            if p.warm is not None:
-                p.warm.discard(url_key(url))
-        verify(part, checksum, f"{url} [{start}, {end})")
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _range_once(self, p: _Proc, url: str, start: int, end: int, index: int | None) -> bytes:
-        hit = p.hot.get(url)
-        if hit is not None:
-            p.stats.update(hot_hits=1, hot_bytes=end - start)
-            return _slice(hit[0], start, end, url)
-        p.stats["hot_misses"] += 1
-        if p.warm is not None:
-            key = url_key(url)
-            fd = p.warm.open_pinned(key)
-            if fd is not None:
-                try:
-                    size = os.fstat(fd).st_size
-                    if end <= size:
-                        part = os.pread(fd, end - start, start)
-                        if len(part) == end - start:
-                            p.stats.update(warm_hits=1, warm_bytes=end - start)
-                            return part
-                    elif size == self._size(p, url):  # the copy is whole: a bad range
-                        _slice(b"", start, end, url, size)
-                    p.stats["warm_corrupt"] += 1  # a copy shorter than the object
-                    p.warm.discard(key, fd)
-                    fd = None
-                finally:
-                    if fd is not None:
-                        os.close(fd)
-            p.stats["warm_misses"] += 1
-            data = self._fill(p, url, None, index)
-            self._admit_hot(p, url, data, None, index)
-            return _slice(data, start, end, url)
-        if self.hot_bytes > 0:
-            data = self._fetch_cold(p, url, None)
-            self._admit_hot(p, url, data, None, index)
-            return _slice(data, start, end, url)
-        size = self._size(p, url)
-        if end > size:
-            _slice(b"", start, end, url, size)
-        store, key = self._cold(p, url)
-        part = fetch_range(store, key, start, end, self.retry, pool=p.parts,
-                           on_retry=lambda e: p.stats.update(cold_retries=1))
-        p.stats.update(cold_reads=1, cold_bytes=len(part))
-        return part
 
     def _from_hot(self, p: _Proc, url: str, checksum: str | None) -> bytes | None:
         hit = p.hot.get(url)
@@ -432,16 +384,3 @@ class TieredCache(CacheOpsMixin):
                     return fd
             # evicted between publish and pin (or no room yet): go round again
             time.sleep(0.01)
-
-
-
-def _slice(data: bytes, start: int, end: int, url: str, size: int | None = None) -> bytes:
-    size = len(data) if size is None else size
-    if end > size:
-        raise StorageError(f"range [{start}, {end}) runs past the end of {url} ({size} bytes)")
-    return data[start:end]
-
-
-def _ok(data: bytes | memoryview, expected: str | None) -> bool:
-    return expected is None or compute_checksum(data) == expected
-

@@ -1,5 +1,5 @@
-"""TieredCache's operations beyond reading: pinned local copies, prefetch, the access
-schedule, async twins, metrics and shutdown. A mixin, so that cache.py stays readable;
+"""TieredCache's operations beyond whole-object reads: byte ranges, pinned local copies,
+prefetch, the access schedule, async twins, metrics and shutdown. A mixin, so that cache.py stays readable;
 every method here works on the per-process state that ``TieredCache._proc`` creates."""
 
 from __future__ import annotations
@@ -12,14 +12,78 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any, Callable
 
+from ..checksum import checksum as compute_checksum, verify
 from ..errors import StorageError
 from .eviction import Schedule, choose_victims
+from .retry import fetch_range
 from .warm import url_key
 
 __all__ = ["CacheOpsMixin"]
 
 
 class CacheOpsMixin:
+    # -- byte ranges -------------------------------------------------------------------
+    def read_range(self, url: str, start: int, end: int, *, checksum: str | None = None) -> bytes:
+        """Bytes ``[start, end)``; ``checksum`` is of those bytes. A miss fills the whole
+        object into the cache when there is a cache to fill; otherwise one range request.
+        A range that fails its checksum drops the cached copy and is read once more."""
+        if start < 0 or end < start:
+            raise StorageError(f"invalid byte range [{start}, {end}) for {url}")
+        p = self._proc()
+        index = self._locate(url, exact=True)
+        for attempt in (0, 1):
+            part = self._range_once(p, url, start, end, index if attempt == 0 else None)
+            if _ok(part, checksum):
+                return part
+            p.stats["range_refetches"] += 1
+            p.hot.discard(url)
+            if p.warm is not None:
+                p.warm.discard(url_key(url))
+        verify(part, checksum, f"{url} [{start}, {end})")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _range_once(self, p, url: str, start: int, end: int, index: int | None) -> bytes:
+        hit = p.hot.get(url)
+        if hit is not None:
+            p.stats.update(hot_hits=1, hot_bytes=end - start)
+            return _slice(hit[0], start, end, url)
+        p.stats["hot_misses"] += 1
+        if p.warm is not None:
+            key = url_key(url)
+            fd = p.warm.open_pinned(key)
+            if fd is not None:
+                try:
+                    size = os.fstat(fd).st_size
+                    if end <= size:
+                        part = os.pread(fd, end - start, start)
+                        if len(part) == end - start:
+                            p.stats.update(warm_hits=1, warm_bytes=end - start)
+                            return part
+                    elif size == self._size(p, url):  # the copy is whole: a bad range
+                        _slice(b"", start, end, url, size)
+                    p.stats["warm_corrupt"] += 1  # a copy shorter than the object
+                    p.warm.discard(key, fd)
+                    fd = None
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+            p.stats["warm_misses"] += 1
+            data = self._fill(p, url, None, index)
+            self._admit_hot(p, url, data, None, index)
+            return _slice(data, start, end, url)
+        if self.hot_bytes > 0:
+            data = self._fetch_cold(p, url, None)
+            self._admit_hot(p, url, data, None, index)
+            return _slice(data, start, end, url)
+        size = self._size(p, url)
+        if end > size:
+            _slice(b"", start, end, url, size)
+        store, key = self._cold(p, url)
+        part = fetch_range(store, key, start, end, self.retry, pool=p.parts,
+                           on_retry=lambda e: p.stats.update(cold_retries=1))
+        p.stats.update(cold_reads=1, cold_bytes=len(part))
+        return part
+
     # -- pinned local copies -------------------------------------------------------------
     def local_path(self, url: str, *, checksum: str | None = None) -> str:
         """The path of a warm copy of ``url``, pinned (never evicted, by any process)
@@ -273,3 +337,15 @@ class CacheOpsMixin:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _slice(data: bytes, start: int, end: int, url: str, size: int | None = None) -> bytes:
+    size = len(data) if size is None else size
+    if end > size:
+        raise StorageError(f"range [{start}, {end}) runs past the end of {url} ({size} bytes)")
+    return data[start:end]
+
+
+def _ok(data: bytes | memoryview, expected: str | None) -> bool:
+    return expected is None or compute_checksum(data) == expected
+
