@@ -220,7 +220,15 @@ class CacheOpsMixin:
                 with p.lock:
                     upcoming = s.upcoming(self.lookahead)
                     pos = s.position
-                for i, url in upcoming:
+                # Objects fetched ahead occupy the tier before they are used, shrinking it
+                # for everything else; beyond the next object, look ahead only while that
+                # stays within a quarter of the tier (sizes known from earlier HEADs).
+                room = (self.warm_bytes if p.warm is not None else self.hot_bytes) // 4
+                ahead = 0
+                for n, (i, url) in enumerate(upcoming):
+                    ahead += p.sizes.get(url, 0)
+                    if n and ahead > room:
+                        break
                     if len(p.pending) >= self.prefetch_threads or p.closed:
                         break
                     if url in p.pending or url in p.hot or p.refused.get(url) == pos:
