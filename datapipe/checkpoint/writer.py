@@ -15,6 +15,7 @@ import queue
 import sys
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -233,8 +234,14 @@ class CheckpointWriter:
     def __enter__(self) -> "CheckpointWriter":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an error is already on its way out: do not replace it with ours
+            self.close()
+        except Exception as e:
+            warnings.warn(f"closing the checkpoint writer for {self.url}: {e}", stacklevel=2)
 
     def _check_open(self) -> None:
         if self._closed:
