@@ -49,3 +49,30 @@ def test_decoder_errors_name_the_sample():
     with pytest.raises(CorruptShardError, match=r"shard-1.tar sample 'k7': field 'json'"):
         dec({"__key__": "k7", "json": b"{not json"}, "shard-1.tar")
     assert dec({"__key__": "k", "cls": b" 12\n", "txt": b"h\xc3\xa9"}, "x") == {"__key__": "k", "cls": 12, "txt": "hé"}
+
+
+def _dataset(path, mixed):
+    from datapipe import ShardWriter
+
+    with ShardWriter(str(path), max_samples=13) as w:
+        for i in range(40):
+            s = {"__key__": f"d/{i:03d}", "txt": f"t{i}", "bin": bytes([i]) * (i * 37 % 700)}
+            if mixed and i % 5 == 0:
+                s["extra.json"] = {"i": i}
+            w.write(s)
+    return str(path)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_kept_layouts_cut_samples_as_the_tar_parser_does(tmp_path, mixed):
+    from datapipe.loader import StreamingDataset
+
+    url = _dataset(tmp_path / "ds", mixed)
+    plain = StreamingDataset(url, shuffle=False, decode="raw")
+    plain.source.layouts.max_samples = 0  # no layouts: every sample parsed on its own
+    expected = list(plain)
+    ds = StreamingDataset(url, shuffle=False, decode="raw")
+    assert list(ds) == expected
+    assert list(ds) == expected  # second epoch: layouts come from the cache
+    held = len(ds.source.layouts._items)
+    assert held == (1 if mixed else 4)  # mixed shards keep no layout; only the last (#39) is uniform

@@ -267,7 +267,8 @@ class StreamingDataset(_Base):
         # fast path: the bytes are all there and verified, as a whole or by sample digests
         if data.error is None and data.max_end <= len(data.buf) and data.compression == "none" \
                 and (data.verified or data.digests is not None):
-            return data, (data.buf, data.src, data.offs, data.ends, None if data.verified else data.digests)
+            return data, (data.buf, data.src, data.offs, data.ends, None if data.verified else data.digests,
+                          data.fields, data.rows, data.keys)
         return data, None
 
     def _read_chunk(self, pre: Prefetcher, chunk: Chunk) -> Iterator[Any]:
@@ -287,11 +288,18 @@ class StreamingDataset(_Base):
             try:
                 sample = None
                 if fast is not None:
-                    buf, src, offs, ends, digests = fast
-                    start, end = offs[j], ends[j]
-                    if digests is not None and hexdigest(buf[start:end]) != digests[j]:
-                        data.sample_bytes(j)  # raises the ChecksumError naming the sample
-                    sample = split(src, start, end)
+                    buf, src, offs, ends, digests, fields, rows, keys = fast
+                    if rows is not None:  # a verified shard with a known layout
+                        r, k = rows[j], 0
+                        sample = {"__key__": keys[j]}
+                        for f in fields:
+                            sample[f] = src[r[k] : r[k + 1]]
+                            k += 2
+                    else:
+                        start, end = offs[j], ends[j]
+                        if digests is not None and hexdigest(buf[start:end]) != digests[j]:
+                            data.sample_bytes(j)  # raises the ChecksumError naming the sample
+                        sample = split(src, start, end)
                 if sample is None:
                     sample = decode_sample(data.sample_bytes(j), data.compression, data.where(j))
                 item = sample if decoder is None else decoder(sample, data.url)

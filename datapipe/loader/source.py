@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..storage.retry import RetryPolicy, call_with_retry
 from ..storage.stores import LocalStore
+from .members import LayoutCache, walk_layout
 from .. import dataset as _dataset
 
 __all__ = ["ShardData", "ShardSource"]
@@ -47,6 +48,9 @@ class ShardData:
     error: Exception | None = None
     #: the whole shard matched its checksum: samples need no check of their own
     verified: bool = False
+    #: a shared field layout (see .members): field k of sample j is src[rows[j][2k]:rows[j][2k+1]]
+    fields: tuple[str, ...] | None = None
+    rows: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         # Plain lists for the reader's hot loop (numpy scalar indexing costs more than the
@@ -128,6 +132,8 @@ class ShardSource:
         #: local shard files whose bytes matched their checksum in this process, by
         #: (path, size, mtime): later epochs skip per-sample checks, as the cache does
         self._verified: set[tuple[str, int, int]] = set()
+        #: field layouts of verified shards, kept across epochs (bounded; see .members)
+        self.layouts = LayoutCache()
         if self.num_samples == 0:
             raise PlanError(f"{', '.join(self.urls)}: the dataset holds no sample; nothing to stream")
 
@@ -173,9 +179,19 @@ class ShardSource:
             buf, closer, verified = self._bytes(ix, info, cache)
         except (IntegrityError, CorruptShardError) as e:
             buf, closer, error, verified = memoryview(b""), None, e, False
-        return ShardData(g, info.url, buf, list(table.keys), np.asarray(table.offsets, np.int64),
+        data = ShardData(g, info.url, buf, list(table.keys), np.asarray(table.offsets, np.int64),
                          np.asarray(table.lengths, np.int64), list(table.checksums or []),
                          ix.compression, closer, error, verified)
+        if verified and data.compression == "none" and data.max_end <= len(data.buf):
+            key = (g, len(data.buf), info.checksum)
+            lay = self.layouts.get(key)
+            if lay is None:
+                lay = walk_layout(data.src, data.offs, data.ends, data.keys)
+                if lay is not None:
+                    self.layouts.put(key, lay)
+            if lay is not None and lay.samples == len(data.keys):
+                data.fields, data.rows = lay.fields, lay.table.tolist()
+        return data
 
     def _bytes(self, ix: Any, info: Any, cache: Any) -> tuple[memoryview, Any, bool]:
         """(bytes, closer, verified). A shard that fails its whole-shard checksum is still
