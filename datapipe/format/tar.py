@@ -88,12 +88,23 @@ def _octal(value: int, width: int) -> bytes:
     return b"%0*o\0" % (width - 1, value)
 
 
+_MODE_IDS = _octal(0o644, 8) + _octal(0, 8) + _octal(0, 8)
+_MTIME0 = _octal(0, 12)
+_TAIL = b"0" + bytes(100) + b"ustar\x0000" + bytes(BLOCK - 265)
+_CONST_SUM = sum(_MODE_IDS) + sum(_MTIME0) + 8 * 32 + sum(_TAIL)  # checksum field as spaces
+_NUL100 = bytes(100)
+
+
 def member_header(name: str, size: int, mtime: int = 0) -> bytes:
     """The header block(s) of one regular-file member: plain ustar when the name fits,
     else ustar with a split prefix, else a PAX header (as `tarfile` writes it)."""
     if size > _MAX_SIZE:
         raise InvalidMemberNameError(f"member {name!r} is larger than tar's 8 GiB ustar limit")
     raw = name.encode("utf-8")
+    if len(raw) <= 100 and mtime == 0:  # the common case, from precomputed pieces
+        size_field = b"%011o\0" % size
+        chk = _CONST_SUM + sum(raw) + sum(size_field)
+        return b"".join((raw, _NUL100[len(raw) :], _MODE_IDS, size_field, _MTIME0, b"%06o\0 " % chk, _TAIL))
     prefix = b""
     if len(raw) > 100:
         cut = raw.rfind(b"/", 0, 156)

@@ -12,10 +12,12 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from ..errors import DestinationExistsError, DuplicateKeyError, InputFileError, PackError, SampleTooLargeError
 from ..format import COMPRESSIONS, MANIFEST, SampleRecords, ShardBuilder, ShardRecord, encode_sample, shard_name
+from ..format.shard import STAGING_BYTES
 from ..storage import Store, open_store
 from .commit import check_destination, remove_temporaries, write_index
 from .sources import FileSample, count_table_rows, iter_table, list_directory, source_kind
@@ -84,44 +86,54 @@ def _init_worker(counters: Any) -> None:
     _progress = counters
 
 
-def _read_file(path: str, size: int) -> bytes:
-    """The whole file: one read of the size seen when listing (plus one byte, to notice
-    growth), without the stat and EOF read of ``readall``."""
+def _fill_from(path: str, view: memoryview) -> int:
+    """Read the file at ``path`` into ``view``: straight into the shard's staging buffer."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        data = os.read(fd, size + 1)
-        if len(data) > size:
-            chunks = [data]
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-            data = b"".join(chunks)
-        return data
+        got = os.readv(fd, [view])
+        # A regular file returns short only at its end, so one read of size + 1 bytes both
+        # fills the data and proves the file did not grow. Read on only if it came short
+        # of the listed size (a filesystem that returns short reads).
+        want = len(view) - 1
+        while 0 < got < want:
+            n = os.readv(fd, [view[got:]])
+            if not n:
+                break
+            got += n
+        return got
     finally:
         os.close(fd)
 
 
+_staging: bytearray | None = None  # one reused staging buffer per worker process
+
+
 def _pack_files(store: Store, name: str, compression: str, level: int, samples: list[FileSample],
                 skip_errors: bool) -> dict[str, Any]:
+    global _staging
+    if _staging is None:
+        _staging = bytearray(STAGING_BYTES)
     skipped: list[tuple[str, str]] = []
     done_samples = done_bytes = 0
     with store.open_writer(name) as sink:
-        b = ShardBuilder(sink, name, compression, level)
+        b = ShardBuilder(sink, name, compression, level, staging=_staging)
         for s in samples:
-            sample: dict[str, Any] = {"__key__": s.key}
+            members = [(fld, size, partial(_fill_from, path)) for fld, path, size in s.files]
             try:
-                for fld, path, size in s.files:
-                    sample[fld] = _read_file(path, size)
-            except OSError as e:
+                b.add_members(s.key, members)
+            except (OSError, ValueError) as e:
+                if isinstance(e, OSError):
+                    path, why = e.filename or s.files[0][1], e.strerror or str(e)
+                else:
+                    path, why = s.files[0][1], f"changed while packing ({e})"
                 if not skip_errors:
                     raise InputFileError(
-                        f"cannot read {e.filename or path}: {e.strerror or e} (sample {s.key!r}; "
-                        "pass --skip-errors to skip such samples)"
+                        f"cannot read {path}: {why} (sample {s.key!r}; pass --skip-errors to skip such samples)"
                     ) from None
-                skipped.append((e.filename or path, e.strerror or str(e)))
+                skipped.append((path, why))
                 continue
-            b.add(sample)
             done_samples += 1
-            done_bytes += sum(len(v) for k, v in sample.items() if k != "__key__")
+            done_bytes += sum(size for _, _, size in s.files)
             if _progress is not None and done_samples % 64 == 0:
                 _bump(done_samples, done_bytes)
                 done_samples = done_bytes = 0

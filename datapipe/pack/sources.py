@@ -57,12 +57,23 @@ def list_directory(root: str, skip_errors: bool = False) -> DirectoryListing:
     groups: dict[str, list[tuple[str, str, int]]] = {}
     out = DirectoryListing([])
     checked: set[str] = set()
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        rel_dir = os.path.relpath(dirpath, root)
-        prefix = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
-        for name in filenames:
-            path = os.path.join(dirpath, name)
+    stack = [(root, "")]
+    while stack:
+        dirpath, prefix = stack.pop()
+        try:
+            entries = sorted(os.scandir(dirpath), key=lambda e: e.name)
+        except OSError as e:
+            raise InputFileError(f"cannot list {dirpath}: {e.strerror}") from None
+        for entry in entries:
+            name = entry.name
+            if entry.is_dir(follow_symlinks=False):
+                if not name.startswith("."):
+                    stack.append((entry.path, prefix + name + "/"))
+                continue
+            if entry.is_dir():  # a link to a directory: not followed, as os.walk does
+                out.ignored.append(entry.path)
+                continue
+            path = entry.path
             rel = prefix + name
             cut = split_member_name(rel)
             if cut is None:
@@ -80,7 +91,7 @@ def list_directory(root: str, skip_errors: bool = False) -> DirectoryListing:
                 out.bad.append((path, reason))
                 continue
             try:
-                size = os.stat(path).st_size
+                size = entry.stat().st_size
             except OSError as e:
                 if not skip_errors:
                     raise InputFileError(f"cannot stat {path}: {e.strerror} (pass --skip-errors to skip it)") from None
