@@ -341,3 +341,25 @@ def test_state_without_arrays(tmp_path):
         w.save(2, {}).wait()
     assert load_checkpoint(str(tmp_path), step=1) == {"epoch": 3, "names": ["a", "b"]}
     assert load_checkpoint(str(tmp_path)) == {}
+
+
+def test_streaming_dataset_state_in_checkpoint_resumes_the_stream(tmp_path):
+    from datapipe import ShardWriter
+    from datapipe.loader import StreamingDataset
+
+    ds_url = str(tmp_path / "ds")
+    with ShardWriter(ds_url, max_samples=17) as sw:
+        for i in range(150):
+            sw.write({"__key__": f"k{i:04d}", "cls": str(i)})
+    full = [s["cls"] for s in StreamingDataset(ds_url, window=3, seed=4, batch_size=4)]
+    ds = StreamingDataset(ds_url, window=3, seed=4, batch_size=4)
+    it = iter(ds)
+    first = [next(it)["cls"] for _ in range(61)]
+    with CheckpointWriter(str(tmp_path / "ckpt")) as w:
+        w.save(61, {"model": trained_state()["model"], "data": ds.state_dict()}).wait()
+    it.close()
+    loaded = load_checkpoint(str(tmp_path / "ckpt"))
+    assert_same(ds.state_dict(), loaded["data"])
+    again = StreamingDataset(ds_url, window=3, seed=4, batch_size=4)
+    again.load_state_dict(loaded["data"])
+    assert first + [s["cls"] for s in again] == full
