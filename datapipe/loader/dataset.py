@@ -119,8 +119,8 @@ class StreamingDataset(_Base):
         self.cache = cache
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
-        n_shards = max(self.source.num_shards, 1)
-        self.window = n_shards if window is None else min(int(window), n_shards)
+        #: shards a sample may move across; None (every shard) is stored as 2**62
+        self.window = (1 << 62) if window is None else int(window)
         self.drop_last = bool(drop_last)
         self.batch_size = int(batch_size)
         self.rank, self.world_size = rank, world_size

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..checksum import checksum, verify
+from ..checksum import Hasher, checksum, verify
 from ..errors import (
     CorruptShardError,
     DatapipeError,
@@ -97,10 +98,7 @@ def _mmap_file(path: str) -> tuple[memoryview, Any]:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return memoryview(b""), None
-        # MAP_POPULATE: the kernel reads the file in and maps every page in one call, on the
-        # fetch thread and without the GIL, instead of a page fault per 64 KiB in the reader.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
     def close() -> None:
         try:
@@ -109,6 +107,24 @@ def _mmap_file(path: str) -> tuple[memoryview, Any]:
             pass
 
     return memoryview(mm), close
+
+
+_local = threading.local()
+
+
+def _hash_file(path: str) -> str:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = memoryview(bytearray(1 << 20))
+    h = Hasher()
+    with open(path, "rb", buffering=0) as f:
+        try:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except (AttributeError, OSError):  # only a hint
+            pass
+        while n := f.readinto(buf):
+            h.update(buf[:n])
+    return h.hexdigest()
 
 
 class ShardSource:
@@ -222,13 +238,16 @@ class ShardSource:
                 st = os.stat(path)
             except FileNotFoundError:
                 raise ObjectNotFoundError(f"shard {info.url} is missing (listed in {ix.url})") from None
-            buf, close = _mmap_file(path)
             seen = (path, st.st_size, st.st_mtime_ns)
-            if seen in self._verified:
-                return buf, close, True
-            ok = bool(info.checksum) and checksum(buf) == info.checksum
-            if ok:
-                self._verified.add(seen)
+            ok = seen in self._verified
+            if not ok and info.checksum:
+                # First read in this process: stream the file through a small reused buffer
+                # and hash it on the way. read() releases the GIL while the disk works, where
+                # hashing a cold mmap would stall every thread on page faults.
+                ok = _hash_file(path) == info.checksum
+                if ok:
+                    self._verified.add(seen)
+            buf, close = _mmap_file(path)
             return buf, close, ok
         # Transient failures are retried; a shard shorter than the index says is not
         # (asking again cannot lengthen it) and shows as truncated samples when read.
