@@ -170,7 +170,11 @@ class CheckpointWriter:
             self._join_prepare()
 
     def save(self, step: int, state: Any, *, if_busy: str | None = None) -> SaveHandle:
-        """Copy ``state`` into host staging and return; the rest happens in the background."""
+        """Copy ``state`` into host staging and return; the rest happens in the background.
+
+        If an earlier save failed and its error was not yet seen (through its handle), this
+        call raises that error and saves nothing; the next call saves again. One thread
+        saves at a time: the writer is not meant to be shared between threads."""
         t0 = time.perf_counter()
         self._check_open()
         self._raise_failed()
