@@ -243,9 +243,9 @@ class TieredCache(CacheOpsMixin):
                 t0 = time.monotonic()
                 fut.exception()
                 p.stats["wait_seconds"] += time.monotonic() - t0
-                hit = self._from_hot(p, url, checksum)
-                if hit is not None:
-                    return hit
+                hit = p.hot.get(url)  # already counted as a hot miss; the wait shows
+                if hit is not None and (checksum is None or checksum == hit[1] or _ok(hit[0], checksum)):
+                    return hit[0]
             return self._fetch_cold(p, url, checksum)
         key = url_key(url)
         fd = p.warm.open_pinned(key)
@@ -267,7 +267,9 @@ class TieredCache(CacheOpsMixin):
     def _fetch_cold(self, p: _Proc, url: str, checksum: str | None) -> bytes:
         size = self._size(p, url)
         store, key = self._cold(p, url)
-        p.stats["wait_seconds"] += p.inflight.acquire(size, url)
+        waited = p.inflight.acquire(size, url)
+        if not threading.current_thread().name.startswith("datapipe-prefetch"):
+            p.stats["wait_seconds"] += waited  # the reader's waits, not the background's
         try:
             for attempt in (0, 1):
                 data = fetch_object(store, key, size, self.retry, pool=p.parts,

@@ -209,7 +209,10 @@ class WarmDir:
         return total
 
     def usage(self) -> int:
-        return sum(s for _k, s, _m in self.entries()) + self._tmp_bytes()
+        """Bytes held, counted under the budget lock: outside it an eviction and a new
+        reservation falling between the two directory scans would be counted both."""
+        with self._budget_lock():
+            return sum(s for _k, s, _m in self.entries()) + self._tmp_bytes()
 
     def _try_evict(self, key: str) -> bool:
         try:
