@@ -171,3 +171,19 @@ def test_turns_serve_tickets_in_issue_order():
     t = turns.issue()
     turns.close()
     assert turns.wait(t + 1) is False  # shut down: nobody waits forever
+
+
+def test_bad_schedule_and_prefetch_arguments(tmp_path):
+    from datapipe.errors import StorageError
+
+    c = TieredCache(hot_bytes=1000)
+    with pytest.raises(StorageError, match="no schedule"):
+        c.advance()
+    with pytest.raises(ValueError, match="lookahead"):
+        c.set_schedule(["a"], lookahead=-1)
+    with pytest.raises(ValueError, match="position"):
+        c.set_schedule(["a"], position=5)
+    with pytest.raises(ValueError, match="2 urls but 1 checksums"):
+        c.prefetch(["a", "b"], checksums=["x"])
+    with pytest.raises(ValueError, match="prefetch_threads"):
+        TieredCache(prefetch_threads=0)
