@@ -83,8 +83,9 @@ def _mosaic(cfg: dict, s3: dict, payloads: dict, orders, work: str, budget: int)
     for _e in range(len(orders)):
         before = dict(counted)
         n = sum(1 for _ in ds)
-        per_epoch.append({"accesses": n, "cold_bytes": counted["bytes"] - before["bytes"],
-                          "hits": n - (counted["files"] - before["files"])})
+        downloads = counted["files"] - before["files"]
+        per_epoch.append({"accesses": n, "downloads": downloads,
+                          "cold_bytes": counted["bytes"] - before["bytes"], "hits": n - downloads})
     return {"per_epoch": per_epoch}
 
 
@@ -123,8 +124,9 @@ def _litdata(cfg: dict, s3: dict, payloads: dict, orders, work: str, budget: int
         ds.set_epoch(e + 1)
         before = dict(counted)
         n = sum(1 for _ in ds)
-        per_epoch.append({"accesses": n, "cold_bytes": counted["bytes"] - before["bytes"],
-                          "hits": n - (counted["files"] - before["files"])})
+        downloads = counted["files"] - before["files"]
+        per_epoch.append({"accesses": n, "downloads": downloads,
+                          "cold_bytes": counted["bytes"] - before["bytes"], "hits": n - downloads})
     return {"per_epoch": per_epoch}
 
 
@@ -167,6 +169,8 @@ def run_peers(cfg, s3, payloads: dict, orders, work: str, timeout_s: float = 900
             if "per_epoch" in res:
                 pe = res["per_epoch"]
                 acc = sum(e["accesses"] for e in pe)
+                # accesses - downloads: negative when shards were evicted before their use
+                # and downloaded again (thrashing), which per-access tracking would not hide
                 res["hit_rate"] = sum(e["hits"] for e in pe) / acc if acc else None
                 steady = [e["cold_bytes"] for e in pe[1:]] or [pe[0]["cold_bytes"]]
                 res["steady_cold_bytes_per_epoch"] = sum(steady) / len(steady)
