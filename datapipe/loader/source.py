@@ -1,8 +1,12 @@
 """The shards a StreamingDataset reads: one or more dataset indexes as one list of shards,
 and fetching one shard's bytes (through a TieredCache, or straight from its store).
 
-Bytes are kept zero-copy where possible: a local shard (or a cache's pinned warm copy) is
-memory-mapped and samples are memoryview slices of the map.
+A local shard (or a cache's pinned warm copy) is memory-mapped, not read: samples are cut
+from the map, and each field is copied exactly once, into the ``bytes`` handed to the user
+(bytes, not memoryviews, so samples pickle into DataLoader worker queues and never pin a
+map). The first read of a shard in a process checks it against the index's whole-shard
+checksum; a shard that passed is not hashed again, and a shard that fails is read sample
+by sample, each against its own checksum, so errors name the sample.
 """
 
 from __future__ import annotations
