@@ -256,19 +256,17 @@ class StreamingDataset(_Base):
         self._resume = None  # the resumed pass is over; the next pass starts the epoch afresh
 
     def _open_shard(self, pre: Prefetcher, g: int) -> tuple[Any, Any]:
-        """(shard data or None, fast-path tuple or the fetch error)."""
+        """(shard data or None, fast-path tuple or the fetch error, or None)."""
         try:
             data = pre.shard(g)
         except DatapipeError as e:
             if self.on_error != "skip":
                 raise
             return None, e
-        # fast path: every sample has an xxh3 digest and all the bytes are there
         # fast path: the bytes are all there and verified, as a whole or by sample digests
         if data.error is None and data.max_end <= len(data.buf) and data.compression == "none" \
                 and (data.verified or data.digests is not None):
-            return data, (data.buf, data.src, data.offs, data.ends, None if data.verified else data.digests,
-                          data.fields, data.rows, data.keys)
+            return data, (data.buf, data.src, data.offs, data.ends, None if data.verified else data.digests)
         return data, None
 
     def _read_chunk(self, pre: Prefetcher, chunk: Chunk) -> Iterator[Any]:
@@ -276,41 +274,62 @@ class StreamingDataset(_Base):
         skip, with_pos = self.on_error == "skip", self.return_position
         hexdigest, split = xxhash.xxh3_64_hexdigest, split_plain_members
         opened: dict[int, tuple[Any, Any]] = {}
+        laid: dict[int, tuple[Any, ...]] = {}  # verified shards with a known field layout
         for g, j in zip(chunk.shard.tolist(), chunk.sample.tolist()):
-            got = opened.get(g)
-            if got is None:
-                got = opened[g] = self._open_shard(pre, g)
-            data, fast = got
             self._yielded += 1  # a plan step consumed (also when skipped): resume lines up
-            if data is None:
-                self.skipped.append((self.source.url(g), None, f"sample #{j}: {fast}"))
-                continue
-            try:
-                sample = None
-                if fast is not None:
-                    buf, src, offs, ends, digests, fields, rows, keys = fast
-                    if rows is not None:  # a verified shard with a known layout
-                        r, k = rows[j], 0
-                        sample = {"__key__": keys[j]}
-                        for f in fields:
-                            sample[f] = src[r[k] : r[k + 1]]
-                            k += 2
-                    else:
-                        start, end = offs[j], ends[j]
-                        if digests is not None and hexdigest(buf[start:end]) != digests[j]:
-                            data.sample_bytes(j)  # raises the ChecksumError naming the sample
-                        sample = split(src, start, end)
-                if sample is None:
-                    sample = decode_sample(data.sample_bytes(j), data.compression, data.where(j))
-                item = sample if decoder is None else decoder(sample, data.url)
-            except DatapipeError as e:
-                if not skip:
-                    raise
-                self.skipped.append((data.url, data.keys[j], str(e)))
-                continue
+            lay = laid.get(g)
+            if lay is not None:  # the hot path: two list lookups and one copy per field
+                src, rows, fields, keys, data = lay
+                r, k = rows[j], 0
+                item = {"__key__": keys[j]}
+                for f in fields:
+                    item[f] = src[r[k] : r[k + 1]]
+                    k += 2
+                if decoder is not None:
+                    try:
+                        item = decoder(item, data.url)
+                    except DatapipeError as e:
+                        if not skip:
+                            raise
+                        self.skipped.append((data.url, keys[j], str(e)))
+                        continue
+            else:
+                got = opened.get(g)
+                if got is None:
+                    got = opened[g] = self._open_shard(pre, g)
+                    data = got[0]
+                    if data is not None and got[1] is not None and data.rows is not None:
+                        laid[g] = (data.src, data.rows, data.fields, data.keys, data)
+                item = self._read_sample(got, g, j, decoder, hexdigest, split)
+                if item is None:
+                    continue
             if with_pos and isinstance(item, dict):
                 item["__shard__"], item["__sample__"] = g, j
             yield item
+
+    def _read_sample(self, got: tuple[Any, Any], g: int, j: int, decoder: Any, hexdigest: Any,
+                     split: Any) -> Any:
+        """Sample ``j`` of shard ``g`` off the hot path; ``None`` when skipped."""
+        data, fast = got
+        if data is None:
+            self.skipped.append((self.source.url(g), None, f"sample #{j}: {fast}"))
+            return None
+        try:
+            sample = None
+            if fast is not None:
+                buf, src, offs, ends, digests = fast
+                start, end = offs[j], ends[j]
+                if digests is not None and hexdigest(buf[start:end]) != digests[j]:
+                    data.sample_bytes(j)  # raises the ChecksumError naming the sample
+                sample = split(src, start, end)
+            if sample is None:
+                sample = decode_sample(data.sample_bytes(j), data.compression, data.where(j))
+            return sample if decoder is None else decoder(sample, data.url)
+        except DatapipeError as e:
+            if self.on_error != "skip":
+                raise
+            self.skipped.append((data.url, data.keys[j], str(e)))
+            return None
 
     def _report_skipped(self) -> None:
         if self.skipped:
