@@ -6,7 +6,7 @@ counts, seed, epoch, window, topology), testable without files.
     plan = EpochPlan(counts, seed=0, epoch=3, window=16, world=8, drop_last=False)
     shard, sample, pad = plan.rank_samples(rank=2, steps=np.arange(0, 1024))
     state = plan.state_dict(consumed=1024)
-    plan2 = EpochPlan.from_state(counts, state, world=4)     # elastic: rest delivered once
+    plan2 = EpochPlan.from_state(counts, state, seed=0, window=16, world=4)  # elastic
 """
 
 from __future__ import annotations
