@@ -307,13 +307,14 @@ class _FakeShard:
 
 def test_prefetcher_stays_inside_its_byte_budget():
     sizes = {g: 100 for g in range(40)}
-    live, peak, lock = set(), [0], threading.Lock()
+    made, lock = [], threading.Lock()
 
     def fetch(g):
         time.sleep(0.001)
+        shard = _FakeShard()
         with lock:
-            live.add(g)
-        return _FakeShard()
+            made.append(shard)
+        return shard
 
     def chunks():
         for k in range(20):
@@ -332,6 +333,7 @@ def test_prefetcher_stays_inside_its_byte_budget():
     pre.close()
     assert order == list(range(40))
     assert pre.peak_bytes <= 450
+    assert len(made) == 40 and all(s.closed for s in made)  # every shard released once read
     assert seen_sched and seen_sched[0][:2] == [0, 1]
 
 
