@@ -136,18 +136,22 @@ class DatasetIndex:
             return rows
 
     def _rows(self, start: int, stop: int) -> dict[str, Any]:
-        """Columns of global sample rows ``[start, stop)``."""
+        """Columns of global sample rows ``[start, stop)``: each row group is sliced to the
+        rows asked for before anything is joined, so the cost follows the rows, not the
+        row groups."""
         rg = self._row_group
-        parts = [self._group(g) for g in range(start // rg, (stop - 1) // rg + 1)]
-        lo = start - (start // rg) * rg
-        cols = {}
-        for name in ("key", "offset", "length", "checksum", "shard"):
-            if isinstance(parts[0][name], list):
-                joined: Any = [x for p in parts for x in p[name]]
-            else:
-                joined = np.concatenate([p[name] for p in parts])
-            cols[name] = joined[lo : lo + (stop - start)]
-        return cols
+        pieces = []
+        for g in range(start // rg, (stop - 1) // rg + 1):
+            lo, hi = max(start, g * rg) - g * rg, min(stop, (g + 1) * rg) - g * rg
+            group = self._group(g)
+            pieces.append({name: col[lo:hi] for name, col in group.items()})
+        if len(pieces) == 1:
+            return pieces[0]
+        return {
+            name: [x for p in pieces for x in p[name]] if isinstance(pieces[0][name], list)
+            else np.concatenate([p[name] for p in pieces])
+            for name in pieces[0]
+        }
 
     def shard_samples(self, i: int) -> SampleTable:
         info = self.shards[i]
