@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-samples", type=int, default=100_000, help="samples per shard limit (default 100000)")
     p.add_argument("--compression", choices=["none", "zstd"], default="none", help="zstd: one frame per sample (.tar.zst)")
     p.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
-    p.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default: twice the CPU count; packing waits on the disk)")
     p.add_argument("--part", default=None, metavar="I/N", help="pack only part I (0-based) of N, into DEST/part-I-of-N; then `datapipe join DEST`")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DEST")
     p.add_argument("--skip-errors", action="store_true", help="skip unreadable inputs and list them in the summary")

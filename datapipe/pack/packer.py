@@ -286,7 +286,10 @@ def _pack_directory(src: str, store: Store, opts: dict[str, Any], workers: int |
     todo = [i for i, name in enumerate(names) if name not in done]
     result = PackResult("", len(plan), 0, 0, 0, 0.0, resumed_shards=len(plan) - len(todo),
                         skipped=list(listing.bad), ignored=len(listing.ignored))
-    nworkers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
+    # Packing small files waits on the disk more than on the CPU: twice as many workers
+    # as cores overlap those waits (measured here, cold page cache: 4 workers 6.7 s vs
+    # 2 workers 8.6 s for 30k samples on 2 cores; warm: 2.7 s vs 2.2 s).
+    nworkers = max(1, min(workers or 2 * (os.cpu_count() or 1), len(todo) or 1))
     # fork: no `if __name__ == "__main__"` guard needed in callers' scripts, and workers
     # start in milliseconds; filesystem objects are re-created per process (FsspecStore)
     ctx = mp.get_context("fork")
