@@ -10,6 +10,7 @@ sequential write of the same bytes), plus training step time while a save persis
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -26,7 +27,7 @@ from datapipe.checkpoint import CheckpointWriter
 
 DEFAULTS: dict[str, Any] = {
     "layers": 64, "width": 1024, "saves": 3, "dir": None, "batch": 8,
-    "train_steps": 8, "dcp": True, "torch_save": True, "compression": None,
+    "train_steps": 8, "train_rounds": 3, "dcp": True, "torch_save": True, "compression": None,
 }
 QUICK = {"layers": 8, "width": 512, "saves": 2, "train_steps": 4}
 
@@ -70,9 +71,19 @@ def _memcpy_s(dst: list[torch.Tensor], src: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
+def _trim_heap() -> None:
+    """Give freed heap memory back to the OS, so that the next allocation is really fresh
+    (glibc would otherwise hand out pages that earlier temporaries already touched)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _clone_s(src: list[torch.Tensor]) -> float:
     """Floor of a first stall: a fresh clone, page faults included."""
-    gc.collect()
+    _trim_heap()
     t0 = time.perf_counter()
     clones = [t.clone() for t in src]
     dt = time.perf_counter() - t0
@@ -105,6 +116,7 @@ def bench_datapipe(state: Any, work: str, saves: int, compression: str | None) -
     url = os.path.join(work, "datapipe")
     w = CheckpointWriter(url, keep_last=2, compression=compression)
     clone_s = _clone_s(ts)
+    _trim_heap()
     h = w.save(0, state)
     first_stall = h.metrics["stall_s"]
     first_total = h.wait()["total_s"]
@@ -250,7 +262,7 @@ def run(config: dict[str, Any] | None = None) -> dict[str, Any]:
         if cfg["dcp"]:
             out["dcp_async_save"] = bench_dcp(state, work, cfg["saves"])
         out["training"] = bench_training(model, opt, state_fn, work, cfg["batch"], cfg["width"],
-                                         cfg["train_steps"])
+                                         cfg["train_steps"], cfg["train_rounds"])
         out["ratios"] = ratios(out)
         out["loadavg_after"] = os.getloadavg()
         return out
@@ -312,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--width", type=int, help="features per layer (default 1024)")
     p.add_argument("--saves", type=int, help="saves per method (default 3; the first is cold)")
     p.add_argument("--dir", help="where to write (default: a temporary directory)")
+    p.add_argument("--batch", type=int, help="training batch for the step-time rows (default 8)")
+    p.add_argument("--train-rounds", type=int, help="alternating no-save/save windows (default 3)")
     p.add_argument("--compression", choices=["zstd"], help="datapipe chunk compression")
     p.add_argument("--no-dcp", dest="dcp", action="store_false", default=None)
     p.add_argument("--no-torch-save", dest="torch_save", action="store_false", default=None)
