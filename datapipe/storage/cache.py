@@ -27,6 +27,7 @@ from ..errors import CacheBudgetError
 from .cache_ops import CacheOpsMixin, _ok
 from .eviction import Schedule
 from .hot import HotTier, InflightBytes, Turns
+from .node_stats import FLUSH_INTERVAL_S, CounterFile, CounterFlusher
 from .retry import RetryPolicy, call_with_retry, fetch_object
 from .stores import Store, open_store, split_url
 from .warm import DISK_FULL_ERRNOS, WarmDir, url_key
@@ -58,6 +59,7 @@ class _Proc:
         self.prefetcher: threading.Thread | None = None
         self.wake = threading.Condition()
         self.closed = False
+        self.counters: CounterFlusher | None = None
         if cache.warm_dir is not None:
             try:
                 self.warm = WarmDir(cache.warm_dir, cache.warm_bytes)
@@ -65,6 +67,13 @@ class _Proc:
             except OSError as e:
                 cache._warn(self, "warm-init", f"warm cache {cache.warm_dir} unusable ({e}); "
                             "reading through to the cold tier")
+        if self.warm is not None:
+            try:  # node-wide counters: this process's share, written to the warm dir
+                self.counters = CounterFlusher(self, CounterFile(self.warm.root), self.stats,
+                                               cache.stats_interval_s)
+            except OSError as e:
+                cache._warn(self, "stats-init", f"cache counters cannot be kept in {cache.warm_dir} "
+                            f"({e}); node-wide stats will miss this process")
 
 
 class TieredCache(CacheOpsMixin):
@@ -86,7 +95,9 @@ class TieredCache(CacheOpsMixin):
     :class:`RetryPolicy`: attempts, backoff, per-attempt timeout, range-request size),
     ``prefetch_threads``, ``pin_wait_s`` (how long ``local_path`` waits for room when the
     warm tier is all pinned before raising CacheBudgetError), ``cold_wrapper`` (a
-    picklable callable wrapping each cold Store, e.g. for fault injection).
+    picklable callable wrapping each cold Store, e.g. for fault injection),
+    ``stats_interval_s`` (how often, at most, this process writes its counters to the
+    warm directory for ``stats(node=True)``; also written at close and at exit).
 
     Errors: ObjectNotFoundError (no object at the URL), RemoteError (retries exhausted),
     ChecksumError (a fill failed its checksum twice), CacheBudgetError (an object larger
@@ -105,6 +116,7 @@ class TieredCache(CacheOpsMixin):
         prefetch_threads: int = 4,
         pin_wait_s: float = 60.0,
         cold_wrapper: Callable[[Store], Store] | None = None,
+        stats_interval_s: float = FLUSH_INTERVAL_S,
     ) -> None:
         for name, v in (("hot_bytes", hot_bytes), ("warm_bytes", warm_bytes),
                         ("max_inflight_bytes", max_inflight_bytes)):
@@ -118,6 +130,8 @@ class TieredCache(CacheOpsMixin):
             raise CacheBudgetError("max_inflight_bytes must be > 0")
         if prefetch_threads < 1:
             raise ValueError("prefetch_threads must be >= 1")
+        if not isinstance(stats_interval_s, (int, float)) or not stats_interval_s > 0:
+            raise ValueError(f"stats_interval_s must be a number > 0, got {stats_interval_s!r}")
         self.hot_bytes = hot_bytes
         self.warm_dir = os.fspath(warm_dir) if warm_dir is not None else None
         self.warm_bytes = warm_bytes
@@ -127,6 +141,7 @@ class TieredCache(CacheOpsMixin):
         self.prefetch_threads = prefetch_threads
         self.pin_wait_s = pin_wait_s
         self.cold_wrapper = cold_wrapper
+        self.stats_interval_s = float(stats_interval_s)
         self.schedule: Schedule | None = None
         self.schedule_checksums: dict[str, str] = {}
         self.lookahead = 0

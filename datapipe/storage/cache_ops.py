@@ -16,6 +16,7 @@ from ..checksum import checksum as compute_checksum, verify
 from ..errors import StorageError
 from .eviction import Schedule, choose_victims
 from .retry import fetch_range
+from .node_stats import COUNTER_KEYS, sum_counter_files
 from .warm import url_key
 
 __all__ = ["CacheOpsMixin"]
@@ -166,6 +167,8 @@ class CacheOpsMixin:
         except Exception as e:
             p.stats["prefetch_errors"] += 1
             p.last_prefetch_error = f"{type(e).__name__}: {e}"
+        if p.counters is not None and len(p.pending) <= 1:
+            p.counters.file.flush(p.stats)  # the last of a pass (ours leaves pending after this)
 
     # -- the access schedule -------------------------------------------------------------
     def set_schedule(self, urls: Sequence[str], *, checksums: dict[str, str] | None = None,
@@ -298,16 +301,20 @@ class CacheOpsMixin:
         return await asyncio.to_thread(self.local_path, url, checksum=checksum)
 
     # -- metrics and shutdown ------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
+    def stats(self, node: bool = False) -> dict[str, Any]:
         """This process's counters (hits, misses and bytes per tier, evictions, bytes
-        from cold, retries, seconds waited, ...) and the tiers' current use."""
+        from cold, retries, seconds waited, ...) and the tiers' current use.
+
+        ``node=True``: the same counters summed over every process that has used this
+        warm directory since it was last cleared (DataLoader workers, other ranks, exited
+        processes; see ``node_stats``), with ``processes`` (how many) and the warm tier's
+        use. This process's counters are written first, so they are current; another
+        live process's are at most ``stats_interval_s`` old. Without a usable warm
+        directory: this process's counters, with ``processes`` = 1."""
         p = self._proc()
-        keys = ("hot_hits", "hot_misses", "hot_bytes", "hot_evictions", "hot_not_admitted",
-                "warm_hits", "warm_misses", "warm_bytes", "warm_fills", "warm_evictions",
-                "warm_not_admitted", "warm_corrupt", "cold_reads", "cold_bytes", "cold_retries",
-                "cold_refetches", "range_refetches", "prefetched", "prefetch_errors",
-                "prefetch_not_admitted", "wait_seconds")
-        out: dict[str, Any] = {k: p.stats.get(k, 0) for k in keys}
+        if node:
+            return self._node_stats(p)
+        out: dict[str, Any] = {k: p.stats.get(k, 0) for k in COUNTER_KEYS}
         out.update({k: v for k, v in p.stats.items() if k not in out})
         out["wait_seconds"] = float(out["wait_seconds"])
         out["hot_used_bytes"] = p.hot.used
@@ -321,8 +328,24 @@ class CacheOpsMixin:
             out["last_prefetch_error"] = p.last_prefetch_error
         return out
 
+    def _node_stats(self, p) -> dict[str, Any]:
+        if p.counters is None:
+            out = self.stats()
+            out["processes"] = 1
+            return out
+        p.counters.file.flush(p.stats, force=True)
+        summed = sum_counter_files(p.warm.root)
+        out = dict(summed["counters"])
+        out["processes"] = summed["processes"]
+        if summed["unreadable"]:
+            out["unreadable_counter_files"] = summed["unreadable"]
+        out["warm_budget_bytes"] = self.warm_bytes
+        out["warm_used_bytes"] = p.warm.usage()
+        return out
+
     def close(self) -> None:
-        """Stop background work, drop pins and the hot tier. A later call starts afresh."""
+        """Stop background work, drop pins and the hot tier, and write this process's
+        counters for ``stats(node=True)``. A later call starts afresh."""
         p = self._p
         if p is None or p.pid != os.getpid() or p.closed:
             return
@@ -333,6 +356,8 @@ class CacheOpsMixin:
             p.prefetcher.join(timeout=5)
         p.pool.shutdown(wait=True, cancel_futures=True)
         p.parts.shutdown(wait=True, cancel_futures=True)
+        if p.counters is not None:
+            p.counters.close()
         with p.lock:
             for fds in p.pins.values():
                 for fd in fds:

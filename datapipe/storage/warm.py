@@ -7,6 +7,8 @@ Layout under the root::
     locks/<stripe>     single-flight locks, one of 1024 stripes per key; never deleted
     budget.lock        held while usage is counted and space is reserved
     meta.json          the budget last configured, for ``datapipe cache stats``
+    stats/<host>-<pid>-<token>.json   each process's cache counters (see node_stats.py);
+                       outside the budget, a few hundred bytes per process
 
 Everything cross-process is an ``fcntl.flock``, which the kernel drops when its holder dies,
 so a process killed with SIGKILL leaves no stuck lock, only a temporary file, which the
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ..errors import ObjectNotFoundError, StorageError
+from .node_stats import clear_counter_files, sum_counter_files
 
 __all__ = ["WarmDir", "Reservation", "warm_dir_stats", "clear_warm_dir", "DISK_FULL_ERRNOS"]
 
@@ -321,7 +324,9 @@ def _check_warm_dir(root: str) -> str:
 
 def warm_dir_stats(root: str) -> dict:
     """What a warm directory holds: objects, bytes, pinned copies, downloads in progress
-    (and dead ones awaiting cleanup), and the budget last configured."""
+    (and dead ones awaiting cleanup), the budget last configured, and ``counters``: the
+    cache counters of every process that used it since it was last cleared, summed
+    (``processes``: how many; see ``TieredCache.stats(node=True)``)."""
     root = _check_warm_dir(root)
     objects = os.path.join(root, "objects")
     n = total = pinned = 0
@@ -357,6 +362,7 @@ def warm_dir_stats(root: str) -> dict:
                 live += 1
         finally:
             os.close(fd)
+    node = sum_counter_files(root)
     budget = None
     try:
         with open(os.path.join(root, "meta.json")) as f:
@@ -372,12 +378,16 @@ def warm_dir_stats(root: str) -> dict:
         "dead_tmp_files": dead,
         "tmp_bytes": tmp_bytes,
         "budget_bytes": budget,
+        "processes": node["processes"],
+        "counters": node["counters"],
     }
 
 
 def clear_warm_dir(root: str) -> int:
     """Delete every copy that nobody has pinned or is reading, and dead temporary files;
-    returns how many files were removed. Safe while other processes use the directory."""
+    returns how many of those were removed. Also resets the node-wide counters (their
+    files are deleted, not counted in the result). Safe while other processes use the
+    directory."""
     root = _check_warm_dir(root)
     objects = os.path.join(root, "objects")
     removed = 0
@@ -395,4 +405,5 @@ def clear_warm_dir(root: str) -> int:
             pass
         finally:
             os.close(fd)
+    clear_counter_files(root)
     return removed + _clean_dead_tmp(os.path.join(root, "tmp"))

@@ -1,0 +1,238 @@
+"""Node-wide cache counters, through files in the shared warm directory.
+
+A TieredCache counts hits, misses, bytes and waits in the process that does the reads; in
+training those are DataLoader workers, each with its own copy of the cache, so the main
+process alone sees nothing. Every process that uses a warm directory therefore writes its
+counters to ``stats/<host>-<pid>-<token>.json`` there (a temporary name, then a rename, so
+a reader sees a whole file or the previous one), and anyone can sum the files:
+
+* when: a timer thread, at most every ``interval_s`` and only when a counter moved (cheap:
+  no work on the read path); at ``close()``; at the end of a prefetch pass; and at process
+  exit through a ``multiprocessing.util.Finalize``, which the interpreter's atexit runs in
+  a main process and which ``multiprocessing`` runs in its children (forked children end
+  with ``os._exit`` and skip plain atexit handlers, spawned ones run both). A DataLoader
+  worker ends its epoch that way (sentinel, then join), so its last counters land. A
+  process killed by a signal loses at most the last ``interval_s`` of counts.
+* what: the files of every process, live or exited, since the directory was last cleared.
+  ``clear_warm_dir`` starts a new *generation* (``stats/generation``) and deletes the
+  files; a file of an older generation (written by a process racing the clear) is ignored,
+  and that process's next write counts only what it did after its last write before the
+  clear (at most ``interval_s`` of reads may fall on the wrong side of a clear).
+
+No locks are taken: the counters are informational, and a lock held across a fork would
+leak into the child.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Mapping
+from multiprocessing import util as mp_util
+from typing import Any
+
+__all__ = ["CounterFile", "CounterFlusher", "sum_counter_files", "new_generation",
+           "clear_counter_files", "COUNTER_KEYS", "STATS_DIR", "FLUSH_INTERVAL_S"]
+
+# The counters TieredCache.stats() always reports (0 when nothing happened); others appear
+# once counted.
+COUNTER_KEYS = ("hot_hits", "hot_misses", "hot_bytes", "hot_evictions", "hot_not_admitted",
+                "warm_hits", "warm_misses", "warm_bytes", "warm_fills", "warm_evictions",
+                "warm_not_admitted", "warm_corrupt", "cold_reads", "cold_bytes", "cold_retries",
+                "cold_refetches", "range_refetches", "prefetched", "prefetch_errors",
+                "prefetch_not_admitted", "wait_seconds")
+
+STATS_DIR = "stats"
+FLUSH_INTERVAL_S = 0.5
+_GENERATION = "generation"
+_FORMAT = "datapipe-cache-counters"
+_STALE_TMP_S = 60.0  # a temporary file this old belongs to a writer that died mid-write
+_SAFE = re.compile(r"[^A-Za-z0-9._]+")
+
+
+def read_generation(stats_dir: str) -> str:
+    try:
+        with open(os.path.join(stats_dir, _GENERATION)) as f:
+            return f.read().strip() or "0"
+    except FileNotFoundError:
+        return "0"  # never cleared
+
+
+def new_generation(stats_dir: str) -> str:
+    """Start a new counting period; files written under the old one stop counting."""
+    os.makedirs(stats_dir, exist_ok=True)
+    gen = uuid.uuid4().hex
+    _write_atomic(stats_dir, _GENERATION, gen)
+    return gen
+
+
+def _write_atomic(stats_dir: str, name: str, text: str) -> None:
+    tmp = os.path.join(stats_dir, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(stats_dir, name))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _snapshot(counters: Mapping[str, Any]) -> dict[str, float]:
+    for _ in range(5):
+        try:
+            # dict() of a Counter copies in C under the GIL; retry covers other mappings
+            return {k: v for k, v in dict(counters).items() if isinstance(v, (int, float))}
+        except RuntimeError:  # changed size during iteration
+            continue
+    return {k: v for k, v in dict(counters).items() if isinstance(v, (int, float))}
+
+
+class CounterFile:
+    """One process's counter file in ``<root>/stats/``. ``flush(counters)`` writes the
+    counters (minus what was counted before the last clear) if they moved."""
+
+    def __init__(self, root: str) -> None:
+        self.dir = os.path.join(root, STATS_DIR)
+        os.makedirs(self.dir, exist_ok=True)
+        host = _SAFE.sub("_", socket.gethostname())[:64] or "host"
+        self.pid = os.getpid()
+        self.started = time.time()
+        self.name = f"{host}-{self.pid}-{time.time_ns()}-{uuid.uuid4().hex[:6]}.json"
+        self.path = os.path.join(self.dir, self.name)
+        self.generation = read_generation(self.dir)
+        self._baseline: dict[str, float] = {}
+        self._written: dict[str, float] | None = None  # absolute counters last written
+        self._lock = threading.Lock()
+        self.errors = 0
+        self.writes = 0
+
+    def flush(self, counters: Mapping[str, Any], *, force: bool = False) -> bool:
+        """Write the counters if they changed since the last write (or ``force``, which
+        also re-reads the generation). True when a file was written. Never raises an
+        OSError: the first one warns, the rest are counted in ``errors``."""
+        with self._lock:
+            snap = _snapshot(counters)
+            if snap == self._written and not force:
+                return False
+            gen = read_generation(self.dir)
+            if gen != self.generation:
+                # Cleared since our last write: what we had written by then belongs to the
+                # old period; count from there.
+                self._baseline = dict(self._written or {})
+                self.generation = gen
+            delta = {k: v - self._baseline.get(k, 0) for k, v in snap.items()}
+            payload = {"format": _FORMAT, "version": 1, "generation": gen,
+                       "host": socket.gethostname(), "pid": self.pid, "started": self.started,
+                       "updated": time.time(), "counters": delta}
+            try:
+                _write_atomic(self.dir, self.name, json.dumps(payload))
+            except OSError as e:
+                self.errors += 1
+                if self.errors == 1:
+                    warnings.warn(f"cache counters not written to {self.path} ({e}); "
+                                  "node-wide stats will miss this process", RuntimeWarning, stacklevel=2)
+                return False
+            self._written = snap
+            self.writes += 1
+            return True
+
+
+class CounterFlusher:
+    """The timer thread and the exit hook of one CounterFile. Holds the counters, never
+    the object that owns them, so the owner can be collected (which also flushes)."""
+
+    def __init__(self, owner: object, file: CounterFile, counters: Mapping[str, Any],
+                 interval_s: float = FLUSH_INTERVAL_S) -> None:
+        self.file = file
+        self._stop = threading.Event()
+        self._finalizer = mp_util.Finalize(owner, _final_flush, args=(file, counters, self._stop),
+                                           exitpriority=10)
+        self._thread = threading.Thread(target=_tick, args=(file, counters, self._stop, interval_s),
+                                        name="datapipe-cache-stats", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the timer and write the last counters (once; the exit hook is then spent)."""
+        self._finalizer()
+        self._thread.join(timeout=2)
+
+
+def _tick(file: CounterFile, counters: Mapping[str, Any], stop: threading.Event, interval_s: float) -> None:
+    while not stop.wait(interval_s):
+        file.flush(counters)
+
+
+def _final_flush(file: CounterFile, counters: Mapping[str, Any], stop: threading.Event) -> None:
+    stop.set()
+    if file.pid == os.getpid():  # a forked child inherits nothing it should write
+        file.flush(counters)
+
+
+def sum_counter_files(root: str) -> dict[str, Any]:
+    """``{"counters": {name: total}, "processes": n, "unreadable": m}`` over the counter
+    files of the current generation in ``<root>/stats/`` (every name in COUNTER_KEYS
+    present, 0 when nobody counted it)."""
+    stats_dir = os.path.join(root, STATS_DIR)
+    totals: dict[str, float] = {}
+    processes = unreadable = 0
+    gen = read_generation(stats_dir)
+    try:
+        names = os.listdir(stats_dir)
+    except FileNotFoundError:
+        names = []
+    for name in names:
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            with open(os.path.join(stats_dir, name)) as f:
+                doc = json.load(f)
+        except FileNotFoundError:
+            continue  # cleared meanwhile
+        except (OSError, ValueError):
+            unreadable += 1
+            continue
+        if not isinstance(doc, dict) or doc.get("format") != _FORMAT or not isinstance(doc.get("counters"), dict):
+            unreadable += 1
+            continue
+        if doc.get("generation") != gen:
+            continue  # written before the last clear
+        processes += 1
+        for k, v in doc["counters"].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                totals[k] = totals.get(k, 0) + v
+    counters: dict[str, Any] = {k: totals.pop(k, 0) for k in COUNTER_KEYS}
+    counters.update(sorted(totals.items()))
+    counters["wait_seconds"] = float(counters["wait_seconds"])
+    return {"counters": counters, "processes": processes, "unreadable": unreadable}
+
+
+def clear_counter_files(root: str) -> int:
+    """Start a new generation and delete the counter files (and temporary files left by
+    writers that died); returns how many files were removed."""
+    stats_dir = os.path.join(root, STATS_DIR)
+    if not os.path.isdir(stats_dir):
+        return 0
+    new_generation(stats_dir)  # first: a writer racing the deletion now writes a stale file
+    removed = 0
+    now = time.time()
+    for name in os.listdir(stats_dir):
+        p = os.path.join(stats_dir, name)
+        try:
+            if name.endswith(".json") and not name.startswith("."):
+                os.unlink(p)
+                removed += 1
+            elif name.endswith(".tmp") and now - os.stat(p).st_mtime > _STALE_TMP_S:
+                os.unlink(p)  # a live writer's temporary file is left to its rename
+                removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
