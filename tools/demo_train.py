@@ -124,7 +124,7 @@ def train_and_resume(dest: str, workdir: str, storage_options: Any, step: Callab
     if not once:
         raise SystemExit("the resumed run did not see each remaining sample exactly once")
 
-    stats = cache.stats()
+    stats = cache.stats(node=True)  # every worker process of this node, not only this one
     tiers = {k: v for k, v in stats.items() if k.endswith(("_hits", "_misses")) or "cold" in k}
     print("cache:", ", ".join(f"{k}={v}" for k, v in sorted(tiers.items())))
     print(f"checkpoint stall per save: median {np.median(stalls) * 1e3:.1f} ms, max {max(stalls) * 1e3:.1f} ms "
