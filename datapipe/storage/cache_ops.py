@@ -15,8 +15,8 @@ from typing import Any, Callable
 from ..checksum import checksum as compute_checksum, verify
 from ..errors import StorageError
 from .eviction import Schedule, choose_victims
-from .retry import fetch_range
 from .node_stats import COUNTER_KEYS, sum_counter_files
+from .retry import fetch_range
 from .warm import url_key
 
 __all__ = ["CacheOpsMixin"]
