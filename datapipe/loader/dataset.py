@@ -29,6 +29,7 @@ from ..errors import DatapipeError, PlanError, StateMismatchError
 from ..format import decode_sample
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
 from .decode import make_decoder, split_plain_members
+from .laid import chunk_columns, item_loop
 from .mixing import Stream, epoch_layout, stream_targets
 from .prefetch import Chunk, Prefetcher
 from .source import ShardSource
@@ -248,7 +249,8 @@ class StreamingDataset(_Base):
                          max_bytes=self.prefetch_bytes, concurrency=self.concurrency, schedule=schedule)
         try:
             for chunk in pre:
-                yield from self._read_chunk(pre, chunk)
+                laid = self._laid_chunk(pre, chunk)
+                yield from (self._read_chunk(pre, chunk) if laid is None else laid)
                 pre.done(chunk)
         finally:
             pre.close()
@@ -268,6 +270,49 @@ class StreamingDataset(_Base):
                 and (data.verified or data.digests is not None):
             return data, (data.buf, data.src, data.offs, data.ends, None if data.verified else data.digests)
         return data, None
+
+    def _laid_chunk(self, pre: Prefetcher, chunk: Chunk) -> Iterator[Any] | None:
+        """The chunk's items cut through its shards' layouts in one vectorised step (see
+        :mod:`.laid`), or ``None`` when a shard of the chunk is not verified and laid out
+        with the same fields as the others: the per-sample path then reads the chunk, and
+        raises or skips what it must at the sample where it happens."""
+        datas = []
+        fields = None
+        for g in chunk.shards:
+            try:
+                data = pre.shard(g)
+            except DatapipeError:
+                return None
+            if data.table is None or not data.verified or data.error is not None \
+                    or data.compression != "none" or data.max_end > len(data.buf):
+                return None
+            if fields is None:
+                fields = data.fields
+            elif data.fields != fields:
+                return None
+            datas.append(data)
+        if not datas:
+            return None
+        srcs, keys, columns = chunk_columns(datas, chunk.shard, chunk.sample)
+        with_pos = self.return_position
+        items = item_loop(fields, with_pos)(self, self._yielded + 1, srcs, keys, columns,
+                                             chunk.shard.tolist() if with_pos else None,
+                                             chunk.sample.tolist() if with_pos else None)
+        if self._decode.is_identity:
+            return items
+        return self._decoded(items, datas, chunk)
+
+    def _decoded(self, items: Iterator[dict[str, Any]], datas: list[Any], chunk: Chunk) -> Iterator[Any]:
+        decoder, skip = self._decode, self.on_error == "skip"
+        urls = {d.shard: d.url for d in datas}
+        for item, g in zip(items, chunk.shard.tolist()):
+            url = urls[g]
+            try:
+                yield decoder(item, url)
+            except DatapipeError as e:
+                if not skip:
+                    raise
+                self.skipped.append((url, item["__key__"], str(e)))
 
     def _read_chunk(self, pre: Prefetcher, chunk: Chunk) -> Iterator[Any]:
         decoder = None if self._decode.is_identity else self._decode

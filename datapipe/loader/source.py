@@ -14,7 +14,9 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -53,23 +55,43 @@ class ShardData:
     error: Exception | None = None
     #: the whole shard matched its checksum: samples need no check of their own
     verified: bool = False
-    #: a shared field layout (see .members): field k of sample j is src[rows[j][2k]:rows[j][2k+1]]
+    #: a shared field layout (see .members): field k of sample j is src[table[j, 2k]:table[j, 2k+1]]
     fields: tuple[str, ...] | None = None
-    rows: list[list[int]] | None = None
+    table: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        # Plain lists for the reader's hot loop (numpy scalar indexing costs more than the
-        # work per sample); built here, on the prefetch thread.
-        self.offs = self.offsets.tolist()
-        self.ends = (self.offsets + self.lengths).tolist()
-        self.max_end = max(self.ends, default=0)
+        ends = self.offsets + self.lengths
+        self.max_end = int(ends.max()) if ends.size else 0
         #: the bytes-like object under ``buf`` (bytes or mmap): slicing it yields bytes
         self.src = self.buf.obj if isinstance(self.buf.obj, (bytes, mmap.mmap)) else bytes(self.buf)
+
+    # Plain lists for the per-sample path (numpy scalar indexing costs more than the work
+    # per sample). Built on first use only: a shard read through its layout never needs them.
+    @cached_property
+    def offs(self) -> list[int]:
+        return self.offsets.tolist()
+
+    @cached_property
+    def ends(self) -> list[int]:
+        return (self.offsets + self.lengths).tolist()
+
+    @cached_property
+    def rows(self) -> list[list[int]] | None:
+        return None if self.table is None else self.table.tolist()
+
+    @cached_property
+    def key_array(self) -> np.ndarray:
+        """The keys as an object array, for gathering a chunk's keys in one step."""
+        out = np.empty(len(self.keys), dtype=object)
+        out[:] = self.keys
+        return out
+
+    @cached_property
+    def digests(self) -> list[str] | None:
         prefix = "xxh3_64:"
         if self.checksums and all(c and c.startswith(prefix) for c in self.checksums):
-            self.digests: list[str] | None = [c[len(prefix):] for c in self.checksums]
-        else:
-            self.digests = None
+            return [c[len(prefix):] for c in self.checksums]
+        return None
 
     def where(self, j: int) -> str:
         return f"{self.url} sample {self.keys[j]!r} (#{j})"
@@ -113,6 +135,59 @@ def _mmap_file(path: str) -> tuple[memoryview, Any]:
     return memoryview(mm), close
 
 
+def _open_map(path: str) -> mmap.mmap | None:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return None
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+class MapCache:
+    """Open read-only maps of verified local shard files by (path, size, mtime, inode),
+    least recently used first out, mapping at most ``max_bytes`` of files.
+
+    A warm epoch then reads through page tables an earlier epoch filled: remapping a shard
+    every epoch costs a page fault per 64 KiB touched and an munmap, about as much as the
+    reader's own work per sample. The maps are of files already in the page cache: they
+    hold address space, not memory of their own (the kernel may drop clean pages at any
+    time). An evicted map is not closed here: readers still slicing it keep it alive, and
+    it unmaps when the last of them lets go.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = int(max_bytes)
+        self._items: OrderedDict[tuple, mmap.mmap] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"max_bytes": self.max_bytes}  # maps do not pickle: a worker opens its own
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["max_bytes"])
+
+    def get(self, key: tuple) -> mmap.mmap | None:
+        with self._lock:
+            mm = self._items.get(key)
+            if mm is not None:
+                self._items.move_to_end(key)
+            return mm
+
+    def put(self, key: tuple, mm: mmap.mmap) -> None:
+        size = len(mm)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._held -= len(old)
+            self._items[key] = mm
+            self._held += size
+            while self._held > self.max_bytes:
+                _, out = self._items.popitem(last=False)
+                self._held -= len(out)
+
+
 _local = threading.local()
 
 
@@ -135,7 +210,7 @@ class ShardSource:
     """The shards of one or more datasets, numbered globally in the order given."""
 
     def __init__(self, urls: list[str], storage_options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
-                 retry: RetryPolicy | None = None) -> None:
+                 retry: RetryPolicy | None = None, max_mapped_bytes: int = 4 << 30) -> None:
         if not urls:
             raise PlanError("a StreamingDataset needs at least one dataset URL")
         self.urls = list(urls)
@@ -154,6 +229,8 @@ class ShardSource:
         self._verified: set[tuple[str, int, int]] = set()
         #: field layouts of verified shards, kept across epochs (bounded; see .members)
         self.layouts = LayoutCache()
+        #: open read-only maps of verified local shard files, kept across epochs (bounded)
+        self._maps = MapCache(max_mapped_bytes)
         if self.num_samples == 0:
             raise PlanError(f"{', '.join(self.urls)}: the dataset holds no sample; nothing to stream")
 
@@ -210,7 +287,7 @@ class ShardSource:
                 if lay is not None:
                     self.layouts.put(key, lay)
             if lay is not None and lay.samples == len(data.keys):
-                data.fields, data.rows = lay.fields, lay.table.tolist()
+                data.fields, data.table = lay.fields, lay.table
         return data
 
     def _bytes(self, ix: Any, info: Any, cache: Any) -> tuple[memoryview, Any, bool]:
@@ -244,6 +321,10 @@ class ShardSource:
                 raise ObjectNotFoundError(f"shard {info.url} is missing (listed in {ix.url})") from None
             seen = (path, st.st_size, st.st_mtime_ns)
             ok = seen in self._verified
+            if ok:
+                mm = self._maps.get(seen + (st.st_ino,))
+                if mm is not None:  # mapped in an earlier epoch: no page faults, no munmap
+                    return memoryview(mm), None, True
             if not ok and info.checksum:
                 # First read in this process: stream the file through a small reused buffer
                 # and hash it on the way. read() releases the GIL while the disk works, where
@@ -251,6 +332,11 @@ class ShardSource:
                 ok = _hash_file(path) == info.checksum
                 if ok:
                     self._verified.add(seen)
+            if ok:
+                mm = _open_map(path)
+                if mm is not None:
+                    self._maps.put(seen + (st.st_ino,), mm)
+                    return memoryview(mm), None, True
             buf, close = _mmap_file(path)
             return buf, close, ok
         # Transient failures are retried; a shard shorter than the index says is not

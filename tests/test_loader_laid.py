@@ -1,0 +1,132 @@
+"""The vectorised chunk path and the kept maps: same items, counts, errors as the per-sample path."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import pickle
+
+import pytest
+
+from datapipe import ShardWriter, open_index
+from datapipe.errors import ChecksumError, CorruptShardError
+from datapipe.loader import StreamingDataset
+from datapipe.loader.source import MapCache
+
+N = 300
+
+
+def _write(path, bad=()):
+    with ShardWriter(str(path), max_samples=23) as w:
+        for i in range(N):
+            meta = b"{not json" if i in bad else {"i": i}
+            w.write({"__key__": f"s{i:04d}", "cls": str(i), "json": meta, "bin": bytes([i % 256]) * (i % 90 + 1)})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    return _write(tmp_path_factory.mktemp("laid") / "ds")
+
+
+def _per_sample(ds):
+    ds.source.layouts.max_samples = 0  # no layouts: every sample takes the per-sample path
+    return ds
+
+
+@pytest.mark.parametrize("decode", ["raw", "auto"])
+def test_laid_chunks_equal_the_per_sample_path(url, decode):
+    kw = dict(window=3, seed=5, decode=decode, return_position=True, batch_size=8, chunk_samples=40)
+    fast, slow = StreamingDataset(url, **kw), _per_sample(StreamingDataset(url, **kw))
+    for epoch in range(2):
+        fast.set_epoch(epoch)
+        slow.set_epoch(epoch)
+        got, expected = list(fast), list(slow)
+        assert got == expected and len(got) == N
+        assert [type(v) for v in got[0].values()] == [type(v) for v in expected[0].values()]
+    assert fast.source.layouts._items and not slow.source.layouts._items
+
+
+def test_resume_state_counts_every_item_of_a_laid_chunk(url):
+    ds = StreamingDataset(url, window=2, seed=1, batch_size=4, chunk_samples=64)
+    full = [s["__key__"] for s in ds]
+    ds2 = StreamingDataset(url, window=2, seed=1, batch_size=4, chunk_samples=64)
+    it = iter(ds2)
+    head = [next(it)["__key__"] for _ in range(101)]  # stops inside a chunk
+    state = ds2.state_dict()
+    it.close()
+    ds3 = StreamingDataset(url, window=2, seed=1, batch_size=4, chunk_samples=64)
+    ds3.load_state_dict(state)
+    assert head + [s["__key__"] for s in ds3] == full
+
+
+def test_decode_error_in_a_laid_chunk_names_shard_and_sample(tmp_path):
+    url = _write(tmp_path / "bad", bad=(7, 150))
+    with pytest.raises(CorruptShardError, match="s0007|s0150") as e:
+        list(StreamingDataset(url, window=4, seed=2))
+    assert ".tar" in str(e.value)
+    kw = dict(window=4, seed=2, on_error="skip", batch_size=5)
+    with pytest.warns(RuntimeWarning, match="skipped 2 unreadable"):
+        fast = StreamingDataset(url, **kw)
+        got = list(fast)
+    with pytest.warns(RuntimeWarning, match="skipped 2 unreadable"):
+        slow = _per_sample(StreamingDataset(url, **kw))
+        expected = list(slow)
+    assert got == expected and len(got) == N - 2
+    assert sorted(k for _, k, _ in fast.skipped) == ["s0007", "s0150"]
+    assert fast.skipped == slow.skipped
+
+
+def test_kept_maps_do_not_hide_a_shard_changed_on_disk(url, tmp_path):
+    import shutil
+
+    copy = str(tmp_path / "copy")
+    shutil.copytree(url, copy)
+    ds = StreamingDataset(copy, window=2, seed=0)
+    assert len(list(ds)) == N
+    held = len(ds.source._maps._items)
+    assert held == open_index(copy).num_shards  # every verified shard stays mapped
+    assert len(list(ds)) == N and len(ds.source._maps._items) == held  # reused, not remapped
+    ix = open_index(copy)
+    info, table = ix.shards[3], ix.shard_samples(3)
+    with open(os.path.join(copy, info.name), "r+b") as f:  # flip a byte in place: same inode
+        f.seek(int(table.offsets[4]) + 600)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    st = os.stat(os.path.join(copy, info.name))
+    os.utime(os.path.join(copy, info.name), ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    with pytest.raises((ChecksumError, CorruptShardError)) as e:
+        list(ds)
+    assert info.name in str(e.value) and table.keys[4] in str(e.value)
+
+
+def test_dataset_with_kept_maps_pickles(url):
+    ds = StreamingDataset(url, window=2)
+    expected = list(ds)
+    assert ds.source._maps._items
+    clone = pickle.loads(pickle.dumps(ds))
+    assert not clone.source._maps._items
+    assert list(clone) == expected
+
+
+def test_map_cache_stays_inside_its_budget_and_evicted_maps_stay_readable(tmp_path):
+    maps = []
+    for i in range(4):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(bytes([i]) * 5000)
+        with open(p, "rb") as f:
+            maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    cache = MapCache(12000)
+    for i, mm in enumerate(maps):
+        cache.put((i,), mm)
+    assert cache._held <= 12000 and cache.get((0,)) is None and cache.get((1,)) is None
+    assert cache.get((3,)) is maps[3]
+    reader = maps[0]  # evicted, still held by a reader: the cache did not close it
+    assert reader[10:12] == b"\0\0"
+    cache.put((9,), maps[1])
+    assert cache.get((2,)) is None  # least recently used out first (3 was just read)
+    assert cache.get((3,)) is maps[3]
+    small = MapCache(100)
+    small.put((0,), maps[2])  # larger than the whole budget: not kept
+    assert small.get((0,)) is None and small._held == 0
