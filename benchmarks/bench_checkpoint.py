@@ -135,8 +135,7 @@ def bench_datapipe(state: Any, work: str, saves: int, compression: str | None) -
     shutil.rmtree(url, ignore_errors=True)
     del dst, flat, view
     # a new writer told the layout ahead (meta tensors), prepared off the training path
-    with torch.device("meta"):
-        layout = [torch.empty_like(t) for t in ts]
+    layout = [torch.empty_like(t, device="meta") for t in ts]  # shapes and dtypes, no memory
     w = CheckpointWriter(url, keep_last=2, compression=compression)
     t0 = time.perf_counter()
     w.prepare(_as_layout(state, iter(layout)), block=True)

@@ -88,6 +88,8 @@ class StagingBuffer:
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
             self._map = mmap.mmap(-1, size, flags=flags)
             buf = torch.frombuffer(self._map, dtype=torch.uint8)
+            if touch:
+                buf.zero_()  # MAP_POPULATE is best effort and fails silently: make sure
         self._buf, self.pinned = buf, pinned
         self._np = buf.numpy()
 
