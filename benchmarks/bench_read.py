@@ -201,12 +201,23 @@ def _litdata(cfg: dict[str, Any], samples: list) -> tuple[Callable, Callable, Ca
 def _pass(ds: Any, key_of: Callable, t0: float, c0: float) -> dict[str, Any]:
     keys = []
     first = None
+    sample = None
     for s in ds:
         if first is None:
             first = time.perf_counter() - t0
+            sample = s
         keys.append(key_of(s))
     dt = time.perf_counter() - t0
-    return {"seconds": dt, "cpu_s": time.process_time() - c0, "first_sample_s": first, "keys": keys}
+    return {"seconds": dt, "cpu_s": time.process_time() - c0, "first_sample_s": first, "keys": keys,
+            "returns": _returns(sample)}
+
+
+def _returns(sample: Any) -> dict[str, str]:
+    """What a system hands out per sample: field -> type name, so the JSON shows that every
+    system does the same work (a key and undecoded bytes per field, nothing parsed)."""
+    if not isinstance(sample, dict):
+        return {"(sample)": type(sample).__name__}
+    return {k: type(v).__name__ for k, v in sorted(sample.items())}
 
 
 def _quality(keys: list[str], n: int, n_blocks: int, batch_size: int) -> dict[str, Any]:
@@ -300,6 +311,7 @@ def run(config: dict[str, Any] | None = None) -> dict[str, Any]:
                                 "samples_per_cpu_s": n_got / max(p["cpu_s"], 1e-9),
                                 "seconds": p["seconds"], "cpu_s": p["cpu_s"],
                                 "first_sample_s": p["first_sample_s"], "samples": n_got}
+                entry["returns"] = p["returns"]
                 if label == "warm0":
                     entry["quality"] = _quality(p["keys"], n, n_blocks or max(1, payload // cfg["shard_bytes"]),
                                                 cfg["batch_size"])
@@ -312,6 +324,18 @@ def run(config: dict[str, Any] | None = None) -> dict[str, Any]:
             result["systems"][name] = {"error": f"{type(e).__name__}: {e}"}
     if os.path.isdir(dp_dir):
         result["floor"] = _floor(dp_dir, payload)
+    # Fair comparison: every system must hand out the key and each field as raw bytes
+    # (datapipe with decode="raw"; LitData, MosaicML and WebDataset return bytes for these
+    # fields as written). A system decoding JSON or ints where another does not would be
+    # measured doing other work: say so in the output rather than compare silently.
+    work = {name: tuple(sorted(t for f, t in e["returns"].items() if f not in ("key", "__key__", "__url__")))
+            for name, e in result["systems"].items() if "returns" in e}
+    result["per_sample_work"] = {
+        "same_for_all": len(set(work.values())) <= 1,
+        "note": "each system yields a dict of the sample key and every field (jpg, cls, json) as undecoded "
+                "bytes; nothing is decoded by any system",
+        "field_types": {name: sorted(set(t)) for name, t in work.items()},
+    }
     lit = result["systems"].get("litdata", {}).get("warm")
     dp = result["systems"].get("datapipe", {}).get("warm")
     if lit and dp:

@@ -130,3 +130,53 @@ def test_map_cache_stays_inside_its_budget_and_evicted_maps_stay_readable(tmp_pa
     small = MapCache(100)
     small.put((0,), maps[2])  # larger than the whole budget: not kept
     assert small.get((0,)) is None and small._held == 0
+
+
+def _shard(tmp_path, samples):
+    with ShardWriter(str(tmp_path / "w"), max_samples=len(samples)) as w:
+        for s in samples:
+            w.write(s)
+    ix = open_index(str(tmp_path / "w"))
+    t = ix.shard_samples(0)
+    data = bytearray(open(os.path.join(str(tmp_path / "w"), ix.shards[0].name), "rb").read())
+    offs = [int(o) for o in t.offsets]
+    ends = [int(o + n) for o, n in zip(t.offsets, t.lengths)]
+    return data, offs, ends, list(t.keys)
+
+
+@pytest.mark.parametrize("case", ["uniform", "key_lengths", "dotted_fields", "mixed", "one", "bad_size",
+                                  "bad_name", "long_name"])
+def test_vectorised_walk_agrees_with_the_member_walk(tmp_path, case):
+    import numpy as np
+
+    from datapipe.loader.members import _vector_layout, _walk_each, walk_layout
+
+    samples = []
+    for i in range(1 if case == "one" else 30):
+        key = f"d/{'x' * (i % 7) if case == 'key_lengths' else ''}{i:03d}"
+        if case == "long_name":
+            key = "k" * (90 + i)  # past 100 bytes from the 6th sample on: PAX headers
+        s = {"__key__": key, "txt": f"t{i}", "bin": bytes([i]) * (i * 131 % 1500)}
+        if case == "dotted_fields":
+            s["seg.png"] = b"p" * i
+        if case == "mixed" and i % 4 == 1:
+            s["extra.json"] = {"i": i}
+        samples.append(s)
+    data, offs, ends, keys = _shard(tmp_path, samples)
+    if case == "bad_size":  # a size field that int(..., 8) reads but is not 11 octal digits
+        data[offs[5] + 124 : offs[5] + 135] = data[offs[5] + 124 : offs[5] + 135].replace(b"0", b" ", 1)
+    if case == "bad_name":
+        data[offs[7] + 2] ^= 0x01
+    src = bytes(data)
+    each = _walk_each(src, offs, ends, keys)
+    fast = _vector_layout(src, offs, ends, keys)
+    got = walk_layout(src, offs, ends, keys)
+    if fast is not None:  # whatever the fast walk accepts, the member walk lays out the same way
+        assert each is not None and fast.fields == each.fields and np.array_equal(fast.table, each.table)
+    assert (got is None) == (each is None)
+    if got is not None:
+        assert got.fields == each.fields and np.array_equal(got.table, each.table)
+    accepted = {"uniform", "key_lengths", "dotted_fields", "one"}
+    assert (fast is not None) == (case in accepted)
+    if case in ("mixed", "bad_name", "long_name"):
+        assert each is None

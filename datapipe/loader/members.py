@@ -38,7 +38,74 @@ class ShardLayout:
 
 
 def walk_layout(src: Any, offs: list[int], ends: list[int], keys: list[str]) -> ShardLayout | None:
-    """The shared layout of a shard's samples (``src``: bytes or mmap), or ``None``."""
+    """The shared layout of a shard's samples (``src``: bytes or mmap), or ``None``.
+
+    The headers of all samples are read at once with numpy, member by member
+    (:func:`_vector_layout`); a shard that does not pass every one of its checks is walked
+    sample by sample (:func:`_walk_each`), which decides. Both give the same layout for
+    every shard the fast walk accepts."""
+    if not offs:
+        return None
+    fast = _vector_layout(src, offs, ends, keys)
+    return fast if fast is not None else _walk_each(src, offs, ends, keys)
+
+
+_POW8 = 8 ** np.arange(10, -1, -1, dtype=np.int64)
+_NAME = np.arange(100, dtype=np.int64)
+
+
+def _vector_layout(src: Any, offs: list[int], ends: list[int], keys: list[str]) -> ShardLayout | None:
+    """The layout when every sample is exactly ``F`` plain ustar members named
+    ``key.field`` for the fields of the first sample, else ``None`` (the caller then walks).
+    ``F`` numpy passes over all samples instead of a dozen Python steps per member."""
+    first = _walk_each(src, offs[:1], ends[:1], keys[:1])
+    if first is None:
+        return None
+    fields = first.fields
+    n = len(offs)
+    if n == 1:
+        return first
+    try:
+        names = [(k + ".").encode("utf-8") for k in keys]
+    except UnicodeEncodeError:
+        return None
+    arr = np.frombuffer(src, dtype=np.uint8)
+    try:
+        pos = np.asarray(offs, dtype=np.int64)
+        end = np.asarray(ends, dtype=np.int64)
+        keydots = np.array(names, dtype="S100")
+        table = np.empty((n, 2 * len(fields)), dtype=np.int64)
+        for m, field in enumerate(fields):
+            expect = np.char.add(keydots, field.encode("utf-8"))
+            if np.any(np.char.str_len(expect) > 100):  # longer names need PAX headers
+                return None
+            if np.any(pos + 512 > end):
+                return None
+            if np.any(arr[pos + 156] != 48) or np.any(arr[pos + 345] != 0):
+                return None
+            # the whole 100-byte name field: the expected name, then NULs only
+            want = expect.astype("S100").view(np.uint8).reshape(n, 100)
+            if not np.array_equal(arr[pos[:, None] + _NAME], want):
+                return None
+            digits = arr[pos[:, None] + (124 + np.arange(11))].astype(np.int64) - 48
+            if np.any((digits < 0) | (digits > 7)):
+                return None
+            size = digits @ _POW8
+            table[:, 2 * m] = pos + 512
+            table[:, 2 * m + 1] = pos + 512 + size
+            if np.any(pos + 512 + size > end):
+                return None
+            pos = pos + 512 + (size + 511) // 512 * 512
+        if np.any(pos + 512 <= end):  # room for another member: let the walk decide
+            return None
+    finally:
+        del arr
+    if not np.array_equal(table[:1], first.table):
+        return None
+    return ShardLayout(fields, table)
+
+
+def _walk_each(src: Any, offs: list[int], ends: list[int], keys: list[str]) -> ShardLayout | None:
     if not offs:
         return None
     find = src.find
