@@ -211,8 +211,9 @@ def bench_dcp(state: Any, work: str, saves: int) -> dict[str, Any]:
 
 def bench_training(model, opt, state_fn, work: str, batch: int, width: int, steps: int,
                    rounds: int = 3) -> dict[str, Any]:
-    """Step time without a save and while a datapipe save persists (its stall excluded),
-    in alternating windows so that both see the same machine load; medians."""
+    """Step time without a save and while a datapipe save persists (its stall excluded;
+    every step that started before the save was durable), in alternating windows so that
+    both see the same machine load; medians."""
     url = os.path.join(work, "train")
     w = CheckpointWriter(url, keep_last=1)
     w.save(0, state_fn()).wait()  # warm the staging buffer: measure the steady state
@@ -226,11 +227,10 @@ def bench_training(model, opt, state_fn, work: str, batch: int, width: int, step
             _step(model, opt, batch, width)
             base.append(time.perf_counter() - t0)
         h = w.save(r + 1, state_fn())
-        while not h.done():
+        while not h.done():  # every step that started while the save persisted
             t0 = time.perf_counter()
             _step(model, opt, batch, width)
-            if not h.done():  # only steps that ran entirely while the save persisted
-                during.append(time.perf_counter() - t0)
+            during.append(time.perf_counter() - t0)
         persist.append(h.wait()["total_s"])
     w.close()
     shutil.rmtree(url, ignore_errors=True)

@@ -20,7 +20,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from ..checksum import checksum
+from ..checksum import Hasher
 from ..errors import CheckpointError
 from ..storage import open_store
 from .commit import apply_retention, await_parts, sync_dirs, write_latest, write_manifest
@@ -84,6 +84,16 @@ class _Job:
     total: int
     handle: SaveHandle
     t_start: float
+
+
+def _checksum_in_slices(data: memoryview, piece: int = 1 << 20) -> str:
+    """The checksum of ``data`` (the same digest as one call), hashed 1 MiB at a time:
+    xxhash holds the GIL while it hashes, and a background thread at a lower priority
+    must not hold it for long, or the training thread waits behind it."""
+    h = Hasher()
+    for i in range(0, len(data), piece):
+        h.update(data[i : i + piece])
+    return h.hexdigest()
 
 
 def _close_at_exit(ref: Any) -> None:
@@ -369,7 +379,7 @@ class CheckpointWriter:
 
     def _write_chunk(self, job: _Job, index: int, start: int, end: int) -> dict[str, Any]:
         data = self._staging.view(start, end)
-        raw_ck = checksum(data)
+        raw_ck = _checksum_in_slices(data)
         rec: dict[str, Any] = {"key": chunk_key(job.step, job.attempt, self.rank, index),
                                "offset": start, "bytes": end - start}
         if self.compression == "zstd":
@@ -379,7 +389,7 @@ class CheckpointWriter:
 
                 cctx = self._tls.cctx = zstandard.ZstdCompressor(level=self.zstd_level)
             stored: Any = cctx.compress(data)
-            rec.update(checksum=checksum(stored), raw_checksum=raw_ck)
+            rec.update(checksum=_checksum_in_slices(memoryview(stored)), raw_checksum=raw_ck)
         else:
             stored = data
             rec["checksum"] = raw_ck
