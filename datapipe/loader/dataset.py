@@ -227,10 +227,14 @@ class StreamingDataset(_Base):
         start, stop = plan.start, plan.per_rank
         batches = worker_batches(start, stop, self.batch_size, worker, num_workers)
         per_chunk = max(1, self.chunk_samples // self.batch_size)
-        for number, i in enumerate(range(0, len(batches), per_chunk)):
-            steps = batch_steps(start, stop, self.batch_size, batches[i : i + per_chunk])
+        # The first chunks are small and grow to full size: the reader starts on the first
+        # batch while the prefetcher still plans the rest of the window.
+        i, size, number = 0, 1, 0
+        while i < len(batches):
+            steps = batch_steps(start, stop, self.batch_size, batches[i : i + min(size, per_chunk)])
             vshard, sample, pad = plan.rank_samples(rank, steps)
             yield Chunk.make(number, steps, real[vshard], sample, pad)
+            i, size, number = i + min(size, per_chunk), size * 4, number + 1
 
     def __iter__(self) -> Iterator[Any]:
         rank, world = self._world()

@@ -235,6 +235,9 @@ class Prefetcher:
                 t = asyncio.get_running_loop().create_task(self._load(g, slot, sem))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
+                # let the task hand its fetch to the pool now, not after the next chunk is
+                # planned: the reader may be waiting for this very shard
+                await asyncio.sleep(0)
             if not await self._put_async(chunk):
                 return
         if tasks:
