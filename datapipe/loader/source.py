@@ -6,7 +6,9 @@ from the map, and each field is copied exactly once, into the ``bytes`` handed t
 (bytes, not memoryviews, so samples pickle into DataLoader worker queues and never pin a
 map). The first read of a shard in a process checks it against the index's whole-shard
 checksum; a shard that passed is not hashed again, and a shard that fails is read sample
-by sample, each against its own checksum, so errors name the sample.
+by sample, each against its own checksum, so errors name the sample. The maps of verified
+local shards stay open across epochs (:class:`MapCache`, at most ``max_mapped_bytes`` of
+files, 4 GiB by default), so a warm epoch neither remaps nor page-faults its shards.
 """
 
 from __future__ import annotations
