@@ -15,6 +15,11 @@ object's next epoch, as in training (mean distinct shards per batch, stored-vs-d
 sequential read of the datapipe shard files into one reused buffer. Also: how long an
 epoch plan for 10^10 samples in 10^6 shards takes to build and its peak memory.
 
+Same work per sample for every system: each yields a dict of the sample's key and every
+field as undecoded bytes (datapipe with ``decode="raw"``; nothing is parsed as JSON or int
+by anyone). The output's ``per_sample_work`` shows the field types each system returned
+and whether they agree, and each system's ``returns`` its first sample's types.
+
 Every figure is returned by ``run(config)`` as JSON-able data and printed as JSON.
 """
 
