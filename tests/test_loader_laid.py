@@ -99,6 +99,8 @@ def test_kept_maps_do_not_hide_a_shard_changed_on_disk(url, tmp_path):
     with pytest.raises((ChecksumError, CorruptShardError)) as e:
         list(ds)
     assert info.name in str(e.value) and table.keys[4] in str(e.value)
+    # the changed file's old map is not kept (it could pin a replaced file's blocks)
+    assert not [k for k in ds.source._maps._items if k[0].endswith(info.name)]
 
 
 def test_dataset_with_kept_maps_pickles(url):
@@ -127,6 +129,11 @@ def test_map_cache_stays_inside_its_budget_and_evicted_maps_stay_readable(tmp_pa
     cache.put((9,), maps[1])
     assert cache.get((2,)) is None  # least recently used out first (3 was just read)
     assert cache.get((3,)) is maps[3]
+    cache.put((9, "changed"), maps[0])  # the same path again (a changed file): one map per path
+    assert cache.get((9,)) is None and cache.get((9, "changed")) is maps[0]
+    assert cache._held == sum(len(m) for m in cache._items.values())
+    cache.discard(9)
+    assert cache.get((9, "changed")) is None and cache._held == sum(len(m) for m in cache._items.values())
     small = MapCache(100)
     small.put((0,), maps[2])  # larger than the whole budget: not kept
     assert small.get((0,)) is None and small._held == 0

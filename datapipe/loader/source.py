@@ -146,7 +146,7 @@ def _open_map(path: str) -> mmap.mmap | None:
 
 class MapCache:
     """Open read-only maps of verified local shard files by (path, size, mtime, inode),
-    least recently used first out, mapping at most ``max_bytes`` of files.
+    least recently used first out, mapping at most ``max_bytes`` of files, one per path.
 
     A warm epoch then reads through page tables an earlier epoch filled: remapping a shard
     every epoch costs a page fault per 64 KiB touched and an munmap, about as much as the
@@ -159,6 +159,7 @@ class MapCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = int(max_bytes)
         self._items: OrderedDict[tuple, mmap.mmap] = OrderedDict()
+        self._by_path: dict[Any, tuple] = {}
         self._held = 0
         self._lock = threading.Lock()
 
@@ -175,18 +176,29 @@ class MapCache:
                 self._items.move_to_end(key)
             return mm
 
+    def discard(self, path: Any) -> None:
+        """Forget the map of ``path`` (``key[0]``), if one is kept."""
+        with self._lock:
+            stale = self._by_path.pop(path, None)
+            if stale is not None:
+                self._held -= len(self._items.pop(stale))
+
     def put(self, key: tuple, mm: mmap.mmap) -> None:
         size = len(mm)
         if size > self.max_bytes:
             return
         with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._held -= len(old)
+            # an older map of the same path (the file was replaced or changed since) goes:
+            # it would keep a deleted file's blocks allocated
+            stale = self._by_path.pop(key[0], None)
+            if stale is not None:
+                self._held -= len(self._items.pop(stale))
             self._items[key] = mm
+            self._by_path[key[0]] = key
             self._held += size
             while self._held > self.max_bytes:
-                _, out = self._items.popitem(last=False)
+                out_key, out = self._items.popitem(last=False)
+                del self._by_path[out_key[0]]
                 self._held -= len(out)
 
 
@@ -320,6 +332,7 @@ class ShardSource:
             try:
                 st = os.stat(path)
             except FileNotFoundError:
+                self._maps.discard(path)
                 raise ObjectNotFoundError(f"shard {info.url} is missing (listed in {ix.url})") from None
             seen = (path, st.st_size, st.st_mtime_ns)
             ok = seen in self._verified
@@ -327,6 +340,7 @@ class ShardSource:
                 mm = self._maps.get(seen + (st.st_ino,))
                 if mm is not None:  # mapped in an earlier epoch: no page faults, no munmap
                     return memoryview(mm), None, True
+            self._maps.discard(path)  # a map of what the file was before it changed
             if not ok and info.checksum:
                 # First read in this process: stream the file through a small reused buffer
                 # and hash it on the way. read() releases the GIL while the disk works, where
