@@ -309,7 +309,9 @@ def table(out: dict[str, Any]) -> str:
     lines.append(f"datapipe prepared ahead: prepare {d['prepare_s']:.3f} s off the path, "
                  f"first stall {d['prepared_first_stall_s']:.3f} s")
     lines.append(f"training step {t['step_s'] * 1e3:.1f} ms; while a save persists "
-                 f"{t['step_during_save_s'] * 1e3:.1f} ms ({t['ratio']:.2f}x, {t['steps_overlapped']} steps)")
+                 f"{t['step_during_save_s'] * 1e3:.1f} ms ({t['ratio']:.2f}x, {t['steps_overlapped']} steps); "
+                 f"the save took {statistics.median(t['persist_s']):.2f} s to persist under training "
+                 "(background threads run niced)")
     lines.append("targets: " + ", ".join(
         f"{k} {out['ratios'][k]:.2f} (<= {v}: {'met' if out['ratios'][k] <= v else 'MISSED'})"
         for k, v in TARGETS.items()))
