@@ -263,6 +263,12 @@ def test_staging_budget(tmp_path):
         with pytest.raises(CheckpointError, match="max_staging_bytes"):
             w.save(1, {"x": torch.zeros(1000)})
         w.save(1, {"x": torch.zeros(10)}).wait()
+        # a prepare() that fails in its thread surfaces at the next call
+        w.prepare({"x": torch.empty(1000, device="meta")})
+        with pytest.raises(CheckpointError, match="max_staging_bytes"):
+            w.save(2, {"x": torch.zeros(10)})
+        w.save(2, {"x": torch.zeros(10)}).wait()
+    assert [s for s, c in list_checkpoints(str(tmp_path))] == [1, 2]
 
 
 def test_failing_store_surfaces_and_keeps_previous(tmp_path):
