@@ -111,6 +111,11 @@ class StagingBuffer:
         self._check_budget(total)
         with self._lock:
             pinned = any(l.device.startswith("cuda") for l in leaves)
+            if not pinned and any(l.device == "meta" for l in leaves):
+                import torch
+
+                # a layout says nothing about the device: on a GPU machine, pin for it
+                pinned = torch.cuda.is_available()
             self._reserve(total, pinned, touch=True)
             self._build_views(leaves, offsets, total)
             self._key = _layout_key(leaves)
