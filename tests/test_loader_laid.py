@@ -47,6 +47,18 @@ def test_laid_chunks_equal_the_per_sample_path(url, decode):
     assert fast.source.layouts._items and not slow.source.layouts._items
 
 
+def _pick(sample):  # a map that builds a new sample: positions are added after it
+    return {"cls": sample["cls"], "n": len(sample)}
+
+
+@pytest.mark.parametrize("decode", [None, "auto"])
+def test_positions_go_in_after_the_map_on_both_paths(url, decode):
+    kw = dict(window=2, seed=3, decode=decode, map=_pick, return_position=True, batch_size=4)
+    fast, slow = StreamingDataset(url, **kw), _per_sample(StreamingDataset(url, **kw))
+    got, expected = list(fast), list(slow)
+    assert got == expected and got[0]["n"] == 4 and "__shard__" in got[0]
+
+
 def test_resume_state_counts_every_item_of_a_laid_chunk(url):
     ds = StreamingDataset(url, window=2, seed=1, batch_size=4, chunk_samples=64)
     full = [s["__key__"] for s in ds]

@@ -298,25 +298,30 @@ class StreamingDataset(_Base):
         if not datas:
             return None
         srcs, keys, columns = chunk_columns(datas, chunk.shard, chunk.sample)
-        with_pos = self.return_position
+        identity = self._decode.is_identity
+        # positions go in after decoding, as on the per-sample path: a map sees the sample only
+        with_pos = self.return_position and identity
         items = item_loop(fields, with_pos)(self, self._yielded + 1, srcs, keys, columns,
                                              chunk.shard.tolist() if with_pos else None,
                                              chunk.sample.tolist() if with_pos else None)
-        if self._decode.is_identity:
-            return items
-        return self._decoded(items, datas, chunk)
+        return items if identity else self._decoded(items, datas, chunk, keys)
 
-    def _decoded(self, items: Iterator[dict[str, Any]], datas: list[Any], chunk: Chunk) -> Iterator[Any]:
-        decoder, skip = self._decode, self.on_error == "skip"
+    def _decoded(self, items: Iterator[dict[str, Any]], datas: list[Any], chunk: Chunk,
+                 keys: list[str]) -> Iterator[Any]:
+        decoder, skip, with_pos = self._decode, self.on_error == "skip", self.return_position
         urls = {d.shard: d.url for d in datas}
-        for item, g in zip(items, chunk.shard.tolist()):
+        for item, key, g, j in zip(items, keys, chunk.shard.tolist(), chunk.sample.tolist()):
             url = urls[g]
             try:
-                yield decoder(item, url)
+                item = decoder(item, url)
             except DatapipeError as e:
                 if not skip:
                     raise
-                self.skipped.append((url, item["__key__"], str(e)))
+                self.skipped.append((url, key, str(e)))
+                continue
+            if with_pos and isinstance(item, dict):
+                item["__shard__"], item["__sample__"] = g, j
+            yield item
 
     def _read_chunk(self, pre: Prefetcher, chunk: Chunk) -> Iterator[Any]:
         decoder = None if self._decode.is_identity else self._decode
