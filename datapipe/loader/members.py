@@ -73,6 +73,8 @@ def _vector_layout(src: Any, offs: list[int], ends: list[int], keys: list[str]) 
     try:
         pos = np.asarray(offs, dtype=np.int64)
         end = np.asarray(ends, dtype=np.int64)
+        if int(end.max()) > arr.size or int(pos.min()) < 0:  # every header read below lies inside
+            return None
         keydots = np.array(names, dtype="S100")
         table = np.empty((n, 2 * len(fields)), dtype=np.int64)
         for m, field in enumerate(fields):
