@@ -3,7 +3,7 @@ and checkpoint without stalling."""
 
 __version__ = "0.1.0"
 
-from .checkpoint import CheckpointWriter, list_checkpoints, load_checkpoint  # noqa: E402
+from .checkpoint import CheckpointInfo, CheckpointWriter, SaveHandle, list_checkpoints, load_checkpoint  # noqa: E402
 from .dataset import Dataset, DatasetIndex, open_dataset, open_index  # noqa: E402
 from .pack import PackResult, ShardWriter, join_parts, pack  # noqa: E402
 from .storage import TieredCache  # noqa: E402
@@ -11,10 +11,12 @@ from .verify import VerifyReport, verify_dataset  # noqa: E402
 
 __all__ = [
     "__version__",
+    "CheckpointInfo",
     "CheckpointWriter",
     "Dataset",
     "DatasetIndex",
     "PackResult",
+    "SaveHandle",
     "ShardWriter",
     "Stream",
     "StreamingDataLoader",

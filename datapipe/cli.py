@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cache", help="inspect or clear a warm cache directory")
     csub = p.add_subparsers(dest="cache_cmd", required=True)
-    for name, text in (("stats", "objects, bytes and pins in a warm directory"), ("clear", "remove every cached object")):
+    for name, text in (("stats", "objects, bytes, pins and node-wide hit/miss counters of a warm directory"), ("clear", "remove every cached object")):
         c = csub.add_parser(name, help=text)
         c.add_argument("dir")
     p.set_defaults(func=_cmd_cache)
