@@ -68,7 +68,8 @@ def run_cache(quick: bool, work: str) -> dict[str, Any]:
     from .bench_cache import BenchConfig, run
 
     cfg = BenchConfig.quick() if quick else BenchConfig(objects=48, epochs=3)
-    cfg.workdir = os.path.join(work, "cache")
+    os.makedirs(work, exist_ok=True)
+    cfg.workdir = tempfile.mkdtemp(prefix="cache-", dir=work)  # fresh: its objects depend on the config
     return run(cfg)
 
 
@@ -79,8 +80,9 @@ def run_checkpoint(quick: bool, work: str) -> dict[str, Any]:
     out = {}
     for layers in sizes:
         print(f"  checkpoint: {layers} x Linear(1024, 1024) with Adam", flush=True)
-        out[str(layers)] = run({"layers": layers, "width": 1024, "saves": 3,
-                                "dir": os.path.join(work, f"ckpt-{layers}")})
+        d = os.path.join(work, f"ckpt-{layers}")
+        os.makedirs(d, exist_ok=True)
+        out[str(layers)] = run({"layers": layers, "width": 1024, "saves": 3, "dir": d})
     return out
 
 
