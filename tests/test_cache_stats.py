@@ -13,6 +13,7 @@ import time
 import warnings
 
 import pytest
+import torch
 
 from datapipe import ShardWriter, StreamingDataLoader, StreamingDataset, TieredCache
 from datapipe.storage import clear_warm_dir, warm_dir_stats
@@ -61,9 +62,9 @@ def _reads(log: str) -> list[tuple[int, str]]:
         return [(int(a), b) for a, b in (line.split(" ", 1) for line in f.read().splitlines())]
 
 
-def _epoch(cache, ds_url, **loader_kw):
-    ds = StreamingDataset(ds_url, cache=cache, seed=3)
-    loader = StreamingDataLoader(ds, batch_size=8, num_workers=2, **loader_kw)
+def _epoch(cache, ds_url, loader_cls=StreamingDataLoader, **loader_kw):
+    ds = StreamingDataset(ds_url, cache=cache, seed=3, batch_size=8)
+    loader = loader_cls(ds, batch_size=8, num_workers=2, **loader_kw)
     ids = [int(x) for b in loader for x in b["cls"]]
     assert sorted(ids) == list(range(N))
     return loader
@@ -120,7 +121,8 @@ def test_worker_reads_reach_node_stats_after_each_epoch(ds_url, tmp_path):
 def test_live_workers_flush_on_the_timer(ds_url, tmp_path):
     log = str(tmp_path / "reads.log")
     cache = LoggingCache(warm_dir=tmp_path / "warm", warm_bytes=1 << 24, stats_interval_s=0.1, log=log)
-    loader = _epoch(cache, ds_url, persistent_workers=True)
+    # a plain DataLoader: StreamingDataLoader refuses persistent workers (they miss set_epoch)
+    loader = _epoch(cache, ds_url, loader_cls=torch.utils.data.DataLoader, persistent_workers=True)
     workers = loader._iterator._workers  # kept alive between epochs: no exit hook has run
     assert all(w.is_alive() for w in workers)
     n_reads = len(_reads(log))

@@ -99,3 +99,14 @@ def test_two_ranks_over_gloo(ds_url, tmp_path):
         assert splits == repr([[N, 2, N // 2, N // 2]])
     assert sorted(per_rank[0] + per_rank[1]) == list(range(N))
     assert not set(per_rank[0]) & set(per_rank[1])
+
+
+def test_persistent_workers_are_refused(tmp_path):
+    import datapipe
+
+    dest = str(tmp_path / "ds")
+    with datapipe.ShardWriter(dest) as w:
+        w.write({"__key__": "a", "txt": b"x"})
+    ds = datapipe.StreamingDataset(dest)
+    with pytest.raises(ValueError, match="persistent_workers"):
+        datapipe.StreamingDataLoader(ds, batch_size=1, num_workers=1, persistent_workers=True)

@@ -7,6 +7,7 @@ the output is the rank's stream in order) and counts the samples it hands out, s
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,10 +31,16 @@ class StreamingDataLoader(DataLoader):
     def __init__(self, dataset: StreamingDataset, batch_size: int | None = 1, **kwargs: Any) -> None:
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
+        if kwargs.get("persistent_workers"):
+            # Persistent workers keep the dataset copy they started with, so set_epoch and
+            # load_state_dict would never reach them: every epoch would repeat one order.
+            raise ValueError("StreamingDataLoader does not support persistent_workers=True: workers would miss "
+                             "set_epoch() and load_state_dict(); leave it False")
         if batch_size is not None:
             dataset.batch_size = int(batch_size)
         super().__init__(dataset, batch_size=batch_size, **kwargs)
         self.samples_seen = 0
+        self._warned_skip = False
 
     def __iter__(self) -> Iterator[Any]:
         self.samples_seen = 0
@@ -44,6 +51,12 @@ class StreamingDataLoader(DataLoader):
         self.dataset._resume = None  # the resumed pass is over
 
     def state_dict(self) -> dict[str, Any]:
+        if self.dataset.on_error == "skip" and self.num_workers > 0 and not self._warned_skip:
+            # Skips happen in the workers; this process counts delivered samples only.
+            warnings.warn("on_error='skip' with DataLoader workers: after a skipped sample the resume point "
+                          "can be early by the number skipped (those samples are delivered again); use "
+                          "num_workers=0 or on_error='raise' for an exact resume", RuntimeWarning, stacklevel=2)
+            self._warned_skip = True
         return self.dataset.state_dict(self.samples_seen)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -241,6 +241,7 @@ class StreamingDataset(_Base):
         worker, num_workers = _worker()
         plan, real = self._make_plan(world)
         self._plan, self._yielded = plan, 0
+        self.skipped = []  # reported at the end of each pass, then started afresh
         cache = self.cache
         source = self.source
 
