@@ -29,6 +29,7 @@ class ShardInfo:
     samples: int
     checksum: str
     first_sample: int
+    tar_bytes: int
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,15 @@ class DatasetIndex:
         self.manifest = parse_manifest(manifest_bytes, self.store.url(MANIFEST))
         self.compression: str = self.manifest["compression"]
         shards_file = self.manifest.get("shards_file", "shards.parquet")
-        records = read_shard_table(self.store.get(shards_file), self.store.url(shards_file))
+        self._index_checksums: dict[str, str] = self.manifest.get("index_checksums", {})
+        table = self.store.get(shards_file)
+        verify(table, self._index_checksums.get(shards_file), self.store.url(shards_file))
+        records = read_shard_table(table, self.store.url(shards_file))
         counts = np.array([r.samples for r in records], dtype=np.int64)
         self.sample_counts = counts
         self.first_samples = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)
         self.shards = [
-            ShardInfo(r.name, self.store.url(r.name), r.bytes, r.samples, r.checksum, int(f))
+            ShardInfo(r.name, self.store.url(r.name), r.bytes, r.samples, r.checksum, int(f), r.tar_bytes)
             for r, f in zip(records, self.first_samples)
         ]
         self.num_shards = len(self.shards)
@@ -158,6 +162,11 @@ class DatasetIndex:
         if info.samples == 0:
             return SampleTable([], np.zeros(0, np.int64), np.zeros(0, np.int64), [])
         c = self._rows(info.first_sample, info.first_sample + info.samples)
+        if len(c["key"]) != info.samples or (len(c["shard"]) and (c["shard"] != i).any()):
+            raise FormatError(
+                f"{self.store.url(self._samples_file)}: rows {info.first_sample}..{info.first_sample + info.samples} "
+                f"do not belong to shard {i} ({info.name}); the index is damaged (run `datapipe verify`)"
+            )
         return SampleTable(c["key"], np.asarray(c["offset"]), np.asarray(c["length"]), c["checksum"])
 
     def locate(self, i: int) -> tuple[int, str, int, int, str]:
@@ -166,6 +175,11 @@ class DatasetIndex:
             raise IndexError(f"sample {i} out of range for {self.url} ({self.num_samples} samples)")
         c = self._rows(i, i + 1)
         return int(c["shard"][0]), c["key"][0], int(c["offset"][0]), int(c["length"][0]), c["checksum"][0]
+
+    def verify_sample_table(self) -> None:
+        """Check ``samples.parquet`` whole against the checksum in the manifest."""
+        verify(self.store.get(self._samples_file), self._index_checksums.get(self._samples_file),
+               self.store.url(self._samples_file))
 
     def keys(self) -> list[str]:
         size = self.store.size(self._samples_file)

@@ -93,8 +93,13 @@ def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
 def verify_dataset(url: str, *, all_problems: bool = False, storage_options: dict[str, Any] | None = None,
                    progress: bool = False) -> VerifyReport:
     """Check every shard; stop at the first problem unless ``all_problems``."""
-    ix = open_index(url, storage_options)
+    ix = open_index(url, storage_options)  # checks shards.parquet against the manifest
     report = VerifyReport(ix.url)
+    try:
+        ix.verify_sample_table()
+    except DatapipeError as e:
+        report.problems.append(Problem(ix.store.url(ix.manifest.get("samples_file", "samples.parquet")), None, str(e)))
+        return report
     from tqdm import tqdm
 
     for i in tqdm(range(ix.num_shards), desc="verify", unit="shards", disable=not progress):

@@ -60,6 +60,10 @@ def test_parallel_and_parts_give_the_same_samples(corpus, tmp_path):
     with pytest.raises(DestinationExistsError):
         datapipe.pack(corpus, str(parts), part="1/3", shard_bytes=64 * 1024)
     assert datapipe.join_parts(str(parts)) == 300
+    joined = datapipe.open_index(str(parts))
+    assert [s.tar_bytes for s in joined.shards] == [
+        s.tar_bytes for i in range(3) for s in datapipe.open_index(str(parts / f"part-{i:05d}-of-00003")).shards
+    ]
     expected = _all_samples(str(one))
     assert _all_samples(str(par)) == expected
     assert _all_samples(str(parts)) == expected

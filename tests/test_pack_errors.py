@@ -158,3 +158,26 @@ def test_cli_pack_inspect_and_errors(tmp_path, capsys):
     assert "--overwrite" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "missing")]) == 2
     assert "manifest.json is missing" in capsys.readouterr().err
+
+
+def test_damaged_index_is_detected(tmp_path, capsys):
+    dest = tmp_path / "ds"
+    with datapipe.ShardWriter(str(dest), max_bytes=16384) as w:
+        for i in range(20):
+            w.write({"__key__": f"s{i:02d}", "bin": bytes([i]) * 3000})
+    manifest = json.loads((dest / "manifest.json").read_text())
+    assert set(manifest["index_checksums"]) == {"shards.parquet", "samples.parquet"}
+    # a samples.parquet replaced by another valid one (another dataset's) no longer matches
+    other = tmp_path / "other"
+    with datapipe.ShardWriter(str(other), max_bytes=16384) as w:
+        for i in range(20):
+            w.write({"__key__": f"t{i:02d}", "bin": bytes([i]) * 2000})
+    (dest / "samples.parquet").write_bytes((other / "samples.parquet").read_bytes())
+    assert main(["verify", str(dest), "-q"]) == 1
+    assert "samples.parquet" in capsys.readouterr().err
+    # a damaged shard table fails at open
+    data = bytearray((dest / "shards.parquet").read_bytes())
+    data[len(data) // 2] ^= 1
+    (dest / "shards.parquet").write_bytes(bytes(data))
+    with pytest.raises(datapipe.errors.ChecksumError, match="shards.parquet"):
+        datapipe.open_index(str(dest))

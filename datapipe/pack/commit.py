@@ -3,10 +3,12 @@ commit point: a dataset without a manifest does not exist for readers)."""
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterable
 from typing import Any
 
+from ..checksum import Hasher, checksum
 from ..errors import DestinationExistsError
 from ..format import MANIFEST, SAMPLES_FILE, SHARDS_FILE, SampleRecords, SampleTableWriter, ShardRecord
 from ..format import make_manifest, shard_table_bytes
@@ -24,16 +26,39 @@ def write_index(
     fields: Iterable[str],
     extra: dict[str, Any] | None = None,
 ) -> None:
-    """``samples`` yields each shard's records in the order of ``shards``."""
+    """``samples`` yields each shard's records in the order of ``shards``. The manifest
+    records the checksums of both index files, so a damaged index is an error too."""
     with store.open_writer(SAMPLES_FILE) as f:
-        writer = SampleTableWriter(f)
+        sink = _HashingWriter(f)
+        writer = SampleTableWriter(sink)
         for i, records in enumerate(samples):
             writer.add(i, records)
         writer.close()
     if writer.rows != sum(s.samples for s in shards):
         raise ValueError("sample records do not match the shard table")  # internal invariant
-    store.put(SHARDS_FILE, shard_table_bytes(shards))
-    store.put(MANIFEST, make_manifest(shards, compression, sorted(set(fields)), extra))
+    table = shard_table_bytes(shards)
+    store.put(SHARDS_FILE, table)
+    sums = {SHARDS_FILE: checksum(table), SAMPLES_FILE: sink.hasher.hexdigest()}
+    store.put(MANIFEST, make_manifest(shards, compression, sorted(set(fields)), {**(extra or {}), "index_checksums": sums}))
+
+
+class _HashingWriter(io.RawIOBase):
+    """Passes writes through and hashes them (pyarrow writes the Parquet file through it)."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink, self.hasher, self.pos = sink, Hasher(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self.sink.write(b)
+        self.hasher.update(b)
+        self.pos += len(b)
+        return len(b)
+
+    def tell(self) -> int:
+        return self.pos
 
 
 def check_destination(store: Store, overwrite: bool) -> None:

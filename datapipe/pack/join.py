@@ -51,7 +51,7 @@ def join_parts(dest: str, *, storage_options: dict[str, Any] | None = None, over
     for i, ix in enumerate(indexes):
         fields.update(ix.manifest.get("fields", []))
         for s in ix.shards:
-            shards.append(ShardRecord(f"{part_dir(i, n)}/{s.name}", s.bytes, s.samples, s.checksum, s.bytes))
+            shards.append(ShardRecord(f"{part_dir(i, n)}/{s.name}", s.bytes, s.samples, s.checksum, s.tar_bytes))
 
     def samples() -> Iterator[SampleRecords]:
         for ix in indexes:
