@@ -181,3 +181,13 @@ def test_damaged_index_is_detected(tmp_path, capsys):
     (dest / "shards.parquet").write_bytes(bytes(data))
     with pytest.raises(datapipe.errors.ChecksumError, match="shards.parquet"):
         datapipe.open_index(str(dest))
+
+
+def test_overwrite_deletes_only_what_pack_wrote(tmp_path):
+    dest = tmp_path / "ds"
+    src = dest / "inputs"  # a source that lives inside the destination
+    _write(str(src), "a.txt", b"a")
+    _write(str(dest), "notes.md", b"keep me")
+    datapipe.pack(str(src), str(dest))
+    assert datapipe.pack(str(src), str(dest), overwrite=True).samples == 1
+    assert (src / "a.txt").read_bytes() == b"a" and (dest / "notes.md").read_bytes() == b"keep me"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -73,10 +74,19 @@ def check_destination(store: Store, overwrite: bool) -> None:
         retract_dataset(store)
 
 
+# What a pack writes, and so all that --overwrite may delete: never anything else that
+# happens to live under the destination (the source folder, say).
+_OWN = re.compile(r"^(part-\d{5}-of-\d{5}/)?(shard-\d{6}\.tar(\.zst)?|manifest\.json|shards\.parquet"
+                  r"|samples\.parquet|_pack/.*)$")
+
+
 def retract_dataset(store: Store) -> None:
+    """Delete what a pack wrote at ``store``: the manifest first, so the dataset stops
+    existing before its parts go."""
     store.delete(MANIFEST)
     for key in store.list():
-        store.delete(key)
+        if _OWN.match(key):
+            store.delete(key)
 
 
 def remove_temporaries(store: Store) -> int:

@@ -19,7 +19,7 @@ from ..errors import DestinationExistsError, DuplicateKeyError, InputFileError, 
 from ..format import COMPRESSIONS, MANIFEST, SampleRecords, ShardBuilder, ShardRecord, encode_sample, shard_name
 from ..format.shard import STAGING_BYTES
 from ..storage import Store, open_store
-from .commit import check_destination, remove_temporaries, write_index
+from .commit import check_destination, remove_temporaries, retract_dataset, write_index
 from .sources import FileSample, count_table_rows, iter_table, list_directory, source_kind
 from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES
 
@@ -204,8 +204,7 @@ class _Work:
         store.put(plan_key, json.dumps({"fingerprint": fingerprint}).encode())
 
     def clear(self) -> None:
-        for key in self.store.list():
-            self.store.delete(key)
+        retract_dataset(self.store)
 
     def done(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -431,7 +430,3 @@ def _pack_table(src: str, kind: str, store: Store, opts: dict[str, Any], progres
     if not names:
         raise PackError(f"{src}: no rows to pack")
     return _commit(store, work, names, done, opts["compression"], result)
-
-
-def dataset_exists(store: Store) -> bool:
-    return store.exists(MANIFEST)
