@@ -289,10 +289,18 @@ def _pack_directory(src: str, store: Store, opts: dict[str, Any], workers: int |
     # as cores overlap those waits (measured here, cold page cache: 4 workers 6.7 s vs
     # 2 workers 8.6 s for 30k samples on 2 cores; warm: 2.7 s vs 2.2 s).
     nworkers = max(1, min(workers or 2 * (os.cpu_count() or 1), len(todo) or 1))
-    # fork: no `if __name__ == "__main__"` guard needed in callers' scripts, and workers
-    # start in milliseconds; filesystem objects are re-created per process (FsspecStore)
-    ctx = mp.get_context("fork")
+    # fork when this process runs no other thread: no `if __name__ == "__main__"` guard is
+    # needed in callers' scripts and workers start in milliseconds (filesystem objects are
+    # re-created per process). A caller with threads (a trainer) gets forkserver: forking
+    # a threaded process can copy a held lock into the child.
+    ctx = mp.get_context("fork" if threading.active_count() == 1 else "forkserver")
     counters = ctx.Array("q", 2)
+    args = [(store, names[i], opts["compression"], opts["level"], plan[i], skip_errors) for i in todo]
+    pool = None
+    futures: dict[Future, str] = {}
+    if nworkers > 1:  # workers start before this process starts its progress threads
+        pool = ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=_init_worker, initargs=(counters,))
+        futures = {pool.submit(_run, a): a[1] for a in args}
     bar = _progress_bar(sum(len(plan[i]) for i in todo), progress)
     stop = threading.Event()
 
@@ -308,9 +316,8 @@ def _pack_directory(src: str, store: Store, opts: dict[str, Any], workers: int |
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
-    args = [(store, names[i], opts["compression"], opts["level"], plan[i], skip_errors) for i in todo]
     try:
-        if nworkers == 1:
+        if pool is None:
             _init_worker(counters)
             try:
                 for a in args:
@@ -318,20 +325,19 @@ def _pack_directory(src: str, store: Store, opts: dict[str, Any], workers: int |
             finally:
                 _init_worker(None)
         else:
-            with ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=_init_worker,
-                                     initargs=(counters,)) as pool:
-                futures: dict[Future, str] = {pool.submit(_run, a): a[1] for a in args}
-                pending = set(futures)
-                try:
-                    while pending:
-                        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                        for fut in finished:
-                            _finish(work, futures[fut], fut.result(), done, result)
-                except BaseException:
-                    for fut in pending:
-                        fut.cancel()
-                    raise
+            pending = set(futures)
+            try:
+                while pending:
+                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        _finish(work, futures[fut], fut.result(), done, result)
+            except BaseException:
+                for fut in pending:
+                    fut.cancel()
+                raise
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         stop.set()
         poller.join()
         bar.close()
