@@ -1,8 +1,7 @@
 """datapipe: pack small files into shards, cache them in tiers, stream them into training,
 and checkpoint without stalling."""
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from .checkpoint import CheckpointInfo, CheckpointWriter, SaveHandle, list_checkpoints, load_checkpoint  # noqa: E402
 from .dataset import Dataset, DatasetIndex, open_dataset, open_index  # noqa: E402
 from .pack import PackResult, ShardWriter, join_parts, pack  # noqa: E402

@@ -8,7 +8,7 @@ import re
 import sys
 from typing import Any
 
-from . import __version__
+from ._version import __version__
 from .errors import DatapipeError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
@@ -170,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except DatapipeError as e:
         print(f"datapipe {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path we were given: name it, no traceback
+        where = f" {e.filename}" if e.filename else ""
+        print(f"datapipe {args.cmd}: error:{where}: {e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"datapipe {args.cmd}: interrupted; run the same command again to finish", file=sys.stderr)

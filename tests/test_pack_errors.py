@@ -191,3 +191,10 @@ def test_overwrite_deletes_only_what_pack_wrote(tmp_path):
     datapipe.pack(str(src), str(dest))
     assert datapipe.pack(str(src), str(dest), overwrite=True).samples == 1
     assert (src / "a.txt").read_bytes() == b"a" and (dest / "notes.md").read_bytes() == b"keep me"
+
+
+def test_cli_names_an_os_error_without_traceback(tmp_path, capsys):
+    _write(str(tmp_path / "src"), "a.txt", b"a")
+    assert main(["pack", str(tmp_path / "src"), "/proc/no-such-dir/ds", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "/proc/no-such-dir" in err and "Traceback" not in err

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .._version import __version__
 from ..errors import FormatError
 
 __all__ = [
@@ -89,8 +90,6 @@ class SampleRecords:
 def make_manifest(
     shards: list[ShardRecord], compression: str, fields: list[str], extra: dict[str, Any] | None = None
 ) -> bytes:
-    from .. import __version__
-
     doc = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
