@@ -136,7 +136,7 @@ def checkpoint_md(r: dict[str, Any]) -> str:
 
 def report_markdown(report: dict[str, Any], images: list[str]) -> str:
     m = report["machine"]
-    out = [f"# datapipe benchmark report", "",
+    out = ["# datapipe benchmark report", "",
            f"`{report['command']}` — {report['started']}; {m['cpus']} CPUs ({m['cpu']}), {m['memory_GiB']} GiB, "
            f"Python {m['python']}; load average at start {m['loadavg_start'][0]:.1f}, at end "
            f"{m.get('loadavg_end', [float('nan')])[0]:.1f}. Seconds per part: {report['seconds']}.", ""]

@@ -15,13 +15,13 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from ..errors import DestinationExistsError, DuplicateKeyError, InputFileError, PackError, SampleTooLargeError
-from ..format import COMPRESSIONS, MANIFEST, SampleRecords, ShardBuilder, ShardRecord, encode_sample, shard_name
+from ..errors import DestinationExistsError, DuplicateKeyError, InputFileError, PackError
+from ..format import COMPRESSIONS, SampleRecords, ShardBuilder, ShardRecord, encode_sample, shard_name
 from ..format.shard import STAGING_BYTES
 from ..storage import Store, open_store
 from .commit import check_destination, remove_temporaries, retract_dataset, write_index
 from .sources import FileSample, count_table_rows, iter_table, list_directory, source_kind
-from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES
+from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits
 
 __all__ = ["pack", "PackResult", "parse_part", "part_dir"]
 
@@ -164,13 +164,10 @@ def _plan_shards(samples: list[FileSample], max_bytes: int, max_samples: int) ->
     shards: list[list[FileSample]] = []
     cur: list[FileSample] = []
     cur_bytes = 0
+    limits = ShardLimits(max_bytes, max_samples)
     for s in samples:
-        if s.tar_bytes + 1024 > max_bytes:
-            raise SampleTooLargeError(
-                f"sample {s.key!r} ({s.files[0][1]} ...) takes {s.tar_bytes} bytes, more than the "
-                f"shard limit of {max_bytes} (raise --shard-bytes)"
-            )
-        if cur and (cur_bytes + s.tar_bytes + 1024 > max_bytes or len(cur) >= max_samples):
+        limits.check(s.key, s.tar_bytes, f"{s.files[0][1]}: ")
+        if limits.starts_new(cur_bytes, len(cur), s.tar_bytes):
             shards.append(cur)
             cur, cur_bytes = [], 0
         cur.append(s)
@@ -394,7 +391,7 @@ def _pack_table(src: str, kind: str, store: Store, opts: dict[str, Any], progres
     result = PackResult("", 0, 0, 0, 0, 0.0)
     keys: set[str] = set()
     bar = _progress_bar(stop - start, progress)
-    max_bytes, max_samples = opts["shard_bytes"], opts["shard_samples"]
+    limits = ShardLimits(opts["shard_bytes"], opts["shard_samples"])
     pending: list[tuple[str, list]] = []
     pending_bytes = 0
 
@@ -422,9 +419,8 @@ def _pack_table(src: str, kind: str, store: Store, opts: dict[str, Any], progres
                 raise DuplicateKeyError(f"{src}: sample key {key!r} appears twice")
             keys.add(key)
             size = sum(len(p) for p in parts)
-            if size + 1024 > max_bytes:
-                raise SampleTooLargeError(f"{src}: sample {key!r} takes {size} bytes, more than --shard-bytes {max_bytes}")
-            if pending and (pending_bytes + size + 1024 > max_bytes or len(pending) >= max_samples):
+            limits.check(key, size, f"{src}: ")
+            if limits.starts_new(pending_bytes, len(pending), size):
                 flush()
             pending.append((key, parts, [k for k in sample if not k.startswith("__")]))
             pending_bytes += size

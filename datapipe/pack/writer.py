@@ -7,14 +7,34 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import DuplicateKeyError, SampleTooLargeError
+from ..format.tar import END_OF_ARCHIVE
 from ..format import COMPRESSIONS, encode_sample, SampleRecords, ShardBuilder, ShardRecord, shard_name
 from ..storage import open_store
 from .commit import check_destination, write_index
 
-__all__ = ["ShardWriter", "DEFAULT_SHARD_BYTES", "DEFAULT_SHARD_SAMPLES"]
+__all__ = ["ShardWriter", "ShardLimits", "DEFAULT_SHARD_BYTES", "DEFAULT_SHARD_SAMPLES"]
 
 DEFAULT_SHARD_BYTES = 128 * 2**20  # object stores serve 64-256 MB objects at full speed
 DEFAULT_SHARD_SAMPLES = 100_000
+
+
+class ShardLimits:
+    """When a shard is full: the one rule every packing path follows. Sizes are tar bytes
+    (before compression) and count the end-of-archive blocks."""
+
+    def __init__(self, max_bytes: int, max_samples: int) -> None:
+        self.max_bytes, self.max_samples = max_bytes, max_samples
+
+    def check(self, key: str, size: int, where: str = "") -> None:
+        """Refuse one sample that no shard can hold."""
+        if size + len(END_OF_ARCHIVE) > self.max_bytes:
+            raise SampleTooLargeError(f"{where}sample {key!r} takes {size} bytes in a shard, more than the "
+                                      f"shard limit of {self.max_bytes} (raise --shard-bytes / max_bytes)")
+
+    def starts_new(self, shard_bytes: int, shard_samples: int, size: int) -> bool:
+        """Whether a sample of ``size`` bytes must go to a new shard."""
+        return shard_samples > 0 and (shard_bytes + size + len(END_OF_ARCHIVE) > self.max_bytes
+                                      or shard_samples >= self.max_samples)
 
 
 class ShardWriter:
@@ -43,7 +63,7 @@ class ShardWriter:
             raise ValueError("max_bytes and max_samples must be positive")
         self.store = open_store(dest, storage_options)
         check_destination(self.store, overwrite)
-        self.max_bytes, self.max_samples = max_bytes, max_samples
+        self.limits = ShardLimits(max_bytes, max_samples)
         self.compression, self.level = compression, level
         self.shards: list[ShardRecord] = []
         self._samples: list[SampleRecords] = []
@@ -88,12 +108,9 @@ class ShardWriter:
             raise DuplicateKeyError(f"sample key {key!r} was written twice")
         key, parts = encode_sample(sample)
         size = sum(len(p) for p in parts)
-        if size + 1024 > self.max_bytes:
-            raise SampleTooLargeError(
-                f"sample {key!r} takes {size} bytes in a shard, more than max_bytes={self.max_bytes}"
-            )
+        self.limits.check(key, size)
         b = self._builder
-        if b is not None and (b.tar_bytes + size + 1024 > self.max_bytes or len(b.records) >= self.max_samples):
+        if b is not None and self.limits.starts_new(b.tar_bytes, len(b.records), size):
             self._close_shard()
             b = None
         b = b or self._open_shard()
