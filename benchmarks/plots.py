@@ -19,6 +19,12 @@ def _plt() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _color(name: str) -> str:
     n = name.lower()
     return OURS if "datapipe" in n else FLOOR if "floor" in n else PEER
@@ -36,9 +42,7 @@ def pack_png(r: dict[str, Any], path: str) -> None:
     ax.set_xlabel("samples/s (higher is better)")
     ax.set_title(f"Packing {r['config']['samples']:,} samples of small files ({', '.join(r['cache_modes'])} page cache)")
     ax.margins(x=0.25)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def read_png(r: dict[str, Any], path: str) -> None:
@@ -57,9 +61,7 @@ def read_png(r: dict[str, Any], path: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("samples/s, log scale (higher is better); dark = warm, light = cold")
     ax.set_title(f"Shuffled read, one process, {r['samples']:,} samples")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def cache_png(r: dict[str, Any], path: str) -> None:
@@ -100,9 +102,7 @@ def cache_png(r: dict[str, Any], path: str) -> None:
     a2.set(xlabel="cache size, % of the dataset", ylabel="MB from cold per epoch", title="Bytes from cold (lower is better)")
     a1.legend(fontsize=8)
     a2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def checkpoint_png(r: dict[str, Any], path: str) -> None:
@@ -132,9 +132,7 @@ def checkpoint_png(r: dict[str, Any], path: str) -> None:
     a2.set(xlabel="state size, GB", ylabel="seconds until durable", title="Checkpoint total")
     a1.legend(fontsize=8)
     a2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def write_all(report: dict[str, Any], out: str) -> list[str]:

@@ -16,8 +16,6 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def pack_md(r: dict[str, Any]) -> str:
-    if "error" in r:
-        return f"pack benchmark failed: {r['error']}"
     c = r["config"]
     rows = []
     for row in r["rows"]:
@@ -37,8 +35,6 @@ def pack_md(r: dict[str, Any]) -> str:
 
 
 def read_md(r: dict[str, Any]) -> str:
-    if "error" in r:
-        return f"read benchmark failed: {r['error']}"
     rows = []
     for name, e in r["systems"].items():
         if "error" in e:
@@ -70,8 +66,6 @@ def read_md(r: dict[str, Any]) -> str:
 
 
 def cache_md(r: dict[str, Any]) -> str:
-    if "error" in r:
-        return f"cache benchmark failed: {r['error']}"
     c = r["config"]
     rows = []
     for frac, row in r["policies"].items():
@@ -102,8 +96,6 @@ def cache_md(r: dict[str, Any]) -> str:
 
 
 def checkpoint_md(r: dict[str, Any]) -> str:
-    if "error" in r:
-        return f"checkpoint benchmark failed: {r['error']}"
     rows = []
     for _layers, e in r.items():
         if "error" in e:
@@ -142,6 +134,7 @@ def report_markdown(report: dict[str, Any], images: list[str]) -> str:
            f"{m.get('loadavg_end', [float('nan')])[0]:.1f}. Seconds per part: {report['seconds']}.", ""]
     for part, fn in (("pack", pack_md), ("read", read_md), ("cache", cache_md), ("checkpoint", checkpoint_md)):
         if part in report:
-            out += [f"## {part}", "", fn(report[part]), ""]
+            r = report[part]
+            out += [f"## {part}", "", f"{part} benchmark failed: {r['error']}" if "error" in r else fn(r), ""]
             out += [f"![{img}]({img})" for img in images if img.startswith(part)] + [""]
     return "\n".join(out)
