@@ -18,62 +18,19 @@ import os
 import threading
 import time
 import warnings
-from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 from ..checksum import verify
 from ..errors import CacheBudgetError
 from .cache_ops import CacheOpsMixin, _ok
+from .cache_proc import CacheProc
 from .eviction import Schedule
-from .hot import HotTier, InflightBytes, Turns
-from .node_stats import FLUSH_INTERVAL_S, CounterFile, CounterFlusher
+from .node_stats import FLUSH_INTERVAL_S
 from .retry import RetryPolicy, call_with_retry, fetch_object
 from .stores import Store, open_store, split_url
-from .warm import DISK_FULL_ERRNOS, WarmDir, url_key
+from .warm import DISK_FULL_ERRNOS, url_key
 
 __all__ = ["TieredCache"]
-
-
-class _Proc:
-    """Everything a TieredCache creates per process."""
-
-    def __init__(self, cache: "TieredCache") -> None:
-        self.pid = os.getpid()
-        self.lock = threading.RLock()
-        self.stores: dict[str, Store] = {}
-        self.sizes: dict[str, int] = {}
-        self.hot = HotTier(cache.hot_bytes)
-        self.inflight = InflightBytes(cache.max_inflight_bytes)
-        self.stats: Counter = Counter()
-        self.pins: dict[str, list[int]] = {}
-        self.pending: dict[str, Future] = {}
-        self.pool = ThreadPoolExecutor(cache.prefetch_threads, thread_name_prefix="datapipe-prefetch")
-        self.parts = ThreadPoolExecutor(cache.retry.max_parts + 1, thread_name_prefix="datapipe-cold")
-        self.warm: WarmDir | None = None
-        self.warned: set[str] = set()
-        self.refused: dict[str, int] = {}
-        self.verified: set[tuple] = set()
-        self.turns = Turns()
-        self.last_prefetch_error: str | None = None
-        self.prefetcher: threading.Thread | None = None
-        self.wake = threading.Condition()
-        self.closed = False
-        self.counters: CounterFlusher | None = None
-        if cache.warm_dir is not None:
-            try:
-                self.warm = WarmDir(cache.warm_dir, cache.warm_bytes)
-                self.stats["warm_tmp_cleaned"] += self.warm.cleaned
-            except OSError as e:
-                cache._warn(self, "warm-init", f"warm cache {cache.warm_dir} unusable ({e}); "
-                            "reading through to the cold tier")
-        if self.warm is not None:
-            try:  # node-wide counters: this process's share, written to the warm dir
-                self.counters = CounterFlusher(self, CounterFile(self.warm.root), self.stats,
-                                               cache.stats_interval_s)
-            except OSError as e:
-                cache._warn(self, "stats-init", f"cache counters cannot be kept in {cache.warm_dir} "
-                            f"({e}); node-wide stats will miss this process")
 
 
 class TieredCache(CacheOpsMixin):
@@ -145,7 +102,7 @@ class TieredCache(CacheOpsMixin):
         self.schedule: Schedule | None = None
         self.schedule_checksums: dict[str, str] = {}
         self.lookahead = 0
-        self._p: _Proc | None = None
+        self._p: CacheProc | None = None
         self._plock = threading.Lock()
 
     # -- per-process state ---------------------------------------------------------------
@@ -158,22 +115,22 @@ class TieredCache(CacheOpsMixin):
         self.__dict__.update(state)
         self._plock = threading.Lock()
 
-    def _proc(self) -> _Proc:
+    def _proc(self) -> CacheProc:
         p = self._p
         if p is None or p.pid != os.getpid() or p.closed:
             with self._plock:
                 p = self._p
                 if p is None or p.pid != os.getpid() or p.closed:
-                    p = self._p = _Proc(self)  # a forked child never touches its parent's
+                    p = self._p = CacheProc(self)  # a forked child never touches its parent's
         return p
 
-    def _warn(self, p: _Proc, kind: str, msg: str) -> None:
+    def _warn(self, p: CacheProc, kind: str, msg: str) -> None:
         p.stats[f"warnings_{kind}"] += 1
         if kind not in p.warned:
             p.warned.add(kind)
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
-    def _cold(self, p: _Proc, url: str) -> tuple[Store, str]:
+    def _cold(self, p: CacheProc, url: str) -> tuple[Store, str]:
         root, name = split_url(url)
         store = p.stores.get(root)
         if store is None:
@@ -183,7 +140,7 @@ class TieredCache(CacheOpsMixin):
             p.stores[root] = store
         return store, name
 
-    def _size(self, p: _Proc, url: str) -> int:
+    def _size(self, p: CacheProc, url: str) -> int:
         size = p.sizes.get(url)
         if size is None:
             store, key = self._cold(p, url)
@@ -205,7 +162,7 @@ class TieredCache(CacheOpsMixin):
         self._admit_hot(p, url, data, checksum, index)
         return data
 
-    def _from_hot(self, p: _Proc, url: str, checksum: str | None) -> bytes | None:
+    def _from_hot(self, p: CacheProc, url: str, checksum: str | None) -> bytes | None:
         hit = p.hot.get(url)
         if hit is not None:
             data, known = hit
@@ -216,7 +173,7 @@ class TieredCache(CacheOpsMixin):
         p.stats["hot_misses"] += 1
         return None
 
-    def _admit_hot(self, p: _Proc, url: str, data: bytes, checksum: str | None, index: int | None) -> None:
+    def _admit_hot(self, p: CacheProc, url: str, data: bytes, checksum: str | None, index: int | None) -> None:
         if self.hot_bytes <= 0:
             return
         if len(data) > self.hot_bytes:
@@ -228,7 +185,7 @@ class TieredCache(CacheOpsMixin):
             p.stats["hot_not_admitted"] += 1
         p.stats["hot_evictions"] += p.hot.evictions - before
 
-    def _read_pinned(self, p: _Proc, url: str, fd: int, checksum: str | None, *,
+    def _read_pinned(self, p: CacheProc, url: str, fd: int, checksum: str | None, *,
                      want_bytes: bool = True) -> bytes | None:
         """The whole pinned copy (b"" when not ``want_bytes``), or None if it fails
         verification. A copy this process already verified (same inode, size and
@@ -251,7 +208,7 @@ class TieredCache(CacheOpsMixin):
         p.stats["warm_corrupt"] += 1
         return None
 
-    def _below_hot(self, p: _Proc, url: str, checksum: str | None, index: int | None) -> bytes:
+    def _below_hot(self, p: CacheProc, url: str, checksum: str | None, index: int | None) -> bytes:
         if p.warm is None:
             fut = p.pending.get(url)
             if fut is not None:  # a prefetch of this URL is under way: wait for it
@@ -279,7 +236,7 @@ class TieredCache(CacheOpsMixin):
         p.stats["warm_misses"] += 1
         return self._fill(p, url, checksum, index)
 
-    def _fetch_cold(self, p: _Proc, url: str, checksum: str | None) -> bytes:
+    def _fetch_cold(self, p: CacheProc, url: str, checksum: str | None) -> bytes:
         size = self._size(p, url)
         store, key = self._cold(p, url)
         waited = p.inflight.acquire(size, url)
@@ -299,7 +256,7 @@ class TieredCache(CacheOpsMixin):
             p.inflight.release(size)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _fill(self, p: _Proc, url: str, checksum: str | None, index: int | None, *,
+    def _fill(self, p: CacheProc, url: str, checksum: str | None, index: int | None, *,
               pin: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
               ticket: int | None = None) -> Any:
         """Fetch ``url`` into the warm tier under the node-wide single-flight lock. Returns
@@ -322,7 +279,7 @@ class TieredCache(CacheOpsMixin):
         finally:
             p.turns.done(ticket)
 
-    def _fill_once(self, p: _Proc, url: str, checksum: str | None, index: int | None, *,
+    def _fill_once(self, p: CacheProc, url: str, checksum: str | None, index: int | None, *,
                    pin: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
                    ticket: int | None = None) -> Any:
         warm = p.warm
