@@ -416,3 +416,33 @@ def test_plain_iterator_without_torch(ds_url):
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(N)
+
+
+def test_cache_with_an_unusable_warm_dir_reads_through(ds_url, tmp_path):
+    from datapipe.storage import TieredCache
+
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")  # a warm_dir under a regular file can never be created
+    cache = TieredCache(hot_bytes=4 << 20, warm_dir=str(blocker / "warm"), warm_bytes=1 << 20)
+    with pytest.warns(RuntimeWarning, match="unusable"):
+        assert not cache.has_warm_tier()
+    ds = StreamingDataset(ds_url, cache=cache, window=3, seed=1)
+    assert sorted(_ids(list(ds))) == list(range(N))
+    assert cache.stats()["cold_reads"] >= len(ds.source.indexes[0].shards)
+    good = TieredCache(warm_dir=str(tmp_path / "warm"), warm_bytes=1 << 20)
+    assert good.has_warm_tier()
+
+
+def test_a_failed_map_of_a_pinned_copy_releases_the_pin(ds_url, tmp_path, monkeypatch):
+    from datapipe.errors import StorageError
+    from datapipe.loader import source
+    from datapipe.storage import TieredCache
+
+    def no_map(path):
+        raise OSError(12, "Cannot allocate memory", path)
+
+    monkeypatch.setattr(source, "_mmap_file", no_map)  # the fault: mmap failing (ENOMEM)
+    cache = TieredCache(warm_dir=str(tmp_path / "warm"), warm_bytes=4 << 20)
+    with pytest.raises(StorageError, match="cannot map the warm copy of .*shard"):
+        list(StreamingDataset(ds_url, cache=cache, window=3, seed=1))
+    assert cache.stats()["pinned"] == 0

@@ -31,6 +31,7 @@ from ..errors import (
     IntegrityError,
     ObjectNotFoundError,
     PlanError,
+    StorageError,
 )
 from ..storage.retry import RetryPolicy, call_with_retry
 from ..storage.stores import LocalStore
@@ -135,6 +136,16 @@ def _mmap_file(path: str) -> tuple[memoryview, Any]:
             pass
 
     return memoryview(mm), close
+
+
+def _has_warm_tier(cache: Any) -> bool:
+    """Whether ``cache`` can pin local copies in this process. A TieredCache says so itself
+    (its ``warm_dir`` may have failed to open here, and it then reads through); any other
+    cache object is taken at its ``warm_dir`` setting."""
+    has = getattr(cache, "has_warm_tier", None)
+    if has is not None:
+        return bool(has())
+    return bool(getattr(cache, "warm_dir", None))
 
 
 def _open_map(path: str) -> mmap.mmap | None:
@@ -310,12 +321,18 @@ class ShardSource:
         skip) names the bad sample and the good ones still read."""
         if cache is not None:
             # the cache verifies what it serves against the checksum passed here
-            if getattr(cache, "warm_dir", None):
+            if _has_warm_tier(cache):
                 try:
                     path = cache.local_path(info.url, checksum=info.checksum)
                 except IntegrityError as e:
                     raise CorruptShardError(f"shard fails its checksum: {e}") from e
-                buf, close = _mmap_file(path)
+                try:
+                    buf, close = _mmap_file(path)
+                except BaseException as e:
+                    cache.release(info.url)  # the pin (and its fd) would outlive the shard
+                    if isinstance(e, OSError):
+                        raise StorageError(f"cannot map the warm copy of {info.url} at {path}: {e}") from e
+                    raise
 
                 def release() -> None:
                     if close is not None:

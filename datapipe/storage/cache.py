@@ -149,6 +149,11 @@ class TieredCache(CacheOpsMixin):
             p.sizes[url] = size
         return size
 
+    def has_warm_tier(self) -> bool:
+        """True when the warm tier opened in this process. A ``warm_dir`` that cannot be
+        used warns and reads through, and then :meth:`local_path` is unavailable."""
+        return self._proc().warm is not None
+
     # -- the read path -------------------------------------------------------------------
     def read(self, url: str, *, checksum: str | None = None) -> bytes:
         """The whole object at ``url``, from the first tier that has it; verified against
