@@ -1,5 +1,6 @@
 """Several spawned processes share one warm directory over moto's S3 on loopback."""
 
+import fcntl
 import functools
 import multiprocessing as mp
 import os
@@ -8,7 +9,10 @@ import signal
 import threading
 import time
 
+import pytest
+
 from datapipe.checksum import checksum
+from datapipe.errors import StorageError
 from datapipe.storage import FaultInjectingStore, TieredCache, open_store
 from datapipe.storage.warm import WarmDir, url_key
 
@@ -153,3 +157,76 @@ def test_usable_after_fork_once_the_parent_has_used_it(tmp_path, s3):
     assert cache.stats()["cold_reads"] == 1  # the parent's counters are its own
     assert checksum(cache.read(b)) == sums[b]
     assert cache.stats()["warm_hits"] == 1  # the child's fill is shared through the warm dir
+
+
+def _start_on(root, q):
+    q.put(WarmDir(root, 1 << 20).cleaned)  # what a process starting up on the node does
+
+
+def _waits_for_flock(path):
+    """Whether some process is blocked waiting for a flock on ``path`` (Linux /proc/locks)."""
+    ino = os.stat(path).st_ino
+    with open("/proc/locks") as f:
+        return any("->" in ln.split() and ln.split()[-3].endswith(f":{ino}") for ln in f)
+
+
+def test_a_process_starting_up_leaves_a_new_download_alone(tmp_path, monkeypatch):
+    """reserve() creates its temporary file and only then locks it. A process starting up in
+    that gap must not take the file for a dead download: it waits for the budget lock."""
+    root = str(tmp_path / "warm")
+    warm = WarmDir(root, 1 << 20)
+    real_flock, started = fcntl.flock, []
+
+    def flock(fd, op):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if not started and op == fcntl.LOCK_EX and path.startswith(warm.tmpdir + os.sep):
+            # the gap: the sized temporary file exists, not yet locked; start a real process
+            # and let it run until it has finished or waits on a lock
+            q = CTX.Queue()
+            p = CTX.Process(target=_start_on, args=(root, q))
+            p.start()
+            started.append((p, q))
+            deadline = time.monotonic() + 60
+            while (p.is_alive() and not _waits_for_flock(os.path.join(root, "budget.lock"))
+                   and time.monotonic() < deadline):
+                time.sleep(0.005)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    res = warm.reserve(url_key("s3://b/x"), 100, lambda cands, need: [])
+    monkeypatch.setattr(fcntl, "flock", real_flock)
+    p, q = started[0]
+    assert q.get(timeout=60) == 0  # the newcomer cleaned nothing
+    p.join(30)
+    assert p.exitcode == 0
+    assert warm.usage() == 100  # the download in progress is counted
+    res.write_and_publish(b"x" * 100)
+    assert open(warm.path(url_key("s3://b/x")), "rb").read() == b"x" * 100
+
+
+class _DownloadRemover(FaultInjectingStore):
+    """A cold store whose reads delete the warm directory's downloads in progress (as a
+    careless ``rm`` would), so the publish that follows finds no file to rename."""
+
+    def __init__(self, inner, tmpdir):
+        super().__init__(inner)
+        self.tmpdir = tmpdir
+
+    def get(self, key):
+        for name in os.listdir(self.tmpdir):
+            os.unlink(os.path.join(self.tmpdir, name))
+        return super().get(key)
+
+
+def test_a_failed_publish_names_the_url(tmp_path):
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    (cold / "shard-7.tar").write_bytes(b"y" * 1000)
+    url = str(cold / "shard-7.tar")
+    warm = tmp_path / "warm"
+    cache = TieredCache(warm_dir=warm, warm_bytes=1 << 20,
+                        cold_wrapper=functools.partial(_DownloadRemover, tmpdir=str(warm / "tmp")))
+    with pytest.raises(StorageError, match="shard-7.tar") as err:
+        cache.read(url)
+    assert not isinstance(err.value, FileNotFoundError)  # not "no such object": the copy failed
+    assert os.listdir(warm / "objects") == [] and os.listdir(warm / "tmp") == []

@@ -21,7 +21,7 @@ import warnings
 from typing import Any, Callable
 
 from ..checksum import verify
-from ..errors import CacheBudgetError
+from ..errors import CacheBudgetError, DatapipeError, StorageError
 from .cache_ops import CacheOpsMixin, _ok
 from .cache_proc import CacheProc
 from .eviction import Schedule
@@ -344,8 +344,11 @@ class TieredCache(CacheOpsMixin):
                     res.write_and_publish(data)
                 except OSError as e:
                     res.abort()
-                    if e.errno not in DISK_FULL_ERRNOS:
+                    if isinstance(e, DatapipeError):
                         raise
+                    if e.errno not in DISK_FULL_ERRNOS:
+                        raise StorageError(f"warm cache {warm.root}: could not keep the copy of "
+                                           f"{url} ({e})") from e
                     self._warn(p, "warm_full", f"warm cache {warm.root} is full ({e}); reading through")
                     if pin:
                         raise CacheBudgetError(f"cannot keep a local copy of {url}: {e}") from e

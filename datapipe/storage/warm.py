@@ -5,14 +5,18 @@ Layout under the root::
     objects/<key>      published copies, each complete (written elsewhere, then renamed)
     tmp/<key>.<pid>.<rand>   downloads in progress, sized to the object up front
     locks/<stripe>     single-flight locks, one of 1024 stripes per key; never deleted
-    budget.lock        held while usage is counted and space is reserved
+    budget.lock        held while usage is counted, space is reserved and dead
+                       temporary files are deleted
     meta.json          the budget last configured, for ``datapipe cache stats``
     stats/<host>-<pid>-<token>.json   each process's cache counters (see node_stats.py);
                        outside the budget, a few hundred bytes per process
 
 Everything cross-process is an ``fcntl.flock``, which the kernel drops when its holder dies,
 so a process killed with SIGKILL leaves no stuck lock, only a temporary file, which the
-next process recognises (nobody holds its lock) and deletes. There is no shared memory.
+next process recognises (nobody holds its lock) and deletes. A reservation creates its
+temporary file and then locks it, both under the budget lock, and dead files are looked for
+only under that lock too, so a new download is never taken for a dead one. There is no
+shared memory.
 
 * Single flight: a filler holds the key's stripe lock while it downloads; a second process
   that wants the same key waits on that lock, then finds the published copy.
@@ -180,14 +184,8 @@ class WarmDir:
         finally:
             os.close(fd)
 
-    @contextmanager
-    def _budget_lock(self) -> Iterator[None]:
-        fd = os.open(os.path.join(self.root, "budget.lock"), os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+    def _budget_lock(self):
+        return _budget_lock(self.root)
 
     def entries(self) -> list[tuple[str, int, float]]:
         """Published copies as ``(key, size, mtime_ns)``."""
@@ -248,7 +246,7 @@ class WarmDir:
         with self._budget_lock():
             entries = [e for e in self.entries() if e[0] != key]
             need = sum(s for _k, s, _m in entries) + self._tmp_bytes() + size - self.budget
-            if need > 0 and self.clean_dead_tmp():
+            if need > 0 and _clean_dead_tmp(self.tmpdir):
                 need = sum(s for _k, s, _m in entries) + self._tmp_bytes() + size - self.budget
             busy: set[str] = set()
             while need > 0:
@@ -277,10 +275,23 @@ class WarmDir:
 
     def clean_dead_tmp(self) -> int:
         """Delete temporary files whose writer is gone (nobody holds their lock)."""
-        return _clean_dead_tmp(self.tmpdir)
+        with self._budget_lock():
+            return _clean_dead_tmp(self.tmpdir)
+
+
+@contextmanager
+def _budget_lock(root: str) -> Iterator[None]:
+    fd = os.open(os.path.join(root, "budget.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _clean_dead_tmp(tmpdir: str) -> int:
+    """Only under the budget lock: a reservation's file is unlocked for a moment after
+    its creation, and that moment is inside the lock."""
     removed = 0
     try:
         names = os.listdir(tmpdir)
@@ -406,4 +417,5 @@ def clear_warm_dir(root: str) -> int:
         finally:
             os.close(fd)
     clear_counter_files(root)
-    return removed + _clean_dead_tmp(os.path.join(root, "tmp"))
+    with _budget_lock(root):
+        return removed + _clean_dead_tmp(os.path.join(root, "tmp"))
