@@ -67,6 +67,28 @@ def _try_lock(fd: int, kind: int) -> bool:
         return False
 
 
+def _remove_unless_locked(path: str) -> bool | None:
+    """Delete ``path`` unless a process holds a lock on it (a reader's pin, a live
+    download): True when deleted, False when held, None when it was gone or had been
+    replaced by a newer file (which is left alone: it was not the one found unlocked)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        if not _try_lock(fd, fcntl.LOCK_EX):
+            return False
+        st, cur = os.fstat(fd), os.stat(path)
+        if (cur.st_ino, cur.st_dev) != (st.st_ino, st.st_dev):
+            return None
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return None
+    finally:
+        os.close(fd)
+
+
 @dataclass
 class Reservation:
     """Space for one object: a temporary file already of the object's size, locked by us."""
@@ -216,23 +238,11 @@ class WarmDir:
             return sum(s for _k, s, _m in self.entries()) + self._tmp_bytes()
 
     def _try_evict(self, key: str) -> bool:
-        try:
-            fd = os.open(self.path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            return True
-        try:
-            if not _try_lock(fd, fcntl.LOCK_EX):
-                return False  # someone is reading it or holds it pinned
-            try:
-                st, cur = os.fstat(fd), os.stat(self.path(key))
-                if (cur.st_ino, cur.st_dev) == (st.st_ino, st.st_dev):  # not a newer copy
-                    os.unlink(self.path(key))
-            except FileNotFoundError:
-                pass
-            self.evictions += 1
-            return True
-        finally:
-            os.close(fd)
+        removed = _remove_unless_locked(self.path(key))
+        if removed is False:
+            return False  # someone is reading it or holds it pinned
+        self.evictions += bool(removed)
+        return True
 
     def reserve(
         self,
@@ -292,27 +302,24 @@ def _budget_lock(root: str) -> Iterator[None]:
 def _clean_dead_tmp(tmpdir: str) -> int:
     """Only under the budget lock: a reservation's file is unlocked for a moment after
     its creation, and that moment is inside the lock."""
-    removed = 0
     try:
         names = os.listdir(tmpdir)
     except FileNotFoundError:
         return 0
-    for name in names:
-        p = os.path.join(tmpdir, name)
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            if _try_lock(fd, fcntl.LOCK_EX):
-                try:
-                    os.unlink(p)
-                    removed += 1
-                except FileNotFoundError:
-                    pass
-        finally:
-            os.close(fd)
-    return removed
+    return sum(_remove_unless_locked(os.path.join(tmpdir, n)) is True for n in names)
+
+
+def _size_and_held(path: str) -> tuple[int, bool] | None:
+    """(size, whether a process holds a lock on it: a pin or a live download), or None
+    when it is gone. Probing takes the lock for a moment; closing the fd drops it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.fstat(fd).st_size, not _try_lock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)
 
 
 def _write_meta(root: str, budget: int) -> None:
@@ -341,38 +348,16 @@ def warm_dir_stats(root: str) -> dict:
     root = _check_warm_dir(root)
     objects = os.path.join(root, "objects")
     n = total = pinned = 0
-    with os.scandir(objects) as it:
-        for e in it:
-            try:
-                size = e.stat().st_size
-                fd = os.open(e.path, os.O_RDONLY)
-            except FileNotFoundError:
-                continue
-            try:
-                if _try_lock(fd, fcntl.LOCK_EX):
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                else:
-                    pinned += 1
-            finally:
-                os.close(fd)
-            n += 1
-            total += size
+    for name in os.listdir(objects):
+        found = _size_and_held(os.path.join(objects, name))
+        if found is not None:
+            n, total, pinned = n + 1, total + found[0], pinned + found[1]
     live = dead = tmp_bytes = 0
     tmpdir = os.path.join(root, "tmp")
     for name in os.listdir(tmpdir) if os.path.isdir(tmpdir) else []:
-        p = os.path.join(tmpdir, name)
-        try:
-            fd = os.open(p, os.O_RDONLY)
-            tmp_bytes += os.fstat(fd).st_size
-        except FileNotFoundError:
-            continue
-        try:
-            if _try_lock(fd, fcntl.LOCK_EX):
-                dead += 1
-            else:
-                live += 1
-        finally:
-            os.close(fd)
+        found = _size_and_held(os.path.join(tmpdir, name))
+        if found is not None:
+            tmp_bytes, live, dead = tmp_bytes + found[0], live + found[1], dead + (not found[1])
     node = sum_counter_files(root)
     budget = None
     try:
@@ -401,21 +386,7 @@ def clear_warm_dir(root: str) -> int:
     directory."""
     root = _check_warm_dir(root)
     objects = os.path.join(root, "objects")
-    removed = 0
-    for name in os.listdir(objects):
-        p = os.path.join(objects, name)
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            if _try_lock(fd, fcntl.LOCK_EX):
-                os.unlink(p)
-                removed += 1
-        except FileNotFoundError:
-            pass
-        finally:
-            os.close(fd)
+    removed = sum(_remove_unless_locked(os.path.join(objects, n)) is True for n in os.listdir(objects))
     clear_counter_files(root)
     with _budget_lock(root):
         return removed + _clean_dead_tmp(os.path.join(root, "tmp"))
