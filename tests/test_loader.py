@@ -446,3 +446,37 @@ def test_a_failed_map_of_a_pinned_copy_releases_the_pin(ds_url, tmp_path, monkey
     with pytest.raises(StorageError, match="cannot map the warm copy of .*shard"):
         list(StreamingDataset(ds_url, cache=cache, window=3, seed=1))
     assert cache.stats()["pinned"] == 0
+
+
+
+def test_shard_data_close_is_once_and_returns_when_closed(ds_url, tmp_path):
+    """The prefetcher's consumer and a fetch task may both close one shard: the cache pin
+    behind it is released once, and neither close() returns before it is released."""
+    from datapipe.storage import TieredCache
+
+    cache = TieredCache(warm_dir=str(tmp_path / "warm"), warm_bytes=4 << 20)
+    ds = StreamingDataset(ds_url, cache=cache)
+    data = ds.source.fetch(0, cache)
+    assert cache.stats()["pinned"] == 1
+    entered, go, calls = threading.Event(), threading.Event(), []
+    release = data._closer
+
+    def slow_release():  # the first closer is slow to let go of the pin
+        calls.append(1)
+        entered.set()
+        go.wait(10)
+        release()
+
+    data._closer = slow_release
+    first = threading.Thread(target=data.close)
+    first.start()
+    assert entered.wait(10)
+    seen = []
+    second = threading.Thread(target=lambda: (data.close(), seen.append(cache.stats()["pinned"])))
+    second.start()
+    second.join(0.5)  # a second close() must wait for the first, not return at once
+    go.set()
+    first.join(10)
+    second.join(10)
+    data.close()  # and a later one does nothing
+    assert seen == [0] and calls == [1] and cache.stats()["pinned"] == 0

@@ -59,6 +59,12 @@ class _Slot:
 _END = object()
 
 
+def _take(slot: _Slot) -> Any:
+    """The slot's data, leaving None (under the Prefetcher's lock: one taker closes it)."""
+    data, slot.data = slot.data, None
+    return data
+
+
 class Prefetcher:
     """``for chunk in p: for g in chunk.shards: p.shard(g) ...; p.done(chunk)``."""
 
@@ -118,16 +124,16 @@ class Prefetcher:
                 if slot.refs == 0:
                     del self._slots[g]
                     self._held -= slot.size
-                    closing.append(slot)
+                    # a fetch still running closes its own result when it finds the slot gone
+                    if slot.ready.is_set():
+                        closing.append(_take(slot))
             if self._planned and self._planned[0] is chunk:
                 self._planned.pop(0)
             # the next chunk is now the one being read: its shards may exceed the budget
             self._reading = max(self._reading, chunk.number + 1)
-        for slot in closing:
-            # a fetch still running closes its own result when it finds the slot gone
-            if slot.ready.is_set() and slot.data is not None:
-                slot.data.close()
-                slot.data = None
+        for data in closing:
+            if data is not None:
+                data.close()
         self._poke()
 
     def close(self) -> None:
@@ -141,9 +147,10 @@ class Prefetcher:
         self._thread.join(timeout=30)
         with self._lock:
             slots, self._slots = list(self._slots.values()), {}
-        for slot in slots:
-            if slot.ready.is_set() and slot.data is not None:
-                slot.data.close()
+            closing = [_take(slot) for slot in slots if slot.ready.is_set()]
+        for data in closing:
+            if data is not None:
+                data.close()
 
     def _poke(self) -> None:
         loop, ev = self._loop, self._changed
@@ -252,11 +259,10 @@ class Prefetcher:
         finally:
             sem.release()
             slot.ready.set()
-        with self._lock:
-            gone = self._slots.get(g) is not slot
-        if gone and slot.data is not None:
-            slot.data.close()
-            slot.data = None
+        with self._lock:  # whoever takes the data out of the slot closes it
+            data = _take(slot) if self._slots.get(g) is not slot else None
+        if data is not None:
+            data.close()
 
     def _tell_schedule(self) -> None:
         if self._schedule is None:

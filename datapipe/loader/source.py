@@ -67,6 +67,7 @@ class ShardData:
         self.max_end = int(ends.max()) if ends.size else 0
         #: the bytes-like object under ``buf`` (bytes or mmap): slicing it yields bytes
         self.src = self.buf.obj if isinstance(self.buf.obj, (bytes, mmap.mmap)) else bytes(self.buf)
+        self._close_lock = threading.Lock()
 
     # Plain lists for the per-sample path (numpy scalar indexing costs more than the work
     # per sample). Built on first use only: a shard read through its layout never needs them.
@@ -115,11 +116,14 @@ class ShardData:
         return data
 
     def close(self) -> None:
-        buf, self.buf = self.buf, memoryview(b"")
-        buf.release()
-        if self._closer is not None:
+        """Release the bytes and what holds them (a map, a cache pin) once, from any
+        thread; returns when that is done, even if another thread's close() did it."""
+        with self._close_lock:
+            buf, self.buf = self.buf, memoryview(b"")
+            buf.release()
             closer, self._closer = self._closer, None
-            closer()
+            if closer is not None:
+                closer()
 
 
 def _mmap_file(path: str) -> tuple[memoryview, Any]:
