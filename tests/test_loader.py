@@ -319,7 +319,7 @@ def test_prefetcher_stays_inside_its_byte_budget():
     def chunks():
         for k in range(20):
             shard = np.array([2 * k, 2 * k + 1, 2 * k, 2 * k + 1])
-            yield Chunk.make(k, np.arange(4), shard, np.zeros(4, np.int64), np.zeros(4, bool))
+            yield Chunk.make(k, np.arange(4), shard, np.zeros(4, np.int64))
 
     seen_sched = []
     pre = Prefetcher(chunks(), fetch, sizes.__getitem__, max_bytes=450, concurrency=4,
@@ -339,8 +339,8 @@ def test_prefetcher_stays_inside_its_byte_budget():
 
 def test_prefetcher_reads_a_window_larger_than_its_budget():
     def chunks():
-        yield Chunk.make(0, np.arange(6), np.arange(6), np.zeros(6, np.int64), np.zeros(6, bool))
-        yield Chunk.make(1, np.arange(6), np.arange(6, 12), np.zeros(6, np.int64), np.zeros(6, bool))
+        yield Chunk.make(0, np.arange(6), np.arange(6), np.zeros(6, np.int64))
+        yield Chunk.make(1, np.arange(6), np.arange(6, 12), np.zeros(6, np.int64))
 
     pre = Prefetcher(chunks(), lambda g: _FakeShard(), lambda g: 100, max_bytes=150)
     got = []
@@ -359,7 +359,7 @@ def test_prefetch_error_surfaces_in_order():
 
     def chunks():
         for k in range(4):
-            yield Chunk.make(k, np.arange(1), np.array([k]), np.zeros(1, np.int64), np.zeros(1, bool))
+            yield Chunk.make(k, np.arange(1), np.array([k]), np.zeros(1, np.int64))
 
     pre = Prefetcher(chunks(), fetch, lambda g: 1)
     got = []
@@ -480,3 +480,4 @@ def test_shard_data_close_is_once_and_returns_when_closed(ds_url, tmp_path):
     second.join(10)
     data.close()  # and a later one does nothing
     assert seen == [0] and calls == [1] and cache.stats()["pinned"] == 0
+

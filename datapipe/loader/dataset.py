@@ -232,8 +232,9 @@ class StreamingDataset(_Base):
         i, size, number = 0, 1, 0
         while i < len(batches):
             steps = batch_steps(start, stop, self.batch_size, batches[i : i + min(size, per_chunk)])
-            vshard, sample, pad = plan.rank_samples(rank, steps)
-            yield Chunk.make(number, steps, real[vshard], sample, pad)
+            # padding samples (repeats that even out the ranks) are read like any other
+            vshard, sample, _padding = plan.rank_samples(rank, steps)
+            yield Chunk.make(number, steps, real[vshard], sample)
             i, size, number = i + min(size, per_chunk), size * 4, number + 1
 
     def __iter__(self) -> Iterator[Any]:

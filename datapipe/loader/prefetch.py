@@ -35,14 +35,12 @@ class Chunk:
     steps: np.ndarray
     shard: np.ndarray
     sample: np.ndarray
-    pad: np.ndarray
     shards: list[int] = field(default_factory=list)  # distinct, in order of first use
 
     @classmethod
-    def make(cls, number: int, steps: np.ndarray, shard: np.ndarray, sample: np.ndarray,
-             pad: np.ndarray) -> "Chunk":
+    def make(cls, number: int, steps: np.ndarray, shard: np.ndarray, sample: np.ndarray) -> "Chunk":
         uniq, first = np.unique(shard, return_index=True)
-        return cls(number, steps, shard, sample, pad, uniq[np.argsort(first)].tolist())
+        return cls(number, steps, shard, sample, uniq[np.argsort(first)].tolist())
 
 
 class _Slot:
