@@ -481,3 +481,29 @@ def test_shard_data_close_is_once_and_returns_when_closed(ds_url, tmp_path):
     data.close()  # and a later one does nothing
     assert seen == [0] and calls == [1] and cache.stats()["pinned"] == 0
 
+
+
+def test_prefetcher_close_names_a_fetch_that_does_not_stop():
+    started, gate, made = threading.Event(), threading.Event(), {}
+
+    def fetch(g):
+        made[g] = _FakeShard()
+        if g == 1:
+            started.set()
+            gate.wait(30)  # a fetch stuck on a store that does not answer
+        return made[g]
+
+    def chunks():
+        for k in range(2):
+            yield Chunk.make(k, np.arange(1), np.array([k]), np.zeros(1, np.int64))
+
+    pre = Prefetcher(chunks(), fetch, lambda g: 1, close_timeout_s=0.2)
+    first = next(iter(pre))
+    pre.shard(first.shards[0])
+    assert started.wait(10)
+    with pytest.warns(RuntimeWarning, match=r"did not stop within 0.2 s.*shard 1"):
+        pre.close()
+    gate.set()
+    pre._thread.join(10)
+    assert not pre._thread.is_alive()
+    assert made[0].closed

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,15 +70,17 @@ class Prefetcher:
     def __init__(self, chunks: Iterator[Chunk], fetch: Callable[[int], Any],
                  shard_bytes: Callable[[int], int], *, max_bytes: int = 512 << 20,
                  concurrency: int = 8, lookahead_chunks: int = 4,
-                 schedule: Callable[[list[int]], None] | None = None) -> None:
-        if max_bytes < 1 or concurrency < 1 or lookahead_chunks < 1:
-            raise ValueError("max_bytes, concurrency and lookahead_chunks must be positive")
+                 schedule: Callable[[list[int]], None] | None = None,
+                 close_timeout_s: float = 30.0) -> None:
+        if max_bytes < 1 or concurrency < 1 or lookahead_chunks < 1 or not close_timeout_s > 0:
+            raise ValueError("max_bytes, concurrency, lookahead_chunks and close_timeout_s must be positive")
         self._chunks = chunks
         self._fetch = fetch
         self._shard_bytes = shard_bytes
         self.max_bytes = int(max_bytes)
         self.concurrency = int(concurrency)
         self._schedule = schedule
+        self.close_timeout_s = float(close_timeout_s)
         self._queue: queue.Queue = queue.Queue(maxsize=lookahead_chunks)
         self._lock = threading.Lock()
         self._slots: dict[int, _Slot] = {}
@@ -142,8 +145,16 @@ class Prefetcher:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=self.close_timeout_s)
         with self._lock:
+            if self._thread.is_alive():
+                busy = sorted(g for g, s in self._slots.items() if not s.ready.is_set())
+                what = (f"shard {', '.join(map(str, busy))} still fetching" if busy
+                        else "no fetch running: the chunk plan did not stop")
+                # the thread is a daemon: it ends when its fetches return, and it closes
+                # what they return then; until then it holds their threads and memory
+                warnings.warn(f"prefetch thread {self._thread.name} did not stop within "
+                              f"{self.close_timeout_s:g} s ({what})", RuntimeWarning, stacklevel=2)
             slots, self._slots = list(self._slots.values()), {}
             closing = [_take(slot) for slot in slots if slot.ready.is_set()]
         for data in closing:
