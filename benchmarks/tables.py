@@ -117,8 +117,11 @@ def checkpoint_md(r: dict[str, Any]) -> str:
                              _f(x.get("steady_total_s"), "{:.3f}"), _f(x.get("steady_stall_s", 0) / fl["memcpy_s"]),
                              _f(x.get("first_stall_s", 0) / fl["clone_fresh_s"]), _f(x.get("steady_total_s", 0) / fl["disk_s"])])
         t = e.get("training")
-        if t and t.get("step_ratio") is not None:
-            rows.append([f"{gb:.2f}", "training step while persisting / without", "", "", "", "", "", _f(t["step_ratio"])])
+        if t and t.get("ratio") is not None:
+            persist = t.get("persist_s") or []
+            rows.append([f"{gb:.2f}", f"training step while a save persists / without: **{t['ratio']:.2f}x** "
+                         f"(the save then took {min(persist, default=0):.1f}-{max(persist, default=0):.1f} s to be durable)",
+                         "", "", "", "", "", ""])
     return ("Model + Adam state of N x Linear(1024, 1024); seconds; 'stall' is the time save() blocks the training loop.\n\n"
             + _table(["state GB", "system", "first stall", "steady stall", "steady total", "stall / memcpy",
                       "first stall / fresh clone", "total / disk"], rows)
