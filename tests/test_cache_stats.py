@@ -269,3 +269,38 @@ def test_bad_counter_files_and_an_unwritable_stats_dir(tmp_path):
 
     with pytest.raises(ValueError, match="stats_interval_s"):
         TieredCache(warm_dir=warm, warm_bytes=1 << 20, stats_interval_s=0)
+
+
+def _counter_files(warm) -> list[str]:
+    return sorted(n for n in os.listdir(os.path.join(warm, "stats")) if not n.startswith("."))
+
+
+def test_exited_processes_fold_into_one_summary_and_totals_stay_exact(tmp_path):
+    """Non-persistent DataLoader workers are new processes every epoch: the stats directory
+    must not gain a file per process forever, and the node totals must not move."""
+    urls = _objects(tmp_path, 3)
+    warm = str(tmp_path / "warm")
+    c = TieredCache(warm_dir=warm, warm_bytes=1 << 20, stats_interval_s=3600)
+    c.read(urls[0])
+    ctx = mp.get_context("fork")
+    for epoch, workers in enumerate((3, 2)):
+        for _ in range(workers):
+            p = ctx.Process(target=_read_and_exit, args=(warm, urls, "return"))
+            p.start()
+            p.join(30)
+            assert p.exitcode == 0
+        node = c.stats(node=True)
+        runs = 1 + 3 + 2 * epoch  # this process and every worker so far
+        assert node["processes"] == runs
+        assert node["cold_reads"] == 3  # the first filled the warm tier, the rest hit it
+        assert node["hot_misses"] == 1 + 3 * (runs - 1)
+        assert node["warm_hits"] + node["warm_misses"] == 1 + 3 * (runs - 1)
+        # this (live) process's file and one summary of the exited ones
+        assert len(_counter_files(warm)) == 2, _counter_files(warm)
+        assert warm_dir_stats(warm)["counters"]["hot_misses"] == node["hot_misses"]
+    c.close()  # a closed cache's file is final: merged too, still counted once
+    after = warm_dir_stats(warm)
+    assert after["processes"] == 6 and after["counters"]["hot_misses"] == node["hot_misses"]
+    assert _counter_files(warm) == ["exited.summary"]
+    clear_warm_dir(warm)
+    assert _counter_files(warm) == ["generation"] and warm_dir_stats(warm)["processes"] == 0

@@ -18,13 +18,23 @@ a reader sees a whole file or the previous one), and anyone can sum the files:
   files; a file of an older generation (written by a process racing the clear) is ignored,
   and that process's next write counts only what it did after its last write before the
   clear (at most ``interval_s`` of reads may fall on the wrong side of a clear).
+* bounded: a process holds an exclusive ``flock`` on its own file while it may still
+  write it (the kernel drops it when the process dies; ``close()`` drops it too). Summing
+  first merges every unlocked file, whose writer is gone, into one
+  ``stats/exited.summary`` and deletes it, so the directory holds one file per live process
+  plus the summary however many DataLoader workers came and went. Merging takes
+  ``stats/.merge.lock`` without waiting (a second merger skips its turn). The summary lists
+  the files it absorbed (for ``_ABSORBED_KEEP_S``), and a reader adds the files it read
+  before the summary it reads afterwards, skipping absorbed ones: each process counts once
+  even while a merge runs.
 
-No locks are taken: the counters are informational, and a lock held across a fork would
-leak into the child.
+The locks only ever make a file look live for longer: a forked child inherits its parent's
+locked descriptor, and the parent's file is then merged once both have exited.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -37,7 +47,7 @@ from collections.abc import Mapping
 from multiprocessing import util as mp_util
 from typing import Any
 
-__all__ = ["CounterFile", "CounterFlusher", "sum_counter_files", "new_generation",
+__all__ = ["CounterFile", "CounterFlusher", "sum_counter_files", "merge_exited", "new_generation",
            "clear_counter_files", "COUNTER_KEYS", "STATS_DIR", "FLUSH_INTERVAL_S"]
 
 # The counters TieredCache.stats() always reports (0 when nothing happened); others appear
@@ -53,6 +63,10 @@ FLUSH_INTERVAL_S = 0.5
 _GENERATION = "generation"
 _FORMAT = "datapipe-cache-counters"
 _STALE_TMP_S = 60.0  # a temporary file this old belongs to a writer that died mid-write
+_SUMMARY = "exited.summary"
+_SUMMARY_FORMAT = "datapipe-cache-counters-summary"
+_MERGE_LOCK = ".merge.lock"
+_ABSORBED_KEEP_S = 600.0  # longer than any one reader takes between its file reads and the summary
 _SAFE = re.compile(r"[^A-Za-z0-9._]+")
 
 
@@ -112,14 +126,47 @@ class CounterFile:
         self._baseline: dict[str, float] = {}
         self._written: dict[str, float] | None = None  # absolute counters last written
         self._lock = threading.Lock()
+        self._fd = -1  # the published file, locked: this process may still write it
+        self.closed = False
         self.errors = 0
         self.writes = 0
+
+    def _publish(self, text: str) -> None:
+        tmp = os.path.join(self.dir, f".{self.name}.{uuid.uuid4().hex[:8]}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # before the rename: the file is never seen unlocked
+            os.write(fd, text.encode())
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        old, self._fd = self._fd, fd
+        if old >= 0:
+            os.close(old)
+
+    def finish(self, counters: Mapping[str, Any]) -> None:
+        """The last write: then the file is unlocked and may be merged into the summary."""
+        if self.closed:
+            return
+        self.flush(counters)
+        with self._lock:
+            self.closed = True
+            fd, self._fd = self._fd, -1
+            if fd >= 0:
+                os.close(fd)
 
     def flush(self, counters: Mapping[str, Any], *, force: bool = False) -> bool:
         """Write the counters if they changed since the last write (or ``force``, which
         also re-reads the generation). True when a file was written. Never raises an
         OSError: the first one warns, the rest are counted in ``errors``."""
         with self._lock:
+            if self.closed:
+                return False
             snap = _snapshot(counters)
             if snap == self._written and not force:
                 return False
@@ -134,7 +181,7 @@ class CounterFile:
                        "host": socket.gethostname(), "pid": self.pid, "started": self.started,
                        "updated": time.time(), "counters": delta}
             try:
-                _write_atomic(self.dir, self.name, json.dumps(payload))
+                self._publish(json.dumps(payload))
             except OSError as e:
                 self.errors += 1
                 if self.errors == 1:
@@ -174,7 +221,7 @@ def _tick(file: CounterFile, counters: Mapping[str, Any], stop: threading.Event,
 def _final_flush(file: CounterFile, counters: Mapping[str, Any], stop: threading.Event) -> None:
     stop.set()
     if file.pid == os.getpid():  # a forked child inherits nothing it should write
-        file.flush(counters)
+        file.finish(counters)
 
 
 def sum_counter_files(root: str) -> dict[str, Any]:
@@ -182,9 +229,38 @@ def sum_counter_files(root: str) -> dict[str, Any]:
     files of the current generation in ``<root>/stats/`` (every name in COUNTER_KEYS
     present, 0 when nobody counted it)."""
     stats_dir = os.path.join(root, STATS_DIR)
+    try:
+        merge_exited(stats_dir)
+    except OSError:
+        pass  # a read-only directory still sums; its files just are not merged
     totals: dict[str, float] = {}
-    processes = unreadable = 0
     gen = read_generation(stats_dir)
+    # the files first, the summary after (see the module docstring)
+    docs, unreadable = _read_counter_files(stats_dir, gen)
+    summary = _read_summary(stats_dir, gen)
+    processes = summary["processes"]
+    _add(totals, summary["counters"])
+    for name, doc in docs.items():
+        if name not in summary["absorbed"]:
+            processes += 1
+            _add(totals, doc["counters"])
+    counters: dict[str, Any] = {k: totals.pop(k, 0) for k in COUNTER_KEYS}
+    counters.update(sorted(totals.items()))
+    counters["wait_seconds"] = float(counters["wait_seconds"])
+    return {"counters": counters, "processes": processes, "unreadable": unreadable}
+
+
+def _add(totals: dict[str, float], counters: Mapping[str, Any]) -> None:
+    for k, v in counters.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            totals[k] = totals.get(k, 0) + v
+
+
+def _read_counter_files(stats_dir: str, gen: str, *, unlocked_only: bool = False) -> tuple[dict[str, dict], int]:
+    """``({name: doc}, unreadable)`` over the counter files of generation ``gen``; with
+    ``unlocked_only``, only files whose writer is gone (read while holding their lock)."""
+    docs: dict[str, dict] = {}
+    unreadable = 0
     try:
         names = os.listdir(stats_dir)
     except FileNotFoundError:
@@ -193,26 +269,77 @@ def sum_counter_files(root: str) -> dict[str, Any]:
         if not name.endswith(".json") or name.startswith("."):
             continue
         try:
-            with open(os.path.join(stats_dir, name)) as f:
-                doc = json.load(f)
+            fd = os.open(os.path.join(stats_dir, name), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            continue  # cleared meanwhile
+            continue  # cleared or merged meanwhile
+        except OSError:
+            unreadable += 1
+            continue
+        try:
+            if unlocked_only:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its writer lives
+            with os.fdopen(os.dup(fd), "rb") as f:
+                doc = json.loads(f.read())
         except (OSError, ValueError):
             unreadable += 1
             continue
+        finally:
+            os.close(fd)
         if not isinstance(doc, dict) or doc.get("format") != _FORMAT or not isinstance(doc.get("counters"), dict):
             unreadable += 1
             continue
-        if doc.get("generation") != gen:
-            continue  # written before the last clear
-        processes += 1
-        for k, v in doc["counters"].items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                totals[k] = totals.get(k, 0) + v
-    counters: dict[str, Any] = {k: totals.pop(k, 0) for k in COUNTER_KEYS}
-    counters.update(sorted(totals.items()))
-    counters["wait_seconds"] = float(counters["wait_seconds"])
-    return {"counters": counters, "processes": processes, "unreadable": unreadable}
+        if doc.get("generation") == gen:  # else written before the last clear
+            docs[name] = doc
+    return docs, unreadable
+
+
+def _read_summary(stats_dir: str, gen: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(stats_dir, _SUMMARY)) as f:
+            doc = json.load(f)
+        if (isinstance(doc, dict) and doc.get("format") == _SUMMARY_FORMAT and doc.get("generation") == gen
+                and isinstance(doc.get("counters"), dict) and isinstance(doc.get("absorbed"), dict)
+                and isinstance(doc.get("processes"), int)):
+            return doc
+    except (OSError, ValueError):
+        pass  # none yet, or of an older generation: the files still hold every count
+    return {"format": _SUMMARY_FORMAT, "generation": gen, "processes": 0, "counters": {}, "absorbed": {}}
+
+
+def merge_exited(stats_dir: str) -> int:
+    """Fold the counter files of exited processes into the summary and delete them;
+    returns how many were merged (0 when another process is merging right now)."""
+    if not os.path.isdir(stats_dir):
+        return 0
+    lock = os.open(os.path.join(stats_dir, _MERGE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return 0
+        gen = read_generation(stats_dir)
+        summary = _read_summary(stats_dir, gen)
+        docs, _bad = _read_counter_files(stats_dir, gen, unlocked_only=True)
+        now = time.time()
+        fresh = {n: d for n, d in docs.items() if n not in summary["absorbed"]}
+        for name, doc in fresh.items():
+            summary["processes"] += 1
+            _add(summary["counters"], doc["counters"])
+            summary["absorbed"][name] = now
+        if fresh:
+            summary["absorbed"] = {n: t for n, t in summary["absorbed"].items() if now - t < _ABSORBED_KEEP_S}
+            _write_atomic(stats_dir, _SUMMARY, json.dumps(summary))
+        for name in docs:  # absorbed now or by a merge whose deletion did not finish
+            try:
+                os.unlink(os.path.join(stats_dir, name))
+            except FileNotFoundError:
+                pass
+        return len(fresh)
+    finally:
+        os.close(lock)
 
 
 def clear_counter_files(root: str) -> int:
@@ -227,7 +354,7 @@ def clear_counter_files(root: str) -> int:
     for name in os.listdir(stats_dir):
         p = os.path.join(stats_dir, name)
         try:
-            if name.endswith(".json") and not name.startswith("."):
+            if (name.endswith(".json") and not name.startswith(".")) or name == _SUMMARY:
                 os.unlink(p)
                 removed += 1
             elif name.endswith(".tmp") and now - os.stat(p).st_mtime > _STALE_TMP_S:

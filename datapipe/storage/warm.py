@@ -8,8 +8,9 @@ Layout under the root::
     budget.lock        held while usage is counted, space is reserved and dead
                        temporary files are deleted
     meta.json          the budget last configured, for ``datapipe cache stats``
-    stats/<host>-<pid>-<token>.json   each process's cache counters (see node_stats.py);
-                       outside the budget, a few hundred bytes per process
+    stats/<host>-<pid>-<token>.json   each live process's cache counters, and
+    stats/exited.summary               those of exited processes, merged (see node_stats.py);
+                       outside the budget, a few hundred bytes per live process
 
 Everything cross-process is an ``fcntl.flock``, which the kernel drops when its holder dies,
 so a process killed with SIGKILL leaves no stuck lock, only a temporary file, which the
