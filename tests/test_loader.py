@@ -507,3 +507,32 @@ def test_prefetcher_close_names_a_fetch_that_does_not_stop():
     pre._thread.join(10)
     assert not pre._thread.is_alive()
     assert made[0].closed
+
+
+def test_a_fetch_cut_off_by_close_has_its_shard_closed_when_it_lands():
+    """A shard fetched through a cache holds a pin: one whose fetch was still running at
+    close() must be closed when the fetch returns, not dropped with its pin held."""
+    started, gate, made = threading.Event(), threading.Event(), {}
+
+    def fetch(g):
+        made[g] = _FakeShard()
+        if g == 1:
+            started.set()
+            gate.wait(30)
+        return made[g]
+
+    def chunks():
+        for k in range(6):
+            yield Chunk.make(k, np.arange(1), np.array([k]), np.zeros(1, np.int64))
+
+    # a short queue: the planner is blocked handing out a chunk when close() stops it
+    pre = Prefetcher(chunks(), fetch, lambda g: 1, lookahead_chunks=1, close_timeout_s=0.2)
+    first = next(iter(pre))
+    pre.shard(first.shards[0])
+    assert started.wait(10)
+    with pytest.warns(RuntimeWarning, match="shard 1"):
+        pre.close()
+    gate.set()
+    pre._thread.join(10)
+    assert not pre._thread.is_alive()
+    assert made[0].closed and made[1].closed

@@ -84,6 +84,8 @@ class Prefetcher:
         self._queue: queue.Queue = queue.Queue(maxsize=lookahead_chunks)
         self._lock = threading.Lock()
         self._slots: dict[int, _Slot] = {}
+        self._fetching: set[int] = set()  # shards whose fetch call has not returned
+        self._pool: Any = None
         self._held = 0  # bytes of shards held or being fetched
         self.peak_bytes = 0
         self._reading = 0  # number of the chunk the consumer reads
@@ -148,9 +150,9 @@ class Prefetcher:
         self._thread.join(timeout=self.close_timeout_s)
         with self._lock:
             if self._thread.is_alive():
-                busy = sorted(g for g, s in self._slots.items() if not s.ready.is_set())
+                busy = sorted(self._fetching)
                 what = (f"shard {', '.join(map(str, busy))} still fetching" if busy
-                        else "no fetch running: the chunk plan did not stop")
+                        else "no fetch running: planning chunks or the cache's schedule hook")
                 # the thread is a daemon: it ends when its fetches return, and it closes
                 # what they return then; until then it holds their threads and memory
                 warnings.warn(f"prefetch thread {self._thread.name} did not stop within "
@@ -174,7 +176,7 @@ class Prefetcher:
         loop = asyncio.new_event_loop()
         from concurrent.futures import ThreadPoolExecutor
 
-        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="datapipe-fetch")
+        pool = self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="datapipe-fetch")
         loop.set_default_executor(pool)
         self._loop = loop
         try:
@@ -260,9 +262,31 @@ class Prefetcher:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._put(_END)
 
-    async def _load(self, g: int, slot: _Slot, sem: asyncio.Semaphore) -> None:
+    def _landed_after_stop(self, g: int, fut: Any) -> None:
+        if fut.cancelled():  # never started
+            with self._lock:
+                self._fetching.discard(g)
+        elif fut.exception() is None and fut.result() is not None:
+            fut.result().close()
+
+    def _fetch_tracked(self, g: int) -> Any:
         try:
-            slot.data = await asyncio.to_thread(self._fetch, g)
+            return self._fetch(g)
+        finally:
+            with self._lock:
+                self._fetching.discard(g)
+
+    async def _load(self, g: int, slot: _Slot, sem: asyncio.Semaphore) -> None:
+        with self._lock:
+            self._fetching.add(g)
+        fut = self._pool.submit(self._fetch_tracked, g)
+        try:
+            slot.data = await asyncio.wrap_future(fut)
+        except asyncio.CancelledError as e:
+            # stopped while the fetch runs on in its thread: what it returns (a shard that
+            # may hold a cache pin) is closed when it lands
+            fut.add_done_callback(lambda f: self._landed_after_stop(g, f))
+            slot.error = e
         except BaseException as e:  # noqa: BLE001 - raised to the consumer when it asks
             slot.error = e
         finally:
