@@ -270,3 +270,19 @@ def test_cache_modules_stay_readable_in_one_sitting():
         with open(os.path.join(root, name)) as f:
             lines = sum(1 for _ in f)
         assert lines < 400, f"{name} has {lines} lines"
+
+
+def test_counters_lose_no_update_under_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from datapipe.storage.cache_proc import Stats
+
+    stats = Stats()
+
+    def bump(_):
+        for _ in range(20000):
+            stats.update(cold_reads=1)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(bump, range(4)))
+    assert stats.snapshot()["cold_reads"] == 80000

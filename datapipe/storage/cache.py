@@ -125,7 +125,7 @@ class TieredCache(CacheOpsMixin):
         return p
 
     def _warn(self, p: CacheProc, kind: str, msg: str) -> None:
-        p.stats[f"warnings_{kind}"] += 1
+        p.stats.update({f"warnings_{kind}": 1})
         if kind not in p.warned:
             p.warned.add(kind)
             warnings.warn(msg, RuntimeWarning, stacklevel=3)
@@ -175,7 +175,7 @@ class TieredCache(CacheOpsMixin):
                 p.stats.update(hot_hits=1, hot_bytes=len(data))
                 return data
             p.hot.discard(url)
-        p.stats["hot_misses"] += 1
+        p.stats.update(hot_misses=1)
         return None
 
     def _admit_hot(self, p: CacheProc, url: str, data: bytes, checksum: str | None, index: int | None) -> None:
@@ -187,8 +187,8 @@ class TieredCache(CacheOpsMixin):
                 f"hot_bytes to at least {len(data)} or set it to 0")
         before = p.hot.evictions
         if not p.hot.admit(url, data, checksum, self._chooser(url, index)):
-            p.stats["hot_not_admitted"] += 1
-        p.stats["hot_evictions"] += p.hot.evictions - before
+            p.stats.update(hot_not_admitted=1)
+        p.stats.update(hot_evictions=p.hot.evictions - before)
 
     def _read_pinned(self, p: CacheProc, url: str, fd: int, checksum: str | None, *,
                      want_bytes: bool = True) -> bytes | None:
@@ -199,7 +199,7 @@ class TieredCache(CacheOpsMixin):
         st = os.fstat(fd)
         expected = p.sizes.get(url)
         if expected is not None and expected != st.st_size:
-            p.stats["warm_corrupt"] += 1
+            p.stats.update(warm_corrupt=1)
             return None
         memo = (st.st_dev, st.st_ino, st.st_size, checksum)
         known = checksum is None or memo in p.verified
@@ -210,7 +210,7 @@ class TieredCache(CacheOpsMixin):
             if not known:
                 p.verified.add(memo)
             return data
-        p.stats["warm_corrupt"] += 1
+        p.stats.update(warm_corrupt=1)
         return None
 
     def _below_hot(self, p: CacheProc, url: str, checksum: str | None, index: int | None) -> bytes:
@@ -219,7 +219,7 @@ class TieredCache(CacheOpsMixin):
             if fut is not None:  # a prefetch of this URL is under way: wait for it
                 t0 = time.monotonic()
                 fut.exception()
-                p.stats["wait_seconds"] += time.monotonic() - t0
+                p.stats.update(wait_seconds=time.monotonic() - t0)
                 hit = p.hot.get(url)  # already counted as a hot miss; the wait shows
                 if hit is not None and (checksum is None or checksum == hit[1] or _ok(hit[0], checksum)):
                     return hit[0]
@@ -238,7 +238,7 @@ class TieredCache(CacheOpsMixin):
                 os.close(fd)
                 p.stats.update(warm_hits=1, warm_bytes=len(data))
                 return data
-        p.stats["warm_misses"] += 1
+        p.stats.update(warm_misses=1)
         return self._fill(p, url, checksum, index)
 
     def _fetch_cold(self, p: CacheProc, url: str, checksum: str | None) -> bytes:
@@ -246,7 +246,7 @@ class TieredCache(CacheOpsMixin):
         store, key = self._cold(p, url)
         waited = p.inflight.acquire(size, url)
         if not threading.current_thread().name.startswith("datapipe-prefetch"):
-            p.stats["wait_seconds"] += waited  # the reader's waits, not the background's
+            p.stats.update(wait_seconds=waited)  # the reader's waits, not the background's
         try:
             for attempt in (0, 1):
                 data = fetch_object(store, key, size, self.retry, pool=p.parts,
@@ -256,7 +256,7 @@ class TieredCache(CacheOpsMixin):
                     return data
                 if attempt:
                     verify(data, checksum, url)  # raises ChecksumError naming the URL
-                p.stats["cold_refetches"] += 1
+                p.stats.update(cold_refetches=1)
         finally:
             p.inflight.release(size)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -293,7 +293,7 @@ class TieredCache(CacheOpsMixin):
         while True:
             with warm.fill_lock(key) as waited:
                 if not prefetch:  # the reader's waits, not the background's
-                    p.stats["wait_seconds"] += waited
+                    p.stats.update(wait_seconds=waited)
                 fd = warm.open_pinned(key)
                 if fd is not None:  # filled by another thread or process while we waited
                     if pin:
@@ -322,11 +322,11 @@ class TieredCache(CacheOpsMixin):
                         raise
                     self._warn(p, "warm_full", f"warm cache {warm.root} cannot take {url} ({e}); reading through")
                     res = None
-                p.stats["warm_evictions"] += warm.evictions - before
+                p.stats.update(warm_evictions=warm.evictions - before)
                 if ticket is not None:
                     p.turns.done(ticket)  # space decided: the next prefetch may reserve
                 if res is None and prefetch:
-                    p.stats["prefetch_not_admitted"] += 1
+                    p.stats.update(prefetch_not_admitted=1)
                     return None
                 if res is None and pin:
                     if time.monotonic() > deadline:
@@ -337,7 +337,7 @@ class TieredCache(CacheOpsMixin):
                     time.sleep(0.05)  # until a pin is released or a download lands
                     continue
                 if res is None:
-                    p.stats["warm_not_admitted"] += 1
+                    p.stats.update(warm_not_admitted=1)
                     return self._fetch_cold(p, url, checksum)
                 try:
                     data = self._fetch_cold(p, url, checksum)
@@ -356,7 +356,7 @@ class TieredCache(CacheOpsMixin):
                 except BaseException:
                     res.abort()
                     raise
-                p.stats["warm_fills"] += 1
+                p.stats.update(warm_fills=1)
                 if prefetch:
                     return None
                 if not pin:

@@ -36,7 +36,7 @@ class CacheOpsMixin:
             part = self._range_once(p, url, start, end, index if attempt == 0 else None)
             if _ok(part, checksum):
                 return part
-            p.stats["range_refetches"] += 1
+            p.stats.update(range_refetches=1)
             p.hot.discard(url)
             if p.warm is not None:
                 p.warm.discard(url_key(url))
@@ -48,7 +48,7 @@ class CacheOpsMixin:
         if hit is not None:
             p.stats.update(hot_hits=1, hot_bytes=end - start)
             return _slice(hit[0], start, end, url)
-        p.stats["hot_misses"] += 1
+        p.stats.update(hot_misses=1)
         if p.warm is not None:
             key = url_key(url)
             fd = p.warm.open_pinned(key)
@@ -62,13 +62,13 @@ class CacheOpsMixin:
                             return part
                     elif size == self._size(p, url):  # the copy is whole: a bad range
                         _slice(b"", start, end, url, size)
-                    p.stats["warm_corrupt"] += 1  # a copy shorter than the object
+                    p.stats.update(warm_corrupt=1)  # a copy shorter than the object
                     p.warm.discard(key, fd)
                     fd = None
                 finally:
                     if fd is not None:
                         os.close(fd)
-            p.stats["warm_misses"] += 1
+            p.stats.update(warm_misses=1)
             data = self._fill(p, url, None, index)
             self._admit_hot(p, url, data, None, index)
             return _slice(data, start, end, url)
@@ -97,9 +97,9 @@ class CacheOpsMixin:
         for _attempt in (0, 1, 2):
             fd = p.warm.open_pinned(key)
             if fd is not None:
-                p.stats["warm_hits"] += 1
+                p.stats.update(warm_hits=1)
             else:
-                p.stats["warm_misses"] += 1
+                p.stats.update(warm_misses=1)
                 fd = self._fill(p, url, checksum, index, pin=True)
             if self._read_pinned(p, url, fd, checksum, want_bytes=False) is not None:
                 with p.lock:
@@ -163,9 +163,9 @@ class CacheOpsMixin:
                 self._fill(p, url, checksum, None, prefetch=True, prefetch_at=at, ticket=ticket)
             elif url not in p.hot:
                 self._admit_hot(p, url, self._fetch_cold(p, url, checksum), checksum, at)
-            p.stats["prefetched"] += 1
+            p.stats.update(prefetched=1)
         except Exception as e:
-            p.stats["prefetch_errors"] += 1
+            p.stats.update(prefetch_errors=1)
             p.last_prefetch_error = f"{type(e).__name__}: {e}"
         if p.counters is not None and len(p.pending) <= 1:
             p.counters.file.flush(p.stats)  # the last of a pass (ours leaves pending after this)
@@ -314,8 +314,9 @@ class CacheOpsMixin:
         p = self._proc()
         if node:
             return self._node_stats(p)
-        out: dict[str, Any] = {k: p.stats.get(k, 0) for k in COUNTER_KEYS}
-        out.update({k: v for k, v in p.stats.items() if k not in out})
+        counts = p.stats.snapshot()
+        out: dict[str, Any] = {k: counts.get(k, 0) for k in COUNTER_KEYS}
+        out.update({k: v for k, v in counts.items() if k not in out})
         out["wait_seconds"] = float(out["wait_seconds"])
         out["hot_used_bytes"] = p.hot.used
         out["hot_budget_bytes"] = self.hot_bytes

@@ -7,7 +7,7 @@ import os
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .hot import HotTier, InflightBytes, Turns
 from .node_stats import CounterFile, CounterFlusher
@@ -20,6 +20,24 @@ if TYPE_CHECKING:
 __all__ = ["CacheProc"]
 
 
+class Stats(Counter):
+    """Counters that several threads of one process bump at once (readers, prefetchers):
+    ``stats[k] += 1`` is a read then a write and loses counts under threads, so every
+    change goes through ``update``, under a lock, and readers take ``snapshot()``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # before Counter.__init__; Counter.update calls itself
+        super().__init__()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        with self._lock:
+            super().update(*args, **kwargs)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self)
+
+
 class CacheProc:
     """Everything a TieredCache creates per process."""
 
@@ -30,7 +48,7 @@ class CacheProc:
         self.sizes: dict[str, int] = {}
         self.hot = HotTier(cache.hot_bytes)
         self.inflight = InflightBytes(cache.max_inflight_bytes)
-        self.stats: Counter = Counter()
+        self.stats = Stats()
         self.pins: dict[str, list[int]] = {}
         self.pending: dict[str, Future] = {}
         self.pool = ThreadPoolExecutor(cache.prefetch_threads, thread_name_prefix="datapipe-prefetch")
@@ -48,7 +66,7 @@ class CacheProc:
         if cache.warm_dir is not None:
             try:
                 self.warm = WarmDir(cache.warm_dir, cache.warm_bytes)
-                self.stats["warm_tmp_cleaned"] += self.warm.cleaned
+                self.stats.update(warm_tmp_cleaned=self.warm.cleaned)
             except OSError as e:
                 cache._warn(self, "warm-init", f"warm cache {cache.warm_dir} unusable ({e}); "
                             "reading through to the cold tier")

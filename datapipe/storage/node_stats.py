@@ -101,6 +101,8 @@ def _write_atomic(stats_dir: str, name: str, text: str) -> None:
 
 
 def _snapshot(counters: Mapping[str, Any]) -> dict[str, float]:
+    if hasattr(counters, "snapshot"):  # the cache's locked Stats
+        counters = counters.snapshot()
     for _ in range(5):
         try:
             # dict() of a Counter copies in C under the GIL; retry covers other mappings
