@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     work = a.workdir or tempfile.mkdtemp(prefix="datapipe-report-")
     os.makedirs(a.out, exist_ok=True)
     report: dict[str, Any] = {
-        "command": "python -m benchmarks.report " + " ".join(shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])),
+        "command": " ".join(["python -m benchmarks.report"]
+                            + [shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])]),
         "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
         "samples": samples,
