@@ -4,8 +4,6 @@ destination, and running the same command again skips what is recorded."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import multiprocessing as mp
 import os
 import threading
@@ -15,17 +13,17 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from ..errors import DestinationExistsError, DuplicateKeyError, InputFileError, PackError
+from ..errors import DuplicateKeyError, InputFileError, PackError
 from ..format import COMPRESSIONS, SampleRecords, ShardBuilder, ShardRecord, encode_sample, shard_name
 from ..format.shard import STAGING_BYTES
 from ..storage import Store, open_store
-from .commit import check_destination, remove_temporaries, retract_dataset, write_index
+from .commit import check_destination, remove_temporaries, write_index
+from .journal import Journal, fingerprint
 from .sources import FileSample, count_table_rows, iter_table, list_directory, source_kind
 from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits
 
 __all__ = ["pack", "PackResult", "parse_part", "part_dir"]
 
-WORK = "_pack"
 
 
 @dataclass
@@ -177,47 +175,6 @@ def _plan_shards(samples: list[FileSample], max_bytes: int, max_samples: int) ->
     return shards
 
 
-def _fingerprint(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
-
-
-class _Work:
-    """The ``_pack/`` folder: the plan's fingerprint and one record per finished shard."""
-
-    def __init__(self, store: Store, fingerprint: str, overwrite: bool) -> None:
-        self.store = store
-        plan_key = f"{WORK}/plan.json"
-        if store.exists(plan_key):
-            old = json.loads(store.get(plan_key)).get("fingerprint")
-            if old != fingerprint:
-                if not overwrite:
-                    raise DestinationExistsError(
-                        f"{store.root} holds an unfinished pack of other input or options "
-                        "(pass --overwrite to discard it and start again)"
-                    )
-                self.clear()
-        elif store.list(WORK + "/") and not overwrite:
-            raise DestinationExistsError(f"{store.url(WORK)} exists without a plan (pass --overwrite)")
-        store.put(plan_key, json.dumps({"fingerprint": fingerprint}).encode())
-
-    def clear(self) -> None:
-        retract_dataset(self.store)
-
-    def done(self) -> dict[str, dict[str, Any]]:
-        out = {}
-        for key in self.store.list(WORK + "/"):
-            if key.endswith(".json") and not key.endswith("plan.json"):
-                out[key[len(WORK) + 1 : -5]] = json.loads(self.store.get(key))
-        return out
-
-    def record(self, name: str, result: dict[str, Any]) -> None:
-        self.store.put(f"{WORK}/{name}.json", json.dumps(result).encode())
-
-    def remove(self) -> None:
-        for key in self.store.list(WORK + "/"):
-            self.store.delete(key)
-
-
 def _progress_bar(total: int, enabled: bool) -> Any:
     from tqdm import tqdm
 
@@ -276,8 +233,7 @@ def _pack_directory(src: str, store: Store, opts: dict[str, Any], workers: int |
         samples = samples[i * len(samples) // n : (i + 1) * len(samples) // n]
     plan = _plan_shards(samples, opts["shard_bytes"], opts["shard_samples"])
     names = [shard_name(i, opts["compression"]) for i in range(len(plan))]
-    fingerprint = _fingerprint([opts, [[s.key, s.files, s.tar_bytes] for s in samples]])
-    work = _Work(store, fingerprint, overwrite)
+    work = Journal(store, fingerprint([opts, [[s.key, s.files, s.tar_bytes] for s in samples]]), overwrite)
     done = work.done()
     todo = [i for i, name in enumerate(names) if name not in done]
     result = PackResult("", len(plan), 0, 0, 0, 0.0, resumed_shards=len(plan) - len(todo),
@@ -348,12 +304,12 @@ def _run(args: tuple) -> dict[str, Any]:
         return {"record": None, "skipped": e.skipped}
 
 
-def _finish(work: _Work, name: str, res: dict[str, Any], done: dict[str, Any], result: PackResult) -> None:
+def _finish(work: Journal, name: str, res: dict[str, Any], done: dict[str, Any], result: PackResult) -> None:
     work.record(name, res)
     done[name] = res
 
 
-def _commit(store: Store, work: _Work, names: list[str], done: dict[str, Any], compression: str,
+def _commit(store: Store, work: Journal, names: list[str], done: dict[str, Any], compression: str,
             result: PackResult) -> PackResult:
     shards, sample_recs, fields = [], [], set()
     for name in names:
@@ -385,7 +341,7 @@ def _pack_table(src: str, kind: str, store: Store, opts: dict[str, Any], progres
     if opts["part"] is not None:
         i, n = opts["part"]
         start, stop = i * total // n, (i + 1) * total // n
-    work = _Work(store, _fingerprint([opts, st.st_size, st.st_mtime_ns]), overwrite)
+    work = Journal(store, fingerprint([opts, st.st_size, st.st_mtime_ns]), overwrite)
     done = work.done()
     names: list[str] = []
     result = PackResult("", 0, 0, 0, 0, 0.0)
