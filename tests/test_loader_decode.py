@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from datapipe.errors import CorruptShardError
 from datapipe.format import decode_sample, encode_sample
-from datapipe.loader.decode import make_decoder, split_plain_members
+from datapipe.format.plain import split_plain_members
+from datapipe.loader.decode import make_decoder
 
 segment = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_-", min_size=1, max_size=60)
 fields = st.dictionaries(

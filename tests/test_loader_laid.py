@@ -168,7 +168,7 @@ def _shard(tmp_path, samples):
 def test_vectorised_walk_agrees_with_the_member_walk(tmp_path, case):
     import numpy as np
 
-    from datapipe.loader.members import _vector_layout, _walk_each, walk_layout
+    from datapipe.format.plain import _vector_layout, _walk_each, walk_layout
 
     samples = []
     for i in range(1 if case == "one" else 30):

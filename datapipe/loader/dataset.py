@@ -28,7 +28,8 @@ import xxhash
 from ..errors import DatapipeError, PlanError, StateMismatchError
 from ..format import decode_sample
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
-from .decode import make_decoder, split_plain_members
+from ..format.plain import split_plain_members
+from .decode import make_decoder
 from .laid import chunk_columns, item_loop
 from .mixing import Stream, epoch_layout, stream_targets
 from .prefetch import Chunk, Prefetcher

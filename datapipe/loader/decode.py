@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import CorruptShardError
 
-__all__ = ["DEFAULT_DECODERS", "SampleDecoder", "make_decoder", "split_plain_members"]
+__all__ = ["DEFAULT_DECODERS", "SampleDecoder", "make_decoder"]
 
 
 def _text(b: bytes) -> str:
@@ -97,50 +97,3 @@ def make_decoder(decode: Any = "auto", map_fn: Callable[[Any], Any] | None = Non
     if callable(decode):
         return SampleDecoder(None, decode, map_fn)
     raise ValueError(f"decode must be 'auto', 'raw', None, a dict of ext -> fn or a callable, got {decode!r}")
-
-
-def split_plain_members(src: Any, pos: int = 0, n: int | None = None) -> dict[str, Any] | None:
-    """``{"__key__": key, field: bytes}`` of the sample in ``src[pos:n]`` (``src``: bytes or
-    an mmap, anything with ``find`` and slicing to bytes) if it is made only of plain ustar
-    members without a name prefix (what the packer writes for names up to 100 bytes), else
-    ``None``: the caller then hands the bytes to :func:`datapipe.format.decode_sample`.
-
-    This fast path skips the tar header checksums: it is only used on bytes already
-    verified against the index's xxh3 checksum of the sample or of the whole shard, which
-    is a stronger check.
-    Each field is copied once, straight from ``src``.
-    """
-    out: dict[str, Any] = {"__key__": None}  # first, as decode_sample orders it
-    n = len(src) if n is None else n
-    keydot = None
-    find = src.find
-    while pos + 512 <= n:
-        if src[pos + 156] != 48 or src[pos + 345] != 0:
-            return None  # PAX, GNU long names, prefixed names, non-files: the general path
-        cut = find(b"\0", pos, pos + 100)
-        if cut == pos:
-            break  # end-of-archive block
-        try:
-            size = int(src[pos + 124 : pos + 135], 8)  # 11 octal digits, as the packer writes
-            name = src[pos : cut if cut > 0 else pos + 100].decode("utf-8")
-        except ValueError:
-            return None
-        if keydot is None:
-            slash = name.rfind("/")
-            dot = name.find(".", slash + 1)
-            if dot <= slash + 1:
-                return None
-            keydot = name[: dot + 1]
-            out["__key__"] = name[:dot]
-        elif not name.startswith(keydot):
-            return None  # another sample's member: let the general path name the problem
-        field = name[len(keydot) :]
-        if not field or "/" in field or field in out:
-            return None
-        pos += 512
-        end = pos + size
-        if end > n:
-            return None
-        out[field] = src[pos:end]
-        pos = end + (-size % 512)
-    return out if keydot is not None else None

@@ -35,7 +35,8 @@ from ..errors import (
 )
 from ..storage.retry import RetryPolicy, call_with_retry
 from ..storage.stores import LocalStore
-from .members import LayoutCache, walk_layout
+from ..format.plain import walk_layout
+from .members import LayoutCache
 from .. import dataset as _dataset
 
 __all__ = ["ShardData", "ShardSource"]
