@@ -18,6 +18,9 @@ from .stores import Store, _check_range
 
 __all__ = ["FsspecStore"]
 
+# object stores whose upload publishes only when it completes (discarded on failure)
+_STREAMING_WRITE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "abfss"}
+
 
 class FsspecStore(Store):
     """Any fsspec protocol (s3://, gs://, memory://, http://, ...).
@@ -168,5 +171,3 @@ class FsspecStore(Store):
                 out.append(rel)
         return sorted(out)
 
-
-_STREAMING_WRITE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "abfss"}
