@@ -33,6 +33,12 @@ def test_empty_input(tmp_path):
     assert not (tmp_path / "ds" / "manifest.json").exists()
 
 
+def test_empty_table(tmp_path):
+    (tmp_path / "t.jsonl").write_text("\n\n")
+    with pytest.raises(EmptyInputError, match="no rows"):
+        datapipe.pack(str(tmp_path / "t.jsonl"), str(tmp_path / "ds"))
+
+
 def test_missing_source(tmp_path):
     with pytest.raises(InputFileError, match="does not exist"):
         datapipe.pack(str(tmp_path / "nope.jsonl"), str(tmp_path / "ds"))

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from ..errors import DuplicateKeyError, InputFileError, PackError
+from ..errors import DuplicateKeyError, EmptyInputError, InputFileError, PackError
 from ..format import COMPRESSIONS, SampleRecords, ShardBuilder, ShardRecord, encode_sample, shard_name
 from ..format.shard import STAGING_BYTES
 from ..storage import Store, open_store
@@ -23,7 +23,6 @@ from .sources import FileSample, count_table_rows, iter_table, list_directory, s
 from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits
 
 __all__ = ["pack", "PackResult", "parse_part", "part_dir"]
-
 
 
 @dataclass
@@ -386,5 +385,5 @@ def _pack_table(src: str, kind: str, store: Store, opts: dict[str, Any], progres
     finally:
         bar.close()
     if not names:
-        raise PackError(f"{src}: no rows to pack")
+        raise EmptyInputError(f"{src}: no rows to pack" + (" in this part" if opts["part"] else ""))
     return _commit(store, work, names, done, opts["compression"], result)
