@@ -53,6 +53,21 @@ def _upload_dir(local: str, root: str, opts: dict) -> None:
                 store.put(rel, fh.read())
 
 
+def _count_epochs(ds, counted: dict, epochs: int, set_epoch: bool = False) -> list[dict]:
+    """Iterate ``epochs`` passes of a peer's dataset; per pass the objects read, the
+    downloads its patched downloader counted, and the bytes they fetched."""
+    per_epoch = []
+    for e in range(epochs):
+        if set_epoch:
+            ds.set_epoch(e + 1)
+        before = dict(counted)
+        n = sum(1 for _ in ds)
+        downloads = counted["files"] - before["files"]
+        per_epoch.append({"accesses": n, "downloads": downloads,
+                          "cold_bytes": counted["bytes"] - before["bytes"], "hits": n - downloads})
+    return per_epoch
+
+
 def _mosaic(cfg: dict, s3: dict, payloads: dict, orders, work: str, budget: int) -> dict:
     _stub_torchvision()
     os.environ["S3_ENDPOINT_URL"] = s3["endpoint_url"]
@@ -79,14 +94,7 @@ def _mosaic(cfg: dict, s3: dict, payloads: dict, orders, work: str, budget: int)
     local = os.path.join(work, f"mds-cache-{budget}")
     ds = StreamingDataset(remote=s3["root"] + "/mds", local=local, cache_limit=budget, shuffle=True,
                           shuffle_seed=cfg["seed"] + 1, batch_size=1)
-    per_epoch = []
-    for _e in range(len(orders)):
-        before = dict(counted)
-        n = sum(1 for _ in ds)
-        downloads = counted["files"] - before["files"]
-        per_epoch.append({"accesses": n, "downloads": downloads,
-                          "cold_bytes": counted["bytes"] - before["bytes"], "hits": n - downloads})
-    return {"per_epoch": per_epoch}
+    return {"per_epoch": _count_epochs(ds, counted, len(orders))}
 
 
 def _litdata(cfg: dict, s3: dict, payloads: dict, orders, work: str, budget: int) -> dict:
@@ -119,15 +127,7 @@ def _litdata(cfg: dict, s3: dict, payloads: dict, orders, work: str, budget: int
     ds = litdata.StreamingDataset(s3["root"] + "/lit", cache_dir=os.path.join(work, f"lit-cache-{budget}"),
                                   shuffle=True, seed=cfg["seed"] + 1, max_cache_size=budget,
                                   storage_options=opts)
-    per_epoch = []
-    for e in range(len(orders)):
-        ds.set_epoch(e + 1)
-        before = dict(counted)
-        n = sum(1 for _ in ds)
-        downloads = counted["files"] - before["files"]
-        per_epoch.append({"accesses": n, "downloads": downloads,
-                          "cold_bytes": counted["bytes"] - before["bytes"], "hits": n - downloads})
-    return {"per_epoch": per_epoch}
+    return {"per_epoch": _count_epochs(ds, counted, len(orders), set_epoch=True)}
 
 
 def _lit_item(item):
