@@ -164,7 +164,7 @@ def split_plain_members(src: Any, pos: int = 0, n: int | None = None) -> dict[st
             return None  # PAX, GNU long names, prefixed names, non-files: the general path
         cut = find(b"\0", pos, pos + 100)
         if cut == pos:
-            break  # end-of-archive block
+            return None  # a zero block inside a sample's range: the general path names it
         try:
             size = int(src[pos + 124 : pos + 135], 8)  # 11 octal digits, as the packer writes
             name = src[pos : cut if cut > 0 else pos + 100].decode("utf-8")
@@ -188,4 +188,5 @@ def split_plain_members(src: Any, pos: int = 0, n: int | None = None) -> dict[st
             return None
         out[field] = src[pos:end]
         pos = end + (-size % 512)
-    return out if keydot is not None else None
+    # every byte of the range belongs to a member: nothing a tar reader sees is left out
+    return out if keydot is not None and pos == n else None

@@ -62,6 +62,8 @@ class ShardData:
     #: a shared field layout (see .members): field k of sample j is src[table[j, 2k]:table[j, 2k+1]]
     fields: tuple[str, ...] | None = None
     table: np.ndarray | None = None
+    #: the shard's tar bytes (from the index): no zstd frame may decompress to more
+    tar_bytes: int = 0
 
     def __post_init__(self) -> None:
         ends = self.offsets + self.lengths
@@ -308,7 +310,7 @@ class ShardSource:
             buf, closer, error, verified = memoryview(b""), None, e, False
         data = ShardData(g, info.url, buf, list(table.keys), np.asarray(table.offsets, np.int64),
                          np.asarray(table.lengths, np.int64), list(table.checksums or []),
-                         ix.compression, closer, error, verified)
+                         ix.compression, closer, error, verified, tar_bytes=info.tar_bytes)
         if verified and data.compression == "none" and data.max_end <= len(data.buf):
             key = (g, len(data.buf), info.checksum)
             lay = self.layouts.get(key)
