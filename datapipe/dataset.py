@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 from .checksum import checksum, verify
 from .errors import CorruptIndexError, CorruptShardError, DatapipeError, ObjectNotFoundError
 from .format import MANIFEST, decode_sample, parse_manifest, read_shard_table
-from .format.index import check_shard_rows, sample_rows
+from .format.index import check_shard_rows, is_checksum, sample_rows
 from .storage import Store, open_store
 
 __all__ = ["ShardInfo", "SampleTable", "DatasetIndex", "Dataset", "open_index", "open_dataset"]
@@ -106,6 +106,29 @@ def _index_error(where: str, e: BaseException) -> CorruptIndexError:
                              "re-run the pack that wrote it")
 
 
+def _check_statistics(md: Any, where: str, num_shards: int) -> None:
+    """Refuse, at open and from the footer alone, a sample table whose column ranges no
+    valid row has (an empty checksum, a shard number out of range, a negative offset):
+    the per-row checks would refuse it too, but only once its row group is read."""
+    for g in range(md.num_row_groups):
+        group = md.row_group(g)
+        for c in range(group.num_columns):
+            col = group.column(c)
+            st = col.statistics
+            if st is None or not st.has_min_max:
+                continue
+            name, lo, hi = col.path_in_schema, st.min, st.max
+            bad = (name == "checksum" and not (is_checksum(lo) and is_checksum(hi))) \
+                or (name == "shard" and not (0 <= lo and hi < num_shards)) \
+                or (name == "offset" and lo < 0) or (name == "length" and lo <= 0) \
+                or (name == "key" and not lo)
+            if bad or (st.has_null_count and st.null_count):
+                raise CorruptIndexError(
+                    f"{where}: column {name!r} of row group {g} holds values no valid index has "
+                    f"({lo!r}..{hi!r}); the index is damaged (re-run the pack that wrote it)"
+                )
+
+
 class DatasetIndex:
     """``manifest.json`` and ``shards.parquet`` of a dataset; per-sample rows on demand.
 
@@ -151,9 +174,10 @@ class DatasetIndex:
         self._row_group = int(self.manifest["sample_row_group"])
         self._samples_file = self.manifest["samples_file"]
         self._samples_where = self.store.url(self._samples_file)
-        self._pq: pq.ParquetFile | None = None
         self._groups: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
+        # the footer now, so that a damaged or inconsistent sample table fails at open
+        self._pq: pq.ParquetFile | None = self._samples_parquet()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -188,8 +212,9 @@ class DatasetIndex:
         if rows != expect:
             raise CorruptIndexError(
                 f"{where}: row groups of {rows[:4]}... rows do not match {n} samples in groups of "
-                f"{rg} (the manifest's sample_row_group); re-run the pack that wrote it"
+                f"{rg} (sample_row_group in {MANIFEST}); re-run the pack that wrote it"
             )
+        _check_statistics(md, where, self.num_shards)
         return f
 
     def _group(self, g: int) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from .checksum import checksum
 from .dataset import open_index
-from .errors import DatapipeError
+from .errors import DatapipeError, FormatError
 from .format import decode_sample
 from .format.sample import decompress_frame
 from .format.tar import END_OF_ARCHIVE
@@ -104,7 +104,12 @@ def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
 def verify_dataset(url: str, *, all_problems: bool = False, storage_options: dict[str, Any] | None = None,
                    progress: bool = False) -> VerifyReport:
     """Check every shard; stop at the first problem unless ``all_problems``."""
-    ix = open_index(url, storage_options)  # checks shards.parquet against the manifest
+    try:
+        ix = open_index(url, storage_options)  # checks the manifest and the index files
+    except FormatError as e:  # a damaged index is a finding of verify, not a failure to run
+        report = VerifyReport(url.rstrip("/"))
+        report.problems.append(Problem(report.url, None, str(e)))
+        return report
     report = VerifyReport(ix.url)
     try:
         ix.verify_sample_table()

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..errors import CorruptShardError, DatapipeError, PlanError, StateMismatchError
+from ..errors import CorruptIndexError, CorruptShardError, DatapipeError, PlanError, StateMismatchError
 from ..format import decode_sample
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
 from ..format.plain import split_plain_members
@@ -269,7 +269,7 @@ class StreamingDataset(_Base):
         try:
             data = pre.shard(g)
         except DatapipeError as e:
-            if self.on_error != "skip":
+            if self.on_error != "skip" or isinstance(e, CorruptIndexError):  # not one sample's fault
                 raise
             return None, e
         # fast path: the bytes are all there and verified, as a whole or by sample digests
