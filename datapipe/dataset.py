@@ -16,6 +16,7 @@ from .checksum import checksum, verify
 from .errors import CorruptIndexError, CorruptShardError, DatapipeError, ObjectNotFoundError
 from .format import MANIFEST, decode_sample, parse_manifest, read_shard_table
 from .format.index import check_shard_rows, is_checksum, sample_rows
+from .format.tar import BLOCK
 from .storage import Store, open_store
 
 __all__ = ["ShardInfo", "SampleTable", "DatasetIndex", "Dataset", "open_index", "open_dataset"]
@@ -313,11 +314,18 @@ class Dataset:
         shard, key, offset, length, expected = self.index.locate(i)
         info = self.index.shards[shard]
         where = f"{info.url} sample {key!r} (bytes {offset}..{offset + length})"
-        data = self.index.store.get_range(info.name, offset, offset + length)
+        plain = self.index.compression == "none"
+        # uncompressed: one more block, the header after the sample, must not continue it
+        extra = BLOCK if plain and offset + length + BLOCK <= info.bytes else 0
+        data = self.index.store.get_range(info.name, offset, offset + length + extra)
+        data, after = data[:length], bytes(data[length:])
         verify(data, expected, where)
         sample = decode_sample(data, self.index.compression, where, limit=info.tar_bytes)
         if sample["__key__"] != key:
             raise CorruptShardError(f"{where}: the tar members name key {sample['__key__']!r}, the index {key!r}")
+        if after[:len(key) + 1] == (key + ".").encode():
+            raise CorruptShardError(f"{where}: the member after the sample's range has its key too: "
+                                    "the index cuts the sample short")
         return sample
 
     def get(self, key: str) -> dict[str, Any]:

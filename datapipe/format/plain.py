@@ -16,7 +16,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ShardLayout", "walk_layout", "split_plain_members"]
+from ..errors import CorruptShardError
+from .tar import padding, split_member_name, walk_members
+
+__all__ = ["ShardLayout", "walk_layout", "split_plain_members", "check_members"]
 
 
 class ShardLayout:
@@ -190,3 +193,35 @@ def split_plain_members(src: Any, pos: int = 0, n: int | None = None) -> dict[st
         pos = end + (-size % 512)
     # every byte of the range belongs to a member: nothing a tar reader sees is left out
     return out if keydot is not None and pos == n else None
+
+
+def check_members(src: Any, offs: list[int], ends: list[int], keys: list[str], where: str) -> None:
+    """Walk every tar member of a whole uncompressed shard and check it against the index:
+    each sample's range starts on a member, holds only members of that sample's key, and
+    ends where its last member does; no member lies outside the ranges. The index rows
+    then cut exactly the samples any tar reader sees. For shards :func:`walk_layout` does
+    not lay out (it checks the same for the shards it accepts); a CorruptShardError names
+    the shard and byte offset otherwise."""
+    n, r, pos = len(offs), -1, 0
+    for name, _, data_end, start in walk_members(memoryview(src), where):
+        if r + 1 < n and start == offs[r + 1]:
+            if r >= 0 and pos != ends[r]:
+                raise CorruptShardError(f"{where}: sample {keys[r]!r} ends at byte {ends[r]}, its last member at {pos}")
+            r += 1
+        elif r < 0 or start >= ends[r]:
+            raise CorruptShardError(
+                f"{where}: the member {name[:200]!r} at byte {start} starts no sample the index lists "
+                "(the index does not match the shard)"
+            )
+        cut = split_member_name(name)
+        if cut is None or cut[0] != keys[r]:
+            raise CorruptShardError(
+                f"{where}: the member {name[:200]!r} at byte {start} lies in the range of sample "
+                f"{keys[r]!r} (bytes {offs[r]}..{ends[r]}) but names another key"
+            )
+        pos = data_end + padding(data_end)
+    if r != n - 1 or (n and pos != ends[-1]):
+        raise CorruptShardError(
+            f"{where}: the tar members end at byte {pos} after {r + 1} samples, the index lists "
+            f"{n} samples ending at byte {ends[-1] if n else 0}"
+        )

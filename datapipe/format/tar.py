@@ -28,6 +28,7 @@ __all__ = [
     "member_header",
     "padding",
     "iter_members",
+    "walk_members",
 ]
 
 BLOCK = 512
@@ -177,7 +178,14 @@ def _decode_name(raw: bytes, where: str, at: int) -> str:
 def iter_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[str, memoryview, int]]:
     """Yield ``(name, data, header_offset)`` of each regular-file member of a tar byte
     buffer, stopping at the end-of-archive blocks or the end of the buffer. ``where`` names
-    the shard (and sample) in errors; offsets in them are of ``buf``.
+    the shard (and sample) in errors; offsets in them are of ``buf``. See :func:`walk_members`."""
+    mv = memoryview(buf)
+    for name, start, end, header in walk_members(mv, where):
+        yield name, mv[start:end], header
+
+
+def walk_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[str, int, int, int]]:
+    """Yield ``(name, data_start, data_end, header_offset)`` of each regular-file member.
 
     Only what the packer writes is accepted: regular files, their PAX or GNU long-name
     headers. Links, directories, devices, and PAX records that would make another tar
@@ -239,7 +247,7 @@ def iter_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[
             prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
             name = _decode_name((prefix + b"/" + raw) if prefix else raw, where, at)
         pax, long_name = {}, None
-        yield name, mv[data_start:data_end], member_start
+        yield name, data_start, data_end, member_start
     if pax or long_name is not None:
         raise CorruptShardError(f"{where}: an extended header at byte {member_start} has no member after it")
     if pos < n:

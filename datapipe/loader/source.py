@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..storage.retry import RetryPolicy, call_with_retry
 from ..storage.stores import LocalStore
-from ..format.plain import walk_layout
+from ..format.plain import check_members, walk_layout
 from .members import LayoutCache
 from .. import dataset as _dataset
 
@@ -261,6 +261,8 @@ class ShardSource:
         self._verified: set[tuple[str, int, int]] = set()
         #: field layouts of verified shards, kept across epochs (bounded; see .members)
         self.layouts = LayoutCache()
+        #: verified shards without a layout whose members were checked against the index
+        self._walked: set[tuple[int, int, str]] = set()
         #: open read-only maps of verified local shard files, kept across epochs (bounded)
         self._maps = MapCache(max_mapped_bytes)
         if self.num_samples == 0:
@@ -320,6 +322,13 @@ class ShardSource:
                     self.layouts.put(key, lay)
             if lay is not None and lay.samples == len(data.keys):
                 data.fields, data.table = lay.fields, lay.table
+            elif key not in self._walked:
+                # no shared layout vouches for the index's ranges: walk every member once
+                try:
+                    check_members(data.src, data.offs, data.ends, data.keys, info.url)
+                    self._walked.add(key)
+                except CorruptShardError as e:
+                    data.error = e
         return data
 
     def _bytes(self, ix: Any, info: Any, cache: Any) -> tuple[memoryview, Any, bool]:
