@@ -81,7 +81,8 @@ def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
             yield Problem(info.url, key, str(e))
             continue
         if sample["__key__"] != key:
-            yield Problem(info.url, key, f"holds key {sample['__key__']!r}, the index says {key!r}")
+            yield Problem(info.url, key, f"bytes {off}..{off + length} hold key {sample['__key__']!r}, "
+                          f"the index says {key!r}")
     if shard_problem is not None:
         yield shard_problem
         return

@@ -101,9 +101,9 @@ def test_rows_that_do_not_tile_their_shard_are_refused(tmp_path):
     shards, per, manifest = _index(dest)
     # sample 1 starts one member late, sample 0 takes its first member: checksums re-signed
     r = per[0]
-    r.lengths[0] += 1024
-    r.offsets[1] += 1024
-    r.lengths[1] -= 1024
+    r.lengths[0] += 1536
+    r.offsets[1] += 1536
+    r.lengths[1] -= 1536
     import xxhash
 
     blob = open(f"{dest}/{shards[0].name}", "rb").read()

@@ -135,6 +135,8 @@ def _walk_each(src: Any, offs: list[int], ends: list[int], keys: list[str]) -> S
             pos += 512 + size + (-size % 512)
             if row[-1] > end:
                 return None
+        if pos != end:  # a zero block or stray bytes inside the range: let check_members name it
+            return None
         if fields is None:
             fields = tuple(names)
             if not fields or len(set(fields)) != len(fields) or any(not f or "/" in f for f in fields):

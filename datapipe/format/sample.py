@@ -13,11 +13,12 @@ from typing import Any
 import zstandard
 
 from ..errors import CorruptShardError, FormatError, InvalidMemberNameError
-from .tar import check_key, iter_members, member_header, member_name, padding, split_member_name
+from .tar import check_key, member_header, member_name, padding, split_member_name, walk_members
 
 __all__ = ["COMPRESSIONS", "field_bytes", "encode_sample", "decode_sample", "decompress_frame"]
 
 COMPRESSIONS = ("none", "zstd")
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
 def field_bytes(key: str, field: str, value: Any) -> bytes | memoryview:
@@ -69,6 +70,8 @@ def encode_sample(sample: Mapping[str, Any]) -> tuple[str, list[bytes | memoryvi
 def _frame_size(frame: memoryview, where: str) -> int:
     """Compressed size of the zstd frame at the start of ``frame``, walked block by block
     (python-zstandard's one-shot decompression ignores what follows the first frame)."""
+    if bytes(frame[:4]) != _ZSTD_MAGIC:
+        raise CorruptShardError(f"{where}: not a zstd frame (starts with {bytes(frame[:4])!r})")
     try:
         pos = zstandard.frame_header_size(frame)
         has_checksum = zstandard.get_frame_parameters(frame).has_checksum
@@ -129,7 +132,9 @@ def decode_sample(
         raise FormatError(f"{where}: unknown compression {compression!r}")
     out: dict[str, Any] = {}
     key = None
-    for name, data, at in iter_members(buf, where):
+    mv, end = memoryview(buf), 0
+    for name, start, stop, at in walk_members(mv, where):
+        data, end = mv[start:stop], stop + padding(stop)
         cut = split_member_name(name)
         if cut is None:
             raise CorruptShardError(f"{where}: member {name[:200]!r} at byte {at} has no key.field shape")
@@ -148,4 +153,7 @@ def decode_sample(
         out[field] = bytes(data)
     if key is None:
         raise CorruptShardError(f"{where}: no tar member in the sample's byte range")
+    if end != len(mv):  # the members stopped at a zero block: the rest of the range is unread
+        raise CorruptShardError(f"{where}: a zero block at byte {end} ends the sample's members early "
+                                f"({len(mv) - end} bytes of its range unread)")
     return out

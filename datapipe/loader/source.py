@@ -101,7 +101,8 @@ class ShardData:
         return None
 
     def where(self, j: int) -> str:
-        return f"{self.url} sample {self.keys[j]!r} (#{j})"
+        off = int(self.offsets[j])
+        return f"{self.url} sample {self.keys[j]!r} (#{j}, bytes {off}..{off + int(self.lengths[j])})"
 
     def sample_bytes(self, j: int) -> memoryview:
         """Stored bytes of sample ``j``, checked against its checksum."""
