@@ -80,8 +80,8 @@ def test_bit_flips_in_samples_parquet_are_refused_by_every_reader(tmp_path, comp
         bad = bytearray(good)
         bad[pos] ^= 1 << (k % 8)
         (dest / "samples.parquet").write_bytes(bytes(bad))
-        _refused(lambda: _read_all(str(dest)), "samples.parquet")
-        _refused(lambda: _stream(str(dest)), "samples.parquet")
+        _refused(lambda d=str(dest): _read_all(d), "samples.parquet")
+        _refused(lambda d=str(dest): _stream(d), "samples.parquet")
         report = datapipe.verify_dataset(str(dest))
         assert not report.ok and "samples.parquet" in str(report.problems[0])
 
