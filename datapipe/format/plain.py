@@ -220,7 +220,7 @@ def check_members(src: Any, offs: list[int], ends: list[int], keys: list[str], w
             except ValueError:
                 _check_range(src, off, end, key, where)
                 break
-            if not name.startswith(keydot) or "/" in name[len(keydot):] or size < 0:
+            if not name.startswith(keydot) or len(name) == len(keydot) or "/" in name[len(keydot):]:
                 _check_range(src, off, end, key, where)
                 break
             pos += 512 + size + (-size % 512)
