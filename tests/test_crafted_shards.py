@@ -73,6 +73,8 @@ PLAIN = {
     "name_absolute": _member(b"/k.txt", b"x"),
     "symlink_member": _member(b"k.txt", b"", b"2", linkname=b"/etc/passwd"),
     "hardlink_member": _member(b"k.txt", b"", b"1", linkname=b"/etc/passwd"),
+    "symlink_beside_a_file": _member(b"k.txt", b"x") + _member(b"k.lnk", b"", b"2", linkname=b"/etc/passwd"),
+    "hardlink_beside_a_file": _member(b"k.lnk", b"", b"1", linkname=b"k.txt") + _member(b"k.txt", b"x"),
     "directory_member": _member(b"k.txt", b"", b"5"),
     "size_beyond_eof": _header(b"k.txt", 10**9) + b"x" * 512,
     "size_base256_huge": _header(b"k.txt", 0, size_field=b"\x80" + b"\xff" * 11) + b"x" * 512,
