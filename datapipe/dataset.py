@@ -12,10 +12,11 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from .checksum import verify
-from .errors import FormatError, ObjectNotFoundError
+from .checksum import checksum, verify
+from .errors import CorruptIndexError, CorruptShardError, DatapipeError, ObjectNotFoundError
 from .format import MANIFEST, decode_sample, parse_manifest, read_shard_table
-from .format.index import sample_rows
+from .format.index import check_shard_rows, is_checksum, sample_rows
+from .format.tar import BLOCK
 from .storage import Store, open_store
 
 __all__ = ["ShardInfo", "SampleTable", "DatasetIndex", "Dataset", "open_index", "open_dataset"]
@@ -45,11 +46,15 @@ class SampleTable:
         return len(self.keys)
 
 
-class _RangeFile(io.RawIOBase):
-    """A seekable read-only file over ranged reads of one object, for pyarrow."""
+class _VerifiedFile(io.RawIOBase):
+    """A seekable read-only file over ranged reads of one object, for pyarrow, that hands
+    out only bytes verified against the manifest's per-block checksums of that object:
+    a read fetches the whole blocks it touches and checks each before copying from it."""
 
-    def __init__(self, store: Store, key: str, size: int) -> None:
-        self._store, self._key, self._size, self._pos = store, key, size, 0
+    def __init__(self, store: Store, key: str, digest: dict[str, Any], where: str) -> None:
+        self._store, self._key, self._where, self._pos = store, key, where, 0
+        self._size, self._block, self._sums = digest["bytes"], digest["block"], digest["blocks"]
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
 
     def readable(self) -> bool:
         return True
@@ -65,18 +70,74 @@ class _RangeFile(io.RawIOBase):
         self._pos = max(0, base + offset)
         return self._pos
 
+    def _get(self, b: int) -> bytes:
+        data = self._cache.get(b)
+        if data is not None:
+            self._cache.move_to_end(b)
+            return data
+        lo = b * self._block
+        hi = min(self._size, lo + self._block)
+        data = bytes(self._store.get_range(self._key, lo, hi))
+        if len(data) != hi - lo or checksum(data) != self._sums[b]:
+            raise CorruptIndexError(
+                f"checksum mismatch for {self._where} (bytes {lo}..{hi}): the index file is damaged "
+                "or was replaced (re-run the pack that wrote it)"
+            )
+        self._cache[b] = data
+        while len(self._cache) > 4:
+            self._cache.popitem(last=False)
+        return data
+
     def readinto(self, b: Any) -> int:
         end = min(self._size, self._pos + len(b))
-        if end <= self._pos:
-            return 0
-        data = self._store.get_range(self._key, self._pos, end)
-        b[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
+        n = 0
+        while self._pos < end:
+            blk = self._pos // self._block
+            data = self._get(blk)
+            lo = self._pos - blk * self._block
+            take = min(end - self._pos, len(data) - lo)
+            b[n : n + take] = data[lo : lo + take]
+            n += take
+            self._pos += take
+        return n
+
+
+def _index_error(where: str, e: BaseException) -> CorruptIndexError:
+    return CorruptIndexError(f"{where}: unreadable index file ({type(e).__name__}: {e}); "
+                             "re-run the pack that wrote it")
+
+
+def _check_statistics(md: Any, where: str, num_shards: int) -> None:
+    """Refuse, at open and from the footer alone, a sample table whose column ranges no
+    valid row has (an empty checksum, a shard number out of range, a negative offset):
+    the per-row checks would refuse it too, but only once its row group is read."""
+    for g in range(md.num_row_groups):
+        group = md.row_group(g)
+        for c in range(group.num_columns):
+            col = group.column(c)
+            st = col.statistics
+            if st is None or not st.has_min_max:
+                continue
+            name, lo, hi = col.path_in_schema, st.min, st.max
+            bad = (name == "checksum" and not (is_checksum(lo) and is_checksum(hi))) \
+                or (name == "shard" and not (0 <= lo and hi < num_shards)) \
+                or (name == "offset" and lo < 0) or (name == "length" and lo <= 0) \
+                or (name == "key" and not lo)
+            if bad or (st.has_null_count and st.null_count):
+                raise CorruptIndexError(
+                    f"{where}: column {name!r} of row group {g} holds values no valid index has "
+                    f"({lo!r}..{hi!r}); the index is damaged (re-run the pack that wrote it)"
+                )
 
 
 class DatasetIndex:
-    """``manifest.json`` and ``shards.parquet`` of a dataset; per-sample rows on demand."""
+    """``manifest.json`` and ``shards.parquet`` of a dataset; per-sample rows on demand.
+
+    Every reader (random access, ``verify``, the streaming loader, ``join``) opens a dataset
+    here: the manifest is checked against its own checksum and every field validated,
+    ``shards.parquet`` is checked whole against the manifest, and each block of
+    ``samples.parquet`` is checked when it is first read; each shard's rows are checked to
+    tile that shard. No offset is used before all of that passed."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
@@ -91,11 +152,17 @@ class DatasetIndex:
             ) from None
         self.manifest = parse_manifest(manifest_bytes, self.store.url(MANIFEST))
         self.compression: str = self.manifest["compression"]
-        shards_file = self.manifest.get("shards_file", "shards.parquet")
-        self._index_checksums: dict[str, str] = self.manifest.get("index_checksums", {})
+        shards_file = self.manifest["shards_file"]
+        self._index_files: dict[str, dict[str, Any]] = self.manifest["index_files"]
+        self._index_checksums: dict[str, str] = self.manifest["index_checksums"]
         table = self.store.get(shards_file)
-        verify(table, self._index_checksums.get(shards_file), self.store.url(shards_file))
-        records = read_shard_table(table, self.store.url(shards_file))
+        where = self.store.url(shards_file)
+        if len(table) != self._index_files[shards_file]["bytes"] or checksum(table) != self._index_checksums[shards_file]:
+            raise CorruptIndexError(
+                f"checksum mismatch for {where}: it is not the shard table the manifest "
+                "names (damaged or replaced; re-run the pack that wrote it)"
+            )
+        records = read_shard_table(table, where, self.manifest)
         counts = np.array([r.samples for r in records], dtype=np.int64)
         self.sample_counts = counts
         self.first_samples = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)
@@ -105,16 +172,13 @@ class DatasetIndex:
         ]
         self.num_shards = len(self.shards)
         self.num_samples = int(counts.sum())
-        if self.num_samples != self.manifest["num_samples"]:
-            raise FormatError(
-                f"{self.url}: manifest says {self.manifest['num_samples']} samples, the shard "
-                f"table {self.num_samples}"
-            )
         self._row_group = int(self.manifest["sample_row_group"])
-        self._samples_file = self.manifest.get("samples_file", "samples.parquet")
-        self._pq: pq.ParquetFile | None = None
+        self._samples_file = self.manifest["samples_file"]
+        self._samples_where = self.store.url(self._samples_file)
         self._groups: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
+        # the footer now, so that a damaged or inconsistent sample table fails at open
+        self._pq: pq.ParquetFile | None = self._samples_parquet()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -125,15 +189,49 @@ class DatasetIndex:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
+    def _samples_parquet(self) -> pq.ParquetFile:
+        """``samples.parquet`` through verified blocks, its row groups checked against the
+        manifest's row count and ``sample_row_group``."""
+        where = self._samples_where
+        digest = self._index_files[self._samples_file]
+        size = self.store.size(self._samples_file)
+        if size != digest["bytes"]:
+            raise CorruptIndexError(
+                f"{where} has {size} bytes, the manifest says {digest['bytes']} (damaged or replaced; "
+                "re-run the pack that wrote it)"
+            )
+        try:
+            f = pq.ParquetFile(_VerifiedFile(self.store, self._samples_file, digest, where))
+            md = f.metadata
+            rows = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+        except DatapipeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds on a bad file
+            raise _index_error(where, e) from None
+        rg, n = self._row_group, self.num_samples
+        expect = [min(rg, n - g * rg) for g in range(-(-n // rg))]
+        if rows != expect:
+            raise CorruptIndexError(
+                f"{where}: row groups of {rows[:4]}... rows do not match {n} samples in groups of "
+                f"{rg} (sample_row_group in {MANIFEST}); re-run the pack that wrote it"
+            )
+        _check_statistics(md, where, self.num_shards)
+        return f
+
     def _group(self, g: int) -> dict[str, Any]:
         with self._lock:
             if g in self._groups:
                 self._groups.move_to_end(g)
                 return self._groups[g]
             if self._pq is None:
-                size = self.store.size(self._samples_file)
-                self._pq = pq.ParquetFile(_RangeFile(self.store, self._samples_file, size))
-            rows = sample_rows(self._pq.read_row_group(g))
+                self._pq = self._samples_parquet()
+            try:
+                table = self._pq.read_row_group(g)
+            except DatapipeError:
+                raise
+            except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds on a bad file
+                raise _index_error(self._samples_where, e) from None
+            rows = sample_rows(table, f"{self._samples_where} row group {g}", self.num_shards)
             self._groups[g] = rows
             while len(self._groups) > 8:
                 self._groups.popitem(last=False)
@@ -158,15 +256,13 @@ class DatasetIndex:
         }
 
     def shard_samples(self, i: int) -> SampleTable:
+        """The rows of shard ``i``, checked to tile the shard (see
+        :func:`datapipe.format.index.check_shard_rows`)."""
         info = self.shards[i]
         if info.samples == 0:
             return SampleTable([], np.zeros(0, np.int64), np.zeros(0, np.int64), [])
         c = self._rows(info.first_sample, info.first_sample + info.samples)
-        if len(c["key"]) != info.samples or (len(c["shard"]) and (c["shard"] != i).any()):
-            raise FormatError(
-                f"{self.store.url(self._samples_file)}: rows {info.first_sample}..{info.first_sample + info.samples} "
-                f"do not belong to shard {i} ({info.name}); the index is damaged (run `datapipe verify`)"
-            )
+        check_shard_rows(c, i, info, self.compression, self._samples_where)
         return SampleTable(c["key"], np.asarray(c["offset"]), np.asarray(c["length"]), c["checksum"])
 
     def locate(self, i: int) -> tuple[int, str, int, int, str]:
@@ -174,17 +270,27 @@ class DatasetIndex:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.url} ({self.num_samples} samples)")
         c = self._rows(i, i + 1)
-        return int(c["shard"][0]), c["key"][0], int(c["offset"][0]), int(c["length"][0]), c["checksum"][0]
+        shard, off, ln = int(c["shard"][0]), int(c["offset"][0]), int(c["length"][0])
+        info = self.shards[shard]
+        if not info.first_sample <= i < info.first_sample + info.samples or off + ln > info.bytes:
+            raise CorruptIndexError(
+                f"{self._samples_where}: row {i} names shard #{shard} ({info.name}) bytes {off}..{off + ln}, "
+                "outside that shard; the index is damaged (re-run the pack that wrote it)"
+            )
+        return shard, c["key"][0], off, ln, c["checksum"][0]
 
     def verify_sample_table(self) -> None:
         """Check ``samples.parquet`` whole against the checksum in the manifest."""
-        verify(self.store.get(self._samples_file), self._index_checksums.get(self._samples_file),
-               self.store.url(self._samples_file))
+        data = self.store.get(self._samples_file)
+        if checksum(data) != self._index_checksums[self._samples_file]:
+            raise CorruptIndexError(f"checksum mismatch for {self._samples_where}: the sample table is "
+                                    "damaged or was replaced (re-run the pack that wrote it)")
 
     def keys(self) -> list[str]:
-        size = self.store.size(self._samples_file)
-        f = pq.ParquetFile(_RangeFile(self.store, self._samples_file, size))
-        return f.read(columns=["key"]).column("key").to_pylist()
+        n, keys = self.num_samples, []
+        for g in range(-(-n // self._row_group)):
+            keys.extend(self._group(g)["key"])
+        return keys
 
 
 def open_index(url: str, storage_options: dict[str, Any] | None = None) -> DatasetIndex:
@@ -208,9 +314,19 @@ class Dataset:
         shard, key, offset, length, expected = self.index.locate(i)
         info = self.index.shards[shard]
         where = f"{info.url} sample {key!r} (bytes {offset}..{offset + length})"
-        data = self.index.store.get_range(info.name, offset, offset + length)
+        plain = self.index.compression == "none"
+        # uncompressed: one more block, the header after the sample, must not continue it
+        extra = BLOCK if plain and offset + length + BLOCK <= info.bytes else 0
+        data = self.index.store.get_range(info.name, offset, offset + length + extra)
+        data, after = data[:length], bytes(data[length:])
         verify(data, expected, where)
-        return decode_sample(data, self.index.compression, where)
+        sample = decode_sample(data, self.index.compression, where, limit=info.tar_bytes)
+        if sample["__key__"] != key:
+            raise CorruptShardError(f"{where}: the tar members name key {sample['__key__']!r}, the index {key!r}")
+        if after[:len(key) + 1] == (key + ".").encode():
+            raise CorruptShardError(f"{where}: the member after the sample's range has its key too: "
+                                    "the index cuts the sample short")
+        return sample
 
     def get(self, key: str) -> dict[str, Any]:
         if self._key_to_pos is None:

@@ -11,6 +11,7 @@ __all__ = [
     "DatapipeError",
     "FormatError",
     "CorruptShardError",
+    "CorruptIndexError",
     "IntegrityError",
     "ChecksumError",
     "PackError",
@@ -55,6 +56,11 @@ class IntegrityError(DatapipeError):
 
 class ChecksumError(IntegrityError):
     """A checksum mismatch, naming the object (and sample or chunk) that failed."""
+
+
+class CorruptIndexError(FormatError, ChecksumError):
+    """``manifest.json``, ``shards.parquet`` or ``samples.parquet`` fails its checksum or is
+    inconsistent with itself or the others: no offset from it is used."""
 
 
 # --- pack: small files -> shards ------------------------------------------------------

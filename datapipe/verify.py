@@ -9,7 +9,7 @@ from typing import Any
 
 from .checksum import checksum
 from .dataset import open_index
-from .errors import DatapipeError
+from .errors import DatapipeError, FormatError
 from .format import decode_sample
 from .format.sample import decompress_frame
 from .format.tar import END_OF_ARCHIVE
@@ -48,20 +48,24 @@ def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
     except DatapipeError as e:
         yield Problem(info.url, None, f"cannot read: {e}")
         return
+    try:
+        table = ix.shard_samples(i)  # checked to tile the shard
+    except DatapipeError as e:
+        yield Problem(ix.store.url(ix.manifest["samples_file"]), None, str(e))
+        return
     # sample-level problems first, so the first one reported names the sample
     shard_problem = None
     if len(data) != info.bytes:
         shard_problem = Problem(info.url, None, f"has {len(data)} bytes, the index says {info.bytes} (truncated or replaced)")
     elif checksum(data) != info.checksum:
         shard_problem = Problem(info.url, None, f"checksum mismatch: index {info.checksum}, stored {checksum(data)}")
-    table = ix.shard_samples(i)
-    expected_offset = 0
+    # a zstd shard decompresses to exactly tar_bytes: each frame is bounded by what is left
+    left = info.tar_bytes - len(END_OF_ARCHIVE)
+    end = 0
     for key, off, length, digest in zip(table.keys, table.offsets, table.lengths, table.checksums):
         off, length = int(off), int(length)
+        end = off + length
         where = f"{info.url} sample {key!r} (bytes {off}..{off + length})"
-        if off != expected_offset:
-            yield Problem(info.url, key, f"starts at byte {off}, expected {expected_offset}")
-        expected_offset = off + length
         piece = data[off : off + length]
         if len(piece) != length:
             yield Problem(info.url, key, f"byte range {off}..{off + length} runs past the end ({len(data)} bytes)")
@@ -70,35 +74,48 @@ def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
             yield Problem(info.url, key, f"checksum mismatch at bytes {off}..{off + length}")
             continue
         try:
-            sample = decode_sample(piece, ix.compression, where)
+            raw = decompress_frame(piece, where, max(left, 0)) if ix.compression == "zstd" else piece
+            left -= len(raw)
+            sample = decode_sample(raw, "none", where)
         except DatapipeError as e:
             yield Problem(info.url, key, str(e))
             continue
         if sample["__key__"] != key:
-            yield Problem(info.url, key, f"holds key {sample['__key__']!r}, the index says {key!r}")
+            yield Problem(info.url, key, f"bytes {off}..{off + length} hold key {sample['__key__']!r}, "
+                          f"the index says {key!r}")
     if shard_problem is not None:
         yield shard_problem
         return
-    tail = data[expected_offset:]
-    if ix.compression == "zstd" and tail:
+    tail = data[end:]
+    if ix.compression == "zstd":
+        if left != 0:
+            yield Problem(info.url, None, f"decompresses to {info.tar_bytes - len(END_OF_ARCHIVE) - left} bytes "
+                          f"before its end-of-archive frame, the index says {info.tar_bytes - len(END_OF_ARCHIVE)}")
+            return
         try:
-            tail = decompress_frame(tail, info.url)
+            tail = decompress_frame(tail, f"{info.url} end-of-archive frame (bytes {end}..{len(data)})",
+                                    len(END_OF_ARCHIVE))
         except DatapipeError as e:
-            yield Problem(info.url, None, f"end-of-archive frame: {e}")
+            yield Problem(info.url, None, str(e))
             return
     if tail != END_OF_ARCHIVE:
-        yield Problem(info.url, None, f"does not end with the tar end-of-archive blocks after byte {expected_offset}")
+        yield Problem(info.url, None, f"does not end with the tar end-of-archive blocks after byte {end}")
 
 
 def verify_dataset(url: str, *, all_problems: bool = False, storage_options: dict[str, Any] | None = None,
                    progress: bool = False) -> VerifyReport:
     """Check every shard; stop at the first problem unless ``all_problems``."""
-    ix = open_index(url, storage_options)  # checks shards.parquet against the manifest
+    try:
+        ix = open_index(url, storage_options)  # checks the manifest and the index files
+    except FormatError as e:  # a damaged index is a finding of verify, not a failure to run
+        report = VerifyReport(url.rstrip("/"))
+        report.problems.append(Problem(report.url, None, str(e)))
+        return report
     report = VerifyReport(ix.url)
     try:
         ix.verify_sample_table()
     except DatapipeError as e:
-        report.problems.append(Problem(ix.store.url(ix.manifest.get("samples_file", "samples.parquet")), None, str(e)))
+        report.problems.append(Problem(ix.store.url(ix.manifest["samples_file"]), None, str(e)))
         return report
     from tqdm import tqdm
 

@@ -16,7 +16,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ShardLayout", "walk_layout", "split_plain_members"]
+from ..errors import CorruptShardError
+from .tar import padding, split_member_name, walk_members
+
+__all__ = ["ShardLayout", "walk_layout", "split_plain_members", "check_members"]
 
 
 class ShardLayout:
@@ -132,6 +135,8 @@ def _walk_each(src: Any, offs: list[int], ends: list[int], keys: list[str]) -> S
             pos += 512 + size + (-size % 512)
             if row[-1] > end:
                 return None
+        if pos != end:  # a zero block or stray bytes inside the range: let check_members name it
+            return None
         if fields is None:
             fields = tuple(names)
             if not fields or len(set(fields)) != len(fields) or any(not f or "/" in f for f in fields):
@@ -164,7 +169,7 @@ def split_plain_members(src: Any, pos: int = 0, n: int | None = None) -> dict[st
             return None  # PAX, GNU long names, prefixed names, non-files: the general path
         cut = find(b"\0", pos, pos + 100)
         if cut == pos:
-            break  # end-of-archive block
+            return None  # a zero block inside a sample's range: the general path names it
         try:
             size = int(src[pos + 124 : pos + 135], 8)  # 11 octal digits, as the packer writes
             name = src[pos : cut if cut > 0 else pos + 100].decode("utf-8")
@@ -188,4 +193,51 @@ def split_plain_members(src: Any, pos: int = 0, n: int | None = None) -> dict[st
             return None
         out[field] = src[pos:end]
         pos = end + (-size % 512)
-    return out if keydot is not None else None
+    # every byte of the range belongs to a member: nothing a tar reader sees is left out
+    return out if keydot is not None and pos == n else None
+
+
+def check_members(src: Any, offs: list[int], ends: list[int], keys: list[str], where: str) -> None:
+    """Check every tar member of a whole uncompressed shard against the index: each
+    sample's range is consumed exactly by members named ``key.field`` for that sample's
+    key. The index rows tile the shard (checked when they were read), so the ranges then
+    cut exactly the samples any tar reader sees. For verified shards :func:`walk_layout`
+    does not lay out (it checks the same for the shards it accepts). Plain ustar members
+    are read directly (header checksums are covered by the shard's checksum); a range with
+    anything else is parsed strictly. A CorruptShardError names the shard and offset."""
+    find = src.find
+    for off, end, key in zip(offs, ends, keys):
+        keydot = key + "."
+        pos = off
+        while pos < end:
+            if pos + 512 > end or src[pos + 156] != 48 or src[pos + 345] != 0:
+                _check_range(src, off, end, key, where)
+                break
+            cut = find(b"\0", pos, pos + 100)
+            try:
+                name = src[pos : cut if cut >= 0 else pos + 100].decode("utf-8")
+                size = int(src[pos + 124 : pos + 135], 8)
+            except ValueError:
+                _check_range(src, off, end, key, where)
+                break
+            if not name.startswith(keydot) or len(name) == len(keydot) or "/" in name[len(keydot):]:
+                _check_range(src, off, end, key, where)
+                break
+            pos += 512 + size + (-size % 512)
+        if pos > end:
+            _check_range(src, off, end, key, where)
+
+
+def _check_range(src: Any, off: int, end: int, key: str, where: str) -> None:
+    """The strict parse of one sample's range (raises what does not fit its key)."""
+    at = f"{where} sample {key!r} (bytes {off}..{end})"
+    pos = 0
+    for name, _, data_end, start in walk_members(bytes(src[off:end]), at):
+        cut = split_member_name(name)
+        if cut is None or cut[0] != key:
+            raise CorruptShardError(
+                f"{at}: the member {name[:200]!r} at byte {off + start} names another key than the index"
+            )
+        pos = data_end + padding(data_end)
+    if pos != end - off:
+        raise CorruptShardError(f"{at}: a zero block at byte {off + pos} ends the sample's members early")

@@ -28,6 +28,7 @@ __all__ = [
     "member_header",
     "padding",
     "iter_members",
+    "walk_members",
 ]
 
 BLOCK = 512
@@ -140,25 +141,56 @@ def _parse_octal(field: bytes, where: str) -> int:
         raise CorruptShardError(f"{where}: bad number {field!r} in a tar header") from None
 
 
-def _parse_pax(data: bytes, where: str) -> dict[str, str]:
+def _parse_pax(data: bytes, where: str, at: int) -> dict[str, str]:
+    """PAX records ``"<len> <key>=<value>\\n"``; any record that does not parse is an error
+    (a length of 0 or less would never advance, a non-numeric one is not PAX)."""
     out: dict[str, str] = {}
     pos = 0
     while pos < len(data):
-        sp = data.find(b" ", pos)
-        if sp < 0:
-            raise CorruptShardError(f"{where}: malformed PAX header")
-        length = int(data[pos:sp])
-        record = data[sp + 1 : pos + length - 1]
-        k, _, v = record.partition(b"=")
-        out[k.decode("utf-8")] = v.decode("utf-8")
+        if data[pos] == 0:  # NUL padding after the last record
+            break
+        sp = data.find(b" ", pos, pos + 21)
+        digits = data[pos:sp] if sp > pos else b""
+        length = int(digits) if digits.isdigit() else -1
+        if length <= sp - pos + 1 or pos + length > len(data) or data[pos + length - 1] != 0x0A:
+            raise CorruptShardError(
+                f"{where}: malformed PAX record at byte {at + pos} (length {digits[:20]!r})"
+            )
+        k, eq, v = data[sp + 1 : pos + length - 1].partition(b"=")
+        try:
+            key, value = k.decode("utf-8"), v.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptShardError(f"{where}: PAX record at byte {at + pos} is not valid UTF-8") from None
+        if not eq or not key:
+            raise CorruptShardError(f"{where}: malformed PAX record at byte {at + pos} (no key=value)")
+        out[key] = value
         pos += length
     return out
+
+
+def _decode_name(raw: bytes, where: str, at: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptShardError(f"{where}: member name at byte {at} is not valid UTF-8: {raw[:120]!r}") from None
 
 
 def iter_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[str, memoryview, int]]:
     """Yield ``(name, data, header_offset)`` of each regular-file member of a tar byte
     buffer, stopping at the end-of-archive blocks or the end of the buffer. ``where`` names
-    the shard in errors."""
+    the shard (and sample) in errors; offsets in them are of ``buf``. See :func:`walk_members`."""
+    mv = memoryview(buf)
+    for name, start, end, header in walk_members(mv, where):
+        yield name, mv[start:end], header
+
+
+def walk_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[str, int, int, int]]:
+    """Yield ``(name, data_start, data_end, header_offset)`` of each regular-file member.
+
+    Only what the packer writes is accepted: regular files, their PAX or GNU long-name
+    headers. Links, directories, devices, and PAX records that would make another tar
+    reader see other bytes (a ``size`` that differs from the header's) are errors, so that
+    no reader of the shard sees a sample this one does not."""
     mv = memoryview(buf)
     pos, n = 0, len(mv)
     pax: dict[str, str] = {}
@@ -185,18 +217,27 @@ def iter_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[
                 f"{where}: member at byte {pos} needs {size} bytes, the shard ends at {n} "
                 "(truncated)"
             )
-        pos = data_end + padding(size)
+        at, pos = pos, data_end + padding(size)
         if kind == b"x":
-            pax = _parse_pax(bytes(mv[data_start:data_end]), where)
+            if pax or long_name is not None:
+                raise CorruptShardError(f"{where}: two extended headers in a row at byte {at}")
+            pax = _parse_pax(bytes(mv[data_start:data_end]), where, data_start)
             continue
         if kind == b"L":
-            long_name = bytes(mv[data_start:data_end]).rstrip(b"\0").decode("utf-8")
-            continue
-        if kind == b"g":
+            if pax or long_name is not None:
+                raise CorruptShardError(f"{where}: two extended headers in a row at byte {at}")
+            long_name = _decode_name(bytes(mv[data_start:data_end]).rstrip(b"\0"), where, at)
             continue
         if kind not in (b"0", b"\0"):
-            pax, long_name = {}, None
-            continue  # directories, links: not sample data
+            raise CorruptShardError(
+                f"{where}: member at byte {at} is of tar type {kind!r} (a link, directory, device or "
+                "global header): datapipe shards hold regular files only"
+            )
+        if "size" in pax and pax["size"] != str(size):
+            raise CorruptShardError(
+                f"{where}: PAX size {pax['size'][:30]!r} of the member at byte {at} differs from its "
+                f"header's {size}: other tar readers would see other bytes"
+            )
         if "path" in pax:
             name = pax["path"]
         elif long_name is not None:
@@ -204,6 +245,10 @@ def iter_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[
         else:
             raw = header[0:100].split(b"\0", 1)[0]
             prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
-            name = ((prefix + b"/" + raw) if prefix else raw).decode("utf-8")
+            name = _decode_name((prefix + b"/" + raw) if prefix else raw, where, at)
         pax, long_name = {}, None
-        yield name, mv[data_start:data_end], member_start
+        yield name, data_start, data_end, member_start
+    if pax or long_name is not None:
+        raise CorruptShardError(f"{where}: an extended header at byte {member_start} has no member after it")
+    if pos < n:
+        raise CorruptShardError(f"{where}: {n - pos} stray bytes at byte {pos}, less than a tar block")

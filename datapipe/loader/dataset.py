@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ..errors import DatapipeError, PlanError, StateMismatchError
+from ..errors import CorruptIndexError, CorruptShardError, DatapipeError, PlanError, StateMismatchError
 from ..format import decode_sample
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
 from ..format.plain import split_plain_members
@@ -269,7 +269,7 @@ class StreamingDataset(_Base):
         try:
             data = pre.shard(g)
         except DatapipeError as e:
-            if self.on_error != "skip":
+            if self.on_error != "skip" or isinstance(e, CorruptIndexError):  # not one sample's fault
                 raise
             return None, e
         # fast path: the bytes are all there and verified, as a whole or by sample digests
@@ -380,7 +380,9 @@ class StreamingDataset(_Base):
                     data.sample_bytes(j)  # raises the ChecksumError naming the sample
                 sample = split(src, start, end)
             if sample is None:
-                sample = decode_sample(data.sample_bytes(j), data.compression, data.where(j))
+                sample = decode_sample(data.sample_bytes(j), data.compression, data.where(j), data.tar_bytes)
+            if sample["__key__"] != data.keys[j]:  # the tar header must agree with the index
+                raise CorruptShardError(f"{data.where(j)}: the tar members name key {sample['__key__']!r}")
             return sample if decoder is None else decoder(sample, data.url)
         except DatapipeError as e:
             if self.on_error != "skip":

@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..storage.retry import RetryPolicy, call_with_retry
 from ..storage.stores import LocalStore
-from ..format.plain import walk_layout
+from ..format.plain import check_members, walk_layout
 from .members import LayoutCache
 from .. import dataset as _dataset
 
@@ -62,6 +62,8 @@ class ShardData:
     #: a shared field layout (see .members): field k of sample j is src[table[j, 2k]:table[j, 2k+1]]
     fields: tuple[str, ...] | None = None
     table: np.ndarray | None = None
+    #: the shard's tar bytes (from the index): no zstd frame may decompress to more
+    tar_bytes: int = 0
 
     def __post_init__(self) -> None:
         ends = self.offsets + self.lengths
@@ -99,7 +101,8 @@ class ShardData:
         return None
 
     def where(self, j: int) -> str:
-        return f"{self.url} sample {self.keys[j]!r} (#{j})"
+        off = int(self.offsets[j])
+        return f"{self.url} sample {self.keys[j]!r} (#{j}, bytes {off}..{off + int(self.lengths[j])})"
 
     def sample_bytes(self, j: int) -> memoryview:
         """Stored bytes of sample ``j``, checked against its checksum."""
@@ -259,6 +262,8 @@ class ShardSource:
         self._verified: set[tuple[str, int, int]] = set()
         #: field layouts of verified shards, kept across epochs (bounded; see .members)
         self.layouts = LayoutCache()
+        #: verified shards without a layout whose members were checked against the index
+        self._walked: set[tuple[int, int, str]] = set()
         #: open read-only maps of verified local shard files, kept across epochs (bounded)
         self._maps = MapCache(max_mapped_bytes)
         if self.num_samples == 0:
@@ -308,7 +313,7 @@ class ShardSource:
             buf, closer, error, verified = memoryview(b""), None, e, False
         data = ShardData(g, info.url, buf, list(table.keys), np.asarray(table.offsets, np.int64),
                          np.asarray(table.lengths, np.int64), list(table.checksums or []),
-                         ix.compression, closer, error, verified)
+                         ix.compression, closer, error, verified, tar_bytes=info.tar_bytes)
         if verified and data.compression == "none" and data.max_end <= len(data.buf):
             key = (g, len(data.buf), info.checksum)
             lay = self.layouts.get(key)
@@ -318,6 +323,13 @@ class ShardSource:
                     self.layouts.put(key, lay)
             if lay is not None and lay.samples == len(data.keys):
                 data.fields, data.table = lay.fields, lay.table
+            elif key not in self._walked:
+                # no shared layout vouches for the index's ranges: walk every member once
+                try:
+                    check_members(data.src, data.offs, data.ends, data.keys, info.url)
+                    self._walked.add(key)
+                except CorruptShardError as e:
+                    data.error = e
         return data
 
     def _bytes(self, ix: Any, info: Any, cache: Any) -> tuple[memoryview, Any, bool]:

@@ -9,10 +9,10 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from ..checksum import Hasher, checksum
 from ..errors import DestinationExistsError
 from ..format import MANIFEST, SAMPLES_FILE, SHARDS_FILE, SampleRecords, SampleTableWriter, ShardRecord
 from ..format import make_manifest, shard_table_bytes
+from ..format.index import FileDigest, digest_bytes
 from ..storage import LocalStore, Store
 from ..storage.stores import TMP_MARK
 
@@ -39,22 +39,22 @@ def write_index(
         raise ValueError("sample records do not match the shard table")  # internal invariant
     table = shard_table_bytes(shards)
     store.put(SHARDS_FILE, table)
-    sums = {SHARDS_FILE: checksum(table), SAMPLES_FILE: sink.hasher.hexdigest()}
-    store.put(MANIFEST, make_manifest(shards, compression, sorted(set(fields)), {**(extra or {}), "index_checksums": sums}))
+    files = {SHARDS_FILE: digest_bytes(table), SAMPLES_FILE: sink.digest.finish()}
+    store.put(MANIFEST, make_manifest(shards, compression, sorted(set(fields)), extra, index_files=files))
 
 
 class _HashingWriter(io.RawIOBase):
     """Passes writes through and hashes them (pyarrow writes the Parquet file through it)."""
 
     def __init__(self, sink: Any) -> None:
-        self.sink, self.hasher, self.pos = sink, Hasher(), 0
+        self.sink, self.digest, self.pos = sink, FileDigest(), 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
         self.sink.write(b)
-        self.hasher.update(b)
+        self.digest.update(b)
         self.pos += len(b)
         return len(b)
 
