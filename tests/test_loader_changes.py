@@ -81,7 +81,8 @@ def _flip_bin(path, offset, length, *, in_place=True):
             f.write(bytes([b[0] ^ 0x5A]))
         target = path
     else:
-        data = bytearray(open(path, "rb").read())
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
         data[at] ^= 0x5A
         target = path + ".new"
         with open(target, "wb") as f:
@@ -193,7 +194,7 @@ def _run_child(tmp_path, url, mode, where="direct"):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, "-c", _CHILD, url, mode, where, str(tmp_path / "warm"), str(N)],
-                          capture_output=True, text=True, timeout=300, env=env)
+                          capture_output=True, text=True, timeout=300, env=env, check=False)
     # a negative status is a signal (SIGBUS: -7); the reader must never die of one
     assert proc.returncode >= 0, f"reader killed by signal {-proc.returncode}: {proc.stderr[-2000:]}"
     lines = proc.stdout.strip().splitlines()

@@ -105,7 +105,10 @@ class StreamingDataset(_Base):
     ``batch_size``: the DataLoader's, so that workers take whole batches in turn and the
     loader's output is the rank's stream in order (exact resume). ``on_error``: "raise" on a
     corrupt sample, or "skip" it and report all skipped at the end of the pass (a rank that
-    skips yields fewer samples than the others that epoch).
+    skips yields fewer samples than the others that epoch). Under a
+    :class:`~datapipe.loader.StreamingDataLoader`, skips in worker processes are reported in
+    the main process (``loader.skipped`` and a warning) and its resume point counts them.
+    One pass at a time: a second iterator started while one is live raises PlanError.
 
     With a plain ``DataLoader`` and ``persistent_workers=False`` (the default), each pass
     pickles this object into the workers, so ``set_epoch`` and ``load_state_dict`` reach them.
