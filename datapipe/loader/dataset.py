@@ -94,6 +94,14 @@ def _worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
+def _in_worker() -> bool:
+    try:
+        from torch.utils.data import get_worker_info
+    except ImportError:  # pragma: no cover
+        return False
+    return get_worker_info() is not None
+
+
 class StreamingDataset(_Base):
     """Samples of one or more packed datasets in a deterministic, resumable, shuffled order.
 
@@ -450,5 +458,8 @@ class StreamingDataset(_Base):
         if self.skipped:
             shown = "; ".join(f"{u} {k!r}: {why}" for u, k, why in self.skipped[:5])
             more = f" (and {len(self.skipped) - 5} more)" if len(self.skipped) > 5 else ""
+            if _in_worker():  # under a plain DataLoader the main process never hears of these skips
+                more += ("; this is a DataLoader worker process: a StreamingDataLoader reports skips in the "
+                         "main process and counts them in its resume point")
             warnings.warn(f"StreamingDataset skipped {len(self.skipped)} unreadable samples: {shown}{more}",
                           RuntimeWarning, stacklevel=3)
