@@ -222,3 +222,89 @@ def test_a_shard_truncated_under_the_reader_raises_a_named_error(aged, tmp_path)
     assert rc == 3, err[-2000:]
     assert out["error"] in ("CorruptShardError", "ChecksumError"), out
     assert ".tar" in out["message"] and "sample" in out["message"]
+
+
+# -- any change, at any time: property-based ------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from datapipe.errors import DatapipeError  # noqa: E402
+
+M = 48
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prop") / "ds"
+    with ShardWriter(str(path), max_samples=12) as w:
+        for i in range(M):
+            w.write({"__key__": f"p{i:03d}", "txt": f"t{i}", "bin": bytes([i]) * (i * 37 % 1500 + 1)})
+    ref = {s["__key__"]: s for s in StreamingDataset(str(path), decode="raw")}
+    assert len(ref) == M
+    return str(path), ref
+
+
+_edit = st.tuples(st.integers(0, 3), st.sampled_from(["flip", "truncate", "zeros", "replace_longer"]),
+                  st.floats(0, 1), st.integers(1, 3000))
+
+
+def _apply(url, edit):
+    g, kind, where, n = edit
+    info = open_index(url).shards[g]
+    path = os.path.join(url, info.name)
+    st_ = os.stat(path)
+    size = st_.st_size
+    at = min(int(where * size), max(size - 1, 0))
+    if kind == "truncate":
+        os.truncate(path, at)
+    elif kind in ("flip", "zeros") and size:
+        with open(path, "r+b") as f:
+            f.seek(at)
+            old = f.read(n)
+            f.seek(at)
+            f.write(bytes(b ^ 0xA5 for b in old) if kind == "flip" else bytes(len(old)))
+    elif kind == "replace_longer":
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path + ".new", "wb") as f:
+            f.write(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :] + b"\0" * n if data else b"x")
+        os.replace(path + ".new", path)
+    if os.path.exists(path):
+        os.utime(path, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+
+
+@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(_edit, min_size=1, max_size=4), mid=st.booleans(), skip=st.booleans(), seed=st.integers(0, 3))
+def test_a_changed_shard_never_yields_a_changed_sample(small, tmp_path_factory, edits, mid, skip, seed):
+    """Flips, zeroed ranges, truncations and longer replacements of shard files, between two
+    passes or in the middle of one: each delivered sample is the packed one, every sample
+    is delivered or skipped by name, and nothing but a DatapipeError naming a shard escapes."""
+    src, ref = small
+    url = shutil.copytree(src, str(tmp_path_factory.mktemp("edit") / "ds"))
+    ds = StreamingDataset(url, window=2, seed=seed, decode="raw", on_error="skip" if skip else "raise",
+                          batch_size=2, chunk_samples=8)
+    got = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if not mid:
+            assert len(list(ds)) == M
+            ds.set_epoch(1)
+        it = iter(ds)
+        try:
+            got.append(next(it))
+            for e in edits:
+                _apply(url, e)
+            got += list(it)
+        except DatapipeError as e:
+            assert not skip, e
+            assert ".tar" in str(e), e
+        else:
+            if skip:
+                assert len(got) + len(ds.skipped) == M
+                assert all(u.endswith(".tar") for u, _, _ in ds.skipped), ds.skipped
+            else:
+                assert len(got) == M
+    keys = [s["__key__"] for s in got]
+    assert len(set(keys)) == len(keys)
+    assert all(s == ref[s["__key__"]] for s in got)
