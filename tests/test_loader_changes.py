@@ -19,9 +19,11 @@ import time
 import warnings
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from datapipe import ShardWriter, open_index
-from datapipe.errors import ChecksumError, CorruptShardError
+from datapipe.errors import ChecksumError, CorruptShardError, DatapipeError
 from datapipe.loader import StreamingDataset
 from datapipe.loader import source as _source
 
@@ -225,11 +227,6 @@ def test_a_shard_truncated_under_the_reader_raises_a_named_error(aged, tmp_path)
 
 
 # -- any change, at any time: property-based ------------------------------------------------
-
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from datapipe.errors import DatapipeError  # noqa: E402
 
 M = 48
 
