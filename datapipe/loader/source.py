@@ -26,6 +26,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -148,18 +149,21 @@ def _has_warm_tier(cache: Any) -> bool:
 
 
 class BufferPool:
-    """Anonymous-memory buffers for shard bytes, kept for reuse when a shard is closed:
-    at most ``max_bytes`` of idle buffers, the ones closest in size to what is asked for
-    reused first (a buffer is resized to the exact shard size, so a shard's ``src`` never
-    holds another shard's tail). Reusing a buffer skips the page faults and zeroing of fresh
-    memory, which cost ten times the copy itself. A buffer something still views (a
+    """Anonymous-memory buffers for shard bytes, kept for reuse when a shard is closed,
+    while the buffers in use and idle together stay within ``max_bytes`` (the prefetch
+    budget, which bounds those in use: so the pool adds no memory of its own beyond it).
+    The ones closest in size to what is asked for are reused first (a buffer is resized
+    to the exact shard size, so a shard's ``src`` never holds another shard's tail).
+    Reusing a buffer skips the page faults and zeroing of fresh memory, which cost two to
+    five times the copy itself. A buffer something still views (a
     memoryview export) cannot be resized, so it is never refilled: it is left to the GC.
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = int(max_bytes)
         self._idle: list[mmap.mmap] = []
-        self._held = 0
+        self._held = 0  # bytes of idle buffers
+        self._in_use: weakref.WeakKeyDictionary[mmap.mmap, int] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -170,25 +174,31 @@ class BufferPool:
 
     def take(self, size: int) -> mmap.mmap:
         """A buffer of exactly ``size`` (> 0) bytes, contents undefined."""
-        while True:
+        mm = None
+        while mm is None:
             with self._lock:
                 if not self._idle:
                     break
                 i = min(range(len(self._idle)), key=lambda k: abs(len(self._idle[k]) - size))
-                mm = self._idle.pop(i)
-                self._held -= len(mm)
+                candidate = self._idle.pop(i)
+                self._held -= len(candidate)
             try:
-                mm.resize(size)  # also when equal: it refuses a buffer still viewed
-                return mm
+                candidate.resize(size)  # also when equal: it refuses a buffer still viewed
+                mm = candidate
             except (BufferError, OSError, SystemError, TypeError, ValueError):
                 continue  # still viewed, or no mremap here: a fresh one
-        # private: Python's default anonymous map is shared memory of a fixed size, which
-        # mremap can grow only into pages past its end (SIGBUS on touch)
-        return mmap.mmap(-1, size, flags=_ANON_PRIVATE)
+        if mm is None:
+            # private: Python's default anonymous map is shared memory of a fixed size, which
+            # mremap can grow only into pages past its end (SIGBUS on touch)
+            mm = mmap.mmap(-1, size, flags=_ANON_PRIVATE)
+        with self._lock:
+            self._in_use[mm] = size
+        return mm
 
     def give(self, mm: mmap.mmap) -> None:
         with self._lock:
-            if self._held + len(mm) <= self.max_bytes:
+            self._in_use.pop(mm, None)
+            if self._held + sum(self._in_use.values()) + len(mm) <= self.max_bytes:
                 self._idle.append(mm)
                 self._held += len(mm)
                 return
@@ -199,7 +209,8 @@ class BufferPool:
 
 
 # MAP_POPULATE: a fresh buffer is faulted in by one call, not one trap per page (2x faster)
-_ANON_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0) | getattr(mmap, "MAP_POPULATE", 0)
+_ANON_PRIVATE = (getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+                 | getattr(mmap, "MAP_POPULATE", 0))
 
 #: A file whose status changed this recently (ns) is hashed again at its next read:
 #: status times come from a coarse clock (a jiffy here, a second or two on some file
