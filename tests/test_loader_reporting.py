@@ -118,3 +118,25 @@ def test_a_second_live_pass_of_one_loader_is_refused(url):
     assert loader.samples_seen == 8
     first.close()
     assert len([k for b in loader for k in b]) == N
+
+
+def test_skips_reach_the_main_process_from_spawned_workers(url):
+    """Spawned workers get the dataset, the markers and the collate wrapper by pickle."""
+    ds = StreamingDataset(url, window=3, seed=4, decode="auto", on_error="skip")
+    loader = StreamingDataLoader(ds, batch_size=8, num_workers=1, multiprocessing_context="spawn")
+    with pytest.warns(RuntimeWarning, match="skipped 2 unreadable"):
+        keys = [k for batch in loader for k in batch["__key__"]]  # the default collate
+    assert len(keys) == N - 2 and sorted(k for _, k, _ in loader.skipped) == sorted(BAD)
+    assert loader.samples_seen == N
+
+
+def test_the_main_copy_read_directly_during_a_worker_pass_yields_samples_only(url):
+    ds = StreamingDataset(url, window=3, seed=4, decode="auto", on_error="skip")
+    loader = StreamingDataLoader(ds, batch_size=5, num_workers=1, collate_fn=_keys)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        it = iter(loader)
+        next(it)
+        direct = list(ds)  # this process's copy is not the one the worker reads
+        it.close()
+    assert len(direct) == N - 2 and all(isinstance(s, dict) for s in direct)

@@ -85,9 +85,14 @@ class StreamingDataLoader(DataLoader):
         self.samples_seen = 0
         self.skipped = []
         dataset = self.dataset
-        dataset._holes = True  # reaches the workers: the dataset is pickled when they start
+        dataset._holes = True
         try:
-            for out in super().__iter__():
+            batches = super().__iter__()  # worker processes start here, with a copy of the dataset
+            if self.num_workers > 0:
+                # this process's copy is not read by the loader: a direct pass over it gets no
+                # markers (the single-process iterator reads it lazily: it keeps them)
+                dataset._holes = False
+            for out in batches:
                 batch, steps, skipped = out
                 self.samples_seen += steps
                 if skipped:
