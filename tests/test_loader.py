@@ -433,54 +433,63 @@ def test_cache_with_an_unusable_warm_dir_reads_through(ds_url, tmp_path):
     assert good.has_warm_tier()
 
 
-def test_a_failed_map_of_a_pinned_copy_releases_the_pin(ds_url, tmp_path, monkeypatch):
+def test_a_failed_read_of_a_pinned_copy_releases_the_pin(ds_url, tmp_path, monkeypatch):
     from datapipe.errors import StorageError
     from datapipe.loader import source
     from datapipe.storage import TieredCache
 
-    def no_map(path):
+    def no_memory(path, limit, pool):
         raise OSError(12, "Cannot allocate memory", path)
 
-    monkeypatch.setattr(source, "_mmap_file", no_map)  # the fault: mmap failing (ENOMEM)
+    monkeypatch.setattr(source, "_read_into", no_memory)  # the fault: no memory for the copy (ENOMEM)
     cache = TieredCache(warm_dir=str(tmp_path / "warm"), warm_bytes=4 << 20)
-    with pytest.raises(StorageError, match="cannot map the warm copy of .*shard"):
+    with pytest.raises(StorageError, match="cannot read the warm copy of .*shard"):
         list(StreamingDataset(ds_url, cache=cache, window=3, seed=1))
     assert cache.stats()["pinned"] == 0
 
 
-
-def test_shard_data_close_is_once_and_returns_when_closed(ds_url, tmp_path):
-    """The prefetcher's consumer and a fetch task may both close one shard: the cache pin
-    behind it is released once, and neither close() returns before it is released."""
+def test_a_warm_copy_is_read_into_private_memory_and_unpinned_at_once(ds_url, tmp_path):
     from datapipe.storage import TieredCache
 
     cache = TieredCache(warm_dir=str(tmp_path / "warm"), warm_bytes=4 << 20)
     ds = StreamingDataset(ds_url, cache=cache)
     data = ds.source.fetch(0, cache)
-    assert cache.stats()["pinned"] == 1
-    entered, go, calls = threading.Event(), threading.Event(), []
-    release = data._closer
+    assert data.verified and cache.stats()["pinned"] == 0  # the copy needs no pin
+    assert not isinstance(data.src, bytes) and len(data.src) == ds.source.shard_bytes(0)
+    data.close()
 
-    def slow_release():  # the first closer is slow to let go of the pin
+
+def test_shard_data_close_is_once_and_returns_when_closed(ds_url):
+    """The prefetcher's consumer and a fetch task may both close one shard: its buffer goes
+    back to the pool once (twice would hand one buffer to two shards), and neither close()
+    returns before that is done."""
+    ds = StreamingDataset(ds_url)
+    pool = ds.source.buffers
+    data = ds.source.fetch(0)
+    buf = data.src
+    entered, go, calls = threading.Event(), threading.Event(), []
+    give_back = data._closer
+
+    def slow_release():  # the first closer is slow to give the buffer back
         calls.append(1)
         entered.set()
         go.wait(10)
-        release()
+        give_back()
 
     data._closer = slow_release
     first = threading.Thread(target=data.close)
     first.start()
     assert entered.wait(10)
     seen = []
-    second = threading.Thread(target=lambda: (data.close(), seen.append(cache.stats()["pinned"])))
+    second = threading.Thread(target=lambda: (data.close(), seen.append([b is buf for b in pool._idle].count(True))))
     second.start()
     second.join(0.5)  # a second close() must wait for the first, not return at once
     go.set()
     first.join(10)
     second.join(10)
     data.close()  # and a later one does nothing
-    assert seen == [0] and calls == [1] and cache.stats()["pinned"] == 0
-
+    assert seen == [1] and calls == [1] and [b is buf for b in pool._idle].count(True) == 1
+    assert data.src == b""  # a closed shard no longer reaches the buffer another shard gets
 
 
 def test_prefetcher_close_names_a_fetch_that_does_not_stop():

@@ -1,8 +1,7 @@
-"""The vectorised chunk path and the kept maps: same items, counts, errors as the per-sample path."""
+"""The vectorised chunk path and the pooled shard buffers: same items, counts, errors as the per-sample path."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import pickle
 
@@ -11,7 +10,7 @@ import pytest
 from datapipe import ShardWriter, open_index
 from datapipe.errors import ChecksumError, CorruptShardError
 from datapipe.loader import StreamingDataset
-from datapipe.loader.source import MapCache
+from datapipe.loader.source import BufferPool
 
 N = 300
 
@@ -89,16 +88,19 @@ def test_decode_error_in_a_laid_chunk_names_shard_and_sample(tmp_path):
     assert fast.skipped == slow.skipped
 
 
-def test_kept_maps_do_not_hide_a_shard_changed_on_disk(url, tmp_path):
+def test_a_shard_changed_on_disk_in_place_is_checked_again(url, tmp_path):
     import shutil
 
     copy = str(tmp_path / "copy")
     shutil.copytree(url, copy)
     ds = StreamingDataset(copy, window=2, seed=0)
     assert len(list(ds)) == N
-    held = len(ds.source._maps._items)
-    assert held == open_index(copy).num_shards  # every verified shard stays mapped
-    assert len(list(ds)) == N and len(ds.source._maps._items) == held  # reused, not remapped
+    idle = list(ds.source.buffers._idle)
+    assert idle  # closed shards gave their buffers back
+    assert len(list(ds)) == N
+    # reused in the next pass, within the budget
+    assert any(any(b is i for i in idle) for b in ds.source.buffers._idle)
+    assert ds.source.buffers._held <= ds.prefetch_bytes
     ix = open_index(copy)
     info, table = ix.shards[3], ix.shard_samples(3)
     with open(os.path.join(copy, info.name), "r+b") as f:  # flip a byte in place: same inode
@@ -106,49 +108,43 @@ def test_kept_maps_do_not_hide_a_shard_changed_on_disk(url, tmp_path):
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
-    st = os.stat(os.path.join(copy, info.name))
-    os.utime(os.path.join(copy, info.name), ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     with pytest.raises((ChecksumError, CorruptShardError)) as e:
         list(ds)
     assert info.name in str(e.value) and table.keys[4] in str(e.value)
-    # the changed file's old map is not kept (it could pin a replaced file's blocks)
-    assert not [k for k in ds.source._maps._items if k[0].endswith(info.name)]
 
 
-def test_dataset_with_kept_maps_pickles(url):
+def test_dataset_with_pooled_buffers_pickles(url):
     ds = StreamingDataset(url, window=2)
     expected = list(ds)
-    assert ds.source._maps._items
+    assert ds.source.buffers._idle
     clone = pickle.loads(pickle.dumps(ds))
-    assert not clone.source._maps._items
+    assert not clone.source.buffers._idle
     assert list(clone) == expected
 
 
-def test_map_cache_stays_inside_its_budget_and_evicted_maps_stay_readable(tmp_path):
-    maps = []
-    for i in range(4):
-        p = tmp_path / f"f{i}"
-        p.write_bytes(bytes([i]) * 5000)
-        with open(p, "rb") as f:
-            maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-    cache = MapCache(12000)
-    for i, mm in enumerate(maps):
-        cache.put((i,), mm)
-    assert cache._held <= 12000 and cache.get((0,)) is None and cache.get((1,)) is None
-    assert cache.get((3,)) is maps[3]
-    reader = maps[0]  # evicted, still held by a reader: the cache did not close it
-    assert reader[10:12] == b"\0\0"
-    cache.put((9,), maps[1])
-    assert cache.get((2,)) is None  # least recently used out first (3 was just read)
-    assert cache.get((3,)) is maps[3]
-    cache.put((9, "changed"), maps[0])  # the same path again (a changed file): one map per path
-    assert cache.get((9,)) is None and cache.get((9, "changed")) is maps[0]
-    assert cache._held == sum(len(m) for m in cache._items.values())
-    cache.discard(9)
-    assert cache.get((9, "changed")) is None and cache._held == sum(len(m) for m in cache._items.values())
-    small = MapCache(100)
-    small.put((0,), maps[2])  # larger than the whole budget: not kept
-    assert small.get((0,)) is None and small._held == 0
+def test_buffer_pool_stays_inside_its_budget_and_never_refills_a_viewed_buffer():
+    pool = BufferPool(12000)  # buffers in use and idle together
+    a, b, c = pool.take(5000), pool.take(4000), pool.take(3000)
+    for i, buf in enumerate((a, b, c)):
+        buf[:] = bytes([i + 1]) * len(buf)
+        pool.give(buf)
+    assert pool._held == 12000 and len(pool._idle) == 3
+    got = pool.take(2900)  # the closest in size is reused, resized to exactly the size asked
+    assert got is c and len(got) == 2900 and got[:2] == b"\3\3"
+    big = pool.take(9000)  # grown past what it held: readable and writable to the end
+    assert big is a and len(big) == 9000
+    big[8999] = 7
+    assert big[8999] == 7
+    pool.give(big)  # 2900 in use + 4000 idle + 9000 > 12000: unmapped, not kept
+    assert big.closed and pool._held == 4000 and pool._idle == [b]
+    view = memoryview(b)[10:20]  # someone still views it: it is never refilled
+    fresh = pool.take(4000)
+    assert fresh is not b and not pool._idle and pool._held == 0
+    assert bytes(view) == b"\2" * 10
+    view.release()
+    small = BufferPool(100)
+    small.give(pool.take(1000))  # larger than the whole budget: not kept
+    assert not small._idle and small._held == 0
 
 
 def _shard(tmp_path, samples):

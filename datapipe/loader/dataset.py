@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -41,6 +41,20 @@ except ImportError:  # pragma: no cover - torch is installed in the test environ
     _Base = object  # type: ignore[assignment,misc]
 
 __all__ = ["StreamingDataset", "resolve_topology"]
+
+
+class Skipped(NamedTuple):
+    """A skipped sample's place in the stream, yielded instead of the sample only while a
+    :class:`~datapipe.loader.StreamingDataLoader` iterates (it takes it out of the batch and
+    reports it in the main process): batches stay aligned with the plan's batches, so the
+    loader's resume count stays exact with worker processes."""
+
+    url: str
+    key: str | None
+    why: str
+
+
+_SKIP = object()  # _read_sample's answer for a skipped sample
 
 
 def resolve_topology(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -80,6 +94,14 @@ def _worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
+def _in_worker() -> bool:
+    try:
+        from torch.utils.data import get_worker_info
+    except ImportError:  # pragma: no cover
+        return False
+    return get_worker_info() is not None
+
+
 class StreamingDataset(_Base):
     """Samples of one or more packed datasets in a deterministic, resumable, shuffled order.
 
@@ -91,7 +113,10 @@ class StreamingDataset(_Base):
     ``batch_size``: the DataLoader's, so that workers take whole batches in turn and the
     loader's output is the rank's stream in order (exact resume). ``on_error``: "raise" on a
     corrupt sample, or "skip" it and report all skipped at the end of the pass (a rank that
-    skips yields fewer samples than the others that epoch).
+    skips yields fewer samples than the others that epoch). Under a
+    :class:`~datapipe.loader.StreamingDataLoader`, skips in worker processes are reported in
+    the main process (``loader.skipped`` and a warning) and its resume point counts them.
+    One pass at a time: a second iterator started while one is live raises PlanError.
 
     With a plain ``DataLoader`` and ``persistent_workers=False`` (the default), each pass
     pickles this object into the workers, so ``set_epoch`` and ``load_state_dict`` reach them.
@@ -116,8 +141,16 @@ class StreamingDataset(_Base):
             raise PlanError(f"window must be at least 1 shard (or None for all), got {window}")
         if int(batch_size) < 1 or int(chunk_samples) < 1:
             raise ValueError("batch_size and chunk_samples must be at least 1")
+        if int(prefetch_bytes) < 1:
+            raise PlanError(f"prefetch_bytes={prefetch_bytes!r}: the byte budget for shards fetched ahead of the "
+                            "reader must be at least 1 (the default is 512 MiB; a shard the reader needs is "
+                            "fetched even when it alone exceeds the budget)")
+        if int(concurrency) < 1:
+            raise PlanError(f"concurrency={concurrency!r}: shards fetched at once must be at least 1 (default 4)")
+        # idle shard buffers kept for reuse stay within the prefetch budget too
         self.source = ShardSource([s.url for s in self.streams],
-                                  [s.storage_options or storage_options for s in self.streams])
+                                  [s.storage_options or storage_options for s in self.streams],
+                                  max_pooled_bytes=int(prefetch_bytes))
         self.cache = cache
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -145,6 +178,10 @@ class StreamingDataset(_Base):
         self._yielded = 0
         #: (shard url, sample key or None, reason) of everything skipped in this process
         self.skipped: list[tuple[str, str | None, str]] = []
+        #: the running pass (a token), so that a second one is refused while it is live
+        self._live: object | None = None
+        #: yield a Skipped in place of each skipped sample (set by StreamingDataLoader)
+        self._holes = False
         if sum(self._targets) == 0:
             raise PlanError(f"{', '.join(self.source.urls)}: the mix asks for no sample per epoch")
 
@@ -154,6 +191,7 @@ class StreamingDataset(_Base):
         # Spawned workers have no process group: pin the topology seen by the parent.
         state["_topology"] = self._topology or resolve_topology(self.rank, self.world_size)
         state["_plan"] = None
+        state["_live"] = None  # a worker's copy runs its own pass
         return state
 
     # -- plan ---------------------------------------------------------------------------
@@ -239,6 +277,25 @@ class StreamingDataset(_Base):
             i, size, number = i + min(size, per_chunk), size * 4, number + 1
 
     def __iter__(self) -> Iterator[Any]:
+        # One pass at a time: the resume state (plan, samples yielded, skips) is the pass's,
+        # and state_dict() must describe the pass the trainer consumes. Keeping state per
+        # iterator would leave state_dict() to guess which one; a stray second iterator (a
+        # peek with next(iter(ds)) kept alive) would then silently move the resume point.
+        # So a second live pass is an error; each DataLoader worker has its own copy, and a
+        # parallel pass needs its own StreamingDataset.
+        if self._live is not None:
+            raise PlanError("this StreamingDataset is already being iterated: finish or close() the first "
+                            "iterator (or drop the last reference to it) before starting another pass, or "
+                            "create a second StreamingDataset for a pass in parallel; its state_dict() "
+                            "describes one pass at a time")
+        token = self._live = object()
+        try:
+            yield from self._pass()
+        finally:
+            if self._live is token:
+                self._live = None
+
+    def _pass(self) -> Iterator[Any]:
         rank, world = self._world()
         worker, num_workers = _worker()
         plan, real = self._make_plan(world)
@@ -261,7 +318,8 @@ class StreamingDataset(_Base):
                 pre.done(chunk)
         finally:
             pre.close()
-        self._report_skipped()
+        if not self._holes:  # else the loader reports them, in the main process
+            self._report_skipped()
         self._resume = None  # the resumed pass is over; the next pass starts the epoch afresh
 
     def _open_shard(self, pre: Prefetcher, g: int) -> tuple[Any, Any]:
@@ -321,6 +379,8 @@ class StreamingDataset(_Base):
                 if not skip:
                     raise
                 self.skipped.append((url, key, str(e)))
+                if self._holes:
+                    yield Skipped(url, key, str(e))
                 continue
             if with_pos and isinstance(item, dict):
                 item["__shard__"], item["__sample__"] = g, j
@@ -349,6 +409,8 @@ class StreamingDataset(_Base):
                         if not skip:
                             raise
                         self.skipped.append((data.url, keys[j], str(e)))
+                        if self._holes:
+                            yield Skipped(data.url, keys[j], str(e))
                         continue
             else:
                 got = opened.get(g)
@@ -358,6 +420,10 @@ class StreamingDataset(_Base):
                     if data is not None and got[1] is not None and data.rows is not None:
                         laid[g] = (data.src, data.rows, data.fields, data.keys, data)
                 item = self._read_sample(got, g, j, decoder, hexdigest, split)
+                if item is _SKIP:
+                    if self._holes:
+                        yield Skipped(*self.skipped[-1])
+                    continue
                 if item is None:
                     continue
             if with_pos and isinstance(item, dict):
@@ -366,11 +432,11 @@ class StreamingDataset(_Base):
 
     def _read_sample(self, got: tuple[Any, Any], g: int, j: int, decoder: Any, hexdigest: Any,
                      split: Any) -> Any:
-        """Sample ``j`` of shard ``g`` off the hot path; ``None`` when skipped."""
+        """Sample ``j`` of shard ``g`` off the hot path; ``_SKIP`` when skipped."""
         data, fast = got
         if data is None:
             self.skipped.append((self.source.url(g), None, f"sample #{j}: {fast}"))
-            return None
+            return _SKIP
         try:
             sample = None
             if fast is not None:
@@ -388,11 +454,14 @@ class StreamingDataset(_Base):
             if self.on_error != "skip":
                 raise
             self.skipped.append((data.url, data.keys[j], str(e)))
-            return None
+            return _SKIP
 
     def _report_skipped(self) -> None:
         if self.skipped:
             shown = "; ".join(f"{u} {k!r}: {why}" for u, k, why in self.skipped[:5])
             more = f" (and {len(self.skipped) - 5} more)" if len(self.skipped) > 5 else ""
+            if _in_worker():  # under a plain DataLoader the main process never hears of these skips
+                more += ("; this is a DataLoader worker process: a StreamingDataLoader reports skips in the "
+                         "main process and counts them in its resume point")
             warnings.warn(f"StreamingDataset skipped {len(self.skipped)} unreadable samples: {shown}{more}",
                           RuntimeWarning, stacklevel=3)

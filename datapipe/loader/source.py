@@ -1,14 +1,23 @@
 """The shards a StreamingDataset reads: one or more dataset indexes as one list of shards,
 and fetching one shard's bytes (through a TieredCache, or straight from its store).
 
-A local shard (or a cache's pinned warm copy) is memory-mapped, not read: samples are cut
-from the map, and each field is copied exactly once, into the ``bytes`` handed to the user
+A local shard (or a cache's pinned warm copy) is read into private memory, never served
+from a map of the file: a ``MAP_SHARED`` (or ``MAP_PRIVATE``) map shows whatever another
+process writes into the file after it was verified, and a file truncated under a map kills
+the reader with SIGBUS on the next touch of a lost page, which no ``on_error`` can catch.
+Bytes copied into anonymous memory can change only if we change them, and a short read is
+an error we can name. The copy goes into buffers reused across shards and epochs
+(:class:`BufferPool`), so a warm epoch costs one copy out of the page cache per shard (about
+2 ms per 16 MB here), no page faults; idle buffers stay within ``max_pooled_bytes`` (the
+dataset's ``prefetch_bytes``), held ones within the prefetch budget. Samples are cut from
+that buffer, and each field is copied once more, into the ``bytes`` handed to the user
 (bytes, not memoryviews, so samples pickle into DataLoader worker queues and never pin a
-map). The first read of a shard in a process checks it against the index's whole-shard
-checksum; a shard that passed is not hashed again, and a shard that fails is read sample
-by sample, each against its own checksum, so errors name the sample. The maps of verified
-local shards stay open across epochs (:class:`MapCache`, at most ``max_mapped_bytes`` of
-files, 4 GiB by default), so a warm epoch neither remaps nor page-faults its shards.
+buffer).
+
+The first read of a shard in a process checks the bytes read against the index's
+whole-shard checksum; a shard that fails is read sample by sample, each against its own
+checksum, so errors name the sample. A shard that passed is not hashed again while its
+file keeps the identity it had then (see :meth:`ShardSource._read_local`).
 """
 
 from __future__ import annotations
@@ -16,14 +25,15 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections import OrderedDict
+import time
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from ..checksum import Hasher, checksum, verify
+from ..checksum import checksum, verify
 from ..errors import (
     CorruptShardError,
     DatapipeError,
@@ -39,7 +49,7 @@ from ..format.plain import check_members, walk_layout
 from .members import LayoutCache
 from .. import dataset as _dataset
 
-__all__ = ["ShardData", "ShardSource"]
+__all__ = ["BufferPool", "ShardData", "ShardSource"]
 
 
 @dataclass
@@ -124,26 +134,11 @@ class ShardData:
         thread; returns when that is done, even if another thread's close() did it."""
         with self._close_lock:
             buf, self.buf = self.buf, memoryview(b"")
+            self.src = b""  # a pooled buffer is refilled with another shard once returned
             buf.release()
             closer, self._closer = self._closer, None
             if closer is not None:
                 closer()
-
-
-def _mmap_file(path: str) -> tuple[memoryview, Any]:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return memoryview(b""), None
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-
-    def close() -> None:
-        try:
-            mm.close()
-        except BufferError:  # a caller still holds a zero-copy slice: the GC closes it later
-            pass
-
-    return memoryview(mm), close
 
 
 def _has_warm_tier(cache: Any) -> bool:
@@ -156,94 +151,122 @@ def _has_warm_tier(cache: Any) -> bool:
     return bool(getattr(cache, "warm_dir", None))
 
 
-def _open_map(path: str) -> mmap.mmap | None:
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return None
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-
-
-class MapCache:
-    """Open read-only maps of verified local shard files by (path, size, mtime, inode),
-    least recently used first out, mapping at most ``max_bytes`` of files, one per path.
-
-    A warm epoch then reads through page tables an earlier epoch filled: remapping a shard
-    every epoch costs a page fault per 64 KiB touched and an munmap, about as much as the
-    reader's own work per sample. The maps are of files already in the page cache: they
-    hold address space, not memory of their own (the kernel may drop clean pages at any
-    time). An evicted map is not closed here: readers still slicing it keep it alive, and
-    it unmaps when the last of them lets go.
+class BufferPool:
+    """Anonymous-memory buffers for shard bytes, kept for reuse when a shard is closed,
+    while the buffers in use and idle together stay within ``max_bytes`` (the prefetch
+    budget, which bounds those in use: so the pool adds no memory of its own beyond it).
+    The ones closest in size to what is asked for are reused first (a buffer is resized
+    to the exact shard size, so a shard's ``src`` never holds another shard's tail).
+    Reusing a buffer skips the page faults and zeroing of fresh memory, which cost two to
+    five times the copy itself. A buffer something still views (a
+    memoryview export) cannot be resized, so it is never refilled: it is left to the GC.
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = int(max_bytes)
-        self._items: OrderedDict[tuple, mmap.mmap] = OrderedDict()
-        self._by_path: dict[Any, tuple] = {}
-        self._held = 0
+        self._idle: list[mmap.mmap] = []
+        self._held = 0  # bytes of idle buffers
+        self._in_use: weakref.WeakKeyDictionary[mmap.mmap, int] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"max_bytes": self.max_bytes}  # maps do not pickle: a worker opens its own
+        return {"max_bytes": self.max_bytes}  # buffers do not pickle: a worker has its own
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["max_bytes"])
 
-    def get(self, key: tuple) -> mmap.mmap | None:
+    def take(self, size: int) -> mmap.mmap:
+        """A buffer of exactly ``size`` (> 0) bytes, contents undefined."""
+        mm = None
+        while mm is None:
+            with self._lock:
+                if not self._idle:
+                    break
+                i = min(range(len(self._idle)), key=lambda k: abs(len(self._idle[k]) - size))
+                candidate = self._idle.pop(i)
+                self._held -= len(candidate)
+            try:
+                candidate.resize(size)  # also when equal: it refuses a buffer still viewed
+                mm = candidate
+            except (BufferError, OSError, SystemError, TypeError, ValueError):
+                continue  # still viewed, or no mremap here: a fresh one
+        if mm is None:
+            # private: Python's default anonymous map is shared memory of a fixed size, which
+            # mremap can grow only into pages past its end (SIGBUS on touch)
+            mm = mmap.mmap(-1, size, flags=_ANON_PRIVATE)
         with self._lock:
-            mm = self._items.get(key)
-            if mm is not None:
-                self._items.move_to_end(key)
-            return mm
+            self._in_use[mm] = size
+        return mm
 
-    def discard(self, path: Any) -> None:
-        """Forget the map of ``path`` (``key[0]``), if one is kept."""
+    def give(self, mm: mmap.mmap) -> None:
         with self._lock:
-            stale = self._by_path.pop(path, None)
-            if stale is not None:
-                self._held -= len(self._items.pop(stale))
-
-    def put(self, key: tuple, mm: mmap.mmap) -> None:
-        size = len(mm)
-        if size > self.max_bytes:
-            return
-        with self._lock:
-            # an older map of the same path (the file was replaced or changed since) goes:
-            # it would keep a deleted file's blocks allocated
-            stale = self._by_path.pop(key[0], None)
-            if stale is not None:
-                self._held -= len(self._items.pop(stale))
-            self._items[key] = mm
-            self._by_path[key[0]] = key
-            self._held += size
-            while self._held > self.max_bytes:
-                out_key, out = self._items.popitem(last=False)
-                del self._by_path[out_key[0]]
-                self._held -= len(out)
-
-
-_local = threading.local()
-
-
-def _hash_file(path: str) -> str:
-    buf = getattr(_local, "buf", None)
-    if buf is None:
-        buf = _local.buf = memoryview(bytearray(1 << 20))
-    h = Hasher()
-    with open(path, "rb", buffering=0) as f:
+            self._in_use.pop(mm, None)
+            if self._held + sum(self._in_use.values()) + len(mm) <= self.max_bytes:
+                self._idle.append(mm)
+                self._held += len(mm)
+                return
         try:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            mm.close()
+        except BufferError:  # still viewed somewhere: the GC unmaps it when that ends
+            pass
+
+
+# MAP_POPULATE: a fresh buffer is faulted in by one call, not one trap per page (2x faster)
+_ANON_PRIVATE = (getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+                 | getattr(mmap, "MAP_POPULATE", 0))
+
+#: A file whose status changed this recently (ns) is hashed again at its next read:
+#: status times come from a coarse clock (a jiffy here, a second or two on some file
+#: systems), so a write in the same tick as our read could leave them unchanged.
+_RACY_NS = 2_000_000_000
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    # ctime is the one field no caller can set back (utime sets atime/mtime and moves ctime
+    # to now); with inode and device it changes on every write, truncate and replacement
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+
+def _read_into(path: str, limit: int, pool: BufferPool) -> tuple[mmap.mmap | None, os.stat_result, os.stat_result]:
+    """(the first ``min(size, limit)`` bytes of ``path`` in a pooled buffer, or None when
+    there are none; the file's status before and after the read). A file that shrinks while
+    it is read gives a shorter buffer, never an error or a signal."""
+    with open(path, "rb", buffering=0) as f:
+        st0 = os.fstat(f.fileno())
+        want = max(0, min(st0.st_size, limit))
+        if want == 0:
+            return None, st0, os.fstat(f.fileno())
+        try:
+            os.posix_fadvise(f.fileno(), 0, want, os.POSIX_FADV_SEQUENTIAL)
         except (AttributeError, OSError):  # only a hint
             pass
-        while n := f.readinto(buf):
-            h.update(buf[:n])
-    return h.hexdigest()
+        mm = pool.take(want)
+        try:
+            got = 0
+            with memoryview(mm) as view:
+                while got < want:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+            st1 = os.fstat(f.fileno())
+            if got < want:
+                if got == 0:
+                    pool.give(mm)
+                    return None, st0, st1
+                mm.resize(got)
+        except BaseException:
+            pool.give(mm)
+            raise
+    return mm, st0, st1
 
 
 class ShardSource:
     """The shards of one or more datasets, numbered globally in the order given."""
 
     def __init__(self, urls: list[str], storage_options: dict[str, Any] | list[dict[str, Any] | None] | None = None,
-                 retry: RetryPolicy | None = None, max_mapped_bytes: int = 4 << 30) -> None:
+                 retry: RetryPolicy | None = None, max_pooled_bytes: int = 512 << 20) -> None:
         if not urls:
             raise PlanError("a StreamingDataset needs at least one dataset URL")
         self.urls = list(urls)
@@ -257,15 +280,15 @@ class ShardSource:
         self.source_of = np.repeat(np.arange(len(counts)), [c.size for c in counts])
         self.shard_base = np.concatenate(([0], np.cumsum([c.size for c in counts]))).astype(np.int64)
         self.num_samples = int(self.counts.sum())
-        #: local shard files whose bytes matched their checksum in this process, by
-        #: (path, size, mtime): later epochs skip per-sample checks, as the cache does
-        self._verified: set[tuple[str, int, int]] = set()
+        #: local shard files whose bytes matched their checksum in this process: path ->
+        #: (file identity, checksum); see _read_local
+        self._verified: dict[str, tuple[tuple[int, ...], str]] = {}
         #: field layouts of verified shards, kept across epochs (bounded; see .members)
         self.layouts = LayoutCache()
         #: verified shards without a layout whose members were checked against the index
         self._walked: set[tuple[int, int, str]] = set()
-        #: open read-only maps of verified local shard files, kept across epochs (bounded)
-        self._maps = MapCache(max_mapped_bytes)
+        #: idle private buffers for local shard bytes, reused across shards and epochs
+        self.buffers = BufferPool(max_pooled_bytes)
         if self.num_samples == 0:
             raise PlanError(f"{', '.join(self.urls)}: the dataset holds no sample; nothing to stream")
 
@@ -344,52 +367,57 @@ class ShardSource:
                 except IntegrityError as e:
                     raise CorruptShardError(f"shard fails its checksum: {e}") from e
                 try:
-                    buf, close = _mmap_file(path)
-                except BaseException as e:
-                    cache.release(info.url)  # the pin (and its fd) would outlive the shard
-                    if isinstance(e, OSError):
-                        raise StorageError(f"cannot map the warm copy of {info.url} at {path}: {e}") from e
-                    raise
-
-                def release() -> None:
-                    if close is not None:
-                        close()
+                    # read while pinned; the private copy needs no pin once read
+                    return self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url)
+                finally:
                     cache.release(info.url)
-
-                return buf, release, bool(info.checksum)
             try:
                 return memoryview(cache.read(info.url, checksum=info.checksum)), None, bool(info.checksum)
             except IntegrityError as e:
                 raise CorruptShardError(f"shard fails its checksum: {e}") from e
         if isinstance(ix.store, LocalStore):
-            path = ix.store.path(info.name)
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                self._maps.discard(path)
-                raise ObjectNotFoundError(f"shard {info.url} is missing (listed in {ix.url})") from None
-            seen = (path, st.st_size, st.st_mtime_ns)
-            ok = seen in self._verified
-            if ok:
-                mm = self._maps.get(seen + (st.st_ino,))
-                if mm is not None:  # mapped in an earlier epoch: no page faults, no munmap
-                    return memoryview(mm), None, True
-            self._maps.discard(path)  # a map of what the file was before it changed
-            if not ok and info.checksum:
-                # First read in this process: stream the file through a small reused buffer
-                # and hash it on the way. read() releases the GIL while the disk works, where
-                # hashing a cold mmap would stall every thread on page faults.
-                ok = _hash_file(path) == info.checksum
-                if ok:
-                    self._verified.add(seen)
-            if ok:
-                mm = _open_map(path)
-                if mm is not None:
-                    self._maps.put(seen + (st.st_ino,), mm)
-                    return memoryview(mm), None, True
-            buf, close = _mmap_file(path)
-            return buf, close, ok
+            return self._read_local(ix.store.path(info.name), info, f"shard {info.url}", ix.url)
         # Transient failures are retried; a shard shorter than the index says is not
         # (asking again cannot lengthen it) and shows as truncated samples when read.
         data = call_with_retry(lambda: ix.store.get(info.name), info.url, self.retry)
         return memoryview(data), None, bool(info.checksum) and checksum(data) == info.checksum
+
+    def _read_local(self, path: str, info: Any, what: str, listed_in: str) -> tuple[memoryview, Any, bool]:
+        """(bytes, closer, verified) of the local file ``path`` holding shard ``info``.
+
+        What is returned is a private copy, and "verified" is a claim about that copy:
+        either its own hash matched, or the file's identity (device, inode, size, mtime,
+        ctime) was, before and after this read, the one it had when a read of it was
+        hashed and matched. Any write, truncate, ``utime`` or replacement of the file
+        changes its ctime (or inode), so a file changed since then is hashed again; a
+        write racing this read moves ctime before its bytes land, so the status taken
+        after the read sees it. A match is remembered only for a file whose ctime was
+        older than the read by more than the clock's granularity (``_RACY_NS``), else a
+        later write in the same tick could keep the identity: such a file is hashed at
+        every read until it settles. Not covered: writes through another process's
+        writable map of the file, which move ctime only when a page is first dirtied.
+        """
+        t0 = time.time_ns()
+        try:
+            mm, st0, st1 = _read_into(path, int(info.bytes), self.buffers)
+        except FileNotFoundError:
+            self._verified.pop(path, None)
+            raise ObjectNotFoundError(f"{what} is missing (listed in {listed_in})") from None
+        except OSError as e:
+            raise StorageError(f"cannot read {what}: {e}") from e
+        buf = memoryview(b"") if mm is None else memoryview(mm)
+        pool = self.buffers
+
+        def close() -> None:
+            if mm is not None:
+                pool.give(mm)
+
+        before, after = _identity(st0), _identity(st1)
+        whole = len(buf) == int(info.bytes) and bool(info.checksum)
+        known = whole and before == after and self._verified.get(path) == (before, info.checksum)
+        ok = known or (whole and checksum(buf) == info.checksum)
+        if ok and not known and before == after and st0.st_ctime_ns < t0 - _RACY_NS:
+            self._verified[path] = (before, info.checksum)
+        elif not ok:
+            self._verified.pop(path, None)
+        return buf, close, ok
