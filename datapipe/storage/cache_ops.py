@@ -13,11 +13,11 @@ from contextlib import contextmanager
 from typing import Any, Callable
 
 from ..checksum import checksum as compute_checksum, verify
-from ..errors import StorageError
+from ..errors import DatapipeError, StorageError
 from .eviction import Schedule, choose_victims
 from .node_stats import COUNTER_KEYS, sum_counter_files
 from .retry import fetch_range
-from .warm import fill_record, url_key
+from .warm import BROKEN_DIR_ERRNOS, fill_record, url_key
 
 __all__ = ["CacheOpsMixin"]
 
@@ -125,12 +125,13 @@ class CacheOpsMixin:
                     return p.warm.path(key)
                 p.warm.discard(key, fd)  # corrupt copy: fill again
             except OSError as e:
-                if broken is not None or not self._warm_broken(p, e):
-                    raise
-                broken = e  # re-created (or not): one more try
-        if broken is not None:
-            raise StorageError(f"local_path({url}): warm cache {p.warm.root} is unusable "
-                               f"({broken}); a local copy needs a writable warm_dir") from broken
+                if broken is None and self._warm_broken(p, e):
+                    broken = e  # re-created (or not): one more try
+                    continue
+                if broken is not None and not isinstance(e, DatapipeError) and e.errno in BROKEN_DIR_ERRNOS:
+                    raise StorageError(f"local_path({url}): warm cache {p.warm.root} is unusable "
+                                       f"({e}); a local copy needs a writable warm_dir") from e
+                raise
         raise StorageError(f"could not obtain a verified local copy of {url}")
 
     def release(self, url: str) -> None:

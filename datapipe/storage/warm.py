@@ -207,7 +207,7 @@ class WarmDir:
     def repair(self) -> None:
         """Re-create the layout after the directory was deleted under us; raises OSError
         when it cannot be (read-only, gone with its parent unwritable)."""
-        for d in (self.objects, self.tmpdir, self.locks):
+        for d in (self.objects, self.tmpdir, self.locks, os.path.join(self.root, "stats")):
             os.makedirs(d, exist_ok=True)
         _write_meta(self.root, self.budget)
 
