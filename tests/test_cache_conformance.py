@@ -7,9 +7,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from datapipe.checksum import checksum
 from datapipe.errors import CacheBudgetError, ObjectChangedError, StorageError
@@ -175,6 +178,54 @@ def test_warm_copy_without_a_checksum_is_checked_against_its_fill(tmp_path, cold
     assert open(copy, "rb").read() == data  # refilled
 
 
+DAMAGE = st.one_of(
+    st.tuples(st.just("truncate"), st.integers(0, 4095)),
+    st.tuples(st.just("flip"), st.integers(0, 4095), st.integers(1, 255)),
+    st.tuples(st.just("append"), st.binary(min_size=1, max_size=64)),
+    st.tuples(st.just("rewrite"), st.binary(max_size=8192)),  # in place, any length
+    st.tuples(st.just("replace"), st.binary(max_size=8192)),  # another file renamed over it
+)
+
+
+@settings(deadline=None, max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(damage=DAMAGE, with_checksum=st.booleans())
+def test_no_damage_to_a_warm_copy_is_ever_served(tmp_path_factory, damage, with_checksum):
+    base = tmp_path_factory.mktemp("dmg")
+    data = os.urandom(4096)
+    (base / "cold").mkdir()
+    url = _put(str(base / "cold"), {}, "s.tar", data)
+    ck = checksum(data) if with_checksum else None
+    seen = TieredCache(warm_dir=base / "warm", warm_bytes=1 << 20)
+    assert seen.read(url, checksum=ck) == data and seen.read(url, checksum=ck) == data
+    copy = base / "warm" / "objects" / url_key(url)
+    kind, *args = damage
+    if kind == "truncate":
+        os.truncate(copy, args[0])
+    elif kind == "flip":
+        with open(copy, "r+b") as f:
+            f.seek(args[0])
+            b = f.read(1)[0]
+            f.seek(args[0])
+            f.write(bytes([b ^ args[1]]))
+    elif kind == "append":
+        with open(copy, "ab") as f:
+            f.write(args[0])
+    elif kind == "rewrite":
+        with open(copy, "r+b") as f:
+            f.write(args[0])
+            f.truncate(len(args[0]))
+    else:
+        (base / "other").write_bytes(args[0])
+        os.replace(base / "other", copy)
+    fresh = TieredCache(warm_dir=base / "warm", warm_bytes=1 << 20)  # remembers nothing
+    for c in (seen, fresh):
+        assert c.read(url, checksum=ck) == data
+        with c.pinned(url, checksum=ck) as path:
+            assert open(path, "rb").read() == data
+    seen.close()
+    fresh.close()
+
+
 _FRESH_READ = """
 import ast, sys
 from datapipe.storage import TieredCache
@@ -222,7 +273,13 @@ def ro_mount(tmp_path):
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
 
     def remount(mode):
-        subprocess.run(["mount", "-o", f"remount,{mode}", str(mnt)], check=True, capture_output=True)
+        # "busy" while a file there is open for writing (a counter file being replaced)
+        for _ in range(100):
+            r = subprocess.run(["mount", "-o", f"remount,{mode}", str(mnt)], capture_output=True)
+            if r.returncode == 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"remount,{mode} failed: {r.stderr.decode()}")
 
     yield mnt, remount
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
@@ -234,7 +291,8 @@ def test_warm_dir_remounted_read_only_reads_through(tmp_path, cold, ro_mount):
     a = _put(root, opts, "a.tar", os.urandom(5000))
     b = _put(root, opts, "b.tar", os.urandom(7000))
     store = open_store(root, opts)
-    c = TieredCache(warm_dir=mnt / "warm", warm_bytes=4 << 20, storage_options=opts)
+    c = TieredCache(warm_dir=mnt / "warm", warm_bytes=4 << 20, storage_options=opts,
+                    stats_interval_s=3600)  # no counter file replaced on a timer meanwhile
     assert c.read(a) == store.get("a.tar")
     remount("ro")
     try:

@@ -261,6 +261,9 @@ class TieredCache(CacheOpsMixin):
             if record[0] != st.st_size:
                 p.stats.update(warm_corrupt=1)
                 return None
+        elif p.warm.records:  # this filesystem keeps records: the copy is not a fill's
+            p.stats.update(warm_corrupt=1)
+            return None
         else:
             expected = p.sizes.get(url)
             if expected is None and checksum is None:
@@ -333,7 +336,7 @@ class TieredCache(CacheOpsMixin):
         space was reserved for; another size raises _SizeChanged to the filler."""
         store, key = self._cold(p, url)
         fresh = False
-        for restart in range(CHANGE_RESTARTS + 1):
+        for _restart in range(CHANGE_RESTARTS + 1):
             size, version = self._stat(p, url, fresh=fresh)
             if fixed_size is not None and size != fixed_size:
                 raise _SizeChanged()

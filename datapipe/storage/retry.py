@@ -167,7 +167,7 @@ def run_requests(
     attempts are scheduled from the caller's thread, never from inside the pool, so a
     pool full of hung requests cannot wait on itself."""
     if pool is None:
-        return [_inline(fn, what, policy, on_retry) for fn, what in zip(fns, whats)]
+        return [_inline(fn, what, policy, on_retry) for fn, what in zip(fns, whats, strict=True)]
     n = len(fns)
     results: list[Any] = [None] * n
     tries = [0] * n

@@ -115,6 +115,22 @@ def _open_regular(path: str) -> int | None:
     return fd
 
 
+def _xattrs_work(folder: str) -> bool:
+    """Whether files in ``folder`` keep user extended attributes (probed on an unnamed file,
+    so nothing is left behind)."""
+    try:
+        fd = os.open(folder, os.O_RDWR | os.O_TMPFILE, 0o600)
+    except (OSError, AttributeError):
+        return False
+    try:
+        os.setxattr(fd, FILL_XATTR, b"0 probe")
+        return os.getxattr(fd, FILL_XATTR) == b"0 probe"
+    except (OSError, AttributeError):
+        return False
+    finally:
+        os.close(fd)
+
+
 def _remove_unless_locked(path: str) -> bool | None:
     """Delete ``path`` unless a process holds a lock on it (a reader's pin, a live
     download): True when deleted, False when held, None when it was gone or had been
@@ -193,6 +209,9 @@ class WarmDir:
         for d in (self.objects, self.tmpdir, self.locks):
             os.makedirs(d, exist_ok=True)
         self.evictions = 0
+        # Where copies can carry their fill record, one without it was not written by a
+        # filler (planted, or replaced behind our back) and is refused.
+        self.records = _xattrs_work(self.objects)
         # (dev, ino) -> (signature when verified, digests it matched); per process
         self._verified: dict[tuple[int, int], tuple[tuple, set[str]]] = {}
         self.cleaned = self.clean_dead_tmp()
