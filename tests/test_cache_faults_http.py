@@ -212,7 +212,7 @@ def test_a_total_deadline_ends_the_retries(tmp_path, s3, s3_server):
         out = _bounded(lambda: cache.read(f"{root}/x/s.tar"))
         assert isinstance(out.get("error"), RemoteError), out
         assert "deadline of 0.5 s" in str(out["error"])
-        assert 1 <= sum(proxy.tries.values()) < 1000
+        assert sum(proxy.tries.values()) < 1000  # GETs; under load the HEAD may use it all
         cache.close()
 
 
