@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -89,6 +90,42 @@ def test_object_changes_during_download_never_mixes(tmp_path, cold, in_place):
     assert fresh.read(url) == new  # what was published is one version too
     cache.close()
     fresh.close()
+
+
+def test_concurrent_overwrites_on_s3_never_yield_mixed_bytes(tmp_path, s3):
+    """A writer overwrites the object in a loop while readers download it in parallel
+    parts: each read is one whole version, or a named error when it kept changing."""
+    root, opts = s3
+    versions = [bytes([65 + i]) * SIZE for i in range(4)]
+    url = _put(root, opts, "s.tar", versions[0])
+    store = open_store(root, opts)
+    done = threading.Event()
+
+    def overwrite():
+        i = 0
+        while not done.wait(0.005):  # a rewrite every few ms, as a busy writer would
+            i += 1
+            store.put("s.tar", versions[i % len(versions)])
+
+    writer = threading.Thread(target=overwrite, daemon=True)
+    writer.start()
+    seen = []
+    try:
+        for n in range(4):
+            c = TieredCache(warm_dir=tmp_path / f"w{n}", warm_bytes=1 << 20, storage_options=opts,
+                            retry=RetryPolicy(attempts=3, base_delay_s=0.001, part_bytes=8 << 10))
+            try:
+                data = c.read(url)
+                assert data in versions, "a mix of versions was served"
+                seen.append(data[:1])
+            except ObjectChangedError:
+                seen.append(None)
+            finally:
+                c.close()
+    finally:
+        done.set()
+        writer.join()
+    assert len(seen) == 4
 
 
 def test_object_that_keeps_changing_is_a_named_error_and_nothing_is_published(tmp_path, cold):
