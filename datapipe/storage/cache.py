@@ -30,14 +30,14 @@ from .retry import RetryPolicy, call_with_retry, fetch_object, single_layer_opti
 from .stores import FsspecStore, Store, is_local_url, open_store, split_url
 from .warm import BROKEN_DIR_ERRNOS, DISK_FULL_ERRNOS, fill_record, url_key
 
+__all__ = ["TieredCache"]
+
 #: how often one read starts over because the object changed while it was downloaded
 CHANGE_RESTARTS = 3
 
 
 class _SizeChanged(Exception):
     """Internal: the object's size changed after warm space was reserved for it."""
-
-__all__ = ["TieredCache"]
 
 
 class TieredCache(CacheOpsMixin):
@@ -194,6 +194,7 @@ class TieredCache(CacheOpsMixin):
         self._warn(p, "warm_broken", f"warm cache {p.warm.root} failed ({e}){repaired}; "
                    "reading through to the cold tier")
         return True
+
     def has_warm_tier(self) -> bool:
         """True when the warm tier opened in this process. A ``warm_dir`` that cannot be
         used warns and reads through, and then :meth:`local_path` is unavailable."""
@@ -454,6 +455,7 @@ class TieredCache(CacheOpsMixin):
                 if res is None:
                     p.stats.update(warm_not_admitted=1)
                     return self._fetch_cold(p, url, checksum)
+                data = None
                 try:
                     data = self._fetch_cold(p, url, checksum, fixed_size=size)
                     res.write_and_publish(data, checksum or compute_checksum(data))
@@ -467,7 +469,7 @@ class TieredCache(CacheOpsMixin):
                     continue  # reserve room for the size it has now
                 except OSError as e:
                     res.abort()
-                    if isinstance(e, DatapipeError):
+                    if isinstance(e, DatapipeError) or data is None:
                         raise
                     if e.errno in DISK_FULL_ERRNOS:
                         self._warn(p, "warm_full", f"warm cache {warm.root} is full ({e}); reading through")

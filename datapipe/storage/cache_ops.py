@@ -72,7 +72,7 @@ class CacheOpsMixin:
                     if len(part) == end - start:
                         p.stats.update(warm_hits=1, warm_bytes=end - start)
                         return part
-                elif size == self._size(p, url):  # the copy is whole: a bad range
+                elif record is not None or size == self._size(p, url):  # the copy is whole: a bad range
                     _slice(b"", start, end, url, size)
                 p.stats.update(warm_corrupt=1)  # a copy shorter than the object
                 p.warm.discard(key, fd)
