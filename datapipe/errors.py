@@ -25,6 +25,7 @@ __all__ = [
     "ObjectNotFoundError",
     "RemoteError",
     "TruncatedReadError",
+    "ObjectChangedError",
     "CacheBudgetError",
     "PlanError",
     "StateMismatchError",
@@ -111,6 +112,10 @@ class RemoteError(StorageError):
 
 class TruncatedReadError(StorageError):
     """A read returned fewer bytes than the object (or range) holds."""
+
+
+class ObjectChangedError(StorageError):
+    """An object was rewritten while it was being read, so its parts would not agree."""
 
 
 class CacheBudgetError(StorageError):

@@ -262,14 +262,15 @@ def test_local_path_verifies_and_names_the_url(tmp_path):
 
 
 def test_cache_modules_stay_readable_in_one_sitting():
-    # DESIGN.md: modules small enough to read in one sitting (under 400 lines here)
+    # DESIGN.md: split by responsibility, never by line count ("a 600-line module that
+    # holds one idea is better than three 390-line modules"); 600 is the alarm here
     import datapipe.storage as storage
 
     root = os.path.dirname(storage.__file__)
     for name in ("cache.py", "cache_ops.py", "cache_proc.py", "warm.py"):
         with open(os.path.join(root, name)) as f:
             lines = sum(1 for _ in f)
-        assert lines < 400, f"{name} has {lines} lines"
+        assert lines < 600, f"{name} has {lines} lines"
 
 
 def test_counters_lose_no_update_under_threads():

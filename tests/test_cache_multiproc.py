@@ -212,13 +212,20 @@ class _DownloadRemover(FaultInjectingStore):
         super().__init__(inner)
         self.tmpdir = tmpdir
 
-    def get(self, key):
+    def _remove(self):
         for name in os.listdir(self.tmpdir):
             os.unlink(os.path.join(self.tmpdir, name))
+
+    def get(self, key):
+        self._remove()
         return super().get(key)
 
+    def get_range_at(self, key, start, end, version):
+        self._remove()
+        return super().get_range_at(key, start, end, version)
 
-def test_a_failed_publish_names_the_url(tmp_path):
+
+def test_a_failed_publish_reads_through_or_names_the_url(tmp_path):
     cold = tmp_path / "cold"
     cold.mkdir()
     (cold / "shard-7.tar").write_bytes(b"y" * 1000)
@@ -226,7 +233,48 @@ def test_a_failed_publish_names_the_url(tmp_path):
     warm = tmp_path / "warm"
     cache = TieredCache(warm_dir=warm, warm_bytes=1 << 20,
                         cold_wrapper=functools.partial(_DownloadRemover, tmpdir=str(warm / "tmp")))
+    with pytest.warns(RuntimeWarning, match="warm cache"):
+        assert cache.read(url) == b"y" * 1000  # the bytes are good: served, not cached
     with pytest.raises(StorageError, match="shard-7.tar") as err:
-        cache.read(url)
+        cache.local_path(url)  # a local copy is what was asked for: a named error
     assert not isinstance(err.value, FileNotFoundError)  # not "no such object": the copy failed
     assert os.listdir(warm / "objects") == [] and os.listdir(warm / "tmp") == []
+    cache.close()
+
+
+def _pin_two(cache, urls, done, q):
+    held, error = [], None
+    try:
+        for u in urls:
+            cache.local_path(u)
+            held.append(u)
+    except StorageError as e:
+        error = f"{type(e).__name__}: {e}"
+    q.put((len(held), error))
+    done.wait(60)  # pins are held until every process has tried
+    cache.close()
+
+
+def test_pins_beyond_the_budget_fail_saying_what_holds_it(tmp_path, s3):
+    """4 processes each pin 2 objects in a budget of 3: the ones left out fail after
+    pin_wait_s with an error that says what holds the budget and what budget would do."""
+    sums = _put(s3, 8, 1000)
+    urls = sorted(sums)
+    cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=3 * 1007, storage_options=s3[1],
+                        pin_wait_s=0.5)
+    done, q = CTX.Event(), CTX.Queue()
+    procs = [CTX.Process(target=_pin_two, args=(cache, urls[2 * i: 2 * i + 2], done, q)) for i in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        results = [q.get(timeout=120) for _ in procs]
+    finally:
+        done.set()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert sum(n for n, _ in results) <= 3, results
+    errors = [e for _, e in results if e]
+    assert errors and all(e.startswith("CacheBudgetError") for e in errors), results
+    for e in errors:
+        assert "after waiting" in e and "pinned" in e and "raise warm_bytes to at least" in e

@@ -1,12 +1,13 @@
 """One conformance suite, run against every Store implementation (zarr v3's pattern)."""
 
 import asyncio
+import os
 import pickle
 import uuid
 
 import pytest
 
-from datapipe.errors import ObjectNotFoundError, StorageError, TruncatedReadError
+from datapipe.errors import ObjectChangedError, ObjectNotFoundError, StorageError, TruncatedReadError
 from datapipe.storage import (
     FaultInjectingStore,
     FsspecStore,
@@ -69,6 +70,23 @@ class StoreConformance:
                 raise RuntimeError("boom")
         assert not store.exists("w2")
         assert store.list() == ["w"]
+
+    def test_reads_pinned_to_one_version(self, store):
+        store.put("v", b"a" * 100)
+        if isinstance(store, LocalStore):  # a rewrite in the same clock tick keeps mtime
+            os.utime(store.path("v"), ns=(10**18, 10**18))
+        size, version = store.stat("v")
+        assert size == 100 and version is not None
+        assert store.stat("v") == (size, version)
+        assert store.get_range_at("v", 10, 20, version) == b"a" * 10
+        store.put("v", b"b" * 100)  # same size, other bytes
+        size2, version2 = store.stat("v")
+        assert size2 == 100 and version2 != version
+        with pytest.raises(ObjectChangedError, match="v"):
+            store.get_range_at("v", 10, 20, version)
+        assert store.get_range_at("v", 10, 20, version2) == b"b" * 10
+        with pytest.raises(ObjectNotFoundError, match="nope"):
+            store.stat("nope")
 
     def test_async_twins(self, store):
         async def go():

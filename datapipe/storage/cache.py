@@ -20,17 +20,24 @@ import time
 import warnings
 from typing import Any, Callable
 
-from ..checksum import verify
-from ..errors import CacheBudgetError, DatapipeError, StorageError
+from ..checksum import checksum as compute_checksum, verify
+from ..errors import CacheBudgetError, DatapipeError, ObjectChangedError, ObjectNotFoundError, StorageError
 from .cache_ops import CacheOpsMixin, _ok
 from .cache_proc import CacheProc
 from .eviction import Schedule
 from .node_stats import FLUSH_INTERVAL_S
-from .retry import RetryPolicy, call_with_retry, fetch_object
-from .stores import Store, open_store, split_url
-from .warm import DISK_FULL_ERRNOS, url_key
+from .retry import RetryPolicy, call_with_retry, fetch_object, single_layer_options
+from .stores import FsspecStore, Store, is_local_url, open_store, split_url
+from .warm import BROKEN_DIR_ERRNOS, DISK_FULL_ERRNOS, fill_record, url_key
 
 __all__ = ["TieredCache"]
+
+#: how often one read starts over because the object changed while it was downloaded
+CHANGE_RESTARTS = 3
+
+
+class _SizeChanged(Exception):
+    """Internal: the object's size changed after warm space was reserved for it."""
 
 
 class TieredCache(CacheOpsMixin):
@@ -58,8 +65,11 @@ class TieredCache(CacheOpsMixin):
 
     Errors: ObjectNotFoundError (no object at the URL), RemoteError (retries exhausted),
     ChecksumError (a fill failed its checksum twice), CacheBudgetError (an object larger
-    than a tier's budget, or no unpinned room for a pin). A warm tier that cannot be
-    written (full disk, read-only) warns once and reads through."""
+    than a tier's budget, checked before it is downloaded, or no unpinned room for a pin),
+    ObjectChangedError (the object kept changing while it was downloaded: every part of
+    one download reads one version, and a change starts the download over, at most
+    ``CHANGE_RESTARTS`` times). A warm tier that cannot be written (full disk, read-only,
+    deleted) warns once and reads through; a deleted one is re-created."""
 
     def __init__(
         self,
@@ -134,20 +144,56 @@ class TieredCache(CacheOpsMixin):
         root, name = split_url(url)
         store = p.stores.get(root)
         if store is None:
-            store = open_store(root, self.storage_options)
+            opts = self.storage_options
+            if not is_local_url(root):
+                opts = single_layer_options(root.split("://", 1)[0], opts, self.retry)
+            store = open_store(root, opts)
+            if isinstance(store, FsspecStore):
+                store.backend_retries = 1  # ours is the one retry layer
             if self.cold_wrapper is not None:
                 store = self.cold_wrapper(store)
             p.stores[root] = store
         return store, name
 
     def _size(self, p: CacheProc, url: str) -> int:
-        size = p.sizes.get(url)
-        if size is None:
-            store, key = self._cold(p, url)
-            size = call_with_retry(lambda: store.size(key), url, self.retry,
-                                   on_retry=lambda e: p.stats.update(cold_retries=1))
-            p.sizes[url] = size
-        return size
+        return self._stat(p, url)[0]
+
+    def _stat(self, p: CacheProc, url: str, *, fresh: bool = False) -> tuple[int, str | None]:
+        """(size, version) of the cold object, remembered per process; ``fresh`` asks again
+        (after a mismatch: the object may have changed since)."""
+        if not fresh and url in p.sizes:
+            return p.sizes[url], p.versions.get(url)
+        store, key = self._cold(p, url)
+        size, version = call_with_retry(lambda: store.stat(key), f"{url} (size probe)", self.retry,
+                                        pool=p.parts, on_retry=lambda e: p.stats.update(cold_retries=1))
+        p.sizes[url], p.versions[url] = size, version
+        return size, version
+
+    def _check_hot_fits(self, p: CacheProc, url: str) -> None:
+        """Before a download for the hot tier: an object it can never hold is an error
+        now, not after its bytes were fetched and kept in warm."""
+        if self.hot_bytes > 0:
+            size = self._size(p, url)
+            if size > self.hot_bytes:
+                raise CacheBudgetError(
+                    f"{url} is {size} bytes, more than hot_bytes={self.hot_bytes}; raise "
+                    f"hot_bytes to at least {size} or set it to 0")
+
+    def _warm_broken(self, p: CacheProc, e: OSError) -> bool:
+        """True when ``e`` says the warm directory itself is gone or unwritable (deleted,
+        remounted read-only): it is re-created if it can be, a warning is given once,
+        and the caller reads through."""
+        if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS or p.warm is None:
+            return False
+        p.stats.update(warm_errors=1)
+        try:
+            p.warm.repair()
+            repaired = ""
+        except OSError as e2:
+            repaired = f"; it cannot be re-created ({e2})"
+        self._warn(p, "warm_broken", f"warm cache {p.warm.root} failed ({e}){repaired}; "
+                   "reading through to the cold tier")
+        return True
 
     def has_warm_tier(self) -> bool:
         """True when the warm tier opened in this process. A ``warm_dir`` that cannot be
@@ -190,40 +236,80 @@ class TieredCache(CacheOpsMixin):
             p.stats.update(hot_not_admitted=1)
         p.stats.update(hot_evictions=p.hot.evictions - before)
 
+    def _no_room_for_pin(self, p: CacheProc, url: str, size: int, waited: float) -> CacheBudgetError:
+        warm = p.warm
+        try:
+            pinned, mine = warm.pinned_bytes(), sum(len(v) for v in p.pins.values())
+        except OSError:
+            pinned, mine = 0, 0
+        return CacheBudgetError(
+            f"no room in warm cache {warm.root} ({warm.budget} bytes) for {url} ({size} bytes) "
+            f"after waiting {waited:.1f} s (pin_wait_s={self.pin_wait_s}): {pinned} bytes are "
+            f"pinned ({mine} pin(s) held by this process), the rest downloading. Every "
+            f"process's pins must fit at once: raise warm_bytes to at least {pinned + size}, "
+            "or release pins before taking new ones")
+
     def _read_pinned(self, p: CacheProc, url: str, fd: int, checksum: str | None, *,
                      want_bytes: bool = True) -> bytes | None:
         """The whole pinned copy (b"" when not ``want_bytes``), or None if it fails
-        verification. A copy this process already verified (same inode, size and
-        checksum; copies are never rewritten in place, only replaced) is not hashed again,
-        so pinning a verified shard costs no read."""
+        verification: against ``checksum``, and against the size and digest the copy was
+        filled with (or, without that record, the cold object's size). This process skips
+        hashing a copy it verified before only while its size, mtime and ctime are
+        unchanged, so a copy damaged or truncated in place is verified again."""
         st = os.fstat(fd)
-        expected = p.sizes.get(url)
-        if expected is not None and expected != st.st_size:
+        record = fill_record(fd)
+        if record is not None:
+            if record[0] != st.st_size:
+                p.stats.update(warm_corrupt=1)
+                return None
+        elif p.warm.records:  # this filesystem keeps records: the copy is not a fill's
             p.stats.update(warm_corrupt=1)
             return None
-        memo = (st.st_dev, st.st_ino, st.st_size, checksum)
-        known = checksum is None or memo in p.verified
+        else:
+            expected = p.sizes.get(url)
+            if expected is None and checksum is None:
+                expected = self._size(p, url)
+            if expected is not None and expected != st.st_size:
+                p.stats.update(warm_corrupt=1)
+                return None
+        wants = {d for d in (checksum, record[1] if record else None) if d}
+        known = all(p.warm.is_verified(st, d) for d in wants)
         if known and not want_bytes:
             return b""
         data = os.pread(fd, st.st_size, 0)
-        if len(data) == st.st_size and (known or _ok(data, checksum)):
-            if not known:
-                p.verified.add(memo)
-            return data
+        if len(data) == st.st_size:
+            if known:
+                return data
+            digest = compute_checksum(data) if wants else None
+            if all(d == digest for d in wants):
+                for d in wants:
+                    p.warm.mark_verified(st, d)
+                return data
         p.stats.update(warm_corrupt=1)
         return None
 
     def _below_hot(self, p: CacheProc, url: str, checksum: str | None, index: int | None) -> bytes:
-        if p.warm is None:
-            fut = p.pending.get(url)
-            if fut is not None:  # a prefetch of this URL is under way: wait for it
-                t0 = time.monotonic()
-                fut.exception()
-                p.stats.update(wait_seconds=time.monotonic() - t0)
-                hit = p.hot.get(url)  # already counted as a hot miss; the wait shows
-                if hit is not None and (checksum is None or checksum == hit[1] or _ok(hit[0], checksum)):
-                    return hit[0]
+        if p.warm is not None:
+            for _attempt in (0, 1):  # once more after re-creating a deleted warm directory
+                try:
+                    return self._from_warm(p, url, checksum, index)
+                except OSError as e:
+                    if not self._warm_broken(p, e):
+                        raise
+            self._check_hot_fits(p, url)
             return self._fetch_cold(p, url, checksum)
+        fut = p.pending.get(url)
+        if fut is not None:  # a prefetch of this URL is under way: wait for it
+            t0 = time.monotonic()
+            fut.exception()
+            p.stats.update(wait_seconds=time.monotonic() - t0)
+            hit = p.hot.get(url)  # already counted as a hot miss; the wait shows
+            if hit is not None and (checksum is None or checksum == hit[1] or _ok(hit[0], checksum)):
+                return hit[0]
+        self._check_hot_fits(p, url)
+        return self._fetch_cold(p, url, checksum)
+
+    def _from_warm(self, p: CacheProc, url: str, checksum: str | None, index: int | None) -> bytes:
         key = url_key(url)
         fd = p.warm.open_pinned(key)
         if fd is not None:
@@ -239,17 +325,48 @@ class TieredCache(CacheOpsMixin):
                 p.stats.update(warm_hits=1, warm_bytes=len(data))
                 return data
         p.stats.update(warm_misses=1)
+        self._check_hot_fits(p, url)
         return self._fill(p, url, checksum, index)
 
-    def _fetch_cold(self, p: CacheProc, url: str, checksum: str | None) -> bytes:
-        size = self._size(p, url)
+    def _fetch_cold(self, p: CacheProc, url: str, checksum: str | None, *,
+                    fixed_size: int | None = None) -> bytes:
+        """The whole cold object, every part of it one version of it; verified against
+        ``checksum`` (a mismatch is fetched once more, then raised). An object that changes
+        while it downloads is downloaded again (at most CHANGE_RESTARTS times); one whose
+        size changed since it was probed is probed again. ``fixed_size``: the size warm
+        space was reserved for; another size raises _SizeChanged to the filler."""
         store, key = self._cold(p, url)
+        fresh = False
+        for _restart in range(CHANGE_RESTARTS + 1):
+            size, version = self._stat(p, url, fresh=fresh)
+            if fixed_size is not None and size != fixed_size:
+                raise _SizeChanged()
+            try:
+                return self._fetch_version(p, url, store, key, size, version, checksum)
+            except ObjectChangedError as e:
+                last: DatapipeError = e
+            except StorageError as e:
+                if isinstance(e, (ObjectNotFoundError, CacheBudgetError)):
+                    raise
+                # A failure may come from a size or version remembered from before the
+                # object changed (a range past its new end): ask once, compare.
+                if self._stat(p, url, fresh=True) == (size, version):
+                    raise
+                last = e
+            p.stats.update(cold_changed=1)
+            fresh = True
+        raise ObjectChangedError(
+            f"{url} changed {CHANGE_RESTARTS + 1} times while being downloaded; nothing was "
+            f"cached. Stop rewriting it while it is read, or retry later (last: {last})") from last
+
+    def _fetch_version(self, p: CacheProc, url: str, store: Store, key: str, size: int,
+                       version: str | None, checksum: str | None) -> bytes:
         waited = p.inflight.acquire(size, url)
         if not threading.current_thread().name.startswith("datapipe-prefetch"):
             p.stats.update(wait_seconds=waited)  # the reader's waits, not the background's
         try:
             for attempt in (0, 1):
-                data = fetch_object(store, key, size, self.retry, pool=p.parts,
+                data = fetch_object(store, key, size, self.retry, pool=p.parts, version=version,
                                     on_retry=lambda e: p.stats.update(cold_retries=1))
                 p.stats.update(cold_reads=1, cold_bytes=len(data))
                 if _ok(data, checksum):
@@ -289,7 +406,9 @@ class TieredCache(CacheOpsMixin):
                    ticket: int | None = None) -> Any:
         warm = p.warm
         key = url_key(url)
-        deadline = time.monotonic() + self.pin_wait_s
+        t_start = time.monotonic()
+        deadline = t_start + self.pin_wait_s
+        resized = 0
         while True:
             with warm.fill_lock(key) as waited:
                 if not prefetch:  # the reader's waits, not the background's
@@ -330,29 +449,38 @@ class TieredCache(CacheOpsMixin):
                     return None
                 if res is None and pin:
                     if time.monotonic() > deadline:
-                        raise CacheBudgetError(
-                            f"no room in warm cache {warm.root} ({warm.budget} bytes) for {url} "
-                            f"({size} bytes): the rest is pinned or downloading; release pins "
-                            f"or raise warm_bytes")
+                        raise self._no_room_for_pin(p, url, size, time.monotonic() - t_start)
                     time.sleep(0.05)  # until a pin is released or a download lands
                     continue
                 if res is None:
                     p.stats.update(warm_not_admitted=1)
                     return self._fetch_cold(p, url, checksum)
+                data = None
                 try:
-                    data = self._fetch_cold(p, url, checksum)
-                    res.write_and_publish(data)
+                    data = self._fetch_cold(p, url, checksum, fixed_size=size)
+                    res.write_and_publish(data, checksum or compute_checksum(data))
+                except _SizeChanged:
+                    res.abort()
+                    resized += 1
+                    if resized > CHANGE_RESTARTS:
+                        raise ObjectChangedError(
+                            f"{url} changed size {resized} times while being cached; stop "
+                            "rewriting it while it is read, or retry later") from None
+                    continue  # reserve room for the size it has now
                 except OSError as e:
                     res.abort()
-                    if isinstance(e, DatapipeError):
+                    if isinstance(e, DatapipeError) or data is None:
                         raise
-                    if e.errno not in DISK_FULL_ERRNOS:
-                        raise StorageError(f"warm cache {warm.root}: could not keep the copy of "
-                                           f"{url} ({e})") from e
-                    self._warn(p, "warm_full", f"warm cache {warm.root} is full ({e}); reading through")
-                    if pin:
-                        raise CacheBudgetError(f"cannot keep a local copy of {url}: {e}") from e
-                    return data
+                    if e.errno in DISK_FULL_ERRNOS:
+                        self._warn(p, "warm_full", f"warm cache {warm.root} is full ({e}); reading through")
+                        if pin:
+                            raise CacheBudgetError(f"cannot keep a local copy of {url}: {e}") from e
+                        return data
+                    if e.errno in BROKEN_DIR_ERRNOS and not pin:
+                        self._warm_broken(p, e)
+                        return data
+                    raise StorageError(f"warm cache {warm.root}: could not keep the copy of "
+                                       f"{url} ({e})") from e
                 except BaseException:
                     res.abort()
                     raise

@@ -13,11 +13,11 @@ from contextlib import contextmanager
 from typing import Any, Callable
 
 from ..checksum import checksum as compute_checksum, verify
-from ..errors import StorageError
+from ..errors import DatapipeError, StorageError
 from .eviction import Schedule, choose_victims
 from .node_stats import COUNTER_KEYS, sum_counter_files
 from .retry import fetch_range
-from .warm import url_key
+from .warm import BROKEN_DIR_ERRNOS, fill_record, url_key
 
 __all__ = ["CacheOpsMixin"]
 
@@ -50,29 +50,45 @@ class CacheOpsMixin:
             return _slice(hit[0], start, end, url)
         p.stats.update(hot_misses=1)
         if p.warm is not None:
-            key = url_key(url)
-            fd = p.warm.open_pinned(key)
-            if fd is not None:
+            for _attempt in (0, 1):  # once more after re-creating a deleted warm directory
                 try:
-                    size = os.fstat(fd).st_size
-                    if end <= size:
-                        part = os.pread(fd, end - start, start)
-                        if len(part) == end - start:
-                            p.stats.update(warm_hits=1, warm_bytes=end - start)
-                            return part
-                    elif size == self._size(p, url):  # the copy is whole: a bad range
-                        _slice(b"", start, end, url, size)
-                    p.stats.update(warm_corrupt=1)  # a copy shorter than the object
-                    p.warm.discard(key, fd)
-                    fd = None
-                finally:
-                    if fd is not None:
-                        os.close(fd)
-            p.stats.update(warm_misses=1)
-            data = self._fill(p, url, None, index)
-            self._admit_hot(p, url, data, None, index)
-            return _slice(data, start, end, url)
+                    return self._range_from_warm(p, url, start, end, index)
+                except OSError as e:
+                    if not self._warm_broken(p, e):
+                        raise
+        return self._range_from_cold(p, url, start, end, index)
+
+    def _range_from_warm(self, p, url: str, start: int, end: int, index: int | None) -> bytes:
+        key = url_key(url)
+        fd = p.warm.open_pinned(key)
+        if fd is not None:
+            try:
+                size = os.fstat(fd).st_size
+                record = fill_record(fd)
+                if record is not None and record[0] != size:
+                    pass  # a copy truncated or grown in place: never a hit
+                elif end <= size:
+                    part = os.pread(fd, end - start, start)
+                    if len(part) == end - start:
+                        p.stats.update(warm_hits=1, warm_bytes=end - start)
+                        return part
+                elif record is not None or size == self._size(p, url):  # the copy is whole: a bad range
+                    _slice(b"", start, end, url, size)
+                p.stats.update(warm_corrupt=1)  # a copy shorter than the object
+                p.warm.discard(key, fd)
+                fd = None
+            finally:
+                if fd is not None:
+                    os.close(fd)
+        p.stats.update(warm_misses=1)
+        self._check_hot_fits(p, url)
+        data = self._fill(p, url, None, index)
+        self._admit_hot(p, url, data, None, index)
+        return _slice(data, start, end, url)
+
+    def _range_from_cold(self, p, url: str, start: int, end: int, index: int | None) -> bytes:
         if self.hot_bytes > 0:
+            self._check_hot_fits(p, url)
             data = self._fetch_cold(p, url, None)
             self._admit_hot(p, url, data, None, index)
             return _slice(data, start, end, url)
@@ -94,18 +110,28 @@ class CacheOpsMixin:
             raise StorageError(f"local_path({url}) needs a usable warm_dir; this cache has none")
         key = url_key(url)
         index = self._locate(url)
+        broken: OSError | None = None
         for _attempt in (0, 1, 2):
-            fd = p.warm.open_pinned(key)
-            if fd is not None:
-                p.stats.update(warm_hits=1)
-            else:
-                p.stats.update(warm_misses=1)
-                fd = self._fill(p, url, checksum, index, pin=True)
-            if self._read_pinned(p, url, fd, checksum, want_bytes=False) is not None:
-                with p.lock:
-                    p.pins.setdefault(url, []).append(fd)
-                return p.warm.path(key)
-            p.warm.discard(key, fd)  # corrupt copy: fill again
+            try:
+                fd = p.warm.open_pinned(key)
+                if fd is not None:
+                    p.stats.update(warm_hits=1)
+                else:
+                    p.stats.update(warm_misses=1)
+                    fd = self._fill(p, url, checksum, index, pin=True)
+                if self._read_pinned(p, url, fd, checksum, want_bytes=False) is not None:
+                    with p.lock:
+                        p.pins.setdefault(url, []).append(fd)
+                    return p.warm.path(key)
+                p.warm.discard(key, fd)  # corrupt copy: fill again
+            except OSError as e:
+                if broken is None and self._warm_broken(p, e):
+                    broken = e  # re-created (or not): one more try
+                    continue
+                if broken is not None and not isinstance(e, DatapipeError) and e.errno in BROKEN_DIR_ERRNOS:
+                    raise StorageError(f"local_path({url}): warm cache {p.warm.root} is unusable "
+                                       f"({e}); a local copy needs a writable warm_dir") from e
+                raise
         raise StorageError(f"could not obtain a verified local copy of {url}")
 
     def release(self, url: str) -> None:
@@ -162,6 +188,7 @@ class CacheOpsMixin:
             if p.warm is not None:
                 self._fill(p, url, checksum, None, prefetch=True, prefetch_at=at, ticket=ticket)
             elif url not in p.hot:
+                self._check_hot_fits(p, url)
                 self._admit_hot(p, url, self._fetch_cold(p, url, checksum), checksum, at)
             p.stats.update(prefetched=1)
         except Exception as e:
@@ -321,7 +348,7 @@ class CacheOpsMixin:
         out["hot_used_bytes"] = p.hot.used
         out["hot_budget_bytes"] = self.hot_bytes
         out["warm_budget_bytes"] = self.warm_bytes
-        out["warm_used_bytes"] = p.warm.usage() if p.warm is not None else 0
+        out["warm_used_bytes"] = self._warm_usage(p)
         out["inflight_peak_bytes"] = p.inflight.peak
         out["pinned"] = sum(len(v) for v in p.pins.values())
         out["schedule_position"] = self.schedule_position
@@ -341,8 +368,23 @@ class CacheOpsMixin:
         if summed["unreadable"]:
             out["unreadable_counter_files"] = summed["unreadable"]
         out["warm_budget_bytes"] = self.warm_bytes
-        out["warm_used_bytes"] = p.warm.usage()
+        out["warm_used_bytes"] = self._warm_usage(p)
         return out
+
+    def _warm_usage(self, p) -> int:
+        """Bytes in the warm tier; 0 (with the one warning) when it is gone or unreadable:
+        stats must not fail because the directory did."""
+        if p.warm is None:
+            return 0
+        try:
+            return p.warm.usage()
+        except OSError as e:
+            if not self._warm_broken(p, e):
+                raise
+            try:
+                return p.warm.usage()
+            except OSError:
+                return 0
 
     def close(self) -> None:
         """Stop background work, drop pins and the hot tier, and write this process's

@@ -46,6 +46,7 @@ class CacheProc:
         self.lock = threading.RLock()
         self.stores: dict[str, Store] = {}
         self.sizes: dict[str, int] = {}
+        self.versions: dict[str, str | None] = {}  # the version each size was probed at
         self.hot = HotTier(cache.hot_bytes)
         self.inflight = InflightBytes(cache.max_inflight_bytes)
         self.stats = Stats()
@@ -56,7 +57,6 @@ class CacheProc:
         self.warm: WarmDir | None = None
         self.warned: set[str] = set()
         self.refused: dict[str, int] = {}
-        self.verified: set[tuple] = set()
         self.turns = Turns()
         self.last_prefetch_error: str | None = None
         self.prefetcher: threading.Thread | None = None

@@ -87,14 +87,25 @@ class FaultInjectingStore(Store):
         fault = self._fault(key)
         return self._damage(self.inner.get_range(key, start, end), fault)
 
-    def size(self, key: str) -> int:
+    def get_range_at(self, key: str, start: int, end: int, version: str | None) -> bytes:
+        fault = self._fault(key)
+        return self._damage(self.inner.get_range_at(key, start, end, version), fault)
+
+    def _size_fault(self, key: str) -> None:
         with self._lock:
             n = self.sizes[key]
             self.sizes[key] += 1
         if n < self.size_errors:
             cause = OSError(errno.EBUSY, "SlowDown (injected on HEAD)")
             raise StorageError(f"OSError on {self.url(key)}: {cause}") from cause
+
+    def size(self, key: str) -> int:
+        self._size_fault(key)
         return self.inner.size(key)
+
+    def stat(self, key: str) -> tuple[int, str | None]:
+        self._size_fault(key)
+        return self.inner.stat(key)
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         self.inner.put(key, data)

@@ -135,7 +135,12 @@ class CounterFile:
 
     def _publish(self, text: str) -> None:
         tmp = os.path.join(self.dir, f".{self.name}.{uuid.uuid4().hex[:8]}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:  # the warm directory was deleted under us: re-create
+            os.makedirs(self.dir, exist_ok=True)
+            fd = os.open(tmp, flags, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # before the rename: the file is never seen unlocked
             os.write(fd, text.encode())

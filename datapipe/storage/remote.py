@@ -13,13 +13,40 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-from ..errors import ObjectNotFoundError, StorageError, TruncatedReadError
-from .stores import Store, _check_range
+from ..errors import ObjectChangedError, ObjectNotFoundError, StorageError, TruncatedReadError
+from .stores import Store, _changed_message, _check_range
 
 __all__ = ["FsspecStore"]
 
 # object stores whose upload publishes only when it completes (discarded on failure)
 _STREAMING_WRITE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "abfss"}
+_S3_PROTOCOLS = {"s3", "s3a"}
+# what fsspec backends call the token that changes when an object is rewritten, best first
+_VERSION_FIELDS = ("ETag", "etag", "generation", "VersionId", "version_id", "md5Hash",
+                   "mtime", "LastModified", "last_modified", "updated", "created")
+
+
+def _version_of(info: dict[str, Any]) -> str | None:
+    for name in _VERSION_FIELDS:
+        v = info.get(name)
+        if v not in (None, ""):
+            return f"{name}={v}"
+    return None
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        resp = getattr(cur, "response", None)
+        if isinstance(resp, dict) and (resp.get("Error", {}).get("Code") == "PreconditionFailed"
+                                       or resp.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412):
+            return True
+        if "PreconditionFailed" in str(cur) or "(412)" in str(cur):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 class FsspecStore(Store):
@@ -33,6 +60,8 @@ class FsspecStore(Store):
         super().__init__(root)
         self.protocol = root.split("://", 1)[0]
         self.storage_options = dict(storage_options or {})
+        #: set on the filesystem after it is created (s3fs's own retry loop; the cache sets 1)
+        self.backend_retries: int | None = None
         self._fs: Any = None
         self._pid = -1
         self._lock = threading.Lock()
@@ -65,7 +94,10 @@ class FsspecStore(Store):
                         ) from e
                     opts = dict(self.storage_options)
                     opts.setdefault("skip_instance_cache", True)
-                    self._fs = cls(**opts)
+                    fs = cls(**opts)
+                    if self.backend_retries is not None and hasattr(fs, "retries"):
+                        fs.retries = self.backend_retries
+                    self._fs = fs
                     self._pid = os.getpid()
         return self._fs
 
@@ -144,6 +176,54 @@ class FsspecStore(Store):
             return int(self.fs.size(self._path(key)))
         except Exception as e:
             raise self._translate(key, e) from e
+
+    def stat(self, key: str) -> tuple[int, str | None]:
+        try:
+            if self.protocol in _S3_PROTOCOLS:
+                info = self.fs.info(self._path(key), refresh=True)  # never a listing's memo
+            else:
+                info = self.fs.info(self._path(key))
+        except Exception as e:
+            raise self._translate(key, e) from e
+        if info.get("type", "file") != "file":
+            raise ObjectNotFoundError(f"{self.url(key)} is a directory, not an object")
+        return int(info["size"]), _version_of(info)
+
+    def get_range_at(self, key: str, start: int, end: int, version: str | None) -> bytes:
+        if self.protocol not in _S3_PROTOCOLS or not (version or "").startswith("ETag="):
+            return super().get_range_at(key, start, end, version)
+        _check_range(self.url(key), start, end)
+        if end == start:
+            return b""
+        etag = version.split("=", 1)[1]
+        fs = self.fs
+        bucket, path, _vid = fs.split_path(self._path(key))
+
+        async def ranged() -> tuple[str | None, bytes]:
+            # If-Match makes S3 refuse a rewritten object; the ETag of the answer is checked
+            # too, for servers that ignore the header.
+            resp = await fs._call_s3("get_object", Bucket=bucket, Key=path, IfMatch=etag,
+                                     Range=f"bytes={start}-{end - 1}")
+            try:
+                return resp.get("ETag"), await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+
+        try:
+            from fsspec.asyn import sync
+
+            got, data = sync(fs.loop, ranged)
+        except Exception as e:
+            if _precondition_failed(e):
+                raise ObjectChangedError(_changed_message(self.url(key), version, "another")) from e
+            raise self._translate(key, e) from e
+        if got is not None and got != etag:
+            raise ObjectChangedError(_changed_message(self.url(key), version, f"ETag={got}"))
+        if len(data) != end - start:
+            raise TruncatedReadError(
+                f"range [{start}, {end}) of {self.url(key)} returned {len(data)} bytes"
+            )
+        return data
 
     def delete(self, key: str) -> None:
         try:

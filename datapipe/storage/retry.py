@@ -19,13 +19,16 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from ..errors import ObjectNotFoundError, RemoteError, StorageError, TruncatedReadError
+from ..errors import (ObjectChangedError, ObjectNotFoundError, RemoteError, StorageError,
+                      TruncatedReadError)
 
-__all__ = ["RetryPolicy", "is_transient", "call_with_retry", "fetch_object", "fetch_range"]
+__all__ = ["RetryPolicy", "is_transient", "call_with_retry", "run_requests", "fetch_object",
+           "fetch_range", "single_layer_options"]
 
 T = TypeVar("T")
+_QUEUED_POLL_S = 0.05
 
 _TRANSIENT_ERRNOS = {
     errno.EBUSY,
@@ -68,8 +71,15 @@ class RetryPolicy:
     ``attempts``: tries in all (1 = no retry). ``base_delay_s``/``max_delay_s``: backoff
     before retry k is ``min(max, base * 2**k)`` times a random factor in [0.5, 1].
     ``attempt_timeout_s``: one attempt that takes longer is abandoned and retried (None:
-    no limit beyond the backend's own). ``part_bytes``: objects larger than this are read
-    as concurrent range requests of this size, ``max_parts`` at a time."""
+    no limit beyond the backend's own); it holds for every kind of request (size probes,
+    whole reads, each range part), counted from the moment the request starts.
+    ``deadline_s``: one request with all its attempts and backoff (each part of a
+    multipart read on its own) gives up after this many seconds (None: no total limit).
+    ``part_bytes``: objects larger than this are read as concurrent range requests of
+    this size, ``max_parts`` at a time.
+
+    This is the only retry layer: the cache turns the backend's own retries down (see
+    :func:`single_layer_options`), so ``attempts`` is the number of requests sent."""
 
     attempts: int = 5
     base_delay_s: float = 0.1
@@ -77,6 +87,7 @@ class RetryPolicy:
     attempt_timeout_s: float | None = 120.0
     part_bytes: int = 16 << 20
     max_parts: int = 4
+    deadline_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if self.attempts < 1:
@@ -85,6 +96,8 @@ class RetryPolicy:
             raise ValueError("RetryPolicy.part_bytes and max_parts must be >= 1")
         if self.attempt_timeout_s is not None and self.attempt_timeout_s <= 0:
             raise ValueError("RetryPolicy.attempt_timeout_s must be > 0 or None")
+        if self.deadline_s is not None and self.deadline_s <= 0:
+            raise ValueError("RetryPolicy.deadline_s must be > 0 or None")
 
     def delay(self, attempt: int) -> float:
         return min(self.max_delay_s, self.base_delay_s * (2**attempt)) * random.uniform(0.5, 1.0)
@@ -114,6 +127,157 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def single_layer_options(protocol: str, options: dict[str, Any], policy: RetryPolicy) -> dict[str, Any]:
+    """fsspec options for the cold tier with the backend's own retries turned down and its
+    socket timeouts set from ``policy``: s3fs retries each call 5 times and botocore under
+    it again, so without this one datapipe attempt could be dozens of requests and minutes.
+    Values the caller set explicitly are kept. (s3fs's own loop is turned down through
+    ``FsspecStore.backend_retries``: it is not a constructor option.)"""
+    if protocol not in ("s3", "s3a"):
+        return dict(options)
+    out = dict(options)
+    config = dict(out.get("config_kwargs") or {})
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+    if policy.attempt_timeout_s is not None:
+        # a stalled socket frees its thread about when the attempt is abandoned
+        config.setdefault("connect_timeout", policy.attempt_timeout_s)
+        config.setdefault("read_timeout", policy.attempt_timeout_s)
+    out["config_kwargs"] = config
+    return out
+
+
+def _final(e: BaseException) -> bool:
+    """Failures that another attempt cannot fix."""
+    return isinstance(e, (ObjectNotFoundError, ObjectChangedError)) or not is_transient(e)
+
+
+def run_requests(
+    fns: list[Callable[[], T]],
+    whats: list[str],
+    policy: RetryPolicy,
+    *,
+    pool: cf.Executor | None = None,
+    on_retry: Callable[[BaseException], None] | None = None,
+    concurrency: int = 1,
+) -> list[T]:
+    """``[fn() for fn in fns]``, ``concurrency`` at a time, each retried on transient
+    failures. With ``pool`` every attempt runs in it and is abandoned (left to finish in
+    the background, its result dropped) once it has run ``attempt_timeout_s``; each
+    request gives up at ``deadline_s``, even while it waits for a thread of the pool. The
+    attempts are scheduled from the caller's thread, never from inside the pool, so a
+    pool full of hung requests cannot wait on itself."""
+    if pool is None:
+        return [_inline(fn, what, policy, on_retry) for fn, what in zip(fns, whats, strict=True)]
+    n = len(fns)
+    results: list[Any] = [None] * n
+    tries = [0] * n
+    deadlines: list[float | None] = [None] * n
+    not_before = [0.0] * n
+    waiting = list(range(n))
+    running: dict[cf.Future, tuple[int, list]] = {}
+    remaining = n
+
+    def give_up(i: int, last: BaseException | None, why: str) -> RemoteError:
+        for fut in running:
+            fut.cancel()
+        tail = f"; last error: {type(last).__name__}: {last}" if last is not None else ""
+        return RemoteError(f"reading {whats[i]} failed {why}{tail}")
+
+    def failed(i: int, e: BaseException) -> None:
+        if on_retry is not None:
+            on_retry(e)
+        tries[i] += 1
+        if tries[i] >= policy.attempts:
+            raise give_up(i, e, f"after {policy.attempts} attempts") from e
+        not_before[i] = time.monotonic() + policy.delay(tries[i] - 1)
+        d = deadlines[i]
+        if d is not None and not_before[i] >= d:
+            raise give_up(i, e, f"within its deadline of {policy.deadline_s} s "
+                          f"({tries[i]} attempts)") from e
+        waiting.append(i)
+
+    while remaining:
+        now = time.monotonic()
+        for i in sorted(waiting, key=lambda j: not_before[j]):
+            if len(running) >= concurrency or not_before[i] > now:
+                break
+            waiting.remove(i)
+            if deadlines[i] is None and policy.deadline_s is not None:
+                deadlines[i] = now + policy.deadline_s
+            started: list = [None]
+
+            def attempt(fn: Callable[[], T] = fns[i], started: list = started) -> T:
+                started[0] = time.monotonic()
+                return fn()
+
+            running[pool.submit(attempt)] = (i, started)
+        wake = [not_before[i] for i in waiting]
+        for i, started in running.values():
+            if deadlines[i] is not None:
+                wake.append(deadlines[i])
+            if policy.attempt_timeout_s is not None:
+                # not started yet (queued behind other downloads): look again shortly
+                wake.append(started[0] + policy.attempt_timeout_s if started[0] is not None
+                            else time.monotonic() + _QUEUED_POLL_S)
+        timeout = max(0.0, min(wake) - time.monotonic()) if wake else None
+        if not running:  # only backoff to wait out (cf.wait returns at once on nothing)
+            time.sleep(timeout or 0.0)
+            continue
+        done, _ = cf.wait(list(running), timeout=timeout, return_when=cf.FIRST_COMPLETED)
+        for fut in done:
+            i, _started = running.pop(fut)
+            try:
+                results[i] = fut.result()
+                remaining -= 1
+            except Exception as e:
+                if _final(e):
+                    for other in running:
+                        other.cancel()
+                    raise
+                failed(i, e)
+        now = time.monotonic()
+        for fut, (i, started) in list(running.items()):
+            limit = policy.attempt_timeout_s
+            if started[0] is not None and limit is not None and now - started[0] >= limit:
+                fut.cancel()
+                del running[fut]
+                failed(i, TimeoutError(f"no answer from {whats[i]} within {limit} s"))
+            elif deadlines[i] is not None and now >= deadlines[i]:
+                del running[fut]
+                fut.cancel()
+                raise give_up(i, None, f"within its deadline of {policy.deadline_s} s "
+                              f"({tries[i] + 1} attempts, the last one unanswered)")
+    return results
+
+
+def _inline(fn: Callable[[], T], what: str, policy: RetryPolicy,
+            on_retry: Callable[[BaseException], None] | None) -> T:
+    """Retries without a pool: no attempt can be abandoned, but the deadline still stops
+    further attempts."""
+    last: BaseException | None = None
+    end = None if policy.deadline_s is None else time.monotonic() + policy.deadline_s
+    made = 0
+    for attempt in range(policy.attempts):
+        if attempt:
+            pause = policy.delay(attempt - 1)
+            if end is not None and time.monotonic() + pause >= end:
+                break
+            time.sleep(pause)
+        made += 1
+        try:
+            return fn()
+        except Exception as e:
+            if _final(e):
+                raise
+            last = e
+            if on_retry is not None:
+                on_retry(e)
+    raise RemoteError(
+        f"reading {what} failed after {made} attempts; last error: "
+        f"{type(last).__name__}: {last}"
+    ) from last
+
+
 def call_with_retry(
     fn: Callable[[], T],
     what: str,
@@ -122,86 +286,55 @@ def call_with_retry(
     pool: cf.Executor | None = None,
     on_retry: Callable[[BaseException], None] | None = None,
 ) -> T:
-    """``fn()`` with retries on transient failures. With ``pool`` and a per-attempt timeout
-    each attempt runs in the pool so a hung request can be abandoned (it finishes in the
-    background; its result is dropped)."""
-    last: BaseException | None = None
-    for attempt in range(policy.attempts):
-        if attempt:
-            time.sleep(policy.delay(attempt - 1))
-        try:
-            if pool is not None and policy.attempt_timeout_s is not None:
-                fut = pool.submit(fn)
-                try:
-                    return fut.result(timeout=policy.attempt_timeout_s)
-                except cf.TimeoutError:
-                    fut.cancel()
-                    raise TimeoutError(
-                        f"no answer from {what} within {policy.attempt_timeout_s} s"
-                    ) from None
-            return fn()
-        except ObjectNotFoundError:
-            raise
-        except Exception as e:
-            if not is_transient(e):
-                raise
-            last = e
-            if on_retry is not None:
-                on_retry(e)
-    raise RemoteError(
-        f"reading {what} failed after {policy.attempts} attempts; last error: "
-        f"{type(last).__name__}: {last}"
-    ) from last
+    """``fn()`` with retries on transient failures (see :func:`run_requests`)."""
+    return run_requests([fn], [what], policy, pool=pool, on_retry=on_retry)[0]
+
+
+def _range_attempt(store, key: str, start: int, end: int, version: str | None) -> bytes:
+    if version is None:
+        data = store.get_range(key, start, end)
+    else:
+        data = store.get_range_at(key, start, end, version)
+    if len(data) != end - start:
+        raise TruncatedReadError(
+            f"range [{start}, {end}) of {store.url(key)} returned {len(data)} bytes"
+        )
+    return data
 
 
 def fetch_range(store, key: str, start: int, end: int, policy: RetryPolicy, *, pool=None,
-                on_retry=None) -> bytes:
+                on_retry=None, version: str | None = None) -> bytes:
     """Bytes ``[start, end)`` of ``key``, retried; a short body counts as transient."""
-    url = store.url(key)
-
-    def attempt() -> bytes:
-        data = store.get_range(key, start, end)
-        if len(data) != end - start:
-            raise TruncatedReadError(
-                f"range [{start}, {end}) of {url} returned {len(data)} bytes"
-            )
-        return data
-
-    return call_with_retry(attempt, f"{url} [{start}, {end})", policy, pool=pool, on_retry=on_retry)
+    return call_with_retry(lambda: _range_attempt(store, key, start, end, version),
+                           f"{store.url(key)} [{start}, {end})", policy, pool=pool,
+                           on_retry=on_retry)
 
 
 def fetch_object(store, key: str, size: int, policy: RetryPolicy, *, pool: cf.Executor | None = None,
-                 on_retry=None) -> bytes:
+                 on_retry=None, version: str | None = None) -> bytes:
     """The whole object (``size`` bytes, known beforehand), retried; large objects as
-    concurrent range requests, each retried on its own, so one reset costs one part."""
+    concurrent range requests, each retried on its own, so one reset costs one part.
+    With ``version`` (from ``store.stat``) every request reads that version, and a
+    rewrite of the object raises ObjectChangedError instead of mixing two versions."""
     url = store.url(key)
     if size < 0:
         raise StorageError(f"negative size {size} for {url}")
-    if size <= policy.part_bytes or pool is None:
+    if version is None and (size <= policy.part_bytes or pool is None):
 
         def whole() -> bytes:
             data = store.get(key)
             if len(data) < size:  # a body cut short: transient, asked again
                 raise TruncatedReadError(f"{url} returned {len(data)} bytes, expected {size}")
-            if len(data) > size:  # the object changed under us: asking again cannot help
-                raise StorageError(f"{url} returned {len(data)} bytes, expected {size}; "
-                                   "was it overwritten while being read?")
+            if len(data) > size:
+                raise ObjectChangedError(f"{url} returned {len(data)} bytes, expected {size}; "
+                                         "it was overwritten while being read")
             return data
 
         return call_with_retry(whole, url, policy, pool=pool, on_retry=on_retry)
-    bounds = [(s, min(size, s + policy.part_bytes)) for s in range(0, size, policy.part_bytes)]
-    parts: list[bytes] = [b""] * len(bounds)
-    # No attempt timeout inside parts: the part tasks already run in the pool, and nesting
-    # submissions into one bounded pool could wait on itself.
-    part_policy = RetryPolicy(policy.attempts, policy.base_delay_s, policy.max_delay_s, None,
-                              policy.part_bytes, policy.max_parts)
-    todo = list(enumerate(bounds))
-    while todo:
-        batch, todo = todo[: policy.max_parts], todo[policy.max_parts :]
-        futs = {
-            pool.submit(fetch_range, store, key, s, e, part_policy, on_retry=on_retry): i
-            for i, (s, e) in batch
-        }
-        for fut in cf.as_completed(futs):
-            parts[futs[fut]] = fut.result()
-    return b"".join(parts)
+    step = max(1, policy.part_bytes)
+    bounds = [(s, min(size, s + step)) for s in range(0, size, step)] or [(0, 0)]
+    fns = [lambda s=s, e=e: _range_attempt(store, key, s, e, version) for s, e in bounds]
+    whats = [url if len(bounds) == 1 else f"{url} [{s}, {e})" for s, e in bounds]
+    parts = run_requests(fns, whats, policy, pool=pool, on_retry=on_retry,
+                         concurrency=policy.max_parts)
+    return parts[0] if len(parts) == 1 else b"".join(parts)

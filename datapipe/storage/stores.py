@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-from ..errors import ObjectNotFoundError, StorageError, TruncatedReadError
+from ..errors import ObjectChangedError, ObjectNotFoundError, StorageError, TruncatedReadError
 
 __all__ = [
     "Store",
@@ -98,6 +98,25 @@ class Store(ABC):
     def list(self, prefix: str = "") -> list[str]:
         """Keys under ``prefix`` (a key prefix, not only a directory), sorted."""
 
+    # -- reads pinned to one version of an object ----------------------------------------
+    def stat(self, key: str) -> tuple[int, str | None]:
+        """``(size, version)``: ``version`` changes whenever the object is rewritten (an
+        ETag, a generation, the inode, size and times of a local file), None when this
+        store cannot tell versions apart."""
+        return self.size(key), None
+
+    def get_range_at(self, key: str, start: int, end: int, version: str | None) -> bytes:
+        """``get_range`` of the version ``stat`` returned; raises ObjectChangedError when the
+        object is another version now, so that the parts of one download never mix two
+        versions. This fallback checks the version after reading; stores that can ask for
+        a version (S3's If-Match) or check the file they read override it."""
+        data = self.get_range(key, start, end)
+        if version is not None:
+            now = self.stat(key)[1]
+            if now != version:
+                raise ObjectChangedError(_changed_message(self.url(key), version, now))
+        return data
+
     def readinto(self, key: str, buf: memoryview, start: int = 0) -> int:
         """Fill ``buf`` from ``start``; returns the byte count. Stores that can avoid the
         intermediate bytes object override this."""
@@ -128,6 +147,11 @@ class Store(ABC):
         return f"{type(self).__name__}({self.root!r})"
 
 
+def _changed_message(url: str, was: str | None, now: str | None) -> str:
+    return (f"{url} changed while being read (version {was} became {now}); the bytes read "
+            "so far are dropped")
+
+
 def _check_range(url: str, start: int, end: int, size: int | None = None) -> None:
     if start < 0 or end < start:
         raise StorageError(f"invalid byte range [{start}, {end}) for {url}")
@@ -143,6 +167,7 @@ class MemoryStore(Store):
     def __init__(self, root: str = "mem://") -> None:
         super().__init__(root)
         self._objects: dict[str, bytes] = {}
+        self._generation: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def get(self, key: str) -> bytes:
@@ -159,6 +184,14 @@ class MemoryStore(Store):
     def put(self, key: str, data: bytes | memoryview) -> None:
         with self._lock:
             self._objects[key] = bytes(data)
+            self._generation[key] = self._generation.get(key, 0) + 1
+
+    def stat(self, key: str) -> tuple[int, str | None]:
+        with self._lock:
+            data, gen = self._objects.get(key), self._generation.get(key)
+        if data is None:
+            raise ObjectNotFoundError(f"no object at {self.url(key)}")
+        return len(data), str(gen)
 
     @contextmanager
     def open_writer(self, key: str) -> Iterator[BinaryIO]:
@@ -181,6 +214,10 @@ class MemoryStore(Store):
 
 
 TMP_MARK = ".tmp-"
+
+
+def _file_version(st: os.stat_result) -> str:
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
 class LocalStore(Store):
@@ -215,6 +252,32 @@ class LocalStore(Store):
         with self._open_read(key) as f:
             _check_range(self.path(key), start, end)
             data = os.pread(f.fileno(), end - start, start)
+        if len(data) != end - start:
+            raise TruncatedReadError(
+                f"range [{start}, {end}) runs past the end of {self.path(key)} "
+                f"({start + len(data)} bytes)"
+            )
+        return data
+
+    def stat(self, key: str) -> tuple[int, str | None]:
+        try:
+            st = os.stat(self.path(key))
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"no file at {self.path(key)}") from None
+        return st.st_size, _file_version(st)
+
+    def get_range_at(self, key: str, start: int, end: int, version: str | None) -> bytes:
+        # The file as opened is checked before and after the read: a rename over it or a
+        # write into it in between shows in its inode, size or times.
+        with self._open_read(key) as f:
+            _check_range(self.path(key), start, end)
+            before = _file_version(os.fstat(f.fileno()))
+            if version is not None and before != version:
+                raise ObjectChangedError(_changed_message(self.path(key), version, before))
+            data = os.pread(f.fileno(), end - start, start)
+            after = _file_version(os.fstat(f.fileno()))
+        if after != before:
+            raise ObjectChangedError(_changed_message(self.path(key), before, after))
         if len(data) != end - start:
             raise TruncatedReadError(
                 f"range [{start}, {end}) runs past the end of {self.path(key)} "

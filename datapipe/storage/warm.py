@@ -7,7 +7,9 @@ Layout under the root::
     locks/<stripe>     single-flight locks, one of 1024 stripes per key; never deleted
     budget.lock        held while usage is counted, space is reserved and dead
                        temporary files are deleted
-    meta.json          the budget last configured, for ``datapipe cache stats``
+    meta.json          the budget last configured, for ``datapipe cache stats``; also the
+                       marker that this is a datapipe cache (``clear`` refuses a folder
+                       without it)
     stats/<host>-<pid>-<token>.json   each live process's cache counters, and
     stats/exited.summary               those of exited processes, merged (see node_stats.py);
                        outside the budget, a few hundred bytes per live process
@@ -27,6 +29,11 @@ shared memory.
 * Pins: a reader holds a shared flock on the copy it reads. Eviction takes an exclusive
   flock without waiting and skips what it cannot lock, so a file being read (or pinned by
   ``local_path``) is never removed.
+* Trust: each copy carries the size and digest it was filled with (an extended attribute,
+  ``user.datapipe.fill``, where the filesystem has them). A process that verified a copy
+  remembers it by (device, inode, size, mtime_ns, ctime_ns), so a copy changed in place
+  (any write moves mtime and ctime) is verified again. Only regular files in objects/
+  are copies; a symbolic link there is refused, never followed.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -51,6 +59,28 @@ __all__ = ["WarmDir", "Reservation", "warm_dir_stats", "clear_warm_dir", "DISK_F
 
 N_STRIPES = 1024
 DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+# a warm directory deleted, remounted read-only or made unwritable under an open cache
+BROKEN_DIR_ERRNOS = DISK_FULL_ERRNOS | {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+                                        errno.ESTALE, errno.EIO}
+FILL_XATTR = "user.datapipe.fill"
+MARKER = {"format": "datapipe-warm-cache", "version": 1}
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+
+
+def stat_signature(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What changes when a file is rewritten, truncated or written into in place."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def fill_record(fd: int) -> tuple[int, str] | None:
+    """``(size, digest)`` a copy was filled with, or None when it has no (readable) record."""
+    try:
+        raw = os.getxattr(fd, FILL_XATTR).decode("ascii")
+        size, digest = raw.split(" ", 1)
+        return int(size), digest
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return None
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -68,13 +98,45 @@ def _try_lock(fd: int, kind: int) -> bool:
         return False
 
 
+def _open_regular(path: str) -> int | None:
+    """An fd of the regular file at ``path``, or None: gone, or something we never write
+    there (a symbolic link, which is not followed, a FIFO, a directory), left alone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _xattrs_work(folder: str) -> bool:
+    """Whether files in ``folder`` keep user extended attributes (probed on an unnamed file,
+    so nothing is left behind)."""
+    try:
+        fd = os.open(folder, os.O_RDWR | os.O_TMPFILE, 0o600)
+    except (OSError, AttributeError):
+        return False
+    try:
+        os.setxattr(fd, FILL_XATTR, b"0 probe")
+        return os.getxattr(fd, FILL_XATTR) == b"0 probe"
+    except (OSError, AttributeError):
+        return False
+    finally:
+        os.close(fd)
+
+
 def _remove_unless_locked(path: str) -> bool | None:
     """Delete ``path`` unless a process holds a lock on it (a reader's pin, a live
     download): True when deleted, False when held, None when it was gone or had been
     replaced by a newer file (which is left alone: it was not the one found unlocked)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    fd = _open_regular(path)
+    if fd is None:
         return None
     try:
         if not _try_lock(fd, fcntl.LOCK_EX):
@@ -100,16 +162,28 @@ class Reservation:
     tmp: str
     fd: int
 
-    def write_and_publish(self, data: bytes | memoryview) -> None:
+    def write_and_publish(self, data: bytes | memoryview, digest: str | None = None) -> None:
+        """Write and publish the copy; ``digest`` (its checksum) is recorded with it, so a
+        later reader without a checksum can still tell a damaged copy."""
         view = memoryview(data)
+        if len(view) != self.size:
+            raise StorageError(f"{self.warm.path(self.key)}: {len(view)} bytes for a "
+                               f"reservation of {self.size}")
         off = 0
         while off < len(view):
             off += os.pwrite(self.fd, view[off:], off)
+        if digest is not None:
+            try:
+                os.setxattr(self.fd, FILL_XATTR, f"{len(view)} {digest}".encode("ascii"))
+            except (OSError, AttributeError):
+                pass  # no xattrs here: readers fall back to the object's size
         # Published by rename: readers see the whole copy or none; its size is unchanged,
         # so the accounting does not move. Closing drops our lock on the published file.
         now = time.time_ns()
         os.utime(self.fd, ns=(now, now))
         os.rename(self.tmp, self.warm.path(self.key))
+        if digest is not None:
+            self.warm.mark_verified(os.fstat(self.fd), digest)  # we wrote these very bytes
         os.close(self.fd)
         self.fd = -1
 
@@ -135,6 +209,11 @@ class WarmDir:
         for d in (self.objects, self.tmpdir, self.locks):
             os.makedirs(d, exist_ok=True)
         self.evictions = 0
+        # Where copies can carry their fill record, one without it was not written by a
+        # filler (planted, or replaced behind our back) and is refused.
+        self.records = _xattrs_work(self.objects)
+        # (dev, ino) -> (signature when verified, digests it matched); per process
+        self._verified: dict[tuple[int, int], tuple[tuple, set[str]]] = {}
         self.cleaned = self.clean_dead_tmp()
         try:
             _write_meta(self.root, self.budget)
@@ -144,14 +223,34 @@ class WarmDir:
     def path(self, key: str) -> str:
         return os.path.join(self.objects, key)
 
+    def repair(self) -> None:
+        """Re-create the layout after the directory was deleted under us; raises OSError
+        when it cannot be (read-only, gone with its parent unwritable)."""
+        for d in (self.objects, self.tmpdir, self.locks, os.path.join(self.root, "stats")):
+            os.makedirs(d, exist_ok=True)
+        _write_meta(self.root, self.budget)
+
+    # -- trust ---------------------------------------------------------------------------
+    def is_verified(self, st: os.stat_result, digest: str) -> bool:
+        seen = self._verified.get((st.st_dev, st.st_ino))
+        return seen is not None and seen[0] == stat_signature(st) and digest in seen[1]
+
+    def mark_verified(self, st: os.stat_result, digest: str) -> None:
+        key = (st.st_dev, st.st_ino)
+        sig = stat_signature(st)
+        seen = self._verified.get(key)
+        if seen is None or seen[0] != sig:
+            seen = (sig, set())
+            self._verified[key] = seen
+        seen[1].add(digest)
+
     # -- reading -------------------------------------------------------------------------
     def open_pinned(self, key: str) -> int | None:
         """An fd of the published copy holding a shared flock (a pin), or None if absent.
         Also marks the copy as just used (its mtime is the node-wide LRU clock)."""
         path = self.path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        fd = _open_regular(path)  # a link planted in objects/ is a miss, never followed
+        if fd is None:
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -170,12 +269,21 @@ class WarmDir:
                 # a timer tick, and ties would make the node-wide LRU order arbitrary.
                 now = time.time_ns()
                 os.utime(fd, ns=(now, now))
+                self._carry_trust(st, os.fstat(fd), now)
             except OSError:
                 pass  # a read-only mount still serves hits; recency just stops moving
             return fd
         except BaseException:
             os.close(fd)
             raise
+
+    def _carry_trust(self, before: os.stat_result, after: os.stat_result, stamp: int) -> None:
+        """Our own recency stamp moves mtime and ctime; what was verified before it stays
+        verified, unless a write slipped in (then mtime is not our stamp)."""
+        seen = self._verified.get((before.st_dev, before.st_ino))
+        if seen is not None and seen[0] == stat_signature(before):
+            if after.st_mtime_ns == stamp and after.st_size == before.st_size:
+                self._verified[(after.st_dev, after.st_ino)] = (stat_signature(after), seen[1])
 
     def discard(self, key: str, fd: int | None = None) -> None:
         """Remove a copy found corrupt (the caller's pin, if any, is released)."""
@@ -189,6 +297,9 @@ class WarmDir:
             os.unlink(path)
         except FileNotFoundError:
             pass
+        except OSError as e:
+            if e.errno not in BROKEN_DIR_ERRNOS:
+                raise  # a read-only mount: the copy stays, and is refused each time
         finally:
             if fd is not None:
                 os.close(fd)
@@ -216,11 +327,21 @@ class WarmDir:
         with os.scandir(self.objects) as it:
             for e in it:
                 try:
-                    st = e.stat()
+                    st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                out.append((e.name, st.st_size, st.st_mtime_ns))
+                if stat.S_ISREG(st.st_mode):  # a planted link is neither counted nor evicted
+                    out.append((e.name, st.st_size, st.st_mtime_ns))
         return out
+
+    def pinned_bytes(self) -> int:
+        """Bytes of published copies some process holds pinned (or is reading) now."""
+        total = 0
+        for name, _size, _m in self.entries():
+            found = _size_and_held(self.path(name))
+            if found is not None and found[1]:
+                total += found[0]
+        return total
 
     def _tmp_bytes(self) -> int:
         total = 0
@@ -313,9 +434,8 @@ def _clean_dead_tmp(tmpdir: str) -> int:
 def _size_and_held(path: str) -> tuple[int, bool] | None:
     """(size, whether a process holds a lock on it: a pin or a live download), or None
     when it is gone. Probing takes the lock for a moment; closing the fd drops it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    fd = _open_regular(path)
+    if fd is None:
         return None
     try:
         return os.fstat(fd).st_size, not _try_lock(fd, fcntl.LOCK_EX)
@@ -326,7 +446,7 @@ def _size_and_held(path: str) -> tuple[int, bool] | None:
 def _write_meta(root: str, budget: int) -> None:
     tmp = os.path.join(root, f".meta.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     with open(tmp, "w") as f:
-        json.dump({"format": "datapipe-warm-cache", "version": 1, "budget_bytes": budget}, f)
+        json.dump({**MARKER, "budget_bytes": budget}, f)
     os.replace(tmp, os.path.join(root, "meta.json"))
 
 
@@ -337,6 +457,17 @@ def _check_warm_dir(root: str) -> str:
     if not os.path.isdir(os.path.join(root, "objects")):
         raise StorageError(
             f"{root} is not a datapipe warm cache directory (it has no objects/ folder)"
+        )
+    try:
+        with open(os.path.join(root, "meta.json")) as f:
+            meta = json.load(f)
+        ok = isinstance(meta, dict) and all(meta.get(k) == v for k, v in MARKER.items())
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise StorageError(
+            f"{root} is not a datapipe warm cache directory (no meta.json marking it as "
+            "one); refusing to touch it. Point at the warm_dir a TieredCache was given"
         )
     return root
 
