@@ -25,6 +25,7 @@ __all__ = [
     "chunk_key",
     "parse_step_dir",
     "parse_attempt",
+    "is_data_key",
     "encode_doc",
     "decode_doc",
     "MAX_MANIFEST_BYTES",
@@ -72,6 +73,17 @@ def parse_step_dir(name: str) -> int | None:
     """The step of a ``step-000000000100`` directory name, or None for any other name."""
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+_DATA_KEY_RE = re.compile(
+    r"^step-\d{12}/[A-Za-z0-9_]{1,64}-\d{1,9}/(part-\d{5}\.json|rank-\d{5}/chunk-\d{6}\.bin)$"
+)
+
+
+def is_data_key(key: str) -> bool:
+    """Whether ``key`` is a part or chunk name this format writes (retention deletes
+    only such keys and manifests, never a file someone else put in the folder)."""
+    return bool(_DATA_KEY_RE.match(key))
 
 
 def parse_attempt(name: Any) -> tuple[str, int] | None:

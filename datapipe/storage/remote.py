@@ -20,6 +20,16 @@ __all__ = ["FsspecStore"]
 
 # object stores whose upload publishes only when it completes (discarded on failure)
 _STREAMING_WRITE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "abfss"}
+# conditional PUT (If-None-Match: * / If-Match: <ETag>) through s3fs
+_CONDITIONAL_WRITE_PROTOCOLS = {"s3", "s3a"}
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    if isinstance(e, FileExistsError):  # s3fs: If-None-Match failed
+        return True
+    resp = getattr(e.__cause__, "response", None) or {}
+    code = str(resp.get("Error", {}).get("Code", ""))
+    return code in ("PreconditionFailed", "412", "ConditionalRequestConflict")
 
 
 class FsspecStore(Store):
@@ -36,6 +46,7 @@ class FsspecStore(Store):
         self._fs: Any = None
         self._pid = -1
         self._lock = threading.Lock()
+        self.supports_conditional_writes = self.protocol in _CONDITIONAL_WRITE_PROTOCOLS
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -102,6 +113,34 @@ class FsspecStore(Store):
             self.fs.pipe_file(self._path(key), bytes(data))
         except Exception as e:
             raise self._translate(key, e) from e
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        if not self.supports_conditional_writes:
+            return super().get_tagged(key)
+        path = self._path(key)
+        try:
+            self.fs.invalidate_cache(path)  # the tag must be the object's, not a listing's
+            with self.fs.open(path, "rb") as f:  # s3fs pins every read to this ETag
+                return f.read(), str(f.details["ETag"])
+        except Exception as e:
+            raise self._translate(key, e) from e
+
+    def put_if(self, key: str, data: bytes, match: str | None) -> str | None:
+        if not self.supports_conditional_writes:
+            return super().put_if(key, data, match)
+        path = self._path(key)
+        try:
+            if match is None:
+                out = self.fs.pipe_file(path, bytes(data), mode="create")
+            else:
+                out = self.fs.pipe_file(path, bytes(data), IfMatch=match)
+        except Exception as e:
+            if match is not None and isinstance(e, FileNotFoundError):
+                return None  # If-Match on an object that is gone
+            if _precondition_failed(e):
+                return None
+            raise self._translate(key, e) from e
+        return str(out["ETag"])
 
     @contextmanager
     def open_writer(self, key: str) -> Iterator[BinaryIO]:
