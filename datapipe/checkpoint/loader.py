@@ -173,7 +173,8 @@ def _check_part(part: dict[str, Any], entry: dict[str, Any], step: int, attempt:
     def bad(msg: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: part {entry['key']}: {msg}")
 
-    if (part.get("step"), part.get("attempt"), part.get("rank"), part.get("world_size")) != (step, attempt, r, ws):
+    ident = (part.get("step"), part.get("attempt"), part.get("rank"), part.get("world_size"))
+    if ident != (step, attempt, r, ws) or not all(_is_int(v) for v in ident[::2] + ident[3:]):
         raise bad(f"is for step {part.get('step')!r:.40} attempt {part.get('attempt')!r:.80} "
                   f"rank {part.get('rank')!r:.40}/{part.get('world_size')!r:.40}")
     compression, cb = part.get("compression"), part.get("chunk_bytes")
@@ -182,7 +183,7 @@ def _check_part(part: dict[str, Any], entry: dict[str, Any], step: int, attempt:
     if not _is_int(cb, 1, MAX_CHUNK_BYTES):
         raise bad(f"chunk_bytes {cb!r:.40} is not an int in [1, {MAX_CHUNK_BYTES}]")
     total, stored = part.get("data_bytes"), part.get("stored_bytes")
-    if total != entry["data_bytes"] or stored != entry["stored_bytes"]:
+    if not (_is_int(total) and _is_int(stored)) or total != entry["data_bytes"] or stored != entry["stored_bytes"]:
         raise bad(f"sizes {total!r:.40}/{stored!r:.40} differ from the manifest's "
                   f"{entry['data_bytes']}/{entry['stored_bytes']}")
     chunks, leaves = part.get("chunks"), part.get("leaves")
@@ -195,7 +196,7 @@ def _check_part(part: dict[str, Any], entry: dict[str, Any], step: int, attempt:
         key, off, n, sb = c.get("key"), c.get("offset"), c.get("bytes"), c.get("stored_bytes")
         if key != chunk_key(step, attempt, r, i):
             raise bad(f"chunk {i} key {key!r:.120} is not {chunk_key(step, attempt, r, i)}")
-        if off != pos or not _is_int(n, 1, cb) or not _is_int(sb, 0, MAX_CHUNK_BYTES + (1 << 20)):
+        if not _is_int(off) or off != pos or not _is_int(n, 1, cb) or not _is_int(sb, 0, MAX_CHUNK_BYTES + (1 << 20)):
             raise bad(f"chunk {key} at offset {off!r:.40}, {n!r:.40} bytes ({sb!r:.40} stored) breaks the layout")
         if not isinstance(c.get("checksum"), str) or (compression == "zstd" and not isinstance(c.get("raw_checksum"), str)):
             raise bad(f"chunk {key} has no checksum")
