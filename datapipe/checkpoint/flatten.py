@@ -211,7 +211,7 @@ def flatten(state: Any, *, allow_meta: bool = False) -> tuple[Any, list[Leaf]]:
                         if isinstance(k, str):
                             count(len(k), path)
                         else:
-                            k = check_int(k, _path(path, k))
+                            k = check_int(k, path)  # a huge key cannot even be printed in a path
                         items.append([k, walk(v, _path(path, k), depth + 1)])
                     return {"odict" if isinstance(x, OrderedDict) else "dict": items}
                 if type(x) is tuple or type(x) is list:

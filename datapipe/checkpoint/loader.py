@@ -373,10 +373,10 @@ def load_checkpoint(url: str, step: int | None = None, map_location: Any = None,
             return _load_step(store, step, rank, map_location)
         except ObjectNotFoundError as e:
             raise NoCheckpointError(f"no complete checkpoint for step {step} at {url}: {e}") from e
-    # A writer's retention may delete the step this load chose while it reads (it keeps
+    # A writer's retention may delete the step this load chose while it reads (it deletes
     # only steps older than a newer commit, so a fresh listing finds that commit): when a
-    # chosen step vanishes, list again, once.
-    for rescan in (True, False):
+    # chosen step vanishes, list again (a few times: a writer may commit again meanwhile).
+    for rescan in (True, True, True, False):
         by_step = scan_steps(store)
         if not by_step:
             raise NoCheckpointError(f"no checkpoint at {url}")

@@ -141,7 +141,7 @@ class CheckpointWriter:
         self.store = open_store(url, storage_options)
         self.rank, self.world_size = topology(rank, world_size)
         self.run_id = agree_run_id(self.rank, self.world_size, run_id)
-        self._order: dict[int, int] = {}
+        self._saved_at: dict[tuple[int, int], int] = {}  # (step, n) of each attempt -> its save's number
         self._calls = 0
         self._api_lock = threading.Lock()  # one thread at a time in save/prepare/close
         self.keep_last, self.keep_every = keep_last, keep_every
@@ -233,8 +233,6 @@ class CheckpointWriter:
         if mode not in ("wait", "skip"):
             raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {mode!r}")
         tree, leaves = flatten(state)  # unsupported objects fail here, before any write
-        self._calls += 1
-        self._order[step] = self._calls
         if step < self._max_step:
             warnings.warn(
                 f"saving step {step} to {self.url}, below step {self._max_step} saved there before: "
@@ -263,6 +261,8 @@ class CheckpointWriter:
         total = self._staging.total
         n = self._attempts.get(step, 0)
         self._attempts[step] = n + 1
+        self._calls += 1
+        self._saved_at[(step, n)] = self._calls
         h = SaveHandle(step, self._reported)
         h.metrics.update(bytes=total, waited_s=waited, staging_s=staging_s,
                          staging_gbps=total / staging_s / 1e9 if staging_s > 0 else float("inf"))
@@ -409,9 +409,13 @@ class CheckpointWriter:
             run_id = self.run_id
 
             def in_flight(step: int, attempt: str) -> bool:
-                # a step this job saved after the committed one may still be written by a rank
+                # An attempt of this job that rank 0 had not saved before this one: another
+                # rank, which may be ahead of rank 0, may still be writing it. Attempts rank 0
+                # saved earlier are finished on every rank (each rank saves in call order and
+                # every part of this step exists).
                 pa = parse_attempt(attempt)
-                return pa is not None and pa[0] == run_id and self._order.get(step, -1) > job.order
+                return (pa is not None and pa[0] == run_id
+                        and self._saved_at.get((step, pa[1]), job.order + 1) > job.order)
 
             try:
                 self._lease.check("deleting old checkpoints")  # type: ignore[union-attr]
