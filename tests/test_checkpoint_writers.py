@@ -18,7 +18,7 @@ import torch
 from datapipe.checkpoint import CheckpointWriter, list_checkpoints, load_checkpoint
 from datapipe.checkpoint.commit import apply_retention
 from datapipe.checkpoint.format import encode_doc, manifest_key
-from datapipe.errors import CheckpointError, NoCheckpointError, UnsupportedStateError
+from datapipe.errors import CheckpointError, UnsupportedStateError
 from datapipe.storage import open_store
 
 LEASE_KEY = "writer.lease"  # docs/CHECKPOINT_FORMAT.md

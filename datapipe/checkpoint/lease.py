@@ -30,7 +30,12 @@ import uuid
 from typing import Any
 
 from ..checksum import checksum
-from ..errors import CheckpointError, CorruptCheckpointError, ObjectNotFoundError, StorageError
+from ..errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    StorageError,
+)
 from ..storage import LocalStore, Store
 from .format import MAX_LATEST_BYTES, decode_doc, encode_doc
 
@@ -102,7 +107,7 @@ class Lease:
         )
 
     # -- acquire ----------------------------------------------------------------------------
-    def acquire(self) -> "Lease":
+    def acquire(self) -> Lease:
         deadline = time.monotonic() + self.wait
         while True:
             try:

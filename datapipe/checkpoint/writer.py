@@ -23,9 +23,24 @@ from typing import Any
 from ..checksum import Hasher
 from ..errors import CheckpointError
 from ..storage import open_store
-from .commit import apply_retention, await_parts, scan_steps, sync_dirs, write_latest, write_manifest
+from .commit import (
+    apply_retention,
+    await_parts,
+    scan_steps,
+    sync_dirs,
+    write_latest,
+    write_manifest,
+)
 from .flatten import Leaf, flatten
-from .format import MAX_CHUNK_BYTES, MAX_PART_BYTES, chunk_key, encode_doc, manifest_key, parse_attempt, part_key
+from .format import (
+    MAX_CHUNK_BYTES,
+    MAX_PART_BYTES,
+    chunk_key,
+    encode_doc,
+    manifest_key,
+    parse_attempt,
+    part_key,
+)
 from .lease import Lease
 from .staging import StagingBuffer
 from .topology import agree_run_id, lower_thread_priority, topology
@@ -301,7 +316,7 @@ class CheckpointWriter:
         finally:
             self._api_lock.release()
 
-    def __enter__(self) -> "CheckpointWriter":
+    def __enter__(self) -> CheckpointWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
