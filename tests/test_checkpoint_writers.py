@@ -116,9 +116,10 @@ def test_s3_stale_lease_is_taken_over_and_a_fresh_one_is_waited_for(s3):
     with CheckpointWriter(url, storage_options=opts) as w:  # stale: taken over
         assert b'"writer": "dead"' not in store.get(LEASE_KEY)
         w.save(1, {"x": 1}).wait()
-    store.put(LEASE_KEY, _lease_doc(heartbeat_ago=0, ttl=1.0))
+    store.put(LEASE_KEY, _lease_doc(heartbeat_ago=0))
     with pytest.raises(CheckpointError, match="another checkpoint writer"):
         CheckpointWriter(url, storage_options=opts)
+    store.put(LEASE_KEY, _lease_doc(heartbeat_ago=0, ttl=1.0))
     with CheckpointWriter(url, storage_options=opts, lease_wait=30) as w:  # goes stale after 1 s
         w.save(2, {"x": 2}).wait()
     assert load_checkpoint(url, storage_options=opts) == {"x": 2}
@@ -312,3 +313,19 @@ def test_a_load_whose_step_is_deleted_by_a_commit_lists_again(tmp_path):
         _ON_OPEN.clear()
         w.close()
     assert got == {"s": 2}
+
+
+def test_a_forked_child_exiting_leaves_the_parent_s_lease(tmp_path):
+    """DataLoader workers are forks of the training process: their exit hooks must not
+    close the parent's writer or release its lease."""
+    import multiprocessing as mp
+
+    url = str(tmp_path / "ckpt")
+    with CheckpointWriter(url) as w:
+        w.save(1, {"x": 1}).wait()
+        p = mp.get_context("fork").Process(target=int)
+        p.start()
+        p.join()
+        assert p.exitcode == 0
+        w.save(2, {"x": 2}).wait()  # still holds the lease: commits
+    assert load_checkpoint(url) == {"x": 2}

@@ -66,6 +66,7 @@ class Lease:
         self.local = isinstance(store, LocalStore)
         self.exclusive = self.local or store.supports_conditional_writes
         self._fd: int | None = None
+        self._pid = os.getpid()
         self._ino: int | None = None
         self._tag: str | None = None
         self._acquired = 0.0
@@ -233,6 +234,8 @@ class Lease:
                 )
 
     def release(self) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child (a DataLoader worker) exiting: the lease is its parent's
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

@@ -11,6 +11,7 @@ the wait. A failure in the background is kept and raised at the next ``save()``,
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import sys
 import threading
@@ -115,7 +116,9 @@ def _checksum_in_slices(data: memoryview, piece: int = 1 << 20) -> str:
 
 def _close_at_exit(ref: Any) -> None:
     w = ref()
-    if w is not None and not w._closed:
+    # Not in a forked child (a DataLoader worker): the writer thread and the lease are the
+    # parent's, and a save in flight at the fork never finishes there.
+    if w is not None and not w._closed and w._pid == os.getpid():
         try:
             w.close()
         except Exception as e:  # the interpreter is exiting: say it, do not hide it
@@ -158,6 +161,7 @@ class CheckpointWriter:
         self.run_id = agree_run_id(self.rank, self.world_size, run_id)
         self._saved_at: dict[tuple[int, int], int] = {}  # (step, n) of each attempt -> its save's number
         self._calls = 0
+        self._pid = os.getpid()
         self._api_lock = threading.Lock()  # one thread at a time in save/prepare/close
         self.keep_last, self.keep_every = keep_last, keep_every
         self.compression, self.zstd_level = compression, zstd_level
