@@ -331,3 +331,16 @@ def test_a_forked_child_exiting_leaves_the_parent_s_lease(tmp_path):
         assert p.exitcode == 0
         w.save(2, {"x": 2}).wait()  # still holds the lease: commits
     assert load_checkpoint(url) == {"x": 2}
+
+
+def test_a_store_without_conditional_writes_still_refuses_a_second_live_writer():
+    import uuid
+
+    url = f"memory://lease-{uuid.uuid4().hex[:8]}/ckpt"  # fsspec memory://: no conditional PUT
+    with CheckpointWriter(url) as w:
+        with pytest.raises(CheckpointError, match="another checkpoint writer"):
+            CheckpointWriter(url)
+        w.save(1, {"x": 1}).wait()
+    with CheckpointWriter(url) as w:  # released at close
+        w.save(2, {"x": 2}).wait()
+    assert load_checkpoint(url) == {"x": 2}

@@ -22,11 +22,13 @@ retention deletes anything; a writer that lost it fails its save instead.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import threading
 import time
 import uuid
+import warnings
 from typing import Any
 
 from ..checksum import checksum
@@ -136,6 +138,15 @@ class Lease:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return self._parse(os.pread(fd, MAX_LATEST_BYTES + 1, 0))
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                # a filesystem without locks (some NFS mounts): the store's own protocol
+                warnings.warn(f"{self.url}: the filesystem refuses flock ({e}); the writer lease "
+                              "falls back to write-and-read-back, which two writers starting "
+                              "at the same instant can both pass", stacklevel=4)
+                self.local = self.exclusive = False
+                return self._try_remote()
             try:
                 same = os.stat(path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
