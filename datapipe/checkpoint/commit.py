@@ -10,23 +10,28 @@ retention runs after that and deletes a manifest before the data it names.
 from __future__ import annotations
 
 import os
-import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
-from ..errors import CheckpointError, ObjectNotFoundError
+from ..errors import CheckpointError, ObjectNotFoundError, StorageError
 from ..storage import LocalStore, Store
+from ..storage.stores import TMP_MARK
 from .format import (
     LATEST_KEY,
+    MANIFEST_NAME,
+    MAX_LATEST_BYTES,
     decode_doc,
     encode_doc,
+    is_data_key,
     manifest_key,
     parse_step_dir,
     part_key,
     step_dir,
 )
 
-__all__ = ["sync_dirs", "await_parts", "write_manifest", "write_latest", "apply_retention", "scan_steps"]
+__all__ = ["sync_dirs", "await_parts", "write_manifest", "write_latest", "apply_retention", "scan_steps",
+           "read_latest_step"]
 
 
 def sync_dirs(store: Store, key: str) -> None:
@@ -118,40 +123,98 @@ def scan_steps(store: Store) -> dict[int, list[str]]:
     return out
 
 
-def _delete_step(store: Store, step: int, keys: list[str]) -> None:
-    # The manifest goes first: from then on the step is merely incomplete, never torn.
+def read_latest_step(store: Store) -> int | None:
+    """The step ``latest`` points to, or None if it is absent or unreadable."""
+    try:
+        if store.size(LATEST_KEY) > MAX_LATEST_BYTES:
+            return None
+        doc = decode_doc(store.get(LATEST_KEY), "latest", store.url(LATEST_KEY))
+    except (CheckpointError, StorageError):
+        return None
+    step = doc.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def _sweep_tmp(path: str, suffix: str = "") -> None:
+    """Unlink the temporary files (``.tmp-<id>-<name>``) that killed or failed writes
+    left directly in ``path``."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(TMP_MARK) and name.endswith(suffix):
+            try:
+                os.unlink(os.path.join(path, name))
+            except OSError:
+                pass
+
+
+def _delete_step(store: Store, step: int, keys: list[str], keep_attempt: Callable[[str], bool],
+                 delete_manifest: bool = True) -> None:
+    """Delete a step's manifest and the parts and chunks of every attempt that
+    ``keep_attempt`` does not claim. Keys that are not this format's names are left alone:
+    a writer deletes only what writers of this format write."""
     mkey = manifest_key(step)
-    if mkey in keys:
+    if delete_manifest and mkey in keys:
+        # The manifest goes first: from then on the step is merely incomplete, never torn.
         store.delete(mkey)
+    attempts = set()
     for key in keys:
-        if key != mkey:
-            store.delete(key)
+        if is_data_key(key):
+            attempt = key.split("/")[1]
+            if not keep_attempt(attempt):
+                attempts.add(attempt)
+                store.delete(key)
     if isinstance(store, LocalStore):
-        # Also the temporary files of killed writers, which listings hide, and the empty dirs.
-        shutil.rmtree(os.path.join(store.root, step_dir(step)), ignore_errors=True)
+        # The temporary files of killed writers, which listings hide, inside the attempts
+        # we deleted (and of a manifest in the step folder), then the folders left empty.
+        sdir = os.path.join(store.root, step_dir(step))
+        for attempt in attempts:
+            for dirpath, _dirs, _files in os.walk(os.path.join(sdir, attempt), topdown=False):
+                _sweep_tmp(dirpath)
+                try:
+                    os.rmdir(dirpath)
+                except OSError:
+                    pass
+        if delete_manifest:
+            _sweep_tmp(sdir, MANIFEST_NAME)
+            try:
+                os.rmdir(sdir)
+            except OSError:
+                pass  # not empty: an attempt in flight or a file that is not ours
 
 
 def apply_retention(store: Store, committed: int, attempt: str, keep_last: int,
-                    keep_every: int | None) -> list[int]:
+                    keep_every: int | None,
+                    in_flight: Callable[[int, str], bool] = lambda step, attempt: False) -> list[int]:
     """Delete old checkpoints after ``committed`` is durable; returns the deleted steps.
 
     Kept: the ``keep_last`` highest complete steps, every complete step divisible by
-    ``keep_every``, and ``committed`` itself. Incomplete steps below ``committed`` are
-    leftovers of crashed or skipped saves (every rank has finished them) and go too.
-    Older attempts inside the committed step are removed."""
+    ``keep_every``, ``committed`` itself and the step ``latest`` points to (if writing
+    ``latest`` failed, it still names the previous commit, which a reader may be using).
+    Incomplete steps below ``committed`` are leftovers of crashed or skipped saves and go
+    too, except attempts ``in_flight(step, attempt)`` claims (a rank of this writer's job
+    may still write a step it saved after ``committed``). Older attempts inside the
+    committed step are removed."""
     by_step = scan_steps(store)
     complete = sorted(s for s, keys in by_step.items() if manifest_key(s) in keys)
     keep = set(complete[-keep_last:]) | {committed}
+    pointed = read_latest_step(store)
+    if pointed is not None:
+        keep.add(pointed)
     if keep_every:
         keep |= {s for s in complete if s % keep_every == 0}
     deleted = []
     for s, keys in sorted(by_step.items()):
         if s in keep or s > committed:
             continue
-        _delete_step(store, s, keys)
+        _delete_step(store, s, keys, lambda a, s=s: in_flight(s, a))
         deleted.append(s)
-    prefix = f"{step_dir(committed)}/{attempt}/"
-    for key in by_step.get(committed, []):
-        if key != manifest_key(committed) and not key.startswith(prefix):
-            store.delete(key)
+    _delete_step(store, committed, by_step.get(committed, []),
+                 lambda a: a == attempt or in_flight(committed, a), delete_manifest=False)
+    if isinstance(store, LocalStore):
+        # a `latest` whose write failed (disk full) or was killed; we hold the lease,
+        # so no other writer is writing one now
+        _sweep_tmp(store.root, "-" + LATEST_KEY)
     return deleted

@@ -11,6 +11,7 @@ torch is never imported here: a tensor can only exist if torch is already loaded
 from __future__ import annotations
 
 import base64
+import binascii
 import math
 import sys
 import warnings
@@ -22,7 +23,18 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedStateError
 
-__all__ = ["Leaf", "flatten", "unflatten", "torch_copyable", "torch_dtype_name", "torch_dtype_from_name"]
+__all__ = ["Leaf", "flatten", "unflatten", "torch_copyable", "torch_dtype_name", "torch_dtype_from_name",
+           "dense_permuted", "MAX_STATE_DEPTH", "MAX_INT_BITS", "MAX_TREE_PAYLOAD"]
+
+# What a save accepts is what a load can read back (format.py bounds the reader):
+# containers nested at most this deep (each encodes as up to three JSON levels) ...
+MAX_STATE_DEPTH = 100
+# ... ints Python's JSON reader parses back (it refuses more than 4,300 digits;
+# 13,000 bits are at most 3,914) ...
+MAX_INT_BITS = 13_000
+# ... and str/bytes in the tree that keep the part document under MAX_PART_BYTES
+# (bytes grow by 4/3 in base64); large blobs belong in a numpy uint8 array.
+MAX_TREE_PAYLOAD = 128 << 20
 
 
 @dataclass
@@ -87,7 +99,7 @@ def torch_copyable(dtype: Any) -> bool:
     return ok
 
 
-def _dense_permuted(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+def dense_permuted(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     """True if the strides are a permutation of a contiguous layout: no gaps, no overlap."""
     expected = 1
     for d in sorted(range(len(shape)), key=lambda d: strides[d]):
@@ -116,7 +128,7 @@ def _torch_leaf(t: Any, path: str, torch: Any, allow_meta: bool = False) -> Leaf
     shape = tuple(t.shape)
     strides = None
     if (not t.is_contiguous() and t.numel() > 0 and torch_copyable(t.dtype)
-            and _dense_permuted(shape, tuple(t.stride()))):
+            and dense_permuted(shape, tuple(t.stride()))):
         strides = tuple(t.stride())
     return Leaf(path, "torch", torch_dtype_name(t.dtype), shape, t.numel() * t.element_size(),
                 strides, t, str(t.device))
@@ -139,15 +151,35 @@ def flatten(state: Any, *, allow_meta: bool = False) -> tuple[Any, list[Leaf]]:
     leaves: list[Leaf] = []
     torch = sys.modules.get("torch")
     seen: set[int] = set()
+    payload = [0]
 
-    def walk(x: Any, path: str) -> Any:
-        if x is None or isinstance(x, (bool, str)):
+    def count(n: int, path: str) -> None:
+        payload[0] += n
+        if payload[0] > MAX_TREE_PAYLOAD:
+            raise UnsupportedStateError(
+                f"state path {path or '<root>'!r}: the state holds more than {MAX_TREE_PAYLOAD} bytes of "
+                "str/bytes outside arrays; store large blobs as numpy uint8 arrays"
+            )
+
+    def check_int(v: int, path: str) -> int:
+        if v.bit_length() > MAX_INT_BITS:
+            raise UnsupportedStateError(
+                f"state path {path or '<root>'!r}: an int of {v.bit_length()} bits is too large to store "
+                f"(at most {MAX_INT_BITS} bits, which JSON readers parse back); store it as a str"
+            )
+        return int(v)
+
+    def walk(x: Any, path: str, depth: int = 0) -> Any:
+        if x is None or isinstance(x, bool):
+            return x
+        if isinstance(x, str):
+            count(len(x), path)
             return x
         if isinstance(x, np.generic):  # before int/float: np.float64 subclasses float
             leaves.append(_numpy_leaf(np.asarray(x), path, "npscalar"))
             return {"leaf": len(leaves) - 1}
         if isinstance(x, int):
-            return int(x)
+            return check_int(x, path)
         if isinstance(x, float):
             return float(x) if math.isfinite(x) else {"float": repr(float(x))}
         if torch is not None and isinstance(x, torch.Tensor):
@@ -157,8 +189,13 @@ def flatten(state: Any, *, allow_meta: bool = False) -> tuple[Any, list[Leaf]]:
             leaves.append(_numpy_leaf(x, path, "numpy"))
             return {"leaf": len(leaves) - 1}
         if isinstance(x, (bytes, bytearray)):
+            count(len(x) * 4 // 3, path)
             return {"bytes": base64.b64encode(bytes(x)).decode()}
         if isinstance(x, (dict, list, tuple)):
+            if depth >= MAX_STATE_DEPTH:
+                raise UnsupportedStateError(
+                    f"state path {path!r:.200}: containers nested deeper than {MAX_STATE_DEPTH} levels"
+                )
             if id(x) in seen:
                 raise UnsupportedStateError(f"state path {path!r}: the state contains itself (a cycle)")
             seen.add(id(x))
@@ -171,11 +208,15 @@ def flatten(state: Any, *, allow_meta: bool = False) -> tuple[Any, list[Leaf]]:
                                 f"state path {_path(path, k)!r}: dict key {k!r} of type "
                                 f"{type(k).__name__} is not supported (use str or int keys)"
                             )
-                        items.append([k if isinstance(k, str) else int(k), walk(v, _path(path, k))])
+                        if isinstance(k, str):
+                            count(len(k), path)
+                        else:
+                            k = check_int(k, path)  # a huge key cannot even be printed in a path
+                        items.append([k, walk(v, _path(path, k), depth + 1)])
                     return {"odict" if isinstance(x, OrderedDict) else "dict": items}
                 if type(x) is tuple or type(x) is list:
                     tag = "tuple" if type(x) is tuple else "list"
-                    return {tag: [walk(v, _path(path, i)) for i, v in enumerate(x)]}
+                    return {tag: [walk(v, _path(path, i), depth + 1) for i, v in enumerate(x)]}
             finally:
                 seen.discard(id(x))
         where = path or "<root>"
@@ -219,7 +260,10 @@ def unflatten(tree: Any, leaves: list[Any], where: str) -> Any:
             if tag == "float" and val in ("nan", "inf", "-inf"):
                 return float(val)
             if tag == "bytes" and isinstance(val, str):
-                return base64.b64decode(val.encode(), validate=True)
+                try:
+                    return base64.b64decode(val.encode(), validate=True)
+                except (binascii.Error, UnicodeEncodeError) as e:
+                    raise bad(f"bytes node is not base64 ({e})") from None
         raise bad(f"unknown node {node!r:.80}")
 
     return build(tree)

@@ -24,8 +24,15 @@ __all__ = [
     "part_key",
     "chunk_key",
     "parse_step_dir",
+    "parse_attempt",
+    "is_data_key",
     "encode_doc",
     "decode_doc",
+    "MAX_MANIFEST_BYTES",
+    "MAX_PART_BYTES",
+    "MAX_LATEST_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_CHUNK_BYTES",
 ]
 
 FORMAT = "datapipe.checkpoint"
@@ -34,6 +41,16 @@ LATEST_KEY = "latest"
 MANIFEST_NAME = "manifest.json"
 
 _STEP_RE = re.compile(r"^step-(\d{12})$")
+# <run_id>-<n>: run_id as topology.agree_run_id allows it, n the writer's save count
+_ATTEMPT_RE = re.compile(r"^([A-Za-z0-9_]{1,64})-(\d{1,9})$")
+
+# Bounds a reader enforces before it parses or allocates anything named by a document.
+# A writer never produces more (writer.py refuses such states at save()).
+MAX_MANIFEST_BYTES = 64 << 20  # ~400k ranks
+MAX_PART_BYTES = 256 << 20
+MAX_LATEST_BYTES = 64 << 10
+MAX_JSON_DEPTH = 400  # a state nested 100 containers deep encodes to ~302 levels
+MAX_CHUNK_BYTES = 1 << 32
 
 
 def step_dir(step: int) -> str:
@@ -58,6 +75,40 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_DATA_KEY_RE = re.compile(
+    r"^step-\d{12}/[A-Za-z0-9_]{1,64}-\d{1,9}/(part-\d{5}\.json|rank-\d{5}/chunk-\d{6}\.bin)$"
+)
+
+
+def is_data_key(key: str) -> bool:
+    """Whether ``key`` is a part or chunk name this format writes (retention deletes
+    only such keys and manifests, never a file someone else put in the folder)."""
+    return bool(_DATA_KEY_RE.match(key))
+
+
+def parse_attempt(name: Any) -> tuple[str, int] | None:
+    """``(run_id, n)`` of an attempt directory name, or None if it is not one."""
+    m = _ATTEMPT_RE.match(name) if isinstance(name, str) else None
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def json_depth(doc: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion (a hostile document is deep)."""
+    depth, stack = 0, [(doc, 1)]
+    while stack:
+        node, d = stack.pop()
+        if isinstance(node, (dict, list)):
+            depth = max(depth, d)
+            if depth > MAX_JSON_DEPTH:
+                return depth
+            stack.extend((v, d + 1) for v in (node.values() if isinstance(node, dict) else node))
+    return depth
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _canonical(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
@@ -74,11 +125,15 @@ def decode_doc(data: bytes, kind: str, where: str) -> dict[str, Any]:
     """Parse and verify a document written by :func:`encode_doc`; raise
     :class:`CorruptCheckpointError` naming ``where`` on any defect."""
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpointError(f"{where}: not valid JSON ({e})") from None
+        # NaN/Infinity are not JSON and the writer never emits them (allow_nan=False);
+        # RecursionError: a document nested deeper than the parser's stack
+        doc = json.loads(data, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: not valid JSON ({str(e)[:200]})") from None
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{where}: expected a JSON object")
+    if json_depth(doc) > MAX_JSON_DEPTH:
+        raise CorruptCheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     if doc.get("format") != FORMAT or doc.get("kind") != kind:
         raise CorruptCheckpointError(
             f"{where}: not a {FORMAT} {kind} (format={doc.get('format')!r}, kind={doc.get('kind')!r})"
@@ -88,7 +143,10 @@ def decode_doc(data: bytes, kind: str, where: str) -> dict[str, Any]:
             f"{where}: format version {doc.get('version')!r}; this datapipe reads version {VERSION}"
         )
     expected = doc.pop("checksum", None)
-    got = checksum(_canonical(doc))
+    try:
+        got = checksum(_canonical(doc))
+    except ValueError as e:  # 1e999 parses to inf, which canonical JSON refuses
+        raise CorruptCheckpointError(f"{where}: not canonical JSON ({e})") from None
     if expected != got:
         raise CorruptCheckpointError(
             f"{where}: metadata checksum mismatch (recorded {expected}, computed {got})"

@@ -10,6 +10,7 @@ checkpoint that is incomplete or fails verification.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import sys
 import warnings
 from dataclasses import dataclass
@@ -25,10 +26,22 @@ from ..errors import (
     ObjectNotFoundError,
     StorageError,
 )
-from ..storage import Store, open_store
+from ..storage import LocalStore, Store, open_store
 from .commit import scan_steps
 from .flatten import torch_dtype_from_name, unflatten
-from .format import decode_doc, manifest_key, step_dir
+from .format import (
+    MAX_CHUNK_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_PART_BYTES,
+    chunk_key,
+    decode_doc,
+    manifest_key,
+    parse_attempt,
+    part_key,
+)
+
+MAX_WORLD_SIZE = 1 << 20
+MAX_NDIM = 64
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "load_checkpoint"]
 
@@ -47,13 +60,70 @@ class CheckpointInfo:
         return iter((self.step, self.complete))
 
 
+def _is_int(v: Any, lo: int = 0, hi: int = 1 << 62) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _confine(store: Store, key: str, where: str) -> None:
+    """Refuse to open ``key`` unless it lies inside the checkpoint folder. Keys are
+    compared with the names the format defines before this (so no ``..``, absolute path,
+    backslash or empty segment gets here); on a local disk a symlink could still lead
+    out, so the resolved path is checked too."""
+    if isinstance(store, LocalStore):
+        root = os.path.realpath(store.root)
+        real = os.path.realpath(store.path(key))
+        if os.path.commonpath([root, real]) != root:
+            raise CorruptCheckpointError(
+                f"{where}: {store.path(key)} resolves to {real}, outside the checkpoint folder {root}"
+            )
+
+
+def _read_doc(store: Store, key: str, kind: str, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
+    """A document's bytes and its verified JSON, its size probed before it is read."""
+    url = store.url(key)
+    _confine(store, key, url)
+    size = store.size(key)
+    if size > max_bytes:
+        raise CorruptCheckpointError(f"{url}: {size} bytes, more than a {kind} may hold ({max_bytes})")
+    data = store.get(key)
+    if len(data) > max_bytes:
+        raise CorruptCheckpointError(f"{url}: grew past {max_bytes} bytes while read")
+    return data, decode_doc(data, kind, url)
+
+
 def _read_manifest(store: Store, step: int) -> dict[str, Any]:
+    """The manifest of ``step``, its shape checked field by field: every key it names is
+    the one the format defines for that step, attempt and rank."""
     key = manifest_key(step)
-    doc = decode_doc(store.get(key), "manifest", store.url(key))
-    if doc.get("step") != step or not isinstance(doc.get("parts"), list):
-        raise CorruptCheckpointError(f"{store.url(key)}: manifest names step {doc.get('step')!r}")
-    if len(doc["parts"]) != doc.get("world_size"):
-        raise CorruptCheckpointError(f"{store.url(key)}: {len(doc['parts'])} parts for world_size {doc.get('world_size')}")
+    url = store.url(key)
+    _data, doc = _read_doc(store, key, "manifest", MAX_MANIFEST_BYTES)
+
+    def bad(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{url}: {msg}; the checkpoint is skipped")
+
+    if doc.get("step") != step or not _is_int(doc.get("step")):
+        raise bad(f"manifest names step {doc.get('step')!r:.40}")
+    attempt, ws, parts = doc.get("attempt"), doc.get("world_size"), doc.get("parts")
+    if parse_attempt(attempt) is None:
+        raise bad(f"attempt {attempt!r:.80} is not <run_id>-<n>")
+    if not _is_int(ws, 1, MAX_WORLD_SIZE):
+        raise bad(f"world_size {ws!r:.40} is not an int in [1, {MAX_WORLD_SIZE}]")
+    if not isinstance(parts, list) or len(parts) != ws:
+        raise bad(f"parts is not a list of {ws} entries")
+    for r, p in enumerate(parts):
+        if not isinstance(p, dict):
+            raise bad(f"part {r} is not an object")
+        if p.get("rank") != r or not _is_int(p.get("rank")):
+            raise bad(f"part {r} names rank {p.get('rank')!r:.40}")
+        if p.get("key") != part_key(step, attempt, r):
+            raise bad(f"part {r} key {p.get('key')!r:.120} is not {part_key(step, attempt, r)}")
+        if not isinstance(p.get("checksum"), str):
+            raise bad(f"part {r} has no checksum")
+        if not (_is_int(p.get("data_bytes")) and _is_int(p.get("stored_bytes"))):
+            raise bad(f"part {r} sizes {p.get('data_bytes')!r:.40}/{p.get('stored_bytes')!r:.40} are not ints >= 0")
+    for field in ("data_bytes", "stored_bytes"):
+        if doc.get(field) != sum(p[field] for p in parts) or not _is_int(doc.get(field)):
+            raise bad(f"{field} {doc.get(field)!r:.40} is not the sum over its parts")
     return doc
 
 
@@ -95,12 +165,81 @@ def _resolve_rank(rank: int | None, world_size: int, where: str) -> int:
     return rank
 
 
+def _check_part(part: dict[str, Any], entry: dict[str, Any], step: int, attempt: str, r: int,
+                ws: int, where: str) -> None:
+    """The part's shape, and a chunk layout that covers ``[0, data_bytes)`` exactly with
+    the keys the format defines for this step, attempt and rank."""
+
+    def bad(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: part {entry['key']}: {msg}")
+
+    ident = (part.get("step"), part.get("attempt"), part.get("rank"), part.get("world_size"))
+    if ident != (step, attempt, r, ws) or not all(_is_int(v) for v in ident[::2] + ident[3:]):
+        raise bad(f"is for step {part.get('step')!r:.40} attempt {part.get('attempt')!r:.80} "
+                  f"rank {part.get('rank')!r:.40}/{part.get('world_size')!r:.40}")
+    compression, cb = part.get("compression"), part.get("chunk_bytes")
+    if compression not in (None, "zstd"):
+        raise bad(f"unknown compression {compression!r:.40}")
+    if not _is_int(cb, 1, MAX_CHUNK_BYTES):
+        raise bad(f"chunk_bytes {cb!r:.40} is not an int in [1, {MAX_CHUNK_BYTES}]")
+    total, stored = part.get("data_bytes"), part.get("stored_bytes")
+    if not (_is_int(total) and _is_int(stored)) or total != entry["data_bytes"] or stored != entry["stored_bytes"]:
+        raise bad(f"sizes {total!r:.40}/{stored!r:.40} differ from the manifest's "
+                  f"{entry['data_bytes']}/{entry['stored_bytes']}")
+    chunks, leaves = part.get("chunks"), part.get("leaves")
+    if not isinstance(chunks, list) or not isinstance(leaves, list) or "tree" not in part:
+        raise bad("chunks, leaves or tree missing")
+    pos = stored_sum = 0
+    for i, c in enumerate(chunks):
+        if not isinstance(c, dict):
+            raise bad(f"chunk {i} is not an object")
+        key, off, n, sb = c.get("key"), c.get("offset"), c.get("bytes"), c.get("stored_bytes")
+        if key != chunk_key(step, attempt, r, i):
+            raise bad(f"chunk {i} key {key!r:.120} is not {chunk_key(step, attempt, r, i)}")
+        if not _is_int(off) or off != pos or not _is_int(n, 1, cb) or not _is_int(sb, 0, MAX_CHUNK_BYTES + (1 << 20)):
+            raise bad(f"chunk {key} at offset {off!r:.40}, {n!r:.40} bytes ({sb!r:.40} stored) breaks the layout")
+        if not isinstance(c.get("checksum"), str) or (compression == "zstd" and not isinstance(c.get("raw_checksum"), str)):
+            raise bad(f"chunk {key} has no checksum")
+        if compression is None and sb != n:
+            raise bad(f"uncompressed chunk {key} stores {sb} of {n} bytes")
+        pos += n
+        stored_sum += sb
+    if pos != total or stored_sum != stored:
+        raise bad(f"chunks cover {pos} of {total} bytes ({stored_sum} of {stored} stored)")
+
+
+def _probe_chunk(store: Store, c: dict[str, Any], compressed: bool, where: str) -> None:
+    """Sizes from the store, before a byte of the rank's buffer is allocated: the file
+    holds exactly the recorded stored bytes, and a zstd frame declares the raw size."""
+    key = c["key"]
+    _confine(store, key, where)
+    size = store.size(key)
+    if size != c["stored_bytes"]:
+        raise CorruptCheckpointError(
+            f"chunk {store.url(key)} of {where} holds {size} bytes, its part records {c['stored_bytes']}"
+        )
+    if compressed:
+        import zstandard
+
+        head = store.get_range(key, 0, min(size, 18))  # 18: the longest zstd frame header
+        try:
+            raw = zstandard.frame_content_size(head)
+        except zstandard.ZstdError as e:
+            raise CorruptCheckpointError(f"chunk {store.url(key)} of {where}: bad zstd frame header ({e})") from None
+        if raw != c["bytes"]:
+            raise CorruptCheckpointError(
+                f"chunk {store.url(key)} of {where}: its zstd frame declares {raw} raw bytes, "
+                f"its part records {c['bytes']}"
+            )
+
+
 def _read_chunk(store: Store, c: dict[str, Any], dst: memoryview, compressed: bool, where: str) -> None:
     key, n = c["key"], c["bytes"]
     if compressed:
         import zstandard
 
-        stored = store.get(key)
+        # the probed size, not the whole object: one that grew since cannot make us read more
+        stored = store.get_range(key, 0, c["stored_bytes"])
         if checksum(stored) != c["checksum"]:
             raise CorruptCheckpointError(f"checksum mismatch in chunk {store.url(key)} of {where}")
         try:
@@ -114,7 +253,7 @@ def _read_chunk(store: Store, c: dict[str, Any], dst: memoryview, compressed: bo
         dst[:] = raw
         return
     got = store.readinto(key, dst)
-    if got != n or store.size(key) != n:
+    if got != n:
         raise CorruptCheckpointError(f"chunk {store.url(key)} of {where} is not {n} bytes long")
     if checksum(dst) != c["checksum"]:
         raise CorruptCheckpointError(f"checksum mismatch in chunk {store.url(key)} of {where}")
@@ -122,68 +261,84 @@ def _read_chunk(store: Store, c: dict[str, Any], dst: memoryview, compressed: bo
 
 def _read_data(store: Store, part: dict[str, Any], where: str, threads: int = 4) -> Any:
     """The rank's staged bytes as one torch uint8 tensor, every chunk verified; chunks are
-    read ``threads`` at a time (object stores answer concurrent requests faster)."""
+    read ``threads`` at a time (object stores answer concurrent requests faster). The
+    buffer is allocated only after every chunk's size was probed in the store, so a
+    document that claims more bytes than its files hold never allocates them."""
     import torch
 
-    prefix = step_dir(part["step"]) + "/"
-    total = part["data_bytes"]
-    pos = 0
-    for c in part["chunks"]:
-        key, off, n = c["key"], c["offset"], c["bytes"]
-        if not (isinstance(key, str) and key.startswith(prefix) and ".." not in key.split("/")):
-            raise CorruptCheckpointError(f"{where}: chunk key {key!r} lies outside {prefix}")
-        if off != pos or n < 0 or off + n > total:
-            raise CorruptCheckpointError(f"{where}: chunk {key} at [{off}, {off + n}) breaks the layout")
-        pos = off + n
-    if pos != total:
-        raise CorruptCheckpointError(f"{where}: chunks cover {pos} of {total} bytes")
-    buf = torch.empty(total, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
-    compressed = part.get("compression") == "zstd"
     chunks = part["chunks"]
-    if len(chunks) <= 1:
-        for c in chunks:
-            _read_chunk(store, c, view[c["offset"] : c["offset"] + c["bytes"]], compressed, where)
-        return buf
-    with cf.ThreadPoolExecutor(min(threads, len(chunks)), thread_name_prefix="datapipe-ckpt-load") as pool:
+    compressed = part.get("compression") == "zstd"
+    with cf.ThreadPoolExecutor(max(1, min(threads, len(chunks))), thread_name_prefix="datapipe-ckpt-load") as pool:
+        for f in [pool.submit(_probe_chunk, store, c, compressed, where) for c in chunks]:
+            f.result()  # the first failure, in chunk order; the pool waits for the rest
+        buf = torch.empty(part["data_bytes"], dtype=torch.uint8)
+        view = memoryview(buf.numpy())
         futs = [pool.submit(_read_chunk, store, c, view[c["offset"] : c["offset"] + c["bytes"]],
                             compressed, where) for c in chunks]
         for f in futs:
-            f.result()  # the first failure, in chunk order; the pool waits for the rest
+            f.result()
     return buf
 
 
-def _build_leaf(buf: Any, spec: dict[str, Any], where: str, map_location: Any) -> Any:
+def _leaf_itemsize(kind: Any, dtype: Any, path: Any, where: str) -> int:
+    if not isinstance(dtype, str) or len(dtype) > 64:
+        raise CorruptCheckpointError(f"{where}: leaf {path!r:.100} has a malformed dtype {dtype!r:.60}")
+    if kind == "torch":
+        return torch_dtype_from_name(dtype, where).itemsize
+    if kind in ("numpy", "npscalar"):
+        try:
+            dt = np.dtype(dtype)
+        except (TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where}: leaf {path!r:.100}: numpy dtype {dtype!r}: {e}") from None
+        if dt.hasobject or dt.names is not None or dt.kind == "V":
+            raise CorruptCheckpointError(f"{where}: leaf {path!r:.100} has a forbidden numpy dtype {dtype!r}")
+        return dt.itemsize
+    raise CorruptCheckpointError(f"{where}: leaf {path!r:.100} of unknown kind {kind!r:.40}")
+
+
+def _build_leaf(buf: Any, spec: Any, where: str, map_location: Any) -> Any:
     import torch
 
-    try:
-        kind, dtype, shape = spec["kind"], spec["dtype"], tuple(spec["shape"])
-        off, nbytes, path = spec["offset"], spec["nbytes"], spec["path"]
-    except (KeyError, TypeError) as e:
-        raise CorruptCheckpointError(f"{where}: malformed leaf record {spec!r:.100}") from e
-    if not (isinstance(off, int) and isinstance(nbytes, int) and 0 <= off and off + nbytes <= buf.numel()):
-        raise CorruptCheckpointError(f"{where}: leaf {path!r} lies outside the data")
+    from .flatten import dense_permuted
+
+    if not isinstance(spec, dict):
+        raise CorruptCheckpointError(f"{where}: malformed leaf record {spec!r:.100}")
+    kind, dtype, shape, path = spec.get("kind"), spec.get("dtype"), spec.get("shape"), spec.get("path")
+    off, nbytes, strides = spec.get("offset"), spec.get("nbytes"), spec.get("strides")
+    if not isinstance(path, str):
+        raise CorruptCheckpointError(f"{where}: malformed leaf record {spec!r:.100}")
+    itemsize = _leaf_itemsize(kind, dtype, path, where)
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(d) for d in shape)):
+        raise CorruptCheckpointError(f"{where}: leaf {path!r:.100} has a malformed shape {shape!r:.100}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if not (_is_int(off) and _is_int(nbytes) and off + nbytes <= buf.numel()):
+        raise CorruptCheckpointError(f"{where}: leaf {path!r:.100} lies outside the data")
+    if numel * itemsize != nbytes:
+        raise CorruptCheckpointError(f"{where}: leaf {path!r:.100}: shape {shape} of {dtype} is not {nbytes} bytes")
+    if strides is not None and not (isinstance(strides, list) and len(strides) == len(shape)
+                                    and all(_is_int(x, 1) for x in strides)
+                                    and dense_permuted(tuple(shape), tuple(strides))):
+        # empty_strided would size its storage from these strides: only a permutation
+        # of the dense layout is allowed, which holds exactly nbytes
+        raise CorruptCheckpointError(f"{where}: leaf {path!r:.100} has malformed strides {strides!r:.100}")
+    shape = tuple(shape)
     raw = buf[off : off + nbytes]
     try:
         if kind == "torch":
             t = raw.view(torch_dtype_from_name(dtype, where)).view(shape)
-            strides = spec.get("strides")
             if strides is not None:
                 t = torch.empty_strided(shape, tuple(strides), dtype=t.dtype).copy_(t)
             if map_location is not None:
                 t = t.to(map_location)
             return t
-        if kind in ("numpy", "npscalar"):
-            dt = np.dtype(dtype)
-            if dt.hasobject or dt.names is not None:
-                raise CorruptCheckpointError(f"{where}: leaf {path!r} has a forbidden numpy dtype {dtype!r}")
-            a = raw.numpy().view(dt).reshape(shape)
-            if kind == "npscalar":
-                return a[()]
-            return np.asfortranarray(a) if spec.get("strides") is not None else a
+        a = raw.numpy().view(np.dtype(dtype)).reshape(shape)
+        if kind == "npscalar":
+            return a[()]
+        return np.asfortranarray(a) if strides is not None else a
     except (RuntimeError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{where}: leaf {path!r} ({kind} {dtype} {list(shape)}): {e}") from e
-    raise CorruptCheckpointError(f"{where}: leaf {path!r} of unknown kind {kind!r}")
 
 
 def _load_step(store: Store, step: int, rank: int | None, map_location: Any) -> Any:
@@ -191,12 +346,10 @@ def _load_step(store: Store, step: int, rank: int | None, map_location: Any) -> 
     doc = _read_manifest(store, step)
     r = _resolve_rank(rank, doc["world_size"], where)
     entry = doc["parts"][r]
-    pdata = store.get(entry["key"])
-    if checksum(pdata) != entry.get("checksum"):
+    pdata, part = _read_doc(store, entry["key"], "part", MAX_PART_BYTES)
+    if checksum(pdata) != entry["checksum"]:
         raise CorruptCheckpointError(f"{where}: part {store.url(entry['key'])} does not match its manifest checksum")
-    part = decode_doc(pdata, "part", store.url(entry["key"]))
-    if part.get("rank") != r or part.get("step") != step:
-        raise CorruptCheckpointError(f"{where}: part {entry['key']} is for rank {part.get('rank')} step {part.get('step')}")
+    _check_part(part, entry, step, doc["attempt"], r, doc["world_size"], where)
     buf = _read_data(store, part, f"{where} rank {r}")
     leaves = [_build_leaf(buf, spec, where, map_location) for spec in part["leaves"]]
     return unflatten(part["tree"], leaves, where)
@@ -220,16 +373,28 @@ def load_checkpoint(url: str, step: int | None = None, map_location: Any = None,
             return _load_step(store, step, rank, map_location)
         except ObjectNotFoundError as e:
             raise NoCheckpointError(f"no complete checkpoint for step {step} at {url}: {e}") from e
-    by_step = scan_steps(store)
-    if not by_step:
-        raise NoCheckpointError(f"no checkpoint at {url}")
-    for s in sorted(by_step, reverse=True):
-        if manifest_key(s) not in by_step[s]:
-            warnings.warn(f"skipping incomplete checkpoint step {s} at {url} (no manifest)", stacklevel=2)
-            continue
-        try:
-            return _load_step(store, s, rank, map_location)
-        except (CorruptCheckpointError, StorageError) as e:
-            # A wrong rank= or world size is the caller's error and propagates.
-            warnings.warn(f"skipping checkpoint step {s} at {url}: {e}", stacklevel=2)
+    # A writer's retention may delete the step this load chose while it reads (it deletes
+    # only steps older than a newer commit, so a fresh listing finds that commit): when a
+    # chosen step vanishes, list again (a few times: a writer may commit again meanwhile).
+    for rescan in (True, True, True, False):
+        by_step = scan_steps(store)
+        if not by_step:
+            raise NoCheckpointError(f"no checkpoint at {url}")
+        vanished = False
+        for s in sorted(by_step, reverse=True):
+            if manifest_key(s) not in by_step[s]:
+                warnings.warn(f"skipping incomplete checkpoint step {s} at {url} (no manifest)", stacklevel=2)
+                continue
+            try:
+                return _load_step(store, s, rank, map_location)
+            except ObjectNotFoundError as e:
+                if rescan:
+                    vanished = True
+                    break
+                warnings.warn(f"skipping checkpoint step {s} at {url}: {e}", stacklevel=2)
+            except (CorruptCheckpointError, StorageError) as e:
+                # A wrong rank= or world size is the caller's error and propagates.
+                warnings.warn(f"skipping checkpoint step {s} at {url}: {e}", stacklevel=2)
+        if not vanished:
+            break
     raise NoCheckpointError(f"no complete, verifiable checkpoint at {url} (steps seen: {sorted(by_step)})")

@@ -11,6 +11,7 @@ the wait. A failure in the background is kept and raised at the next ``save()``,
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import sys
 import threading
@@ -23,9 +24,25 @@ from typing import Any
 from ..checksum import Hasher
 from ..errors import CheckpointError
 from ..storage import open_store
-from .commit import apply_retention, await_parts, sync_dirs, write_latest, write_manifest
+from .commit import (
+    apply_retention,
+    await_parts,
+    scan_steps,
+    sync_dirs,
+    write_latest,
+    write_manifest,
+)
 from .flatten import Leaf, flatten
-from .format import chunk_key, encode_doc, part_key
+from .format import (
+    MAX_CHUNK_BYTES,
+    MAX_PART_BYTES,
+    chunk_key,
+    encode_doc,
+    manifest_key,
+    parse_attempt,
+    part_key,
+)
+from .lease import Lease
 from .staging import StagingBuffer
 from .topology import agree_run_id, lower_thread_priority, topology
 
@@ -84,6 +101,7 @@ class _Job:
     total: int
     handle: SaveHandle
     t_start: float
+    order: int  # position of this save() call among the writer's calls
 
 
 def _checksum_in_slices(data: memoryview, piece: int = 1 << 20) -> str:
@@ -98,7 +116,9 @@ def _checksum_in_slices(data: memoryview, piece: int = 1 << 20) -> str:
 
 def _close_at_exit(ref: Any) -> None:
     w = ref()
-    if w is not None and not w._closed:
+    # Not in a forked child (a DataLoader worker): the writer thread and the lease are the
+    # parent's, and a save in flight at the fork never finishes there.
+    if w is not None and not w._closed and w._pid == os.getpid():
         try:
             w.close()
         except Exception as e:  # the interpreter is exiting: say it, do not hide it
@@ -121,15 +141,16 @@ class CheckpointWriter:
                  storage_options: dict[str, Any] | None = None, rank: int | None = None,
                  world_size: int | None = None, run_id: str | None = None,
                  chunk_bytes: int = 64 << 20, io_threads: int = 4, if_busy: str = "wait",
-                 commit_timeout: float = 600.0, zstd_level: int = 3, nice: int = 10) -> None:
+                 commit_timeout: float = 600.0, zstd_level: int = 3, nice: int = 10,
+                 lease_ttl: float = 60.0, lease_wait: float = 0.0) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointError(f"keep_last must be an int >= 1 (the last good checkpoint is always kept), got {keep_last!r}")
         if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
             raise CheckpointError(f"keep_every must be None or an int >= 1, got {keep_every!r}")
         if compression not in (None, "zstd"):
             raise CheckpointError(f"compression must be None or 'zstd', got {compression!r}")
-        if not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
-            raise CheckpointError(f"chunk_bytes must be an int >= 4096, got {chunk_bytes!r}")
+        if not isinstance(chunk_bytes, int) or not 4096 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise CheckpointError(f"chunk_bytes must be an int in [4096, 2**32], got {chunk_bytes!r}")
         if not isinstance(io_threads, int) or io_threads < 1:
             raise CheckpointError(f"io_threads must be an int >= 1, got {io_threads!r}")
         if if_busy not in ("wait", "skip"):
@@ -138,6 +159,10 @@ class CheckpointWriter:
         self.store = open_store(url, storage_options)
         self.rank, self.world_size = topology(rank, world_size)
         self.run_id = agree_run_id(self.rank, self.world_size, run_id)
+        self._saved_at: dict[tuple[int, int], int] = {}  # (step, n) of each attempt -> its save's number
+        self._calls = 0
+        self._pid = os.getpid()
+        self._api_lock = threading.Lock()  # one thread at a time in save/prepare/close
         self.keep_last, self.keep_every = keep_last, keep_every
         self.compression, self.zstd_level = compression, zstd_level
         self.chunk_bytes, self.if_busy, self.commit_timeout = chunk_bytes, if_busy, commit_timeout
@@ -151,6 +176,16 @@ class CheckpointWriter:
         self._tls = threading.local()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self.io_threads, self.nice = io_threads, nice
+        # One writer per URL: rank 0 (the one that commits and deletes) holds the lease.
+        self._lease = Lease(self.store, self.run_id, lease_ttl, lease_wait).acquire() if self.rank == 0 else None
+        try:
+            # the highest complete step already there: a save below it is loaded by nobody
+            self._max_step = max((s for s, keys in scan_steps(self.store).items()
+                                  if manifest_key(s) in keys), default=-1) if self.rank == 0 else -1
+        except BaseException:
+            if self._lease is not None:
+                self._lease.release()
+            raise
         self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
         self._thread.start()
         # Flush at exit before daemon threads stop: threading's exit hooks run before
@@ -158,9 +193,24 @@ class CheckpointWriter:
         getattr(threading, "_register_atexit", atexit.register)(_close_at_exit, weakref.ref(self))
 
     # -- training side -------------------------------------------------------------------
+    def _enter(self, what: str) -> None:
+        if not self._api_lock.acquire(blocking=False):
+            raise CheckpointError(
+                f"CheckpointWriter({self.url!r}).{what}() called while another thread is inside "
+                "save/prepare/close of the same writer: a writer has one staging buffer and saves "
+                "from one thread; use one writer per thread and URL, or serialise the calls"
+            )
+
     def prepare(self, state_or_layout: Any, *, block: bool = False) -> None:
         """Allocate and touch the staging buffer for a state (real or ``meta`` tensors
         give the same layout) in a background thread, so the first save only copies."""
+        self._enter("prepare")
+        try:
+            self._prepare(state_or_layout, block)
+        finally:
+            self._api_lock.release()
+
+    def _prepare(self, state_or_layout: Any, block: bool) -> None:
         self._check_open()
         _tree, leaves = flatten(state_or_layout, allow_meta=True)
         self._join_prepare()
@@ -184,7 +234,15 @@ class CheckpointWriter:
 
         If an earlier save failed and its error was not yet seen (through its handle), this
         call raises that error and saves nothing; the next call saves again. One thread
-        saves at a time: the writer is not meant to be shared between threads."""
+        saves at a time: a call while another thread is inside save() raises
+        :class:`CheckpointError` (sharing the staging buffer would mix the two states)."""
+        self._enter("save")
+        try:
+            return self._save(step, state, if_busy)
+        finally:
+            self._api_lock.release()
+
+    def _save(self, step: int, state: Any, if_busy: str | None) -> SaveHandle:
         t0 = time.perf_counter()
         self._check_open()
         self._raise_failed()
@@ -194,6 +252,14 @@ class CheckpointWriter:
         if mode not in ("wait", "skip"):
             raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {mode!r}")
         tree, leaves = flatten(state)  # unsupported objects fail here, before any write
+        if step < self._max_step:
+            warnings.warn(
+                f"saving step {step} to {self.url}, below step {self._max_step} saved there before: "
+                f"load_checkpoint() loads the highest complete step ({self._max_step}), not this one. "
+                "Delete the higher steps, or save to a new URL, if training restarted from an earlier step",
+                stacklevel=3,
+            )
+        self._max_step = max(self._max_step, step)
         waited = 0.0
         prev = self._current
         if prev is not None and not prev.done():
@@ -214,12 +280,14 @@ class CheckpointWriter:
         total = self._staging.total
         n = self._attempts.get(step, 0)
         self._attempts[step] = n + 1
+        self._calls += 1
+        self._saved_at[(step, n)] = self._calls
         h = SaveHandle(step, self._reported)
         h.metrics.update(bytes=total, waited_s=waited, staging_s=staging_s,
                          staging_gbps=total / staging_s / 1e9 if staging_s > 0 else float("inf"))
         self._current = h
         self._queue.put(_Job(step, f"{self.run_id}-{n}", tree, leaves, list(self._staging.offsets),
-                             total, h, t0))
+                             total, h, t0, self._calls))
         h.metrics["stall_s"] = time.perf_counter() - t0
         return h
 
@@ -232,20 +300,27 @@ class CheckpointWriter:
     flush = wait
 
     def close(self) -> None:
-        """Flush the last save, stop the background thread, raise any unreported error."""
-        if self._closed:
-            return
+        """Flush the last save, stop the background thread, release the URL's lease,
+        raise any unreported error."""
+        self._enter("close")
         try:
-            self._join_prepare()
+            if self._closed:
+                return
+            try:
+                self._join_prepare()
+            finally:
+                if self._current is not None:
+                    self._current._event.wait()
+                self._closed = True
+                self._queue.put(None)
+                self._thread.join()
+                if self._lease is not None:
+                    self._lease.release()
+            self._raise_failed()
         finally:
-            if self._current is not None:
-                self._current._event.wait()
-            self._closed = True
-            self._queue.put(None)
-            self._thread.join()
-        self._raise_failed()
+            self._api_lock.release()
 
-    def __enter__(self) -> "CheckpointWriter":
+    def __enter__(self) -> CheckpointWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -319,7 +394,13 @@ class CheckpointWriter:
             "leaves": [leaf.spec(off) for leaf, off in zip(job.leaves, job.offsets)],
         }
         pkey = part_key(job.step, job.attempt, self.rank)
-        self.store.put(pkey, encode_doc(doc, "part"))
+        body = encode_doc(doc, "part")
+        if len(body) > MAX_PART_BYTES:
+            raise CheckpointError(
+                f"step {job.step}: the part document of rank {self.rank} would be {len(body)} bytes, "
+                f"more than readers accept ({MAX_PART_BYTES}); the state has too many leaves"
+            )
+        self.store.put(pkey, body)
         if not chunks:
             sync_dirs(self.store, pkey)  # an empty state: the part created the directories
         t1 = time.perf_counter()
@@ -328,16 +409,37 @@ class CheckpointWriter:
                  stored_bytes=doc["stored_bytes"])
         if self.rank == 0:
             parts = await_parts(self.store, job.step, job.attempt, self.world_size, self.commit_timeout)
+            self._lease.check(f"committing step {job.step}")  # type: ignore[union-attr]
             write_manifest(self.store, job.step, job.attempt, self.world_size, parts)
-            write_latest(self.store, job.step, job.attempt)
             m["committed"] = True
+            try:
+                write_latest(self.store, job.step, job.attempt)
+            except Exception as e:
+                # The manifest is the commit and readers scan manifests: the save succeeded.
+                # Retention below keeps the step `latest` still names.
+                m["latest_error"] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"step {job.step} is committed at {self.url}, but updating `latest` "
+                              f"failed ({type(e).__name__}: {e}); it names an older step until "
+                              "a later save updates it", stacklevel=1)
         t2 = time.perf_counter()
         # total_s: until durable (rank 0: committed); retention is reported on its own
         m.update(commit_s=t2 - t1, total_s=t2 - job.t_start)
         if self.rank == 0:
+            run_id = self.run_id
+
+            def in_flight(step: int, attempt: str) -> bool:
+                # An attempt of this job that rank 0 had not saved before this one: another
+                # rank, which may be ahead of rank 0, may still be writing it. Attempts rank 0
+                # saved earlier are finished on every rank (each rank saves in call order and
+                # every part of this step exists).
+                pa = parse_attempt(attempt)
+                return (pa is not None and pa[0] == run_id
+                        and self._saved_at.get((step, pa[1]), job.order + 1) > job.order)
+
             try:
+                self._lease.check("deleting old checkpoints")  # type: ignore[union-attr]
                 m["deleted_steps"] = apply_retention(self.store, job.step, job.attempt,
-                                                     self.keep_last, self.keep_every)
+                                                     self.keep_last, self.keep_every, in_flight)
             except Exception as e:
                 raise CheckpointError(
                     f"step {job.step} is committed at {self.url}, but deleting old checkpoints "

@@ -20,6 +20,7 @@ __all__ = ["FsspecStore"]
 
 # object stores whose upload publishes only when it completes (discarded on failure)
 _STREAMING_WRITE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "abfss"}
+# S3: conditional PUT (If-None-Match: * / If-Match: <ETag>) and If-Match on range GETs
 _S3_PROTOCOLS = {"s3", "s3a"}
 # what fsspec backends call the token that changes when an object is rewritten, best first
 _VERSION_FIELDS = ("ETag", "etag", "generation", "VersionId", "version_id", "md5Hash",
@@ -35,12 +36,17 @@ def _version_of(info: dict[str, Any]) -> str | None:
 
 
 def _precondition_failed(e: BaseException) -> bool:
+    """True when ``e`` (or an error it was raised from) says a conditional request's
+    precondition did not hold (HTTP 412; s3fs raises FileExistsError for If-None-Match)."""
+    if isinstance(e, FileExistsError):
+        return True
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
         resp = getattr(cur, "response", None)
-        if isinstance(resp, dict) and (resp.get("Error", {}).get("Code") == "PreconditionFailed"
+        if isinstance(resp, dict) and (resp.get("Error", {}).get("Code") in ("PreconditionFailed", "412",
+                                                                             "ConditionalRequestConflict")
                                        or resp.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412):
             return True
         if "PreconditionFailed" in str(cur) or "(412)" in str(cur):
@@ -65,6 +71,7 @@ class FsspecStore(Store):
         self._fs: Any = None
         self._pid = -1
         self._lock = threading.Lock()
+        self.supports_conditional_writes = self.protocol in _S3_PROTOCOLS
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -134,6 +141,34 @@ class FsspecStore(Store):
             self.fs.pipe_file(self._path(key), bytes(data))
         except Exception as e:
             raise self._translate(key, e) from e
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        if not self.supports_conditional_writes:
+            return super().get_tagged(key)
+        path = self._path(key)
+        try:
+            self.fs.invalidate_cache(path)  # the tag must be the object's, not a listing's
+            with self.fs.open(path, "rb") as f:  # s3fs pins every read to this ETag
+                return f.read(), str(f.details["ETag"])
+        except Exception as e:
+            raise self._translate(key, e) from e
+
+    def put_if(self, key: str, data: bytes, match: str | None) -> str | None:
+        if not self.supports_conditional_writes:
+            return super().put_if(key, data, match)
+        path = self._path(key)
+        try:
+            if match is None:
+                out = self.fs.pipe_file(path, bytes(data), mode="create")
+            else:
+                out = self.fs.pipe_file(path, bytes(data), IfMatch=match)
+        except Exception as e:
+            if match is not None and isinstance(e, FileNotFoundError):
+                return None  # If-Match on an object that is gone
+            if _precondition_failed(e):
+                return None
+            raise self._translate(key, e) from e
+        return str(out["ETag"])
 
     @contextmanager
     def open_writer(self, key: str) -> Iterator[BinaryIO]:

@@ -117,6 +117,19 @@ class Store(ABC):
                 raise ObjectChangedError(_changed_message(self.url(key), version, now))
         return data
 
+    #: put_if/get_tagged are atomic on the backend (S3 conditional writes)
+    supports_conditional_writes: bool = False
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes and a tag of that version (an ETag) for :meth:`put_if`."""
+        raise StorageError(f"{self.url(key)}: {type(self).__name__} has no conditional writes")
+
+    def put_if(self, key: str, data: bytes, match: str | None) -> str | None:
+        """Write ``key`` only if it does not exist (``match=None``) or if its current
+        version's tag is ``match``, atomically; the new version's tag, or None if the
+        condition did not hold."""
+        raise StorageError(f"{self.url(key)}: {type(self).__name__} has no conditional writes")
+
     def readinto(self, key: str, buf: memoryview, start: int = 0) -> int:
         """Fill ``buf`` from ``start``; returns the byte count. Stores that can avoid the
         intermediate bytes object override this."""
