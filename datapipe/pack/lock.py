@@ -134,12 +134,12 @@ class WriterLock:
     def _lease(self, store: Store) -> None:
         held = self._read_lease()
         if held is not None and held.get("token") != self.token:
-            age = time.time() - float(held.get("heartbeat", 0) or 0)
-            if age < LEASE_STALE_S:
+            age = time.time() - _number(held.get("heartbeat"))
+            if age < LEASE_STALE_S and not _dead_here(held):
                 raise DestinationBusyError(
                     f"another pack is writing {store.root} ({_describe(held)}; its lease {store.url(LEASE)} "
-                    f"was renewed {age:.0f} s ago): wait for it to finish; a writer that died releases the "
-                    f"destination {LEASE_STALE_S:.0f} s after its last heartbeat"
+                    f"was renewed {age:.0f} s ago): wait for it to finish; a writer that died on another host "
+                    f"releases the destination {LEASE_STALE_S:.0f} s after its last heartbeat"
                 )
         self._put_lease()
         # Two writers that both found no live lease both wrote one: the last write wins,
@@ -212,6 +212,25 @@ class WriterLock:
             pass  # the lock file stays; the next pack takes it as usual
         finally:
             os.close(fd)
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+def _dead_here(info: dict[str, Any]) -> bool:
+    """Whether the lease's writer ran on this host and its process is gone: then a rerun
+    need not wait for the lease to go stale."""
+    pid = info.get("pid")
+    if info.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _read_json(fd: int) -> dict[str, Any]:
