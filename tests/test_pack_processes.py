@@ -323,3 +323,10 @@ def test_object_store_one_writer_and_rerun_after_kill(corpus, s3):
     assert r.samples == 300
     assert _all_samples(dest, opts) == _source_samples(corpus)
     assert not store.list("_pack/")
+
+
+def test_a_failed_pack_leaves_no_lock_or_folder_behind(tmp_path):
+    (tmp_path / "src").mkdir()
+    with pytest.raises(datapipe.errors.EmptyInputError):
+        datapipe.pack(str(tmp_path / "src"), str(tmp_path / "new" / "ds"))
+    assert os.listdir(tmp_path) == ["src"]

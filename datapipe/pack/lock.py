@@ -74,6 +74,7 @@ class WriterLock:
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self.lost: str | None = None  # why the lease was lost, if it was
+        self._created: str | None = None
 
     def __enter__(self) -> "WriterLock":
         if isinstance(self.base, LocalStore):
@@ -88,6 +89,12 @@ class WriterLock:
     # -- local: flock ---------------------------------------------------------------------
     def _lock_local(self, store: LocalStore) -> None:
         path = store.path(LOCK)
+        # the topmost folder this writer creates: removed again if it ends up empty
+        missing = store.root
+        while not os.path.exists(os.path.dirname(missing)) and os.path.dirname(missing) != missing:
+            missing = os.path.dirname(missing)
+        self._created = None if os.path.exists(missing) else missing
+        fd = None
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             while True:
@@ -96,7 +103,6 @@ class WriterLock:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     held = _read_json(fd)
-                    os.close(fd)
                     raise DestinationBusyError(
                         f"another pack is writing {store.root} ({_describe(held)}; it holds {path}): "
                         "wait for it to finish, or stop it and run your command again"
@@ -108,18 +114,26 @@ class WriterLock:
                 if same:
                     break
                 os.close(fd)  # the previous holder removed the file as we opened it: again
-            self._fd = fd
-            old = _read_json(fd)
+                fd = None
+            self._fd, fd = fd, None
+            old = _read_json(self._fd)
             tokens = [t for t in old.get("tokens", []) if isinstance(t, str) and t.isalnum()]
-            self.cleaned = _remove_temporaries(store, tokens)
+            _remove_temporaries(store, tokens)
             # Journal our token before the first temporary named by it can exist.
             data = json.dumps({**self.info, "tokens": [self.token]}).encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, data, 0)
-            os.fsync(fd)
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, data, 0)
+            os.fsync(self._fd)
         except OSError as e:
             self.release()
-            raise StorageError(f"cannot take the writer lock {path}: {e.strerror or e}") from None
+            raise StorageError(f"cannot take the writer lock {path}: {e.strerror or e} (a pack needs a "
+                               "filesystem with flock for its destination)") from None
+        except BaseException:
+            self.release()
+            raise
+        finally:
+            if fd is not None:
+                os.close(fd)
         self.store = _TokenTempStore(store.root, self.token, durable=store.durable)
 
     def inherited_fd(self) -> tuple[int, int, int] | None:
@@ -208,6 +222,10 @@ class WriterLock:
             if set(os.listdir(work)) <= {os.path.basename(lock_path)}:
                 os.unlink(lock_path)  # while held: a waiter re-checks the inode
                 os.rmdir(work)
+                d = self.base.root
+                while self._created and d.startswith(self._created) and not os.listdir(d):
+                    os.rmdir(d)  # folders this writer created and left empty (a failed pack)
+                    d = os.path.dirname(d)
         except OSError:
             pass  # the lock file stays; the next pack takes it as usual
         finally:
