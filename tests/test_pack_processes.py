@@ -233,10 +233,12 @@ def test_pack_killed_during_cleanup_finishes_on_rerun(corpus, tmp_path, point):
     dest = str(tmp_path / "ds")
     _kill_at(corpus, dest, point)
     assert os.path.exists(os.path.join(dest, "manifest.json")) and os.path.isdir(os.path.join(dest, "_pack"))
+    published = {n: os.stat(os.path.join(dest, n)).st_ino for n in os.listdir(dest) if n != "_pack"}
     rc, out, err = _run_cli(corpus, dest)
     assert rc == 0, err
     assert "packed 300 samples into 30 shards" in out
     assert not os.path.exists(os.path.join(dest, "_pack"))
+    assert {n: os.stat(os.path.join(dest, n)).st_ino for n in os.listdir(dest)} == published  # none rewritten
     assert _all_samples(dest) == _source_samples(corpus)
     assert datapipe.verify_dataset(dest).ok
     # a pack of other input still finds a dataset there
