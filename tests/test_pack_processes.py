@@ -332,3 +332,21 @@ def test_a_failed_pack_leaves_no_lock_or_folder_behind(tmp_path):
     with pytest.raises(datapipe.errors.EmptyInputError):
         datapipe.pack(str(tmp_path / "src"), str(tmp_path / "new" / "ds"))
     assert os.listdir(tmp_path) == ["src"]
+
+
+def test_join_is_refused_while_another_writer_holds_the_destination(tmp_path):
+    from datapipe.pack.lock import WriterLock
+    from datapipe.storage import open_store
+
+    src = tmp_path / "src"
+    for k in "abcd":
+        (src / f"{k}.txt").parent.mkdir(exist_ok=True)
+        (src / f"{k}.txt").write_bytes(k.encode())
+    dest = str(tmp_path / "ds")
+    for i in range(2):
+        datapipe.pack(str(src), dest, part=(i, 2))
+    with WriterLock(open_store(dest)):  # another writer of the top level, as a pack would hold it
+        with pytest.raises(DestinationBusyError, match=f"pid {os.getpid()}"):
+            datapipe.join_parts(dest)
+    assert datapipe.join_parts(dest) == 4
+    assert not os.path.exists(os.path.join(dest, "_pack"))
