@@ -36,6 +36,7 @@ __all__ = ["WriterLock"]
 
 LEASE_STALE_S = 120.0  # a heartbeat this old means the writer is gone
 LEASE_BEAT_S = 15.0
+_KEEP_TOKENS = 8
 
 
 class _TokenTempStore(LocalStore):
@@ -119,8 +120,10 @@ class WriterLock:
             old = _read_json(self._fd)
             tokens = [t for t in old.get("tokens", []) if isinstance(t, str) and t.isalnum()]
             _remove_temporaries(store, tokens)
-            # Journal our token before the first temporary named by it can exist.
-            data = json.dumps({**self.info, "tokens": [self.token]}).encode()
+            # Journal our token before the first temporary named by it can exist. Earlier
+            # tokens stay listed a while: a worker of a killed pack can outlive its lock by
+            # the moment the kernel takes to deliver its death signal.
+            data = json.dumps({**self.info, "tokens": [*tokens[-(_KEEP_TOKENS - 1):], self.token]}).encode()
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, data, 0)
             os.fsync(self._fd)
@@ -165,11 +168,13 @@ class WriterLock:
         self._beat.start()
 
     def _read_lease(self) -> dict[str, Any] | None:
+        """The lease as stored, None if there is none (or it is not a lease); a store that
+        cannot be read raises `StorageError`."""
+        if not self.base.exists(LEASE):
+            return None
         try:
-            if not self.base.exists(LEASE):
-                return None
             value = json.loads(self.base.get(LEASE))
-        except (ValueError, StorageError):
+        except ValueError:
             return None
         return value if isinstance(value, dict) else None
 
@@ -178,11 +183,11 @@ class WriterLock:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(LEASE_BEAT_S):
-            held = self._read_lease()
-            if held is None or held.get("token") != self.token:
-                self.lost = f"another writer took over {self.base.url(LEASE)}" + (f" ({_describe(held)})" if held else "")
-                return
             try:
+                held = self._read_lease()
+                if held is None or held.get("token") != self.token:
+                    self.lost = "another pack took over " + self.base.url(LEASE) + (f" ({_describe(held)})" if held else "")
+                    return
                 self._put_lease()
             except StorageError:
                 continue  # a missed beat; the next one retries well before the lease goes stale
@@ -207,12 +212,12 @@ class WriterLock:
         if self._beat is not None:
             self._beat.join()
             self._beat = None
-            held = self._read_lease()
-            if held is not None and held.get("token") == self.token:
-                try:
+            try:
+                held = self._read_lease()
+                if held is not None and held.get("token") == self.token:
                     self.base.delete(LEASE)
-                except StorageError:
-                    pass  # it goes stale on its own
+            except StorageError:
+                pass  # it goes stale on its own
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
