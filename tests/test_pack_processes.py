@@ -286,7 +286,7 @@ def test_lost_worker_is_a_clear_error_and_rerun_resumes(corpus, tmp_path):
         _kill_all([pack.pid, *workers])
     if pack.returncode == 0:
         pytest.skip("every shard was handed out before the worker was killed")
-    assert pack.returncode == 2
+    assert pack.returncode == 2, err
     assert "Traceback" not in err and "BrokenProcessPool" not in err
     assert "worker process died" in err and "run the same command again" in err and dest in err
     rc, out, err = _run_cli(corpus, dest, "--shard-samples", "2")

@@ -345,7 +345,11 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     if nworkers > 1:  # workers start before this process starts its progress threads
         pool = ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=_init_worker,
                                    initargs=(counters, os.getpid(), lock.inherited_fd()))
-        futures = {pool.submit(_run, a): a[1] for a in args}
+        try:
+            futures = {pool.submit(_run, a): a[1] for a in args}
+        except BrokenProcessPool:  # a worker died while the work was being handed out
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise _worker_lost(store, 0) from None
     bar = _progress_bar(sum(len(plan[i]) for i in todo), progress)
     stop = threading.Event()
 
@@ -377,11 +381,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
                     for fut in finished:
                         _finish(work, futures[fut], fut.result(), done, result)
             except BrokenProcessPool:
-                raise PackError(
-                    f"a pack worker process died (killed by a signal, e.g. by the out-of-memory killer) "
-                    f"while packing into {store.root}; {len(done) - (len(plan) - len(todo))} new shards are "
-                    "recorded: run the same command again to resume (with fewer --workers if memory is short)"
-                ) from None
+                raise _worker_lost(store, len(done) - (len(plan) - len(todo))) from None
             except BaseException:
                 for fut in pending:
                     fut.cancel()
@@ -393,6 +393,14 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
         poller.join()
         bar.close()
     return _commit(lock, work, names, done, opts["compression"], result)
+
+
+def _worker_lost(store: Store, new_shards: int) -> PackError:
+    return PackError(
+        f"a pack worker process died (killed by a signal, e.g. by the out-of-memory killer) while packing "
+        f"into {store.root}; {new_shards} new shards are recorded: run the same command again to resume "
+        "(with fewer --workers if memory is short)"
+    )
 
 
 def _run(args: tuple) -> dict[str, Any]:
