@@ -45,7 +45,7 @@ def _cmd_pack(a: argparse.Namespace) -> int:
     r = pack(a.src, a.dest, shard_bytes=a.shard_bytes, shard_samples=a.shard_samples,
              compression=a.compression, level=a.level, workers=a.workers, part=a.part,
              overwrite=a.overwrite, skip_errors=a.skip_errors, storage_options=a.storage_options,
-             progress=not a.quiet)
+             progress=not a.quiet, follow_links=a.follow_links)
     print(r.summary())
     return 0
 
@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--part", default=None, metavar="I/N", help="pack only part I (0-based) of N, into DEST/part-I-of-N; then `datapipe join DEST`")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DEST")
     p.add_argument("--skip-errors", action="store_true", help="skip unreadable inputs and list them in the summary")
+    p.add_argument("--follow-links", action="store_true",
+                   help="follow symbolic links to files outside SRC too (by default they are skipped and listed)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_storage(p)
     p.set_defaults(func=_cmd_pack)
@@ -172,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"datapipe {args.cmd}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a path we were given: name it, no traceback
-        where = f" {e.filename}" if e.filename else ""
-        print(f"datapipe {args.cmd}: error:{where}: {e.strerror or e}", file=sys.stderr)
+        where = f" {e.filename}:" if e.filename else ""
+        print(f"datapipe {args.cmd}: error:{where} {e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"datapipe {args.cmd}: interrupted; run the same command again to finish", file=sys.stderr)

@@ -21,6 +21,7 @@ __all__ = [
     "InvalidMemberNameError",
     "SampleTooLargeError",
     "DestinationExistsError",
+    "DestinationBusyError",
     "StorageError",
     "ObjectNotFoundError",
     "RemoteError",
@@ -93,6 +94,10 @@ class SampleTooLargeError(PackError):
 
 class DestinationExistsError(PackError):
     """The destination already holds a dataset; pass overwrite=True (--overwrite)."""
+
+
+class DestinationBusyError(PackError):
+    """Another pack is writing the destination now (one writer per destination)."""
 
 
 # --- storage: bytes by URL, in tiers ---------------------------------------------------

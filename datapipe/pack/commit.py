@@ -4,7 +4,6 @@ commit point: a dataset without a manifest does not exist for readers)."""
 from __future__ import annotations
 
 import io
-import os
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -13,10 +12,9 @@ from ..errors import DestinationExistsError
 from ..format import MANIFEST, SAMPLES_FILE, SHARDS_FILE, SampleRecords, SampleTableWriter, ShardRecord
 from ..format import make_manifest, shard_table_bytes
 from ..format.index import FileDigest, digest_bytes
-from ..storage import LocalStore, Store
-from ..storage.stores import TMP_MARK
+from ..storage import Store
 
-__all__ = ["write_index", "check_destination", "retract_dataset", "remove_temporaries"]
+__all__ = ["write_index", "check_destination", "retract_dataset", "WORK", "PLAN", "LOCK", "LEASE"]
 
 
 def write_index(
@@ -62,11 +60,23 @@ class _HashingWriter(io.RawIOBase):
         return self.pos
 
 
-def check_destination(store: Store, overwrite: bool) -> None:
+WORK = "_pack"
+PLAN = f"{WORK}/plan.json"
+# The writer's own lock and lease: owned by `lock.WriterLock`, never deleted by a cleanup
+# (deleting a held lock file would let a second writer lock a new one).
+LOCK = f"{WORK}/writer.lock"
+LEASE = f"{WORK}/lease.json"
+
+
+def check_destination(store: Store, overwrite: bool, resumable: bool = False) -> None:
     """Refuse a destination that holds a dataset unless ``overwrite``; with it, retract the
-    old dataset (manifest first, so it stops existing before its parts go)."""
+    old dataset (manifest first, so it stops existing before its parts go). With
+    ``resumable``, a dataset whose pack was killed before it removed its journal is left
+    to the journal: the same pack run again finishes it (`Journal` refuses any other)."""
     if store.exists(MANIFEST):
         if not overwrite:
+            if resumable and store.exists(PLAN):
+                return
             raise DestinationExistsError(
                 f"{store.url(MANIFEST)} exists: {store.root} already holds a dataset "
                 "(pass overwrite=True / --overwrite to replace it)"
@@ -85,19 +95,5 @@ def retract_dataset(store: Store) -> None:
     existing before its parts go."""
     store.delete(MANIFEST)
     for key in store.list():
-        if _OWN.match(key):
+        if _OWN.match(key) and not key.endswith((LOCK, LEASE)):
             store.delete(key)
-
-
-def remove_temporaries(store: Store) -> int:
-    """Delete the temporary files a killed writer left in a local destination (object
-    stores never show an unfinished upload). Only one pack may write a destination at once."""
-    if not isinstance(store, LocalStore) or not os.path.isdir(store.root):
-        return 0
-    n = 0
-    for dirpath, _dirs, files in os.walk(store.root):
-        for name in files:
-            if name.startswith(TMP_MARK):
-                os.unlink(os.path.join(dirpath, name))
-                n += 1
-    return n

@@ -11,6 +11,7 @@ from ..errors import DestinationExistsError, FormatError, PackError
 from ..format import MANIFEST, SampleRecords, ShardRecord
 from ..storage import open_store
 from .commit import write_index
+from .lock import WriterLock
 from .packer import part_dir
 
 __all__ = ["join_parts"]
@@ -20,8 +21,14 @@ _PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})/" + re.escape(MANIFEST) + "$")
 
 def join_parts(dest: str, *, storage_options: dict[str, Any] | None = None, overwrite: bool = False) -> int:
     """Write one index at ``dest`` over every ``part-*-of-N`` dataset under it; the shards
-    stay where they are. Refuses while a part is missing. Returns the sample count."""
-    store = open_store(dest, storage_options)
+    stay where they are. Refuses while a part is missing, or while another pack or join
+    writes ``dest``. Returns the sample count."""
+    with WriterLock(open_store(dest, storage_options)) as lock:
+        return _join(lock, dest, storage_options, overwrite)
+
+
+def _join(lock: WriterLock, dest: str, storage_options: dict[str, Any] | None, overwrite: bool) -> int:
+    store = lock.store
     found: dict[int, set[int]] = {}
     for key in store.list("part-"):
         m = _PART_RE.match(key)
@@ -59,5 +66,6 @@ def join_parts(dest: str, *, storage_options: dict[str, Any] | None = None, over
                 t = ix.shard_samples(j)
                 yield SampleRecords(t.keys, t.offsets.tolist(), t.lengths.tolist(), t.checksums)
 
+    lock.check()
     write_index(store, shards, samples(), compressions.pop(), fields, extra={"parts": n})
     return sum(s.samples for s in shards)

@@ -9,12 +9,14 @@ import json
 from typing import Any
 
 from ..errors import DestinationExistsError
+from ..format import MANIFEST
 from ..storage import Store
-from .commit import retract_dataset
+from .commit import LEASE, LOCK, PLAN, WORK, retract_dataset
 
 __all__ = ["WORK", "Journal", "fingerprint"]
 
-WORK = "_pack"
+# keys under _pack/ that are not shard records
+_NOT_RECORDS = (PLAN, LOCK, LEASE)
 
 
 def fingerprint(obj: Any) -> str:
@@ -22,23 +24,34 @@ def fingerprint(obj: Any) -> str:
 
 
 class Journal:
-    """The ``_pack/`` folder: the plan's fingerprint and one record per finished shard."""
+    """The ``_pack/`` folder: the plan's fingerprint and one record per finished shard.
+
+    ``committed`` is true when this very plan already wrote its manifest and was killed
+    before it removed the journal: the rerun has only the cleanup left to do."""
 
     def __init__(self, store: Store, fingerprint: str, overwrite: bool) -> None:
         self.store = store
-        plan_key = f"{WORK}/plan.json"
-        if store.exists(plan_key):
-            old = json.loads(store.get(plan_key)).get("fingerprint")
-            if old != fingerprint:
+        self.committed = False
+        if store.exists(PLAN):
+            old = json.loads(store.get(PLAN)).get("fingerprint")
+            if old == fingerprint:
+                self.committed = store.exists(MANIFEST)
+            else:
                 if not overwrite:
+                    if store.exists(MANIFEST):
+                        raise DestinationExistsError(
+                            f"{store.url(MANIFEST)} exists: {store.root} already holds a dataset of other "
+                            "input or options (pass overwrite=True / --overwrite to replace it)"
+                        )
                     raise DestinationExistsError(
                         f"{store.root} holds an unfinished pack of other input or options "
                         "(pass --overwrite to discard it and start again)"
                     )
                 self.clear()
-        elif store.list(WORK + "/") and not overwrite:
+        elif [k for k in store.list(WORK + "/") if k not in _NOT_RECORDS] and not overwrite:
             raise DestinationExistsError(f"{store.url(WORK)} exists without a plan (pass --overwrite)")
-        store.put(plan_key, json.dumps({"fingerprint": fingerprint}).encode())
+        if not self.committed:
+            store.put(PLAN, json.dumps({"fingerprint": fingerprint}).encode())
 
     def clear(self) -> None:
         retract_dataset(self.store)
@@ -46,7 +59,7 @@ class Journal:
     def done(self) -> dict[str, dict[str, Any]]:
         out = {}
         for key in self.store.list(WORK + "/"):
-            if key.endswith(".json") and not key.endswith("plan.json"):
+            if key.endswith(".json") and key not in _NOT_RECORDS:
                 out[key[len(WORK) + 1 : -5]] = json.loads(self.store.get(key))
         return out
 
@@ -54,5 +67,9 @@ class Journal:
         self.store.put(f"{WORK}/{name}.json", json.dumps(result).encode())
 
     def remove(self) -> None:
+        """Delete the journal, its plan last: a rerun after a kill in between still finds
+        the plan and finishes. The writer's lock goes when the writer releases it."""
         for key in self.store.list(WORK + "/"):
-            self.store.delete(key)
+            if key not in _NOT_RECORDS:
+                self.store.delete(key)
+        self.store.delete(PLAN)

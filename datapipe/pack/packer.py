@@ -4,21 +4,30 @@ destination, and running the same command again skips what is recorded."""
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
+import signal
+import stat
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from ..errors import DuplicateKeyError, EmptyInputError, InputFileError, PackError
-from ..format import COMPRESSIONS, SampleRecords, ShardBuilder, ShardRecord, encode_sample, shard_name
+from ..errors import DatapipeError, DuplicateKeyError, EmptyInputError, InputFileError, PackError, StorageError
+from ..format import (COMPRESSIONS, SHARDS_FILE, SampleRecords, ShardBuilder, ShardRecord, encode_sample,
+                      read_shard_table, shard_name)
 from ..format.shard import STAGING_BYTES
 from ..storage import Store, open_store
-from .commit import check_destination, remove_temporaries, write_index
+from .commit import check_destination, write_index
 from .journal import Journal, fingerprint
+from .lock import WriterLock
 from .sources import FileSample, count_table_rows, iter_table, list_directory, source_kind
 from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits
 
@@ -78,15 +87,70 @@ def part_dir(i: int, n: int) -> str:
 _progress: Any = None  # (samples, bytes) shared counters, set in each worker
 
 
-def _init_worker(counters: Any) -> None:
+def _init_worker(counters: Any, parent: int | None = None, lock_fd: tuple[int, int, int] | None = None) -> None:
     global _progress
     _progress = counters
+    if parent is not None:
+        _die_with(parent, lock_fd)
 
 
-def _fill_from(path: str, view: memoryview) -> int:
+def _die_with(parent: int, lock_fd: tuple[int, int, int] | None) -> None:
+    """Make this worker end when the pack that started it ends, however it ends: a worker
+    left behind by a kill -9 would block forever on its result pipe, holding its memory
+    (and, forked, a copy of the destination's lock)."""
+    if lock_fd is not None:  # a forked copy of the writer lock: the lock must die with the parent
+        fd, dev, ino = lock_fd
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                os.close(fd)
+        except OSError:
+            pass
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:  # the kernel kills us the moment our parent exits (PR_SET_PDEATHSIG = 1)
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    ppid = os.getppid()
+
+    def watch() -> None:  # the portable half, and the case of a parent that died before prctl
+        while True:
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass
+            if os.getppid() != ppid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    if os.getppid() != ppid:
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="datapipe-pack-watchdog").start()
+
+
+class _InputFault(Exception):
+    """An input file could not be read as listed: names that file, not another of its sample."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(path, why)
+        self.path, self.why = path, why
+
+
+def _fill_from(path: str, size: int, view: memoryview) -> int:
     """Read the file at ``path`` into ``view``: straight into the shard's staging buffer."""
-    fd = os.open(path, os.O_RDONLY)
     try:
+        # O_NONBLOCK: a FIFO or device put in place of a listed file must not block the
+        # open (it is refused below); a regular file ignores the flag.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise _InputFault(path, e.strerror or str(e)) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _InputFault(path, "no longer a regular file")
         got = os.readv(fd, [view])
         # A regular file returns short only at its end, so one read of size + 1 bytes both
         # fills the data and proves the file did not grow. Read on only if it came short
@@ -97,9 +161,30 @@ def _fill_from(path: str, view: memoryview) -> int:
             if not n:
                 break
             got += n
-        return got
+    except OSError as e:
+        raise _InputFault(path, e.strerror or str(e)) from None
     finally:
         os.close(fd)
+    if got != size:
+        grew = "grew" if got > size else "shrank"
+        raise _InputFault(path, f"changed while packing: it {grew} from the {size} bytes listed")
+    return got
+
+
+@contextmanager
+def _writing(url: str) -> Iterator[None]:
+    """An OS error while writing output names what was written and what to do (the bare
+    error of a full disk names no file)."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, DatapipeError):
+            raise
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            hint = "free space there or choose another destination, then run the same command again"
+        else:
+            hint = "fix that, then run the same command again"
+        raise StorageError(f"cannot write {url}: {e.strerror or e} ({hint}: finished shards are kept)") from None
 
 
 _staging: bytearray | None = None  # one reused staging buffer per worker process
@@ -112,22 +197,18 @@ def _pack_files(store: Store, name: str, compression: str, level: int, samples: 
         _staging = bytearray(STAGING_BYTES)
     skipped: list[tuple[str, str]] = []
     done_samples = done_bytes = 0
-    with store.open_writer(name) as sink:
+    with _writing(store.url(name)), store.open_writer(name) as sink:
         b = ShardBuilder(sink, name, compression, level, staging=_staging)
         for s in samples:
-            members = [(fld, size, partial(_fill_from, path)) for fld, path, size in s.files]
+            members = [(fld, size, partial(_fill_from, path, size)) for fld, path, size in s.files]
             try:
                 b.add_members(s.key, members)
-            except (OSError, ValueError) as e:
-                if isinstance(e, OSError):
-                    path, why = e.filename or s.files[0][1], e.strerror or str(e)
-                else:
-                    path, why = s.files[0][1], f"changed while packing ({e})"
+            except _InputFault as e:
                 if not skip_errors:
                     raise InputFileError(
-                        f"cannot read {path}: {why} (sample {s.key!r}; pass --skip-errors to skip such samples)"
+                        f"cannot read {e.path}: {e.why} (sample {s.key!r}; pass --skip-errors to skip such samples)"
                     ) from None
-                skipped.append((path, why))
+                skipped.append((e.path, e.why))
                 continue
             done_samples += 1
             done_bytes += sum(size for _, _, size in s.files)
@@ -194,11 +275,17 @@ def pack(
     skip_errors: bool = False,
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
+    follow_links: bool = False,
 ) -> PackResult:
     """Pack ``src`` (a directory of small files, a JSONL file, or a Parquet file/directory)
     into shards at ``dest`` (a local path or any fsspec URL). With ``part=(i, n)`` pack only
     the i-th of n deterministic slices, into ``dest/part-0000i-of-0000n``; `join_parts`
-    makes one dataset of them."""
+    makes one dataset of them.
+
+    Symbolic links in a source directory are followed only to files inside it, unless
+    ``follow_links``; FIFOs, sockets and devices are never opened. What is passed over is
+    listed in ``PackResult.skipped``. One pack writes a destination at a time: a second
+    gets `DestinationBusyError`."""
     t0 = time.perf_counter()
     compression = compression or "none"
     if compression not in COMPRESSIONS:
@@ -208,35 +295,40 @@ def pack(
     parsed = parse_part(part)
     if parsed is not None:
         dest = dest.rstrip("/") + "/" + part_dir(*parsed)
-    store = open_store(dest, storage_options)
-    check_destination(store, overwrite)
-    remove_temporaries(store)
     kind = source_kind(src)
     opts = {"shard_bytes": shard_bytes, "shard_samples": shard_samples, "compression": compression,
             "level": level, "part": parsed, "kind": kind, "src": os.path.abspath(src)}
-    if kind == "directory":
-        result = _pack_directory(src, store, opts, workers, skip_errors, progress, overwrite)
-    else:
-        result = _pack_table(src, kind, store, opts, progress, overwrite)
+    with WriterLock(open_store(dest, storage_options)) as lock:
+        store = lock.store
+        check_destination(store, overwrite, resumable=True)
+        if kind == "directory":
+            result = _pack_directory(src, lock, opts, workers, skip_errors, progress, overwrite, follow_links)
+        else:
+            result = _pack_table(src, kind, lock, opts, progress, overwrite)
     result.dest = dest
     result.seconds = time.perf_counter() - t0
     return result
 
 
-def _pack_directory(src: str, store: Store, opts: dict[str, Any], workers: int | None, skip_errors: bool,
-                    progress: bool, overwrite: bool) -> PackResult:
-    listing = list_directory(src, skip_errors)
+def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: int | None, skip_errors: bool,
+                    progress: bool, overwrite: bool, follow_links: bool) -> PackResult:
+    store = lock.store
+    listing = list_directory(src, skip_errors, follow_links)
     samples = listing.samples
     if opts["part"] is not None:
         i, n = opts["part"]
         samples = samples[i * len(samples) // n : (i + 1) * len(samples) // n]
     plan = _plan_shards(samples, opts["shard_bytes"], opts["shard_samples"])
     names = [shard_name(i, opts["compression"]) for i in range(len(plan))]
-    work = Journal(store, fingerprint([opts, [[s.key, s.files, s.tar_bytes] for s in samples]]), overwrite)
+    with _writing(store.url("_pack")):
+        work = Journal(store, fingerprint([opts, [[s.key, s.files, s.tar_bytes] for s in samples]]), overwrite)
+    result = PackResult("", len(plan), 0, 0, 0, 0.0, skipped=list(listing.passed_over) + list(listing.bad),
+                        ignored=len(listing.ignored))
+    if work.committed:
+        return _finish_cleanup(store, work, result)
     done = work.done()
     todo = [i for i, name in enumerate(names) if name not in done]
-    result = PackResult("", len(plan), 0, 0, 0, 0.0, resumed_shards=len(plan) - len(todo),
-                        skipped=list(listing.bad), ignored=len(listing.ignored))
+    result.resumed_shards = len(plan) - len(todo)
     # Packing small files waits on the disk more than on the CPU: twice as many workers
     # as cores overlap those waits (measured here, cold page cache: 4 workers 6.7 s vs
     # 2 workers 8.6 s for 30k samples on 2 cores; warm: 2.7 s vs 2.2 s).
@@ -251,8 +343,13 @@ def _pack_directory(src: str, store: Store, opts: dict[str, Any], workers: int |
     pool = None
     futures: dict[Future, str] = {}
     if nworkers > 1:  # workers start before this process starts its progress threads
-        pool = ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=_init_worker, initargs=(counters,))
-        futures = {pool.submit(_run, a): a[1] for a in args}
+        pool = ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=_init_worker,
+                                   initargs=(counters, os.getpid(), lock.inherited_fd()))
+        try:
+            futures = {pool.submit(_run, a): a[1] for a in args}
+        except BrokenProcessPool:  # a worker died while the work was being handed out
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise _worker_lost(store, 0) from None
     bar = _progress_bar(sum(len(plan[i]) for i in todo), progress)
     stop = threading.Event()
 
@@ -283,6 +380,8 @@ def _pack_directory(src: str, store: Store, opts: dict[str, Any], workers: int |
                     finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for fut in finished:
                         _finish(work, futures[fut], fut.result(), done, result)
+            except BrokenProcessPool:
+                raise _worker_lost(store, len(done) - (len(plan) - len(todo))) from None
             except BaseException:
                 for fut in pending:
                     fut.cancel()
@@ -293,7 +392,15 @@ def _pack_directory(src: str, store: Store, opts: dict[str, Any], workers: int |
         stop.set()
         poller.join()
         bar.close()
-    return _commit(store, work, names, done, opts["compression"], result)
+    return _commit(lock, work, names, done, opts["compression"], result)
+
+
+def _worker_lost(store: Store, new_shards: int) -> PackError:
+    return PackError(
+        f"a pack worker process died (killed by a signal, e.g. by the out-of-memory killer) while packing "
+        f"into {store.root}; {new_shards} new shards are recorded: run the same command again to resume "
+        "(with fewer --workers if memory is short)"
+    )
 
 
 def _run(args: tuple) -> dict[str, Any]:
@@ -304,12 +411,14 @@ def _run(args: tuple) -> dict[str, Any]:
 
 
 def _finish(work: Journal, name: str, res: dict[str, Any], done: dict[str, Any], result: PackResult) -> None:
-    work.record(name, res)
+    with _writing(work.store.url(f"_pack/{name}.json")):
+        work.record(name, res)
     done[name] = res
 
 
-def _commit(store: Store, work: Journal, names: list[str], done: dict[str, Any], compression: str,
+def _commit(lock: WriterLock, work: Journal, names: list[str], done: dict[str, Any], compression: str,
             result: PackResult) -> PackResult:
+    store = lock.store
     shards, sample_recs, fields = [], [], set()
     for name in names:
         res = done[name]
@@ -321,8 +430,25 @@ def _commit(store: Store, work: Journal, names: list[str], done: dict[str, Any],
         fields.update(res["fields"])
     if not shards:
         raise PackError(f"nothing packed into {store.root}: every sample was skipped")
-    write_index(store, shards, sample_recs, compression, fields)
-    work.remove()
+    lock.check()
+    with _writing(f"the index of {store.root}"):
+        write_index(store, shards, sample_recs, compression, fields)
+    with _writing(store.url("_pack")):
+        work.remove()
+    return _tally(result, shards)
+
+
+def _finish_cleanup(store: Store, work: Journal, result: PackResult) -> PackResult:
+    """This plan's manifest is written; only the journal's removal was cut short (a kill):
+    remove it, and report the dataset as it stands. Nothing published is rewritten."""
+    shards = read_shard_table(store.get(SHARDS_FILE), store.url(SHARDS_FILE))
+    with _writing(store.url("_pack")):
+        work.remove()
+    result.resumed_shards = len(shards)
+    return _tally(result, shards)
+
+
+def _tally(result: PackResult, shards: list[ShardRecord]) -> PackResult:
     result.shards = len(shards)
     result.samples = sum(s.samples for s in shards)
     result.stored_bytes = sum(s.bytes for s in shards)
@@ -330,17 +456,21 @@ def _commit(store: Store, work: Journal, names: list[str], done: dict[str, Any],
     return result
 
 
-def _pack_table(src: str, kind: str, store: Store, opts: dict[str, Any], progress: bool,
+def _pack_table(src: str, kind: str, lock: WriterLock, opts: dict[str, Any], progress: bool,
                 overwrite: bool) -> PackResult:
     """Rows are read in order in this process; shard boundaries depend only on the rows and
     the limits, so a rerun skips the shards an earlier run recorded."""
+    store = lock.store
     st = os.stat(src)
     total = count_table_rows(src, kind)
     start, stop = 0, total
     if opts["part"] is not None:
         i, n = opts["part"]
         start, stop = i * total // n, (i + 1) * total // n
-    work = Journal(store, fingerprint([opts, st.st_size, st.st_mtime_ns]), overwrite)
+    with _writing(store.url("_pack")):
+        work = Journal(store, fingerprint([opts, st.st_size, st.st_mtime_ns]), overwrite)
+    if work.committed:
+        return _finish_cleanup(store, work, PackResult("", 0, 0, 0, 0, 0.0))
     done = work.done()
     names: list[str] = []
     result = PackResult("", 0, 0, 0, 0, 0.0)
@@ -357,14 +487,13 @@ def _pack_table(src: str, kind: str, store: Store, opts: dict[str, Any], progres
         if name in done:
             result.resumed_shards += 1
         else:
-            with store.open_writer(name) as sink:
+            with _writing(store.url(name)), store.open_writer(name) as sink:
                 b = ShardBuilder(sink, name, opts["compression"], opts["level"])
                 for key, parts, flds in pending:
                     b.add_encoded(key, parts, flds)
                 record = b.finish()
             res = {"record": asdict(record), "samples": vars(b.records), "fields": sorted(b.fields)}
-            work.record(name, res)
-            done[name] = res
+            _finish(work, name, res, done, result)
         pending, pending_bytes = [], 0
 
     try:
@@ -386,4 +515,4 @@ def _pack_table(src: str, kind: str, store: Store, opts: dict[str, Any], progres
         bar.close()
     if not names:
         raise EmptyInputError(f"{src}: no rows to pack" + (" in this part" if opts["part"] else ""))
-    return _commit(store, work, names, done, opts["compression"], result)
+    return _commit(lock, work, names, done, opts["compression"], result)

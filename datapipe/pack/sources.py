@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,9 @@ class DirectoryListing:
     samples: list[FileSample]
     ignored: list[str] = field(default_factory=list)  # dot-files and names with no field
     bad: list[tuple[str, str]] = field(default_factory=list)  # (path, reason), skip_errors only
+    # (path, reason): links not followed and files that are not regular (FIFOs, sockets,
+    # devices: opening one can block forever), passed over with or without skip_errors
+    passed_over: list[tuple[str, str]] = field(default_factory=list)
 
 
 def source_kind(src: str) -> str:
@@ -50,10 +54,21 @@ def _member_tar_bytes(name: str, size: int) -> int:
     return BLOCK + extra + size + padding(size)
 
 
-def list_directory(root: str, skip_errors: bool = False) -> DirectoryListing:
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFDIR: "a directory"}
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def list_directory(root: str, skip_errors: bool = False, follow_links: bool = False) -> DirectoryListing:
     """Group every regular file under ``root`` into samples by WebDataset's key rule, sorted
-    by key. Dot-files and names without a field are listed as ignored."""
+    by key. Dot-files and names without a field are listed as ignored. A symbolic link is
+    followed only to a file inside ``root`` (anywhere with ``follow_links``) and is read
+    at its target; anything but a regular file is passed over, never opened."""
     root = os.path.abspath(root)
+    real_root = os.path.realpath(root)
     groups: dict[str, list[tuple[str, str, int]]] = {}
     out = DirectoryListing([])
     checked: set[str] = set()
@@ -90,14 +105,26 @@ def list_directory(root: str, skip_errors: bool = False) -> DirectoryListing:
                     raise InvalidMemberNameError(f"{path!r}: {reason} (rename it, or pass --skip-errors)") from None
                 out.bad.append((path, reason))
                 continue
+            read_at = path
+            if entry.is_symlink():
+                target = os.path.realpath(path)
+                if not follow_links and not _inside(target, real_root):
+                    out.passed_over.append((path, f"symbolic link to {target}, outside {root} "
+                                                  "(not followed; pass --follow-links to follow it)"))
+                    continue
+                read_at = target  # read what was checked, whatever the link says later
             try:
-                size = entry.stat().st_size
+                st = os.stat(read_at)
             except OSError as e:
                 if not skip_errors:
                     raise InputFileError(f"cannot stat {path}: {e.strerror} (pass --skip-errors to skip it)") from None
                 out.bad.append((path, e.strerror or str(e)))
                 continue
-            groups.setdefault(cut[0], []).append((cut[1], path, size))
+            if not stat.S_ISREG(st.st_mode):
+                kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+                out.passed_over.append((path, f"{kind}, not a regular file (not read)"))
+                continue
+            groups.setdefault(cut[0], []).append((cut[1], read_at, st.st_size))
     for key in sorted(groups):
         files = sorted(groups[key])
         size = sum(_member_tar_bytes(f"{key}.{f}", s) for f, _, s in files)

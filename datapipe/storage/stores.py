@@ -340,7 +340,10 @@ class LocalStore(Store):
             f.close()
             self._publish(tmp, key)
         except BaseException:
-            f.close()
+            try:
+                f.close()  # may fail again (ENOSPC flushing the buffer): the unlink must still run
+            except OSError:
+                pass
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
