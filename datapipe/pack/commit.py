@@ -9,8 +9,16 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import DestinationExistsError
-from ..format import MANIFEST, SAMPLES_FILE, SHARDS_FILE, SampleRecords, SampleTableWriter, ShardRecord
-from ..format import make_manifest, shard_table_bytes
+from ..format import (
+    MANIFEST,
+    SAMPLES_FILE,
+    SHARDS_FILE,
+    SampleRecords,
+    SampleTableWriter,
+    ShardRecord,
+    make_manifest,
+    shard_table_bytes,
+)
 from ..format.index import FileDigest, digest_bytes
 from ..storage import Store
 

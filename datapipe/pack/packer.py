@@ -20,16 +20,31 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from ..errors import DatapipeError, DuplicateKeyError, EmptyInputError, InputFileError, PackError, StorageError
-from ..format import (COMPRESSIONS, SHARDS_FILE, SampleRecords, ShardBuilder, ShardRecord, encode_sample,
-                      read_shard_table, shard_name)
+from ..errors import (
+    DatapipeError,
+    DuplicateKeyError,
+    EmptyInputError,
+    InputFileError,
+    PackError,
+    PackOptionError,
+    StorageError,
+)
+from ..format import (
+    SHARDS_FILE,
+    SampleRecords,
+    ShardBuilder,
+    ShardRecord,
+    encode_sample,
+    read_shard_table,
+    shard_name,
+)
 from ..format.shard import STAGING_BYTES
 from ..storage import Store, open_store
 from .commit import check_destination, write_index
 from .journal import Journal, fingerprint
 from .lock import WriterLock
 from .sources import FileSample, count_table_rows, iter_table, list_directory, source_kind
-from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits
+from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits, checked_compression
 
 __all__ = ["pack", "PackResult", "parse_part", "part_dir"]
 
@@ -72,9 +87,9 @@ def parse_part(part: str | tuple[int, int] | None) -> tuple[int, int] | None:
     try:
         i, n = (int(x) for x in part.split("/"))
     except ValueError:
-        raise PackError(f"--part must look like I/N (e.g. 0/4), not {part!r}") from None
+        raise PackOptionError(f"--part must look like I/N (e.g. 0/4), not {part!r}") from None
     if not 0 <= i < n:
-        raise PackError(f"--part {part}: need 0 <= I < N")
+        raise PackOptionError(f"--part {part}: need 0 <= I < N")
     return i, n
 
 
@@ -287,11 +302,9 @@ def pack(
     listed in ``PackResult.skipped``. One pack writes a destination at a time: a second
     gets `DestinationBusyError`."""
     t0 = time.perf_counter()
-    compression = compression or "none"
-    if compression not in COMPRESSIONS:
-        raise PackError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+    compression = checked_compression(compression)
     if shard_bytes <= 2048 or shard_samples <= 0:
-        raise PackError("shard_bytes must be > 2048 and shard_samples > 0")
+        raise PackOptionError("shard_bytes must be > 2048 and shard_samples > 0")
     parsed = parse_part(part)
     if parsed is not None:
         dest = dest.rstrip("/") + "/" + part_dir(*parsed)
