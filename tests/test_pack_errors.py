@@ -14,6 +14,8 @@ from datapipe.errors import (
     InputFileError,
     InvalidMemberNameError,
     ObjectNotFoundError,
+    PackError,
+    PackOptionError,
     SampleTooLargeError,
 )
 
@@ -204,3 +206,17 @@ def test_cli_names_an_os_error_without_traceback(tmp_path, capsys):
     assert main(["pack", str(tmp_path / "src"), "/proc/no-such-dir/ds", "-q"]) == 2
     err = capsys.readouterr().err
     assert "/proc/no-such-dir" in err and "Traceback" not in err
+
+
+def test_bad_arguments_raise_one_error_class_everywhere(tmp_path):
+    # pack() and ShardWriter check the same arguments with the same error, which is both a
+    # PackError and (Python's convention for a bad argument) a ValueError
+    src = str(tmp_path / "src")
+    _write(src, "a.bin", b"x")
+    for call in (lambda: datapipe.pack(src, str(tmp_path / "p"), compression="lz4"),
+                 lambda: datapipe.ShardWriter(str(tmp_path / "w"), compression="lz4"),
+                 lambda: datapipe.ShardWriter(str(tmp_path / "w"), max_samples=0),
+                 lambda: datapipe.pack(src, str(tmp_path / "p"), part="3/2")):
+        with pytest.raises(PackOptionError) as info:
+            call()
+        assert isinstance(info.value, PackError) and isinstance(info.value, ValueError)
