@@ -15,7 +15,7 @@ __all__ = ["agree_run_id"]
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 
 
-def agree_run_id(rank: int, world_size: int, run_id: str | None) -> str:
+def agree_run_id(world_size: int, run_id: str | None) -> str:
     if run_id is not None:
         if not _RUN_ID_RE.match(run_id):
             raise CheckpointError(f"run_id must match {_RUN_ID_RE.pattern}, got {run_id!r}")

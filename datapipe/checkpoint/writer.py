@@ -176,7 +176,7 @@ class CheckpointWriter:
             self.rank, self.world_size = Topology.resolve(rank, world_size, environment=False)
         except TopologyError as e:
             raise CheckpointError(f"CheckpointWriter({url!r}): {e}") from None
-        self.run_id = agree_run_id(self.rank, self.world_size, run_id)
+        self.run_id = agree_run_id(self.world_size, run_id)
         self._saved_at: dict[tuple[int, int], int] = {}  # (step, n) of each attempt -> its save's number
         self._calls = 0
         self._pid = os.getpid()

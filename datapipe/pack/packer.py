@@ -383,7 +383,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
             _init_worker(counters)
             try:
                 for a in args:
-                    _finish(work, a[1], _run(a), done, result)
+                    _finish(work, a[1], _run(a), done)
             finally:
                 _init_worker(None)
         else:
@@ -392,7 +392,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
                 while pending:
                     finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for fut in finished:
-                        _finish(work, futures[fut], fut.result(), done, result)
+                        _finish(work, futures[fut], fut.result(), done)
             except BrokenProcessPool:
                 raise _worker_lost(store, len(done) - (len(plan) - len(todo))) from None
             except BaseException:
@@ -423,7 +423,7 @@ def _run(args: tuple) -> dict[str, Any]:
         return {"record": None, "skipped": e.skipped}
 
 
-def _finish(work: Journal, name: str, res: dict[str, Any], done: dict[str, Any], result: PackResult) -> None:
+def _finish(work: Journal, name: str, res: dict[str, Any], done: dict[str, Any]) -> None:
     with _writing(work.store.url(f"_pack/{name}.json")):
         work.record(name, res)
     done[name] = res
@@ -506,7 +506,7 @@ def _pack_table(src: str, kind: str, lock: WriterLock, opts: dict[str, Any], pro
                     b.add_encoded(key, parts, flds)
                 record = b.finish()
             res = {"record": asdict(record), "samples": vars(b.records), "fields": sorted(b.fields)}
-            _finish(work, name, res, done, result)
+            _finish(work, name, res, done)
         pending, pending_bytes = [], 0
 
     try:

@@ -89,10 +89,6 @@ class WindowShuffle:
         base = derive_key(self.seed, self.epoch, 2)
         self._base_key = np.uint64(base)
 
-    @property
-    def num_windows(self) -> int:
-        return int(self.window_sizes.size)
-
     def window_of(self, positions: np.ndarray) -> np.ndarray:
         return np.searchsorted(self.window_starts, positions, side="right") - 1
 
