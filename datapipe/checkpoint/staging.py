@@ -37,7 +37,7 @@ def plan_layout(leaves: list[Leaf]) -> tuple[list[int], int]:
 
 
 def _layout_key(leaves: list[Leaf]) -> tuple:
-    return tuple((l.kind, l.dtype, l.shape) for l in leaves)
+    return tuple((leaf.kind, leaf.dtype, leaf.shape) for leaf in leaves)
 
 
 class StagingBuffer:
@@ -110,8 +110,8 @@ class StagingBuffer:
         offsets, total = plan_layout(leaves)
         self._check_budget(total)
         with self._lock:
-            pinned = any(l.device.startswith("cuda") for l in leaves)
-            if not pinned and any(l.device == "meta" for l in leaves):
+            pinned = any(leaf.device.startswith("cuda") for leaf in leaves)
+            if not pinned and any(leaf.device == "meta" for leaf in leaves):
                 import torch
 
                 # a layout says nothing about the device: on a GPU machine, pin for it
@@ -130,17 +130,17 @@ class StagingBuffer:
             if key != self._key:
                 offsets, total = plan_layout(leaves)
                 self._check_budget(total)
-                pinned = any(l.device.startswith("cuda") for l in leaves)
+                pinned = any(leaf.device.startswith("cuda") for leaf in leaves)
                 # First save of a layout: no separate touch, the copy faults the pages in once.
                 self._reserve(total, pinned, touch=False)
                 self._build_views(leaves, offsets, total)
                 self._key = key
             views = self._views
             with torch.no_grad():
-                cuda = [i for i, l in enumerate(leaves) if l.kind == "torch" and l.obj.device.type == "cuda"]
+                cuda = [i for i, leaf in enumerate(leaves) if leaf.kind == "torch" and leaf.obj.device.type == "cuda"]
                 if cuda:
                     self._stage_cuda(leaves, views, cuda)
-                for i, (leaf, dst) in enumerate(zip(leaves, views)):
+                for leaf, dst in zip(leaves, views):
                     if leaf.kind == "torch":
                         if leaf.obj.device.type == "cuda":
                             continue
