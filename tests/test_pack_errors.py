@@ -51,7 +51,7 @@ def test_vanished_file_is_named_or_skipped(tmp_path):
     _write(src, "a.txt", b"a")
     _write(src, "b.txt", b"b")
     os.symlink(os.path.join(src, "gone"), os.path.join(src, "c.txt"))  # a file that vanished
-    with pytest.raises(InputFileError, match="c.txt.*--skip-errors"):
+    with pytest.raises(InputFileError, match=r"c\.txt.*--skip-errors"):
         datapipe.pack(src, str(tmp_path / "ds"))
     r = datapipe.pack(src, str(tmp_path / "ds"), skip_errors=True)
     assert r.samples == 2
@@ -187,7 +187,7 @@ def test_damaged_index_is_detected(tmp_path, capsys):
     data = bytearray((dest / "shards.parquet").read_bytes())
     data[len(data) // 2] ^= 1
     (dest / "shards.parquet").write_bytes(bytes(data))
-    with pytest.raises(datapipe.errors.ChecksumError, match="shards.parquet"):
+    with pytest.raises(datapipe.errors.ChecksumError, match=r"shards\.parquet"):
         datapipe.open_index(str(dest))
 
 

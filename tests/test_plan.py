@@ -169,7 +169,7 @@ def test_repeated_elastic_resume_is_exactly_once(seed, worlds, fracs):
     counts = np.array([13, 0, 7, 29, 31, 5, 17])
     plan = EpochPlan(counts, seed=seed, window=3, world=worlds[0])
     seen = []
-    for new_world, frac in zip(worlds[1:] + [1], fracs):
+    for new_world, frac in zip([*worlds[1:], 1], fracs):
         c = int(frac * (plan.per_rank - plan.start)) + plan.start
         for r in range(plan.world):
             s, i, p = plan.rank_samples(r, np.arange(plan.start, c))
