@@ -36,7 +36,7 @@ def plan_layout(leaves: list[Leaf]) -> tuple[list[int], int]:
     return offsets, pos
 
 
-def _layout_key(leaves: list[Leaf]) -> tuple:
+def _layout_key(leaves: list[Leaf]) -> tuple[Any, ...]:
     return tuple((leaf.kind, leaf.dtype, leaf.shape) for leaf in leaves)
 
 
@@ -49,9 +49,9 @@ class StagingBuffer:
             raise CheckpointError(f"max_staging_bytes must be positive, got {max_bytes}")
         self.max_bytes = max_bytes
         self._buf: Any = None  # torch uint8 tensor
-        self._np: np.ndarray | None = None
+        self._np: np.ndarray[Any, np.dtype[np.uint8]] | None = None  # the same bytes, as numpy
         self.pinned = False
-        self._key: tuple | None = None
+        self._key: tuple[Any, ...] | None = None
         self._views: list[Any] = []
         self.offsets: list[int] = []
         self.total = 0
@@ -90,6 +90,8 @@ class StagingBuffer:
         views: list[Any] = []
         prev_end = 0
         buf, npbuf = self._buf, self._np
+        if npbuf is None:
+            raise CheckpointError("staging views requested before the staging buffer was reserved")
         for leaf, off in zip(leaves, offsets):
             if off > prev_end:
                 buf[prev_end:off].zero_()
@@ -157,7 +159,7 @@ class StagingBuffer:
 
         # A side stream that first waits for the training stream, so the copies see the
         # latest values; we wait for it before returning, so training may then overwrite.
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream() unannotated
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for i in idx:
@@ -168,4 +170,4 @@ class StagingBuffer:
         """The staged bytes ``[start, end)`` without a copy."""
         if self._np is None or end > self.total:
             raise CheckpointError(f"staging range [{start}, {end}) outside the staged {self.total} bytes")
-        return memoryview(self._np[start:end])
+        return self._np[start:end].data

@@ -354,7 +354,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     counters = ctx.Array("q", 2)
     args = [(store, names[i], opts["compression"], opts["level"], plan[i], skip_errors) for i in todo]
     pool = None
-    futures: dict[Future, str] = {}
+    futures: dict[Future[dict[str, Any]], str] = {}
     if nworkers > 1:  # workers start before this process starts its progress threads
         pool = ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=_init_worker,
                                    initargs=(counters, os.getpid(), lock.inherited_fd()))
@@ -416,7 +416,7 @@ def _worker_lost(store: Store, new_shards: int) -> PackError:
     )
 
 
-def _run(args: tuple) -> dict[str, Any]:
+def _run(args: tuple[Any, ...]) -> dict[str, Any]:
     try:
         return _pack_files(*args)
     except _AllSkipped as e:
@@ -490,7 +490,7 @@ def _pack_table(src: str, kind: str, lock: WriterLock, opts: dict[str, Any], pro
     keys: set[str] = set()
     bar = _progress_bar(stop - start, progress)
     limits = ShardLimits(opts["shard_bytes"], opts["shard_samples"])
-    pending: list[tuple[str, list]] = []
+    pending: list[tuple[str, list[bytes | memoryview], list[str]]] = []
     pending_bytes = 0
 
     def flush() -> None:
