@@ -55,6 +55,7 @@ class StagingBuffer:
         self._views: list[Any] = []
         self.offsets: list[int] = []
         self.total = 0
+        self.allocations = 0  # host buffers taken so far: a reused buffer keeps it unchanged
         self._lock = threading.Lock()  # prepare() may run in its own thread
 
     @property
@@ -82,6 +83,7 @@ class StagingBuffer:
         if touch:
             buf.zero_()  # fault every page in now, not during a save
         self._buf, self.pinned = buf, pinned
+        self.allocations += 1
         self._np = buf.numpy()
 
     def _build_views(self, leaves: list[Leaf], offsets: list[int], total: int) -> None:

@@ -63,7 +63,8 @@ def lower_thread_priority(increment: int = 10) -> None:
 
 class SaveHandle:
     """The future of one save. ``metrics`` fills in as the save progresses: ``stall_s``,
-    ``waited_s``, ``staging_s``, ``staging_gbps``, ``bytes`` at return; ``write_s``,
+    ``waited_s``, ``staging_s``, ``staging_gbps``, ``bytes``, ``staging_allocated`` (this
+    save took a new host buffer instead of reusing the last one) at return; ``write_s``,
     ``write_gbps``, ``stored_bytes``, ``commit_s``, ``total_s`` (save() to durable; on
     rank 0 to committed) once done, and on rank 0 ``committed``, ``deleted_steps``,
     ``retention_s``."""
@@ -293,6 +294,7 @@ class CheckpointWriter:
             self._raise_failed()
         self._join_prepare()
         ts = time.perf_counter()
+        allocations = self._staging.allocations
         self._staging.stage(leaves)
         staging_s = time.perf_counter() - ts
         total = self._staging.total
@@ -302,6 +304,7 @@ class CheckpointWriter:
         self._saved_at[(step, n)] = self._calls
         h = SaveHandle(step, self._reported)
         h.metrics.update(bytes=total, waited_s=waited, staging_s=staging_s,
+                         staging_allocated=self._staging.allocations > allocations,
                          staging_gbps=total / staging_s / 1e9 if staging_s > 0 else float("inf"))
         self._current = h
         self._queue.put(_Job(step, f"{self.run_id}-{n}", tree, leaves, list(self._staging.offsets),
@@ -337,6 +340,12 @@ class CheckpointWriter:
             self._raise_failed()
         finally:
             self._api_lock.release()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of host memory the staging buffer holds now (0 before the first save or
+        prepare)."""
+        return self._staging.capacity
 
     def __enter__(self) -> CheckpointWriter:
         return self
