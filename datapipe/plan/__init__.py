@@ -3,6 +3,12 @@
 No I/O, no clocks, no global state: everything here is a function of (per-shard sample
 counts, seed, epoch, window, topology), testable without files.
 
+Holds: ``shuffle`` (epoch orders, the ``ALGORITHMS`` registry), ``permutation`` (on-demand
+Feistel permutations), ``partition`` (splits over ranks and workers, elastic regrouping),
+``resume`` (the state of a few integers), ``quality`` (how well an order shuffles),
+``arrays`` (the numpy array types). May import only :mod:`datapipe.errors`,
+:mod:`datapipe.checksum` and numpy.
+
     plan = EpochPlan(counts, seed=0, epoch=3, window=16, world=8, drop_last=False)
     shard, sample, pad = plan.rank_samples(rank=2, steps=np.arange(0, 1024))
     state = plan.state_dict(consumed=1024)
