@@ -120,14 +120,14 @@ def _die_with(parent: int, lock_fd: tuple[int, int, int] | None) -> None:
             if (st.st_dev, st.st_ino) == (dev, ino):
                 os.close(fd)
         except OSError:
-            pass
+            pass  # the descriptor is not open here (spawned, not forked): no copy of the lock to drop
     if sys.platform.startswith("linux"):
         import ctypes
 
         try:  # the kernel kills us the moment our parent exits (PR_SET_PDEATHSIG = 1)
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
-            pass
+            pass  # no prctl: the watchdog thread below notices the parent's end instead
     ppid = os.getppid()
 
     def watch() -> None:  # the portable half, and the case of a parent that died before prctl
@@ -137,7 +137,7 @@ def _die_with(parent: int, lock_fd: tuple[int, int, int] | None) -> None:
             except ProcessLookupError:
                 os._exit(1)
             except PermissionError:
-                pass
+                pass  # the pid exists (another user's process reuses it): os.getppid() decides
             if os.getppid() != ppid:
                 os._exit(1)
             time.sleep(0.5)
