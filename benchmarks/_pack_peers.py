@@ -18,7 +18,8 @@ import os
 import sys
 import time
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 SYSTEMS = {
     "floor-1p": "floor: read all files, 1 process",
@@ -282,7 +283,7 @@ def _preload(system: str) -> None:
     """Import before the clock starts (this also pulls the libraries into the page cache
     after a cache drop, so spawned workers do not read them from disk on the clock)."""
     if system.startswith("datapipe"):
-        import datapipe  # noqa: F401
+        import datapipe
         import datapipe.pack.packer  # noqa: F401
     elif system == "webdataset":
         import webdataset  # noqa: F401

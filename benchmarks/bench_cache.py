@@ -45,7 +45,7 @@ class BenchConfig:
     workdir: str | None = None
 
     @classmethod
-    def quick(cls) -> "BenchConfig":
+    def quick(cls) -> BenchConfig:
         return cls(objects=16, object_bytes=256 << 10, epochs=3, throughput_bytes=8 << 20,
                    throughput_repeats=7)
 

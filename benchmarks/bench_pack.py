@@ -49,7 +49,7 @@ class PackBenchConfig:
     cache: str = "auto"  # "drop" | "warm" | "auto" (drop if allowed, else warm)
     timeout_s: float = 900.0  # one measurement
 
-    def resolved(self) -> "PackBenchConfig":
+    def resolved(self) -> PackBenchConfig:
         c = PackBenchConfig(**asdict(self))
         if c.quick and c.samples == PackBenchConfig.samples:
             c.samples = 3_000
@@ -207,7 +207,8 @@ def run(config: PackBenchConfig | dict[str, Any] | None = None, log: Any = None)
     rows = []
     for s, e in systems.items():
         row: dict[str, Any] = {"system": s, "label": e["label"], "seconds": e.get("best"),
-                               "seconds_incl_sync": e.get("best_incl_sync"), "runs": len(e["all_seconds"]) if "best" in e else 0,
+                               "seconds_incl_sync": e.get("best_incl_sync"),
+                               "runs": len(e["all_seconds"]) if "best" in e else 0,
                                "error": e["errors"][0] if e["errors"] else None}
         if "best" in e:
             row["samples_per_s"] = c.samples / e["best"]

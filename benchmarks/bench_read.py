@@ -36,7 +36,8 @@ import tempfile
 import time
 import tracemalloc
 import types
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 

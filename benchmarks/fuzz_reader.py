@@ -268,13 +268,13 @@ def run_case(case: dict[str, Any], refs: dict[str, str], work: str) -> str:
             results["random"] = "intact"
         except CaseFailure:
             raise
-        except BaseException as e:  # noqa: BLE001 - every kind is judged
+        except BaseException as e:
             _named(e, files, "open_dataset", what)
             results["random"] = "refused"
         # verify
         try:
             report = datapipe.verify_dataset(dest, all_problems=True)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             _named(e, files, "verify_dataset", what)
             results["verify"] = "refused"
         else:
@@ -297,7 +297,8 @@ def run_case(case: dict[str, Any], refs: dict[str, str], work: str) -> str:
                 if any(expected.get(g["__key__"]) != g for g in got_list) or len(set(keys)) != len(keys):
                     raise CaseFailure(f"{what}: StreamingDataset ({mode}) handed out a sample that is not an original")
                 if mode == "raise" and len(got_list) != len(expected):
-                    raise CaseFailure(f"{what}: StreamingDataset returned {len(got_list)} of {len(expected)} samples, no error")
+                    raise CaseFailure(f"{what}: StreamingDataset returned {len(got_list)} of {len(expected)} "
+                                      "samples, no error")
                 if mode == "skip" and len(got_list) != len(expected) and not sds.skipped:
                     raise CaseFailure(f"{what}: StreamingDataset (skip) lost samples without reporting a skip")
                 if mode == "skip" and sds.skipped:
@@ -306,7 +307,7 @@ def run_case(case: dict[str, Any], refs: dict[str, str], work: str) -> str:
                 results[f"epoch-{mode}"] = "intact" if len(got_list) == len(expected) else "refused"
             except CaseFailure:
                 raise
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 _named(e, files, f"StreamingDataset ({mode})", what)
                 results[f"epoch-{mode}"] = "refused"
     if results["verify"] == "intact" and "refused" in results.values():

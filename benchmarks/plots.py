@@ -40,7 +40,8 @@ def pack_png(r: dict[str, Any], path: str) -> None:
         ax.text(x["samples_per_s"], i, f"  {x['ratio_to_floor']:.2f}x floor", va="center", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("samples/s (higher is better)")
-    ax.set_title(f"Packing {r['config']['samples']:,} samples of small files ({', '.join(r['cache_modes'])} page cache)")
+    modes = ", ".join(r["cache_modes"])
+    ax.set_title(f"Packing {r['config']['samples']:,} samples of small files ({modes} page cache)")
     ax.margins(x=0.25)
     _save(plt, fig, path)
 
@@ -69,18 +70,20 @@ def cache_png(r: dict[str, Any], path: str) -> None:
     fracs = sorted(r["policies"], key=float)
     x = [float(f) * 100 for f in fracs]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    pol = r["policies"]
     series = {
-        "Belady optimum": ([r["policies"][f]["belady_optimum"]["hit_rate"] for f in fracs], None),
-        "datapipe clairvoyant": ([r["policies"][f]["datapipe_clairvoyant"]["hit_rate"] for f in fracs],
-                                 [r["policies"][f]["datapipe_clairvoyant"]["steady_cold_bytes_per_epoch"] for f in fracs]),
-        "datapipe LRU": ([r["policies"][f]["datapipe_lru"]["hit_rate"] for f in fracs],
-                         [r["policies"][f]["datapipe_lru"]["steady_cold_bytes_per_epoch"] for f in fracs]),
+        "Belady optimum": ([pol[f]["belady_optimum"]["hit_rate"] for f in fracs], None),
+        "datapipe clairvoyant": ([pol[f]["datapipe_clairvoyant"]["hit_rate"] for f in fracs],
+                                 [pol[f]["datapipe_clairvoyant"]["steady_cold_bytes_per_epoch"] for f in fracs]),
+        "datapipe LRU": ([pol[f]["datapipe_lru"]["hit_rate"] for f in fracs],
+                         [pol[f]["datapipe_lru"]["steady_cold_bytes_per_epoch"] for f in fracs]),
     }
     for peer, label in (("mosaicml_streaming", "MosaicML cache_limit"), ("litdata", "LitData max_cache_size")):
         rows = r.get("peers", {}).get(peer, {})
         pts = [(float(f) * 100, rows[f]) for f in fracs if f in rows and "error" not in rows[f]]
         if pts:
-            series[label] = ([p["hit_rate"] for _, p in pts], [p["steady_cold_bytes_per_epoch"] for _, p in pts], [q for q, _ in pts])
+            series[label] = ([p["hit_rate"] for _, p in pts], [p["steady_cold_bytes_per_epoch"] for _, p in pts],
+                             [q for q, _ in pts])
     clipped = False
     for name, val in series.items():
         xs = val[2] if len(val) > 2 else x
@@ -94,12 +97,15 @@ def cache_png(r: dict[str, Any], path: str) -> None:
         if val[1] is not None:
             a2.plot(xs, [b / 1e6 for b in val[1]], label=name, **style)
     total = r["dataset_bytes"] / 1e6
-    a2.plot(x, [(1 - f / 100) * total + 0.05 * total for f in x], color=FLOOR, linestyle=":", label="target: (1 - size) x data + 5%")
+    a2.plot(x, [(1 - f / 100) * total + 0.05 * total for f in x], color=FLOOR, linestyle=":",
+            label="target: (1 - size) x data + 5%")
     a1.set(xlabel="cache size, % of the dataset", ylabel="hit rate", title="Hit rate (steady epochs)")
     if clipped:
-        a1.annotate("a peer downloaded more objects than were read: its\nnegative 'hit rate' is drawn at 0 (see the table)",
+        a1.annotate("a peer downloaded more objects than were read: its\n"
+                    "negative 'hit rate' is drawn at 0 (see the table)",
                     (0.02, 0.85), xycoords="axes fraction", fontsize=7)
-    a2.set(xlabel="cache size, % of the dataset", ylabel="MB from cold per epoch", title="Bytes from cold (lower is better)")
+    a2.set(xlabel="cache size, % of the dataset", ylabel="MB from cold per epoch",
+           title="Bytes from cold (lower is better)")
     a1.legend(fontsize=8)
     a2.legend(fontsize=8)
     _save(plt, fig, path)

@@ -21,7 +21,7 @@ import shlex
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from . import plots, tables
@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=20_000, help="corpus size for pack and read (default 20000)")
     ap.add_argument("--quick", action="store_true", help="small sizes everywhere: a smoke run")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where results go (default benchmarks/results)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"),
+                    help="where results go (default benchmarks/results)")
     ap.add_argument("--workdir", default=None, help="scratch space for corpora and formats (default: a temp dir)")
     a = ap.parse_args(argv)
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "command": " ".join(["python -m benchmarks.report"]
                             + [shlex.quote(x) for x in (argv if argv is not None else sys.argv[1:])]),
-        "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
         "samples": samples,
         "quick": a.quick,

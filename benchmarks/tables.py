@@ -22,8 +22,9 @@ def pack_md(r: dict[str, Any]) -> str:
         if row.get("seconds") is None:
             rows.append([row["label"], "failed: " + str(row.get("error"))[:80], "", "", "", ""])
             continue
-        rows.append([row["label"], _f(row["seconds"]), _f(row["samples_per_s"], "{:,.0f}"), _f(row["mb_per_s"], "{:,.1f}"),
-                     _f(row["ratio_to_floor"]), {True: "yes", False: "no", None: ""}[row.get("faster_than_every_peer")]])
+        faster = {True: "yes", False: "no", None: ""}[row.get("faster_than_every_peer")]
+        rows.append([row["label"], _f(row["seconds"]), _f(row["samples_per_s"], "{:,.0f}"),
+                     _f(row["mb_per_s"], "{:,.1f}"), _f(row["ratio_to_floor"]), faster])
     v = r.get("verdict") or {}
     head = (f"{r['corpus']['files']:,} files ({c['samples']:,} samples x 3), {r['corpus']['bytes'] / 1e6:,.0f} MB; "
             f"shard limit {c['shard_mb']:g} MiB; best of {c['repeats']}; page cache: {', '.join(r['cache_modes'])}.")
@@ -31,7 +32,8 @@ def pack_md(r: dict[str, Any]) -> str:
     if v:
         verdict = (f"\n\ndatapipe.pack: **{v['ratio_to_floor']:.2f}x** the floor (target <= {v['target_ratio']}x); "
                    f"faster than every peer: **{'yes' if v['faster_than_every_peer'] else 'no'}**.")
-    return head + "\n\n" + _table(["system", "seconds", "samples/s", "MB/s", "x floor", "faster than every peer"], rows) + verdict
+    table = _table(["system", "seconds", "samples/s", "MB/s", "x floor", "faster than every peer"], rows)
+    return head + "\n\n" + table + verdict
 
 
 def read_md(r: dict[str, Any]) -> str:
@@ -47,7 +49,8 @@ def read_md(r: dict[str, Any]) -> str:
                      _f(q.get("position_correlation"), "{:.3f}")])
     fl = r.get("floor", {})
     if fl:
-        rows.append(["floor: sequential read of the shards", "", "", _f(fl["cold"]["payload_MB_per_s"], "{:,.0f}"), "", "", "", ""])
+        rows.append(["floor: sequential read of the shards", "", "", _f(fl["cold"]["payload_MB_per_s"], "{:,.0f}"),
+                     "", "", "", ""])
     c = r["config"]
     lines = [f"{r['samples']:,} samples, {r['payload_MB']:,.0f} MB of payload, one process, shuffled; datapipe window "
              f"{c['window']} shards; batch {c['batch_size']} for the quality figures.", "",
@@ -57,12 +60,22 @@ def read_md(r: dict[str, Any]) -> str:
         lines.append(f"datapipe warm / LitData warm: **{r['datapipe_warm_over_litdata']:.2f}x** (target >= 2x); "
                      f"per CPU-second {r.get('datapipe_warm_over_litdata_per_cpu_s', 0):.2f}x.")
     if "datapipe_cold_over_floor_cold" in r:
-        lines.append(f"datapipe cold / sequential-read floor: **{r['datapipe_cold_over_floor_cold']:.2f}** (target >= 0.8).")
+        lines.append(f"datapipe cold / sequential-read floor: **{r['datapipe_cold_over_floor_cold']:.2f}** "
+                     "(target >= 0.8).")
     p = r.get("plan")
     if p:
         lines.append(f"An epoch plan for {p['samples']:.0e} samples in {p['shards']:.0e} shards: "
                      f"{p['seconds']:.3f} s, {p['peak_MB']:.0f} MB peak (target <= 2 s, <= 100 MB).")
     return "\n".join(lines)
+
+
+def _peer_cold_mb(peers: dict[str, Any], name: str, frac: str) -> str:
+    p = peers.get(name, {}).get(frac)
+    if not p:
+        return "—"
+    if "error" in p:
+        return "refused"
+    return _f(p["steady_cold_bytes_per_epoch"] / 1e6, "{:,.1f}")
 
 
 def cache_md(r: dict[str, Any]) -> str:
@@ -71,24 +84,18 @@ def cache_md(r: dict[str, Any]) -> str:
     for frac, row in r["policies"].items():
         cl, lru = row["datapipe_clairvoyant"], row["datapipe_lru"]
         peers = r.get("peers", {})
-
-        def peer(name: str) -> str:
-            p = peers.get(name, {}).get(frac)
-            if not p:
-                return "—"
-            if "error" in p:
-                return "refused"
-            return _f(p["steady_cold_bytes_per_epoch"] / 1e6, "{:,.1f}")
-
-        rows.append([f"{float(frac):.0%}", _f(row["belady_optimum"]["hit_rate"], "{:.3f}"), _f(cl["hit_rate"], "{:.3f}"),
-                     _f(cl["fraction_of_belady"], "{:.0%}"), _f(lru["hit_rate"], "{:.3f}"),
-                     _f(cl["steady_cold_bytes_per_epoch"] / 1e6, "{:,.1f}"), _f(cl["cold_bytes_target"] / 1e6, "{:,.1f}"),
-                     _f(lru["steady_cold_bytes_per_epoch"] / 1e6, "{:,.1f}"), peer("mosaicml_streaming"), peer("litdata")])
+        rows.append([f"{float(frac):.0%}", _f(row["belady_optimum"]["hit_rate"], "{:.3f}"),
+                     _f(cl["hit_rate"], "{:.3f}"), _f(cl["fraction_of_belady"], "{:.0%}"),
+                     _f(lru["hit_rate"], "{:.3f}"), _f(cl["steady_cold_bytes_per_epoch"] / 1e6, "{:,.1f}"),
+                     _f(cl["cold_bytes_target"] / 1e6, "{:,.1f}"),
+                     _f(lru["steady_cold_bytes_per_epoch"] / 1e6, "{:,.1f}"),
+                     _peer_cold_mb(peers, "mosaicml_streaming", frac), _peer_cold_mb(peers, "litdata", frac)])
     w = r.get("warm_hit_throughput", {})
     lines = [f"{c['objects']} objects x {c['object_bytes'] / 2**20:g} MiB on moto S3 (loopback), {c['epochs']} epochs, "
              "a fresh shuffle each; steady = mean over epochs after the first.", "",
              _table(["cache size", "Belady hit rate", "clairvoyant hit rate", "of Belady", "LRU hit rate",
-                     "clairvoyant MB/epoch from cold", "target", "LRU", "MosaicML cache_limit", "LitData max_cache_size"], rows)]
+                     "clairvoyant MB/epoch from cold", "target", "LRU", "MosaicML cache_limit",
+                     "LitData max_cache_size"], rows)]
     if w:
         lines += ["", f"Warm hit vs a direct read of the same local file: **{w.get('warm_hit_vs_direct', 0):.2f}** "
                       f"(target >= 0.9); with checksum verification {w.get('verified_vs_direct', 0):.2f}."]
@@ -106,23 +113,28 @@ def checkpoint_md(r: dict[str, Any]) -> str:
         ts, dcp = e.get("torch_save", {}), e.get("dcp_async_save", {})
         rows.append([f"{gb:.2f}", "floors", f"memcpy {fl['memcpy_s']:.3f}", f"fresh clone {fl['clone_fresh_s']:.3f}",
                      f"disk {fl['disk_s']:.3f}", "", "", ""])
-        rows.append([f"{gb:.2f}", "datapipe", _f(dp.get("first_stall_s"), "{:.3f}"), _f(dp.get("steady_stall_s"), "{:.3f}"),
-                     _f(dp.get("steady_total_s"), "{:.3f}"), _f(dp.get("steady_stall_vs_memcpy")),
+        rows.append([f"{gb:.2f}", "datapipe", _f(dp.get("first_stall_s"), "{:.3f}"),
+                     _f(dp.get("steady_stall_s"), "{:.3f}"), _f(dp.get("steady_total_s"), "{:.3f}"),
+                     _f(dp.get("steady_stall_vs_memcpy")),
                      _f(dp.get("first_stall_vs_clone")), _f(dp.get("steady_total_vs_disk"))])
         if dp.get("prepared_first_stall_s") is not None:
-            rows.append([f"{gb:.2f}", "datapipe, prepared ahead", _f(dp["prepared_first_stall_s"], "{:.3f}"), "", "", "", "", ""])
+            rows.append([f"{gb:.2f}", "datapipe, prepared ahead", _f(dp["prepared_first_stall_s"], "{:.3f}"),
+                         "", "", "", "", ""])
         for name, x in (("torch.save + fsync", ts), ("DCP async_save", dcp)):
             if x:
-                rows.append([f"{gb:.2f}", name, _f(x.get("first_stall_s"), "{:.3f}"), _f(x.get("steady_stall_s"), "{:.3f}"),
-                             _f(x.get("steady_total_s"), "{:.3f}"), _f(x.get("steady_stall_s", 0) / fl["memcpy_s"]),
-                             _f(x.get("first_stall_s", 0) / fl["clone_fresh_s"]), _f(x.get("steady_total_s", 0) / fl["disk_s"])])
+                rows.append([f"{gb:.2f}", name, _f(x.get("first_stall_s"), "{:.3f}"),
+                             _f(x.get("steady_stall_s"), "{:.3f}"), _f(x.get("steady_total_s"), "{:.3f}"),
+                             _f(x.get("steady_stall_s", 0) / fl["memcpy_s"]),
+                             _f(x.get("first_stall_s", 0) / fl["clone_fresh_s"]),
+                             _f(x.get("steady_total_s", 0) / fl["disk_s"])])
         t = e.get("training")
         if t and t.get("ratio") is not None:
             persist = t.get("persist_s") or []
+            took = f"{min(persist, default=0):.1f}-{max(persist, default=0):.1f}"
             rows.append([f"{gb:.2f}", f"training step while a save persists / without: **{t['ratio']:.2f}x** "
-                         f"(the save then took {min(persist, default=0):.1f}-{max(persist, default=0):.1f} s to be durable)",
-                         "", "", "", "", "", ""])
-    return ("Model + Adam state of N x Linear(1024, 1024); seconds; 'stall' is the time save() blocks the training loop.\n\n"
+                         f"(the save then took {took} s to be durable)", "", "", "", "", "", ""])
+    return ("Model + Adam state of N x Linear(1024, 1024); seconds; "
+            "'stall' is the time save() blocks the training loop.\n\n"
             + _table(["state GB", "system", "first stall", "steady stall", "steady total", "stall / memcpy",
                       "first stall / fresh clone", "total / disk"], rows)
             + "\n\nTargets: steady stall <= 1.5x memcpy; first stall <= 1.0x a fresh clone (<= 0.3 s prepared); "

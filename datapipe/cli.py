@@ -95,8 +95,8 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     if r.ok:
         print(f"OK {r.url}: {r.shards} shards, {r.samples:,} samples, {r.bytes / 1e6:,.1f} MB verified")
         return 0
-    print(f"{len(r.problems)} problem(s) in {r.url}" + ("" if a.all else " (stopped at the first; --all reports every one)"),
-          file=sys.stderr)
+    hint = "" if a.all else " (stopped at the first; --all reports every one)"
+    print(f"{len(r.problems)} problem(s) in {r.url}{hint}", file=sys.stderr)
     return 1
 
 
@@ -123,12 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "a crash finishes the job.")
     p.add_argument("src")
     p.add_argument("dest")
-    p.add_argument("--shard-bytes", type=parse_size, default="128M", help="shard size limit, of tar bytes (default 128M)")
+    p.add_argument("--shard-bytes", type=parse_size, default="128M",
+                   help="shard size limit, of tar bytes (default 128M)")
     p.add_argument("--shard-samples", type=int, default=100_000, help="samples per shard limit (default 100000)")
-    p.add_argument("--compression", choices=["none", "zstd"], default="none", help="zstd: one frame per sample (.tar.zst)")
+    p.add_argument("--compression", choices=["none", "zstd"], default="none",
+                   help="zstd: one frame per sample (.tar.zst)")
     p.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
-    p.add_argument("--workers", type=int, default=None, help="worker processes (default: twice the CPU count; packing waits on the disk)")
-    p.add_argument("--part", default=None, metavar="I/N", help="pack only part I (0-based) of N, into DEST/part-I-of-N; then `datapipe join DEST`")
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker processes (default: twice the CPU count; packing waits on the disk)")
+    p.add_argument("--part", default=None, metavar="I/N",
+                   help="pack only part I (0-based) of N, into DEST/part-I-of-N; then `datapipe join DEST`")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DEST")
     p.add_argument("--skip-errors", action="store_true", help="skip unreadable inputs and list them in the summary")
     p.add_argument("--follow-links", action="store_true",
@@ -158,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cache", help="inspect or clear a warm cache directory")
     csub = p.add_subparsers(dest="cache_cmd", required=True)
-    for name, text in (("stats", "objects, bytes, pins and node-wide hit/miss counters of a warm directory"), ("clear", "remove every cached object")):
+    for name, text in (("stats", "objects, bytes, pins and node-wide hit/miss counters of a warm directory"),
+                       ("clear", "remove every cached object")):
         c = csub.add_parser(name, help=text)
         c.add_argument("dir")
     p.set_defaults(func=_cmd_cache)

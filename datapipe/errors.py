@@ -15,6 +15,7 @@ __all__ = [
     "IntegrityError",
     "ChecksumError",
     "PackError",
+    "PackOptionError",
     "InputFileError",
     "EmptyInputError",
     "DuplicateKeyError",
@@ -30,6 +31,7 @@ __all__ = [
     "CacheBudgetError",
     "PlanError",
     "StateMismatchError",
+    "TopologyError",
     "CheckpointError",
     "NoCheckpointError",
     "CorruptCheckpointError",
@@ -70,6 +72,11 @@ class CorruptIndexError(FormatError, ChecksumError):
 
 class PackError(DatapipeError):
     """Packing could not go on."""
+
+
+class PackOptionError(PackError, ValueError):
+    """An argument of :func:`~datapipe.pack` or :class:`~datapipe.ShardWriter` is out of
+    range (compression, shard limits, ``--part``)."""
 
 
 class InputFileError(PackError):
@@ -136,6 +143,14 @@ class PlanError(DatapipeError):
 
 class StateMismatchError(PlanError):
     """A resume state belongs to another dataset, seed or configuration."""
+
+
+# --- topology: this process's rank among the ranks ---------------------------------------
+
+
+class TopologyError(DatapipeError, ValueError):
+    """A rank and world size that do not fit (rank outside ``[0, world_size)``, not
+    integers, or a ``RANK``/``WORLD_SIZE`` environment that does not parse)."""
 
 
 # --- checkpoint -----------------------------------------------------------------------

@@ -1,4 +1,9 @@
+import os
+import shutil
+import subprocess
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -18,3 +23,49 @@ def s3(s3_server):
     bucket = f"t-{uuid.uuid4().hex[:12]}"
     root = s3_server.create_bucket(bucket)
     return root, s3_server.storage_options
+
+
+class Tmpfs:
+    """A tmpfs mounted at ``path`` for one test (a full disk of a known size, or a
+    filesystem that can turn read-only even for root, whom chmod does not stop)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def remount(self, mode: str) -> None:
+        """``"ro"`` or ``"rw"``. The kernel answers "busy" while a file there is open for
+        writing (a counter file being replaced), so a few refusals are retried."""
+        for _ in range(100):
+            r = subprocess.run(["mount", "-o", f"remount,{mode}", str(self.path)], capture_output=True)
+            if r.returncode == 0:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"remount,{mode} of {self.path} failed: {r.stderr.decode()}")
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Factory: ``tmpfs("8m")`` mounts a fresh tmpfs of that size under ``tmp_path`` and
+    returns a :class:`Tmpfs`; unmounted after the test. Where no tmpfs can be mounted (not
+    root, no mount(8), the mount refused) the test is skipped with the reason, or, with
+    ``optional=True`` (a caller that has a fallback), None is returned."""
+    mounted: list[Path] = []
+
+    def mount(size: str, *, optional: bool = False) -> Tmpfs | None:
+        if os.geteuid() != 0 or shutil.which("mount") is None:
+            why = "mounting a tmpfs needs root and mount(8)"
+        else:
+            path = tmp_path / f"tmpfs-{len(mounted)}"
+            path.mkdir()
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+            if r.returncode == 0:
+                mounted.append(path)
+                return Tmpfs(path)
+            why = f"cannot mount a tmpfs here: {r.stderr.decode().strip()}"
+        if optional:
+            return None
+        pytest.skip(why)
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

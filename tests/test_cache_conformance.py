@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 import warnings
 
 import pytest
@@ -302,27 +301,10 @@ def test_warm_dir_deleted_under_an_open_cache_is_recreated(tmp_path, cold):
 
 
 @pytest.fixture
-def ro_mount(tmp_path):
+def ro_mount(tmpfs):
     """A tmpfs we can remount read-only (root: chmod does not stop root's writes)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("remounting read-only needs root and mount(8)")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "none", str(mnt)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-
-    def remount(mode):
-        # "busy" while a file there is open for writing (a counter file being replaced)
-        for _ in range(100):
-            r = subprocess.run(["mount", "-o", f"remount,{mode}", str(mnt)], capture_output=True)
-            if r.returncode == 0:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"remount,{mode} failed: {r.stderr.decode()}")
-
-    yield mnt, remount
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    mnt = tmpfs("8m")
+    return mnt.path, mnt.remount
 
 
 @pytest.mark.parametrize("cold", ["local"], indirect=True)  # the warm side: any cold tier

@@ -238,11 +238,12 @@ def test_backpressure_waits_or_skips(tmp_path):
 def test_staging_buffer_is_reused_and_does_not_alias_training(tmp_path):
     x = torch.zeros(10000)
     with CheckpointWriter(str(tmp_path), keep_last=5) as w:
-        w.save(1, {"x": x}).wait()
-        buf = w._staging._buf
+        first = w.save(1, {"x": x}).wait()
+        held = w.staging_bytes
         x += 1  # training goes on; the checkpoint holds the old values
-        w.save(2, {"x": x}).wait()
-        assert w._staging._buf is buf
+        second = w.save(2, {"x": x}).wait()
+        assert first["staging_allocated"] and not second["staging_allocated"]
+        assert w.staging_bytes == held >= x.numel() * x.element_size()
     assert load_checkpoint(str(tmp_path), step=1)["x"].sum() == 0
     assert load_checkpoint(str(tmp_path), step=2)["x"].sum() == 10000
 
@@ -253,8 +254,8 @@ def test_prepare_with_meta_layout(tmp_path):
         layout = {"model": {k: torch.empty_like(v) for k, v in real["model"].items()}}
     with CheckpointWriter(str(tmp_path)) as w:
         w.prepare(layout)
-        w.save(1, {"model": real["model"]}).wait()
-        assert w._staging.capacity > 0
+        assert w.staging_bytes > 0
+        assert not w.save(1, {"model": real["model"]}).wait()["staging_allocated"]  # prepare allocated it
     assert_same({"model": real["model"]}, load_checkpoint(str(tmp_path)))
 
 

@@ -158,7 +158,7 @@ def test_manifest_part_key_outside_the_folder_is_never_opened(tmp_path, escape):
     with opened_files() as seen:
         with pytest.warns(UserWarning, match="step 3"):
             got = load_checkpoint(url)
-        with pytest.raises(CorruptCheckpointError, match="part-00000|key"):
+        with pytest.raises(CorruptCheckpointError, match=r"part-00000|key"):
             load_checkpoint(url, step=3)
     assert got["name"] == "s2" and same(got, state_of(2))
     assert_inside(seen, url)
@@ -169,7 +169,7 @@ def test_chunk_symlink_out_of_the_folder_is_refused(tmp_path):
     url = str(tmp_path / "ckpt")
     make_checkpoints(url)
     store = open_store(url)
-    chunk = [k for k in store.list("step-000000000003/") if k.endswith("chunk-000001.bin")][0]
+    chunk = next(k for k in store.list("step-000000000003/") if k.endswith("chunk-000001.bin"))
     outside = tmp_path / "elsewhere.bin"
     outside.write_bytes(store.get(chunk))  # the same bytes: only the location is wrong
     os.unlink(store.path(chunk))
@@ -301,10 +301,10 @@ def _paths(node, prefix=()):
     yield prefix
     if isinstance(node, dict):
         for k, v in node.items():
-            yield from _paths(v, prefix + (k,))
+            yield from _paths(v, (*prefix, k))
     elif isinstance(node, list):
         for i, v in enumerate(node):
-            yield from _paths(v, prefix + (i,))
+            yield from _paths(v, (*prefix, i))
 
 
 def _set(doc, path, value, delete=False):
@@ -365,7 +365,8 @@ def pristine(tmp_path_factory):
 
 
 @pytest.mark.parametrize("comp", [None, "zstd"])
-@settings(deadline=None, max_examples=int(os.environ.get("DATAPIPE_HYPOTHESIS_EXAMPLES", "60")), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(deadline=None, max_examples=int(os.environ.get("DATAPIPE_HYPOTHESIS_EXAMPLES", "60")),
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_edit_loads_a_saved_state_or_raises_a_datapipe_error(pristine, tmp_path, comp, data):
     src, m0, p0 = pristine[comp]

@@ -54,7 +54,7 @@ def test_sigkill_at_random_points_leaves_previous_checkpoint(tmp_path):
         committed = []
         deadline = time.monotonic() + delay
         os.set_blocking(p.stdout.fileno(), False)
-        while time.monotonic() < deadline or not committed and first == 0:
+        while time.monotonic() < deadline or ((not committed) and first == 0):
             line = p.stdout.readline()
             if line.strip():
                 committed.append(int(line))

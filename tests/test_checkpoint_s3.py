@@ -29,7 +29,7 @@ def test_s3_round_trip_retention_and_bit_flip(s3):
 
     store = open_store(url, opts)
     assert store.exists("latest")
-    chunk = [k for k in store.list("step-000000000030/") if k.endswith(".bin")][0]
+    chunk = next(k for k in store.list("step-000000000030/") if k.endswith(".bin"))
     data = bytearray(store.get(chunk))
     data[len(data) // 2] ^= 1
     store.put(chunk, bytes(data))
@@ -42,5 +42,5 @@ def test_s3_round_trip_retention_and_bit_flip(s3):
 def test_s3_failing_destination_surfaces(s3):
     _root, opts = s3
     # the writer lease is the first write: an unwritable URL fails at construction
-    with pytest.raises(CheckpointError, match="no-such-bucket-dp/ckpt/writer.lease"):
+    with pytest.raises(CheckpointError, match=r"no-such-bucket-dp/ckpt/writer\.lease"):
         CheckpointWriter("s3://no-such-bucket-dp/ckpt", storage_options=opts)

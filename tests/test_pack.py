@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -119,7 +118,23 @@ def test_pack_jsonl_and_parquet(tmp_path):
 
 
 _CRASH_SCRIPT = """
-import sys, datapipe
+import os, signal, sys, datapipe
+from datapipe.pack.journal import Journal
+
+record = Journal.record
+recorded = []
+
+
+def record_then_stop(self, name, result):
+    # the pack stops itself right after recording its third shard, so the test's kill
+    # always lands mid-pack: shards recorded, nothing committed
+    record(self, name, result)
+    recorded.append(name)
+    if len(recorded) == 3:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+Journal.record = record_then_stop
 datapipe.pack(sys.argv[1], sys.argv[2], shard_bytes=48 * 1024, workers=1)
 """
 
@@ -127,20 +142,15 @@ datapipe.pack(sys.argv[1], sys.argv[2], shard_bytes=48 * 1024, workers=1)
 def test_killed_pack_is_invisible_and_rerun_finishes(corpus, tmp_path):
     dest = str(tmp_path / "ds")
     proc = subprocess.Popen([sys.executable, "-c", _CRASH_SCRIPT, corpus, dest], cwd=os.getcwd())
-    work = os.path.join(dest, "_pack")
-    deadline = time.time() + 60
-    while time.time() < deadline:  # wait until a few shards are recorded, then kill -9 mid-pack
-        if os.path.isdir(work) and len([f for f in os.listdir(work) if f.startswith("shard")]) >= 3:
-            break
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
+    _, status = os.waitpid(proc.pid, os.WUNTRACED)  # until it stops itself after three shards
+    assert os.WIFSTOPPED(status), f"the pack ended (status {status:#x}) before recording a fourth shard"
+    proc.send_signal(signal.SIGKILL)  # kill -9 mid-pack
     proc.wait()
-    if os.path.exists(os.path.join(dest, "manifest.json")):
-        pytest.skip("pack finished before the kill landed")
+    assert not os.path.exists(os.path.join(dest, "manifest.json"))
     with pytest.raises(ObjectNotFoundError, match="run the same"):
         datapipe.open_dataset(dest)
     r = datapipe.pack(corpus, dest, shard_bytes=48 * 1024, workers=1)
-    assert r.resumed_shards >= 3
+    assert r.resumed_shards == 3  # exactly the shards recorded before the kill
     assert _all_samples(dest) == _source_samples(corpus)
     assert datapipe.verify_dataset(dest).ok
     assert not [f for f in os.listdir(dest) if f.startswith(".tmp-")]

@@ -14,6 +14,8 @@ from datapipe.errors import (
     InputFileError,
     InvalidMemberNameError,
     ObjectNotFoundError,
+    PackError,
+    PackOptionError,
     SampleTooLargeError,
 )
 
@@ -49,7 +51,7 @@ def test_vanished_file_is_named_or_skipped(tmp_path):
     _write(src, "a.txt", b"a")
     _write(src, "b.txt", b"b")
     os.symlink(os.path.join(src, "gone"), os.path.join(src, "c.txt"))  # a file that vanished
-    with pytest.raises(InputFileError, match="c.txt.*--skip-errors"):
+    with pytest.raises(InputFileError, match=r"c\.txt.*--skip-errors"):
         datapipe.pack(src, str(tmp_path / "ds"))
     r = datapipe.pack(src, str(tmp_path / "ds"), skip_errors=True)
     assert r.samples == 2
@@ -185,7 +187,7 @@ def test_damaged_index_is_detected(tmp_path, capsys):
     data = bytearray((dest / "shards.parquet").read_bytes())
     data[len(data) // 2] ^= 1
     (dest / "shards.parquet").write_bytes(bytes(data))
-    with pytest.raises(datapipe.errors.ChecksumError, match="shards.parquet"):
+    with pytest.raises(datapipe.errors.ChecksumError, match=r"shards\.parquet"):
         datapipe.open_index(str(dest))
 
 
@@ -204,3 +206,17 @@ def test_cli_names_an_os_error_without_traceback(tmp_path, capsys):
     assert main(["pack", str(tmp_path / "src"), "/proc/no-such-dir/ds", "-q"]) == 2
     err = capsys.readouterr().err
     assert "/proc/no-such-dir" in err and "Traceback" not in err
+
+
+def test_bad_arguments_raise_one_error_class_everywhere(tmp_path):
+    # pack() and ShardWriter check the same arguments with the same error, which is both a
+    # PackError and (Python's convention for a bad argument) a ValueError
+    src = str(tmp_path / "src")
+    _write(src, "a.bin", b"x")
+    for call in (lambda: datapipe.pack(src, str(tmp_path / "p"), compression="lz4"),
+                 lambda: datapipe.ShardWriter(str(tmp_path / "w"), compression="lz4"),
+                 lambda: datapipe.ShardWriter(str(tmp_path / "w"), max_samples=0),
+                 lambda: datapipe.pack(src, str(tmp_path / "p"), part="3/2")):
+        with pytest.raises(PackOptionError) as info:
+            call()
+        assert isinstance(info.value, PackError) and isinstance(info.value, ValueError)

@@ -220,18 +220,10 @@ def test_changed_input_names_the_file_that_changed(tmp_path, monkeypatch, change
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmpfs):
     """A 1 MiB tmpfs (needs root); else None, and the caller limits file size instead."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if p.returncode != 0:
-        yield None
-        return
-    try:
-        yield str(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    disk = tmpfs("1m", optional=True)
+    return None if disk is None else str(disk.path)
 
 
 def _limit_file_size():  # the fallback: files over 512 KiB fail with EFBIG instead of killing us

@@ -61,8 +61,7 @@ def test_epoch_order_is_a_permutation(counts, seed, epoch, window, algo):
 @settings(max_examples=40, deadline=None)
 def test_window_keeps_samples_inside_their_window(counts, seed, window):
     order = epoch_order(np.array(counts), seed, 0, window)
-    for w in range(order.num_windows):
-        lo, hi = order.window_starts[w], order.window_starts[w + 1]
+    for w, (lo, hi) in enumerate(zip(order.window_starts[:-1], order.window_starts[1:])):
         shards = set(order.locate(np.arange(lo, hi))[0].tolist())
         slots = set(order.shard_order[w * order.window:(w + 1) * order.window].tolist())
         assert shards <= slots
@@ -170,7 +169,7 @@ def test_repeated_elastic_resume_is_exactly_once(seed, worlds, fracs):
     counts = np.array([13, 0, 7, 29, 31, 5, 17])
     plan = EpochPlan(counts, seed=seed, window=3, world=worlds[0])
     seen = []
-    for new_world, frac in zip(worlds[1:] + [1], fracs):
+    for new_world, frac in zip([*worlds[1:], 1], fracs):
         c = int(frac * (plan.per_rank - plan.start)) + plan.start
         for r in range(plan.world):
             s, i, p = plan.rank_samples(r, np.arange(plan.start, c))

@@ -1,20 +1,53 @@
 """The public surface, pinned: a change here is a change users see."""
 
+import importlib
+import inspect
 import subprocess
 import sys
+
+import pytest
 
 import datapipe
 import datapipe.errors
 
+# name -> (the module that documents it, what it is)
+PUBLIC = {
+    "CheckpointInfo": ("datapipe.checkpoint", "class"),
+    "CheckpointWriter": ("datapipe.checkpoint", "class"),
+    "SaveHandle": ("datapipe.checkpoint", "class"),
+    "list_checkpoints": ("datapipe.checkpoint", "function"),
+    "load_checkpoint": ("datapipe.checkpoint", "function"),
+    "Dataset": ("datapipe.dataset", "class"),
+    "DatasetIndex": ("datapipe.dataset", "class"),
+    "open_dataset": ("datapipe.dataset", "function"),
+    "open_index": ("datapipe.dataset", "function"),
+    "PackResult": ("datapipe.pack", "class"),
+    "ShardWriter": ("datapipe.pack", "class"),
+    "join_parts": ("datapipe.pack", "function"),
+    "pack": ("datapipe.pack", "function"),
+    "Stream": ("datapipe.loader", "class"),
+    "StreamingDataLoader": ("datapipe.loader", "class"),
+    "StreamingDataset": ("datapipe.loader", "class"),
+    "TieredCache": ("datapipe.storage", "class"),
+    "VerifyReport": ("datapipe.verify", "class"),
+    "verify_dataset": ("datapipe.verify", "function"),
+}
+
 
 def test_public_names():
-    assert sorted(datapipe.__all__) == sorted([
-        "__version__", "CheckpointInfo", "CheckpointWriter", "Dataset", "DatasetIndex", "PackResult", "SaveHandle",
-        "ShardWriter", "Stream", "StreamingDataLoader", "StreamingDataset", "TieredCache", "VerifyReport",
-        "join_parts", "list_checkpoints", "load_checkpoint", "open_dataset", "open_index", "pack", "verify_dataset",
-    ])
-    for name in datapipe.__all__:
-        assert getattr(datapipe, name) is not None
+    assert sorted(datapipe.__all__) == sorted(["__version__", *PUBLIC])
+    assert isinstance(datapipe.__version__, str) and datapipe.__version__
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_public_name_is_its_documented_object(name):
+    module_name, kind = PUBLIC[name]
+    module = importlib.import_module(module_name)
+    assert name in module.__all__, f"{module_name}.__all__ lacks {name}"
+    obj = getattr(datapipe, name)
+    assert obj is getattr(module, name), f"datapipe.{name} is not {module_name}.{name}"
+    assert obj.__name__ == name
+    assert (inspect.isclass(obj) if kind == "class" else inspect.isfunction(obj)), f"{name} is not a {kind}"
 
 
 def test_every_error_is_a_datapipe_error():
@@ -24,12 +57,13 @@ def test_every_error_is_a_datapipe_error():
 
 def test_import_does_not_load_torch_or_fsspec_backends():
     # `datapipe pack` must start fast and work without torch: the loader loads on first use
-    out = subprocess.run([sys.executable, "-c", "import sys, datapipe; print('torch' in sys.modules, 's3fs' in sys.modules)"],
-                         capture_output=True, text=True, check=True).stdout.split()
+    probe = "import sys, datapipe; print('torch' in sys.modules, 's3fs' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False"]
 
 
 def test_cli_help_lists_commands():
-    out = subprocess.run([sys.executable, "-m", "datapipe.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "datapipe.cli", "--help"],
+                         capture_output=True, text=True, check=True).stdout
     for cmd in ("pack", "join", "inspect", "verify", "cache"):
         assert cmd in out

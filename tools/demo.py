@@ -11,11 +11,13 @@ state, and checks that every sample of the interrupted epoch was trained on exac
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
 import tempfile
 import time
+from typing import Any
 
 import datapipe
 from tools.corpus import generate_corpus
@@ -25,8 +27,9 @@ def _step(title: str) -> None:
     print(f"\n== {title}", flush=True)
 
 
-def run(workdir: str, samples: int, use_s3: bool) -> dict:
-    summary: dict = {}
+def run(workdir: str, samples: int, use_s3: bool) -> dict[str, Any]:
+    """Run the demo in ``workdir``; return its summary (what ``--json`` writes)."""
+    summary: dict[str, Any] = {}
     corpus = os.path.join(workdir, "corpus")
     _step(f"generate {samples} samples of small files in {corpus}")
     shutil.rmtree(corpus, ignore_errors=True)
@@ -58,6 +61,7 @@ def run(workdir: str, samples: int, use_s3: bool) -> dict:
         _step("verify every shard against the index")
         v = datapipe.verify_dataset(dest, storage_options=storage_options, progress=True)
         print(("OK: " if v.ok else "FAILED: ") + f"{v.shards} shards, {v.samples} samples, {v.bytes / 1e6:.1f} MB")
+        summary["verify"] = {"ok": v.ok, "shards": v.shards, "samples": v.samples}
         if not v.ok:
             raise SystemExit(f"verify failed: {v.problems[0]}")
 
@@ -82,9 +86,11 @@ def run(workdir: str, samples: int, use_s3: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", default=None, help="where corpus, shards, cache and checkpoints go (default: a temp dir)")
+    ap.add_argument("--workdir", default=None,
+                    help="where corpus, shards, cache and checkpoints go (default: a temp dir)")
     ap.add_argument("--samples", type=int, default=2000, help="corpus size (default 2000)")
     ap.add_argument("--no-s3", action="store_true", help="cold tier in a local directory instead of loopback S3")
+    ap.add_argument("--json", metavar="PATH", default=None, help="also write the summary as JSON to PATH")
     a = ap.parse_args()
     workdir = a.workdir or tempfile.mkdtemp(prefix="datapipe-demo-")
     os.makedirs(workdir, exist_ok=True)
@@ -93,6 +99,9 @@ def main() -> None:
     for k, v in summary.items():
         print(f"{k}: {v}")
     print(f"(files under {workdir})")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ class LocalS3:
         self._server: Any = None
         self.endpoint_url = ""
 
-    def start(self) -> "LocalS3":
+    def start(self) -> LocalS3:
         import logging
 
         from moto.server import ThreadedMotoServer
@@ -48,7 +48,7 @@ class LocalS3:
             self._server.stop()
             self._server = None
 
-    def __enter__(self) -> "LocalS3":
+    def __enter__(self) -> LocalS3:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -1,6 +1,15 @@
 """Nonblocking checkpoints: stage into reused host memory, stream chunks with checksums in
 the background, commit with a manifest written last, keep a bounded history, load the
-newest checkpoint that verifies. Layout: docs/CHECKPOINT_FORMAT.md."""
+newest checkpoint that verifies. Layout: docs/CHECKPOINT_FORMAT.md.
+
+Holds: ``writer`` (``CheckpointWriter``, ``SaveHandle``), ``staging`` (the reused host
+buffer), ``flatten`` (state <-> leaves and JSON tree), ``format`` (key names, documents,
+limits), ``commit`` (parts, manifest, ``latest``, retention), ``lease`` (one writer per URL),
+``run_id`` (the id all ranks agree on), ``loader`` (``load_checkpoint``,
+``list_checkpoints``). May import :mod:`datapipe.storage`, :mod:`datapipe.topology`,
+:mod:`datapipe.errors` and :mod:`datapipe.checksum`; it sees the data loader only through
+``state_dict()``/``load_state_dict()``.
+"""
 
 from .loader import CheckpointInfo, list_checkpoints, load_checkpoint
 from .writer import CheckpointWriter, SaveHandle

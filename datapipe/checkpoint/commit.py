@@ -50,8 +50,7 @@ def sync_dirs(store: Store, key: str) -> None:
             os.close(fd)
 
 
-def await_parts(store: Store, step: int, attempt: str, world_size: int, timeout: float,
-                closing: Any = None) -> list[dict[str, Any]]:
+def await_parts(store: Store, step: int, attempt: str, world_size: int, timeout: float) -> list[dict[str, Any]]:
     """Poll storage until every rank's part document of this attempt exists; return
     ``[{rank, key, checksum-free doc bytes info}]`` in rank order."""
     from ..checksum import checksum

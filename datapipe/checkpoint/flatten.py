@@ -134,7 +134,7 @@ def _torch_leaf(t: Any, path: str, torch: Any, allow_meta: bool = False) -> Leaf
                 strides, t, str(t.device))
 
 
-def _numpy_leaf(a: np.ndarray, path: str, kind: str) -> Leaf:
+def _numpy_leaf(a: np.ndarray[Any, Any], path: str, kind: str) -> Leaf:
     if a.dtype.hasobject or a.dtype.names is not None or a.dtype.kind == "V":
         raise UnsupportedStateError(
             f"state path {path!r}: numpy dtype {a.dtype} (objects or structured records) is not supported"

@@ -41,7 +41,7 @@ LATEST_KEY = "latest"
 MANIFEST_NAME = "manifest.json"
 
 _STEP_RE = re.compile(r"^step-(\d{12})$")
-# <run_id>-<n>: run_id as topology.agree_run_id allows it, n the writer's save count
+# <run_id>-<n>: run_id as run_id.agree_run_id allows it, n the writer's save count
 _ATTEMPT_RE = re.compile(r"^([A-Za-z0-9_]{1,64})-(\d{1,9})$")
 
 # Bounds a reader enforces before it parses or allocates anything named by a document.

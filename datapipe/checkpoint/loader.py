@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +24,10 @@ from ..errors import (
     NoCheckpointError,
     ObjectNotFoundError,
     StorageError,
+    TopologyError,
 )
 from ..storage import LocalStore, Store, open_store
+from ..topology import Topology
 from .commit import scan_steps
 from .flatten import torch_dtype_from_name, unflatten
 from .format import (
@@ -146,23 +147,26 @@ def list_checkpoints(url: str, storage_options: dict[str, Any] | None = None) ->
 
 
 def _resolve_rank(rank: int | None, world_size: int, where: str) -> int:
+    """The part this process reads: ``rank`` if given, else torch.distributed's rank when a
+    process group of the checkpoint's world size is initialised, else 0 for a one-rank
+    checkpoint."""
     if rank is None:
-        torch = sys.modules.get("torch")
-        dist = getattr(torch, "distributed", None)
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            if dist.get_world_size() != world_size:
+        live = Topology.distributed()
+        if live is not None:
+            if live.world_size != world_size:
                 raise CheckpointError(
-                    f"{where} was saved by {world_size} ranks, this job has {dist.get_world_size()}; "
+                    f"{where} was saved by {world_size} ranks, this job has {live.world_size}; "
                     "pass rank= to read one rank's part"
                 )
-            rank = dist.get_rank()
+            rank = live.rank
         elif world_size == 1:
             rank = 0
         else:
             raise CheckpointError(f"{where} was saved by {world_size} ranks: pass rank=")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise CheckpointError(f"{where}: rank {rank!r} out of range for world_size {world_size}")
-    return rank
+    try:
+        return Topology.checked(rank, world_size).rank
+    except TopologyError:
+        raise CheckpointError(f"{where}: rank {rank!r} out of range for world_size {world_size}") from None
 
 
 def _check_part(part: dict[str, Any], entry: dict[str, Any], step: int, attempt: str, r: int,
@@ -198,7 +202,8 @@ def _check_part(part: dict[str, Any], entry: dict[str, Any], step: int, attempt:
             raise bad(f"chunk {i} key {key!r:.120} is not {chunk_key(step, attempt, r, i)}")
         if not _is_int(off) or off != pos or not _is_int(n, 1, cb) or not _is_int(sb, 0, MAX_CHUNK_BYTES + (1 << 20)):
             raise bad(f"chunk {key} at offset {off!r:.40}, {n!r:.40} bytes ({sb!r:.40} stored) breaks the layout")
-        if not isinstance(c.get("checksum"), str) or (compression == "zstd" and not isinstance(c.get("raw_checksum"), str)):
+        raw_checksum_missing = compression == "zstd" and not isinstance(c.get("raw_checksum"), str)
+        if not isinstance(c.get("checksum"), str) or raw_checksum_missing:
             raise bad(f"chunk {key} has no checksum")
         if compression is None and sb != n:
             raise bad(f"uncompressed chunk {key} stores {sb} of {n} bytes")

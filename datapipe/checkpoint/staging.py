@@ -36,8 +36,8 @@ def plan_layout(leaves: list[Leaf]) -> tuple[list[int], int]:
     return offsets, pos
 
 
-def _layout_key(leaves: list[Leaf]) -> tuple:
-    return tuple((l.kind, l.dtype, l.shape) for l in leaves)
+def _layout_key(leaves: list[Leaf]) -> tuple[Any, ...]:
+    return tuple((leaf.kind, leaf.dtype, leaf.shape) for leaf in leaves)
 
 
 class StagingBuffer:
@@ -49,12 +49,13 @@ class StagingBuffer:
             raise CheckpointError(f"max_staging_bytes must be positive, got {max_bytes}")
         self.max_bytes = max_bytes
         self._buf: Any = None  # torch uint8 tensor
-        self._np: np.ndarray | None = None
+        self._np: np.ndarray[Any, np.dtype[np.uint8]] | None = None  # the same bytes, as numpy
         self.pinned = False
-        self._key: tuple | None = None
+        self._key: tuple[Any, ...] | None = None
         self._views: list[Any] = []
         self.offsets: list[int] = []
         self.total = 0
+        self.allocations = 0  # host buffers taken so far: a reused buffer keeps it unchanged
         self._lock = threading.Lock()  # prepare() may run in its own thread
 
     @property
@@ -82,6 +83,7 @@ class StagingBuffer:
         if touch:
             buf.zero_()  # fault every page in now, not during a save
         self._buf, self.pinned = buf, pinned
+        self.allocations += 1
         self._np = buf.numpy()
 
     def _build_views(self, leaves: list[Leaf], offsets: list[int], total: int) -> None:
@@ -90,6 +92,8 @@ class StagingBuffer:
         views: list[Any] = []
         prev_end = 0
         buf, npbuf = self._buf, self._np
+        if npbuf is None:
+            raise CheckpointError("staging views requested before the staging buffer was reserved")
         for leaf, off in zip(leaves, offsets):
             if off > prev_end:
                 buf[prev_end:off].zero_()
@@ -110,8 +114,8 @@ class StagingBuffer:
         offsets, total = plan_layout(leaves)
         self._check_budget(total)
         with self._lock:
-            pinned = any(l.device.startswith("cuda") for l in leaves)
-            if not pinned and any(l.device == "meta" for l in leaves):
+            pinned = any(leaf.device.startswith("cuda") for leaf in leaves)
+            if not pinned and any(leaf.device == "meta" for leaf in leaves):
                 import torch
 
                 # a layout says nothing about the device: on a GPU machine, pin for it
@@ -130,17 +134,17 @@ class StagingBuffer:
             if key != self._key:
                 offsets, total = plan_layout(leaves)
                 self._check_budget(total)
-                pinned = any(l.device.startswith("cuda") for l in leaves)
+                pinned = any(leaf.device.startswith("cuda") for leaf in leaves)
                 # First save of a layout: no separate touch, the copy faults the pages in once.
                 self._reserve(total, pinned, touch=False)
                 self._build_views(leaves, offsets, total)
                 self._key = key
             views = self._views
             with torch.no_grad():
-                cuda = [i for i, l in enumerate(leaves) if l.kind == "torch" and l.obj.device.type == "cuda"]
+                cuda = [i for i, leaf in enumerate(leaves) if leaf.kind == "torch" and leaf.obj.device.type == "cuda"]
                 if cuda:
                     self._stage_cuda(leaves, views, cuda)
-                for i, (leaf, dst) in enumerate(zip(leaves, views)):
+                for leaf, dst in zip(leaves, views):
                     if leaf.kind == "torch":
                         if leaf.obj.device.type == "cuda":
                             continue
@@ -157,7 +161,7 @@ class StagingBuffer:
 
         # A side stream that first waits for the training stream, so the copies see the
         # latest values; we wait for it before returning, so training may then overwrite.
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]  # torch leaves Stream() unannotated
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for i in idx:
@@ -168,4 +172,4 @@ class StagingBuffer:
         """The staged bytes ``[start, end)`` without a copy."""
         if self._np is None or end > self.total:
             raise CheckpointError(f"staging range [{start}, {end}) outside the staged {self.total} bytes")
-        return memoryview(self._np[start:end])
+        return self._np[start:end].data

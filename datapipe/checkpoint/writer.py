@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..checksum import Hasher
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TopologyError
 from ..storage import open_store
+from ..topology import Topology
 from .commit import (
     apply_retention,
     await_parts,
@@ -43,14 +44,27 @@ from .format import (
     part_key,
 )
 from .lease import Lease
+from .run_id import agree_run_id
 from .staging import StagingBuffer
-from .topology import agree_run_id, lower_thread_priority, topology
 
 __all__ = ["CheckpointWriter", "SaveHandle"]
 
+
+def lower_thread_priority(increment: int = 10) -> None:
+    """Raise the nice value of the calling thread only (Linux treats a thread id as a
+    process id here), so that the training threads win the cores from checkpoint I/O."""
+    if increment <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except OSError:
+        pass  # not permitted or not supported: the thread runs at normal priority, which is only slower
+
 class SaveHandle:
     """The future of one save. ``metrics`` fills in as the save progresses: ``stall_s``,
-    ``waited_s``, ``staging_s``, ``staging_gbps``, ``bytes`` at return; ``write_s``,
+    ``waited_s``, ``staging_s``, ``staging_gbps``, ``bytes``, ``staging_allocated`` (this
+    save took a new host buffer instead of reusing the last one) at return; ``write_s``,
     ``write_gbps``, ``stored_bytes``, ``commit_s``, ``total_s`` (save() to durable; on
     rank 0 to committed) once done, and on rank 0 ``committed``, ``deleted_steps``,
     ``retention_s``."""
@@ -144,7 +158,9 @@ class CheckpointWriter:
                  commit_timeout: float = 600.0, zstd_level: int = 3, nice: int = 10,
                  lease_ttl: float = 60.0, lease_wait: float = 0.0) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
-            raise CheckpointError(f"keep_last must be an int >= 1 (the last good checkpoint is always kept), got {keep_last!r}")
+            raise CheckpointError(
+                f"keep_last must be an int >= 1 (the last good checkpoint is always kept), got {keep_last!r}"
+            )
         if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
             raise CheckpointError(f"keep_every must be None or an int >= 1, got {keep_every!r}")
         if compression not in (None, "zstd"):
@@ -157,8 +173,11 @@ class CheckpointWriter:
             raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         self.url = url
         self.store = open_store(url, storage_options)
-        self.rank, self.world_size = topology(rank, world_size)
-        self.run_id = agree_run_id(self.rank, self.world_size, run_id)
+        try:
+            self.rank, self.world_size = Topology.resolve(rank, world_size, environment=False)
+        except TopologyError as e:
+            raise CheckpointError(f"CheckpointWriter({url!r}): {e}") from None
+        self.run_id = agree_run_id(self.world_size, run_id)
         self._saved_at: dict[tuple[int, int], int] = {}  # (step, n) of each attempt -> its save's number
         self._calls = 0
         self._pid = os.getpid()
@@ -275,6 +294,7 @@ class CheckpointWriter:
             self._raise_failed()
         self._join_prepare()
         ts = time.perf_counter()
+        allocations = self._staging.allocations
         self._staging.stage(leaves)
         staging_s = time.perf_counter() - ts
         total = self._staging.total
@@ -284,6 +304,7 @@ class CheckpointWriter:
         self._saved_at[(step, n)] = self._calls
         h = SaveHandle(step, self._reported)
         h.metrics.update(bytes=total, waited_s=waited, staging_s=staging_s,
+                         staging_allocated=self._staging.allocations > allocations,
                          staging_gbps=total / staging_s / 1e9 if staging_s > 0 else float("inf"))
         self._current = h
         self._queue.put(_Job(step, f"{self.run_id}-{n}", tree, leaves, list(self._staging.offsets),
@@ -319,6 +340,12 @@ class CheckpointWriter:
             self._raise_failed()
         finally:
             self._api_lock.release()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of host memory the staging buffer holds now (0 before the first save or
+        prepare)."""
+        return self._staging.capacity
 
     def __enter__(self) -> CheckpointWriter:
         return self

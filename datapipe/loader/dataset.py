@@ -25,9 +25,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import xxhash
 
-from ..errors import CorruptIndexError, CorruptShardError, DatapipeError, PlanError, StateMismatchError
+from ..errors import CorruptIndexError, CorruptShardError, DatapipeError, PlanError, StateMismatchError, TopologyError
 from ..format import decode_sample
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
+from ..topology import Topology
 from ..format.plain import split_plain_members
 from .decode import make_decoder
 from .laid import chunk_columns, item_loop
@@ -58,31 +59,16 @@ _SKIP = object()  # _read_sample's answer for a skipped sample
 
 
 def resolve_topology(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """(rank, world size): explicit, else torch.distributed, else RANK/WORLD_SIZE, else (0, 1)."""
-    if rank is not None or world_size is not None:
-        if rank is None or world_size is None:
-            raise PlanError("give both rank and world_size, or neither")
-        r, w = int(rank), int(world_size)
-    else:
-        r, w = 0, 1
-        try:
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized():
-                return dist.get_rank(), dist.get_world_size()
-        except ImportError:  # pragma: no cover
-            pass
-        if "WORLD_SIZE" in os.environ or "RANK" in os.environ:
-            try:
-                r, w = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-            except ValueError:
-                raise PlanError(
-                    f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
-                    "are not integers"
-                ) from None
-    if w < 1 or not 0 <= r < w:
-        raise PlanError(f"rank {r} is not inside world size {w}")
-    return r, w
+    """(rank, world size): explicit (both or neither), else torch.distributed, else
+    RANK/WORLD_SIZE, else (0, 1); :class:`PlanError` when they do not fit."""
+    if (rank is None) != (world_size is None):
+        raise PlanError("give both rank and world_size, or neither")
+    try:
+        if rank is not None and world_size is not None:
+            return Topology.checked(int(rank), int(world_size))
+        return Topology.resolve(environment=True)
+    except TopologyError as e:
+        raise PlanError(str(e)) from None
 
 
 def _worker() -> tuple[int, int]:

@@ -1,4 +1,13 @@
-"""Small files (or table rows) -> shards."""
+"""Small files (or table rows) -> shards: ``pack()`` and ``ShardWriter``.
+
+Holds: ``packer`` (``pack()``: plan, worker processes, resume), ``writer`` (``ShardWriter``,
+the shard limits and option checks every path shares), ``sources`` (listing a directory,
+reading JSONL/Parquet rows), ``journal`` (finished shards recorded for resume), ``lock`` (one
+writer per destination), ``commit`` (index and manifest, manifest last), ``join`` (parts ->
+one dataset). May import :mod:`datapipe.format`, :mod:`datapipe.storage`,
+:mod:`datapipe.dataset` (``join`` reads the parts' indexes), :mod:`datapipe.errors` and
+:mod:`datapipe.checksum`; never the loader, the cache or the checkpoint.
+"""
 
 from .join import join_parts
 from .packer import PackResult, pack, parse_part, part_dir

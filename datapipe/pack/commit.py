@@ -6,11 +6,19 @@ from __future__ import annotations
 import io
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from ..errors import DestinationExistsError
-from ..format import MANIFEST, SAMPLES_FILE, SHARDS_FILE, SampleRecords, SampleTableWriter, ShardRecord
-from ..format import make_manifest, shard_table_bytes
+from ..format import (
+    MANIFEST,
+    SAMPLES_FILE,
+    SHARDS_FILE,
+    SampleRecords,
+    SampleTableWriter,
+    ShardRecord,
+    make_manifest,
+    shard_table_bytes,
+)
 from ..format.index import FileDigest, digest_bytes
 from ..storage import Store
 
@@ -29,7 +37,7 @@ def write_index(
     records the checksums of both index files, so a damaged index is an error too."""
     with store.open_writer(SAMPLES_FILE) as f:
         sink = _HashingWriter(f)
-        writer = SampleTableWriter(sink)
+        writer = SampleTableWriter(cast(BinaryIO, sink))  # pyarrow needs only write/tell/closed of it
         for i, records in enumerate(samples):
             writer.add(i, records)
         writer.close()

@@ -20,16 +20,31 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from ..errors import DatapipeError, DuplicateKeyError, EmptyInputError, InputFileError, PackError, StorageError
-from ..format import (COMPRESSIONS, SHARDS_FILE, SampleRecords, ShardBuilder, ShardRecord, encode_sample,
-                      read_shard_table, shard_name)
+from ..errors import (
+    DatapipeError,
+    DuplicateKeyError,
+    EmptyInputError,
+    InputFileError,
+    PackError,
+    PackOptionError,
+    StorageError,
+)
+from ..format import (
+    SHARDS_FILE,
+    SampleRecords,
+    ShardBuilder,
+    ShardRecord,
+    encode_sample,
+    read_shard_table,
+    shard_name,
+)
 from ..format.shard import STAGING_BYTES
 from ..storage import Store, open_store
 from .commit import check_destination, write_index
 from .journal import Journal, fingerprint
 from .lock import WriterLock
 from .sources import FileSample, count_table_rows, iter_table, list_directory, source_kind
-from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits
+from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits, checked_compression
 
 __all__ = ["pack", "PackResult", "parse_part", "part_dir"]
 
@@ -72,9 +87,9 @@ def parse_part(part: str | tuple[int, int] | None) -> tuple[int, int] | None:
     try:
         i, n = (int(x) for x in part.split("/"))
     except ValueError:
-        raise PackError(f"--part must look like I/N (e.g. 0/4), not {part!r}") from None
+        raise PackOptionError(f"--part must look like I/N (e.g. 0/4), not {part!r}") from None
     if not 0 <= i < n:
-        raise PackError(f"--part {part}: need 0 <= I < N")
+        raise PackOptionError(f"--part {part}: need 0 <= I < N")
     return i, n
 
 
@@ -105,14 +120,14 @@ def _die_with(parent: int, lock_fd: tuple[int, int, int] | None) -> None:
             if (st.st_dev, st.st_ino) == (dev, ino):
                 os.close(fd)
         except OSError:
-            pass
+            pass  # the descriptor is not open here (spawned, not forked): no copy of the lock to drop
     if sys.platform.startswith("linux"):
         import ctypes
 
         try:  # the kernel kills us the moment our parent exits (PR_SET_PDEATHSIG = 1)
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
-            pass
+            pass  # no prctl: the watchdog thread below notices the parent's end instead
     ppid = os.getppid()
 
     def watch() -> None:  # the portable half, and the case of a parent that died before prctl
@@ -122,7 +137,7 @@ def _die_with(parent: int, lock_fd: tuple[int, int, int] | None) -> None:
             except ProcessLookupError:
                 os._exit(1)
             except PermissionError:
-                pass
+                pass  # the pid exists (another user's process reuses it): os.getppid() decides
             if os.getppid() != ppid:
                 os._exit(1)
             time.sleep(0.5)
@@ -287,11 +302,9 @@ def pack(
     listed in ``PackResult.skipped``. One pack writes a destination at a time: a second
     gets `DestinationBusyError`."""
     t0 = time.perf_counter()
-    compression = compression or "none"
-    if compression not in COMPRESSIONS:
-        raise PackError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+    compression = checked_compression(compression)
     if shard_bytes <= 2048 or shard_samples <= 0:
-        raise PackError("shard_bytes must be > 2048 and shard_samples > 0")
+        raise PackOptionError("shard_bytes must be > 2048 and shard_samples > 0")
     parsed = parse_part(part)
     if parsed is not None:
         dest = dest.rstrip("/") + "/" + part_dir(*parsed)
@@ -341,7 +354,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     counters = ctx.Array("q", 2)
     args = [(store, names[i], opts["compression"], opts["level"], plan[i], skip_errors) for i in todo]
     pool = None
-    futures: dict[Future, str] = {}
+    futures: dict[Future[dict[str, Any]], str] = {}
     if nworkers > 1:  # workers start before this process starts its progress threads
         pool = ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=_init_worker,
                                    initargs=(counters, os.getpid(), lock.inherited_fd()))
@@ -370,7 +383,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
             _init_worker(counters)
             try:
                 for a in args:
-                    _finish(work, a[1], _run(a), done, result)
+                    _finish(work, a[1], _run(a), done)
             finally:
                 _init_worker(None)
         else:
@@ -379,7 +392,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
                 while pending:
                     finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for fut in finished:
-                        _finish(work, futures[fut], fut.result(), done, result)
+                        _finish(work, futures[fut], fut.result(), done)
             except BrokenProcessPool:
                 raise _worker_lost(store, len(done) - (len(plan) - len(todo))) from None
             except BaseException:
@@ -403,14 +416,14 @@ def _worker_lost(store: Store, new_shards: int) -> PackError:
     )
 
 
-def _run(args: tuple) -> dict[str, Any]:
+def _run(args: tuple[Any, ...]) -> dict[str, Any]:
     try:
         return _pack_files(*args)
     except _AllSkipped as e:
         return {"record": None, "skipped": e.skipped}
 
 
-def _finish(work: Journal, name: str, res: dict[str, Any], done: dict[str, Any], result: PackResult) -> None:
+def _finish(work: Journal, name: str, res: dict[str, Any], done: dict[str, Any]) -> None:
     with _writing(work.store.url(f"_pack/{name}.json")):
         work.record(name, res)
     done[name] = res
@@ -477,7 +490,7 @@ def _pack_table(src: str, kind: str, lock: WriterLock, opts: dict[str, Any], pro
     keys: set[str] = set()
     bar = _progress_bar(stop - start, progress)
     limits = ShardLimits(opts["shard_bytes"], opts["shard_samples"])
-    pending: list[tuple[str, list]] = []
+    pending: list[tuple[str, list[bytes | memoryview], list[str]]] = []
     pending_bytes = 0
 
     def flush() -> None:
@@ -493,7 +506,7 @@ def _pack_table(src: str, kind: str, lock: WriterLock, opts: dict[str, Any], pro
                     b.add_encoded(key, parts, flds)
                 record = b.finish()
             res = {"record": asdict(record), "samples": vars(b.records), "fields": sorted(b.fields)}
-            _finish(work, name, res, done, result)
+            _finish(work, name, res, done)
         pending, pending_bytes = [], 0
 
     try:

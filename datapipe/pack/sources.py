@@ -140,7 +140,7 @@ def count_table_rows(src: str, kind: str) -> int:
             return sum(1 for line in f if line.strip())
     import pyarrow.dataset as pads
 
-    return pads.dataset(src, format="parquet").count_rows()
+    return int(pads.dataset(src, format="parquet").count_rows())
 
 
 def _row_to_sample(row: dict[str, Any], index: int, where: str) -> dict[str, Any]:

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import DuplicateKeyError, SampleTooLargeError
+from ..errors import DuplicateKeyError, PackError, PackOptionError, SampleTooLargeError
+from ..format import COMPRESSIONS, SampleRecords, ShardBuilder, ShardRecord, encode_sample, shard_name
 from ..format.tar import END_OF_ARCHIVE
-from ..format import COMPRESSIONS, encode_sample, SampleRecords, ShardBuilder, ShardRecord, shard_name
 from ..storage import open_store
 from .commit import check_destination, write_index
 
@@ -18,11 +18,22 @@ DEFAULT_SHARD_BYTES = 128 * 2**20  # object stores serve 64-256 MB objects at fu
 DEFAULT_SHARD_SAMPLES = 100_000
 
 
+def checked_compression(compression: str | None) -> str:
+    """``compression`` as a name in :data:`COMPRESSIONS` (None: ``"none"``), else
+    :class:`PackOptionError`."""
+    compression = compression or "none"
+    if compression not in COMPRESSIONS:
+        raise PackOptionError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
+    return compression
+
+
 class ShardLimits:
     """When a shard is full: the one rule every packing path follows. Sizes are tar bytes
     (before compression) and count the end-of-archive blocks."""
 
     def __init__(self, max_bytes: int, max_samples: int) -> None:
+        if max_bytes <= 0 or max_samples <= 0:
+            raise PackOptionError(f"shard limits must be positive, got {max_bytes} bytes and {max_samples} samples")
         self.max_bytes, self.max_samples = max_bytes, max_samples
 
     def check(self, key: str, size: int, where: str = "") -> None:
@@ -56,14 +67,10 @@ class ShardWriter:
         storage_options: dict[str, Any] | None = None,
         overwrite: bool = False,
     ) -> None:
-        compression = compression or "none"
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {COMPRESSIONS}, not {compression!r}")
-        if max_bytes <= 0 or max_samples <= 0:
-            raise ValueError("max_bytes and max_samples must be positive")
+        compression = checked_compression(compression)
+        self.limits = ShardLimits(max_bytes, max_samples)
         self.store = open_store(dest, storage_options)
         check_destination(self.store, overwrite)
-        self.limits = ShardLimits(max_bytes, max_samples)
         self.compression, self.level = compression, level
         self.shards: list[ShardRecord] = []
         self._samples: list[SampleRecords] = []
@@ -73,7 +80,7 @@ class ShardWriter:
         self._builder: ShardBuilder | None = None
         self._closed = False
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
@@ -118,15 +125,20 @@ class ShardWriter:
         self._keys.add(key)
 
     def abort(self, exc: BaseException | None = None) -> None:
-        """Discard the shard being written; commit nothing."""
-        if self._ctx is not None:
-            err = exc or RuntimeError("ShardWriter aborted")
-            try:
-                self._ctx.__exit__(type(err), err, None)
-            except BaseException:
-                pass
-        self._builder = self._ctx = None
-        self._closed = True
+        """Discard the shard being written; commit nothing. ``exc`` is the error that ended
+        the writing: if discarding the partial shard fails too, that failure is added to
+        ``exc`` as a note (``exc`` stays the error the caller sees); without ``exc`` it is
+        raised."""
+        ctx, self._builder, self._ctx, self._closed = self._ctx, None, None, True
+        if ctx is None:
+            return
+        err = exc or PackError("ShardWriter aborted")
+        try:
+            ctx.__exit__(type(err), err, None)
+        except Exception as cleanup:
+            if exc is None:
+                raise
+            exc.add_note(f"ShardWriter: discarding the partial shard also failed: {cleanup!r}")
 
     def close(self) -> None:
         if self._closed:

@@ -3,6 +3,12 @@
 No I/O, no clocks, no global state: everything here is a function of (per-shard sample
 counts, seed, epoch, window, topology), testable without files.
 
+Holds: ``shuffle`` (epoch orders, the ``ALGORITHMS`` registry), ``permutation`` (on-demand
+Feistel permutations), ``partition`` (splits over ranks and workers, elastic regrouping),
+``resume`` (the state of a few integers), ``quality`` (how well an order shuffles),
+``arrays`` (the numpy array types). May import only :mod:`datapipe.errors`,
+:mod:`datapipe.checksum` and numpy.
+
     plan = EpochPlan(counts, seed=0, epoch=3, window=16, world=8, drop_last=False)
     shard, sample, pad = plan.rank_samples(rank=2, steps=np.arange(0, 1024))
     state = plan.state_dict(consumed=1024)
@@ -13,8 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
+from .arrays import ArrayLike, Bools, Int64s
 from .partition import Partition, Split, batch_steps, per_rank_count, worker_batches
 from .permutation import derive_key, feistel_permute
 from .quality import order_quality, sequence_quality
@@ -64,7 +69,7 @@ class EpochPlan:
     @classmethod
     def from_state(cls, counts: Any, state: dict[str, Any], *, seed: int = 0, window: int = 1 << 62,
                    algorithm: str = "window", world: int = 1, drop_last: bool = False,
-                   fingerprint: str | None = None) -> "EpochPlan":
+                   fingerprint: str | None = None) -> EpochPlan:
         """The plan ``state`` was saved under, regrouped for ``world`` ranks (elastic). The
         state must match this layout, seed, window and algorithm (StateMismatchError)."""
         counts = check_counts(counts)
@@ -89,7 +94,7 @@ class EpochPlan:
         """Local step at which every rank continues."""
         return self.partition.live.consumed
 
-    def rank_samples(self, rank: int, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def rank_samples(self, rank: int, steps: ArrayLike) -> tuple[Int64s, Int64s, Bools]:
         """(shard, sample within shard, is_padding) of ``rank``'s local ``steps``."""
         pos, pad = self.partition.positions(rank, steps)
         shard, sample = self.order.locate(pos)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..errors import PlanError
+from .arrays import ArrayLike, Bools, Int64s
 
 __all__ = ["Split", "Partition", "per_rank_count", "worker_batches", "batch_steps"]
 
@@ -62,10 +63,10 @@ class Split:
             raise PlanError(f"invalid split {self}: consumed must lie in [0, {self.per_rank}]")
 
     @classmethod
-    def fresh(cls, space: int, world: int, drop_last: bool) -> "Split":
+    def fresh(cls, space: int, world: int, drop_last: bool) -> Split:
         return cls(space, world, per_rank_count(space, world, drop_last))
 
-    def positions(self, rank: int, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def positions(self, rank: int, steps: ArrayLike) -> tuple[Int64s, Bools]:
         """(position in this split's space, is_padding) of ``rank``'s local ``steps``."""
         if not 0 <= rank < self.world:
             raise PlanError(f"rank {rank} outside world size {self.world}")
@@ -78,7 +79,7 @@ class Split:
             v = np.where(pad, v % max(self.space, 1), v)
         return v, pad
 
-    def remainder(self) -> tuple[np.ndarray, np.ndarray]:
+    def remainder(self) -> tuple[Int64s, Int64s]:
         """(starts, lengths) of the intervals not yet consumed, in order, empty ones left out."""
         r = np.arange(self.world, dtype=np.int64)
         m, n = self.space, self.per_rank
@@ -100,7 +101,7 @@ class Partition:
 
     total: int
     splits: tuple[Split, ...]
-    _tables: list = field(default_factory=list, compare=False, repr=False)
+    _tables: list[tuple[Int64s, Int64s]] = field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.splits:
@@ -116,27 +117,27 @@ class Partition:
             self._tables.append((starts, np.concatenate(([0], np.cumsum(lengths)))))
 
     @classmethod
-    def fresh(cls, total: int, world: int, drop_last: bool) -> "Partition":
+    def fresh(cls, total: int, world: int, drop_last: bool) -> Partition:
         return cls(total, (Split.fresh(total, world, drop_last),))
 
     @property
     def live(self) -> Split:
         return self.splits[-1]
 
-    def with_consumed(self, consumed: int) -> "Partition":
-        return Partition(self.total, self.splits[:-1] + (replace(self.live, consumed=consumed),))
+    def with_consumed(self, consumed: int) -> Partition:
+        return Partition(self.total, (*self.splits[:-1], replace(self.live, consumed=consumed)))
 
-    def regroup(self, world: int, drop_last: bool) -> "Partition":
+    def regroup(self, world: int, drop_last: bool) -> Partition:
         """The same progress dealt to a new world size: the live split is frozen and its
         remainder dealt afresh. Unchanged world size (and rule) keeps the live split."""
         live = self.live
         if world == live.world and live.per_rank == per_rank_count(live.space, world, drop_last):
             return self
         if live.consumed == 0:  # nothing read under the live split: replace it outright
-            return Partition(self.total, self.splits[:-1] + (Split.fresh(live.space, world, drop_last),))
-        return Partition(self.total, self.splits + (Split.fresh(live.remaining_space(), world, drop_last),))
+            return Partition(self.total, (*self.splits[:-1], Split.fresh(live.space, world, drop_last)))
+        return Partition(self.total, (*self.splits, Split.fresh(live.remaining_space(), world, drop_last)))
 
-    def positions(self, rank: int, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def positions(self, rank: int, steps: ArrayLike) -> tuple[Int64s, Bools]:
         """(global position, is_padding) of ``rank``'s live local ``steps``."""
         v, pad = self.live.positions(rank, steps)
         for starts, cum in reversed(self._tables):
@@ -154,7 +155,7 @@ def worker_batches(start: int, stop: int, batch_size: int, worker: int, num_work
     return range(worker, n_batches, num_workers)
 
 
-def batch_steps(start: int, stop: int, batch_size: int, batches: range) -> np.ndarray:
+def batch_steps(start: int, stop: int, batch_size: int, batches: range) -> Int64s:
     """The local steps of ``batches`` (a slice of :func:`worker_batches`), in order."""
     if len(batches) == 0:
         return np.empty(0, dtype=np.int64)

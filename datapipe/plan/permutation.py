@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .arrays import ArrayLike, Int64s, UInt64s
+
 __all__ = ["derive_key", "feistel_permute", "splitmix64"]
 
 _ROUNDS = 4
@@ -22,7 +24,7 @@ _M1 = _U64(0xBF58476D1CE4E5B9)
 _M2 = _U64(0x94D049BB133111EB)
 
 
-def splitmix64(x: np.ndarray) -> np.ndarray:
+def splitmix64(x: ArrayLike) -> UInt64s:
     """The splitmix64 finaliser: a bijective, well-mixing hash of uint64 values."""
     x = np.asarray(x, dtype=_U64)
     with np.errstate(over="ignore"):
@@ -44,7 +46,7 @@ def derive_key(*parts: int) -> int:
     return int(h)
 
 
-def _half_bits(m: np.ndarray) -> np.ndarray:
+def _half_bits(m: Int64s) -> Int64s:
     # smallest h with 4**h >= m (and h >= 1 so the halves are never empty)
     bits = np.ceil(np.log2(np.maximum(m, 2).astype(np.float64))).astype(np.int64)
     # float log2 can be off by one near large powers of two; correct it exactly
@@ -53,8 +55,8 @@ def _half_bits(m: np.ndarray) -> np.ndarray:
     return np.maximum((bits + 1) // 2, 1)
 
 
-def _feistel_round_trip(x: np.ndarray, h: np.ndarray, key: np.ndarray) -> np.ndarray:
-    h = h.astype(_U64)
+def _feistel_round_trip(x: UInt64s, half_bits: Int64s, key: UInt64s) -> UInt64s:
+    h = half_bits.astype(_U64)
     mask = (_U64(1) << h) - _U64(1)
     left = x >> h
     right = x & mask
@@ -65,7 +67,7 @@ def _feistel_round_trip(x: np.ndarray, h: np.ndarray, key: np.ndarray) -> np.nda
     return (left << h) | right
 
 
-def feistel_permute(index: np.ndarray, m: np.ndarray | int, key: np.ndarray | int) -> np.ndarray:
+def feistel_permute(index: ArrayLike, m: ArrayLike, key: ArrayLike) -> Int64s:
     """The image of ``index`` (each in ``[0, m)``) under the permutation of ``range(m)``
     named by ``key``. ``m`` and ``key`` may be scalars or arrays shaped like ``index``."""
     idx = np.asarray(index, dtype=np.int64)

@@ -18,13 +18,14 @@ from typing import Any
 import numpy as np
 
 from ..errors import PlanError
+from .arrays import ArrayLike
 from .shuffle import EpochOrder
 
 __all__ = ["sequence_quality", "order_quality"]
 
 
-def sequence_quality(stored_index: np.ndarray, shard: np.ndarray, batch_size: int,
-                     delivered_index: np.ndarray | None = None) -> dict[str, Any]:
+def sequence_quality(stored_index: ArrayLike, shard: ArrayLike, batch_size: int,
+                     delivered_index: ArrayLike | None = None) -> dict[str, Any]:
     """Quality of a delivered sequence, given each delivered sample's stored index and
     shard (as any loader can record them). ``delivered_index`` defaults to 0, 1, 2, ...;
     sequences are cut into consecutive batches of ``batch_size``."""
@@ -55,7 +56,7 @@ def sequence_quality(stored_index: np.ndarray, shard: np.ndarray, batch_size: in
     }
 
 
-def order_quality(order: EpochOrder, counts: np.ndarray, batch_size: int = 256,
+def order_quality(order: EpochOrder, counts: ArrayLike, batch_size: int = 256,
                   max_batches: int = 512) -> dict[str, Any]:
     """Quality of an epoch order, measured on up to ``max_batches`` batches spread evenly
     over the epoch."""

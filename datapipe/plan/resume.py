@@ -17,6 +17,7 @@ import numpy as np
 
 from ..checksum import checksum
 from ..errors import PlanError, StateMismatchError
+from .arrays import ArrayLike
 from .partition import Partition, Split
 
 __all__ = ["STATE_VERSION", "OrderKey", "layout_fingerprint", "make_state", "read_state"]
@@ -24,7 +25,7 @@ __all__ = ["STATE_VERSION", "OrderKey", "layout_fingerprint", "make_state", "rea
 STATE_VERSION = 1
 
 
-def layout_fingerprint(counts: np.ndarray, extra: str = "") -> str:
+def layout_fingerprint(counts: ArrayLike, extra: str = "") -> str:
     """A checksum of the per-shard sample counts (and any ``extra`` identity, such as the
     dataset's index checksum): two layouts with the same fingerprint plan the same order."""
     arr = np.ascontiguousarray(np.asarray(counts, dtype="<i8"))

@@ -20,12 +20,13 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import PlanError
+from .arrays import ArrayLike, Int64s
 from .permutation import derive_key, feistel_permute
 
 __all__ = ["ALGORITHMS", "EpochOrder", "NoShuffle", "WindowShuffle", "check_counts", "epoch_order"]
 
 
-def check_counts(counts: object) -> np.ndarray:
+def check_counts(counts: object) -> Int64s:
     """The per-shard sample counts as a read-only int64 array, or :class:`PlanError`."""
     arr = np.asarray(counts)
     if arr.ndim != 1:
@@ -44,7 +45,7 @@ class EpochOrder(Protocol):
     num_samples: int
     num_shards: int
 
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def locate(self, positions: ArrayLike) -> tuple[Int64s, Int64s]:
         """(shard index, sample index within that shard) of each global position."""
         ...
 
@@ -52,13 +53,13 @@ class EpochOrder(Protocol):
 class NoShuffle:
     """Stored order."""
 
-    def __init__(self, counts: np.ndarray, seed: int = 0, epoch: int = 0, window: int = 1) -> None:
+    def __init__(self, counts: ArrayLike, seed: int = 0, epoch: int = 0, window: int = 1) -> None:
         self.counts = check_counts(counts)
         self.num_shards = int(self.counts.size)
         self.starts = np.concatenate(([0], np.cumsum(self.counts)))
         self.num_samples = int(self.starts[-1])
 
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def locate(self, positions: ArrayLike) -> tuple[Int64s, Int64s]:
         p = _check_positions(positions, self.num_samples)
         shard = np.searchsorted(self.starts, p, side="right") - 1
         return shard, p - self.starts[shard]
@@ -67,7 +68,7 @@ class NoShuffle:
 class WindowShuffle:
     """Shard order permuted, samples shuffled across windows of ``window`` shards."""
 
-    def __init__(self, counts: np.ndarray, seed: int, epoch: int, window: int) -> None:
+    def __init__(self, counts: ArrayLike, seed: int, epoch: int, window: int) -> None:
         self.counts = check_counts(counts)
         if int(window) < 1:
             raise PlanError(f"window must be at least 1 shard, got {window}")
@@ -89,14 +90,10 @@ class WindowShuffle:
         base = derive_key(self.seed, self.epoch, 2)
         self._base_key = np.uint64(base)
 
-    @property
-    def num_windows(self) -> int:
-        return int(self.window_sizes.size)
-
-    def window_of(self, positions: np.ndarray) -> np.ndarray:
+    def window_of(self, positions: ArrayLike) -> Int64s:
         return np.searchsorted(self.window_starts, positions, side="right") - 1
 
-    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def locate(self, positions: ArrayLike) -> tuple[Int64s, Int64s]:
         p = _check_positions(positions, self.num_samples)
         w = self.window_of(p)
         start = self.window_starts[w]
@@ -108,7 +105,7 @@ class WindowShuffle:
         return self.shard_order[slot], q - self.slot_starts[slot]
 
 
-def _check_positions(positions: np.ndarray, n: int) -> np.ndarray:
+def _check_positions(positions: ArrayLike, n: int) -> Int64s:
     p = np.asarray(positions, dtype=np.int64)
     if p.size and (p.min() < 0 or p.max() >= n):
         raise PlanError(f"positions must lie in [0, {n}), got [{p.min()}, {p.max()}]")
@@ -121,7 +118,7 @@ ALGORITHMS: dict[str, Callable[..., EpochOrder]] = {
 }
 
 
-def epoch_order(counts: np.ndarray, seed: int, epoch: int, window: int, algorithm: str = "window") -> EpochOrder:
+def epoch_order(counts: ArrayLike, seed: int, epoch: int, window: int, algorithm: str = "window") -> EpochOrder:
     """The order of ``epoch`` under the registered ``algorithm``."""
     try:
         make = ALGORITHMS[algorithm]
