@@ -5,7 +5,7 @@ from ._version import __version__
 from .checkpoint import CheckpointInfo, CheckpointWriter, SaveHandle, list_checkpoints, load_checkpoint  # noqa: E402
 from .dataset import Dataset, DatasetIndex, open_dataset, open_index  # noqa: E402
 from .pack import PackResult, ShardWriter, join_parts, pack  # noqa: E402
-from .storage import TieredCache  # noqa: E402
+from .cache import TieredCache  # noqa: E402
 from .verify import VerifyReport, verify_dataset  # noqa: E402
 
 __all__ = [

@@ -17,8 +17,10 @@ from hypothesis import strategies as st
 
 from datapipe.checksum import checksum
 from datapipe.errors import CacheBudgetError, ObjectChangedError, StorageError
-from datapipe.storage import FaultInjectingStore, LocalStore, RetryPolicy, TieredCache, open_store
-from datapipe.storage.warm import url_key
+from datapipe.cache import TieredCache
+from datapipe.storage.faults import FaultInjectingStore
+from datapipe.storage import LocalStore, RetryPolicy, open_store
+from datapipe.cache.warm import url_key
 
 PARTS = RetryPolicy(attempts=3, base_delay_s=0.001, part_bytes=16 << 10, max_parts=1)
 SIZE = 64 << 10  # four parts
@@ -267,7 +269,7 @@ def test_no_damage_to_a_warm_copy_is_ever_served(tmp_path_factory, damage, with_
 
 _FRESH_READ = """
 import ast, sys
-from datapipe.storage import TieredCache
+from datapipe.cache import TieredCache
 c = TieredCache(warm_dir=sys.argv[1], warm_bytes=1 << 20, storage_options=ast.literal_eval(sys.argv[3]))
 data = c.read(sys.argv[2])
 s = c.stats()
@@ -381,7 +383,7 @@ def test_clear_refuses_a_folder_that_is_not_a_datapipe_cache(tmp_path):
     d = tmp_path / "not-a-cache"
     (d / "objects").mkdir(parents=True)
     (d / "objects" / "precious.txt").write_text("keep me")
-    from datapipe.storage import clear_warm_dir, warm_dir_stats
+    from datapipe.cache import clear_warm_dir, warm_dir_stats
 
     with pytest.raises(StorageError, match="not a datapipe warm cache"):
         clear_warm_dir(d)

@@ -13,7 +13,8 @@ import pytest
 
 from datapipe.checksum import checksum
 from datapipe.errors import RemoteError
-from datapipe.storage import RetryPolicy, TieredCache, open_store
+from datapipe.cache import TieredCache
+from datapipe.storage import RetryPolicy, open_store
 
 SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
             b"<Message>Please reduce your request rate.</Message></Error>")

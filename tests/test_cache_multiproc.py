@@ -13,8 +13,10 @@ import pytest
 
 from datapipe.checksum import checksum
 from datapipe.errors import StorageError
-from datapipe.storage import FaultInjectingStore, TieredCache, open_store
-from datapipe.storage.warm import WarmDir, url_key
+from datapipe.cache import TieredCache
+from datapipe.storage.faults import FaultInjectingStore
+from datapipe.storage import open_store
+from datapipe.cache.warm import WarmDir, url_key
 
 CTX = mp.get_context("spawn")
 

@@ -9,7 +9,8 @@ import pytest
 from datapipe import ShardWriter
 from datapipe.errors import ObjectNotFoundError
 from datapipe.loader import StreamingDataset
-from datapipe.storage import FaultInjectingStore, TieredCache
+from datapipe.cache import TieredCache
+from datapipe.storage.faults import FaultInjectingStore
 from datapipe.storage.retry import RetryPolicy
 
 N = 200

@@ -38,7 +38,7 @@ from ..errors import (
     ObjectNotFoundError,
     StorageError,
 )
-from ..storage import LocalStore, Store
+from ..storage import Store
 from .format import MAX_LATEST_BYTES, decode_doc, encode_doc
 
 __all__ = ["LEASE_KEY", "Lease"]
@@ -65,7 +65,8 @@ class Lease:
         self.store, self.run_id, self.ttl, self.wait = store, run_id, float(ttl), float(wait)
         self.writer = uuid.uuid4().hex
         self.url = store.url(LEASE_KEY)
-        self.local = isinstance(store, LocalStore)
+        self.path = store.local_path(LEASE_KEY)  # a local file: flock
+        self.local = self.path is not None
         self.exclusive = self.local or store.supports_conditional_writes
         self._fd: int | None = None
         self._pid = os.getpid()
@@ -130,7 +131,9 @@ class Lease:
     def _try_local(self) -> Any:
         import fcntl
 
-        path = self.store.path(LEASE_KEY)  # type: ignore[attr-defined]
+        path = self.path
+        if path is None:
+            return self._try_remote()
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -230,7 +233,7 @@ class Lease:
             if self._lost is None:
                 try:
                     if self.local:
-                        if os.stat(self.store.path(LEASE_KEY)).st_ino != self._ino:  # type: ignore[attr-defined]
+                        if self.path is None or os.stat(self.path).st_ino != self._ino:
                             self._lost = "the lease file was replaced"
                     else:
                         data, tag = self._get_tagged()
@@ -253,8 +256,8 @@ class Lease:
         with self._lock:
             try:
                 if self.local:
-                    if self._fd is not None:
-                        path = self.store.path(LEASE_KEY)  # type: ignore[attr-defined]
+                    path = self.path
+                    if self._fd is not None and path is not None:
                         try:
                             if os.stat(path).st_ino == self._ino:
                                 os.unlink(path)  # while locked: a waiter re-checks the inode

@@ -28,30 +28,14 @@ import uuid
 from typing import Any
 
 from ..errors import DestinationBusyError, StorageError
-from ..storage import LocalStore, Store
-from ..storage.stores import TMP_MARK
-from .commit import LEASE, LOCK
+from ..storage import Store
+from .commit import LEASE, LOCK, WORK
 
 __all__ = ["WriterLock"]
 
 LEASE_STALE_S = 120.0  # a heartbeat this old means the writer is gone
 LEASE_BEAT_S = 15.0
 _KEEP_TOKENS = 8
-
-
-class _TokenTempStore(LocalStore):
-    """A local store whose temporary files carry this writer's token, so that only the
-    files the lock file journals are ever cleaned up."""
-
-    def __init__(self, root: str, token: str, durable: bool = True) -> None:
-        super().__init__(root, durable=durable)
-        self.token = token
-
-    def _tmp_path(self, key: str) -> str:
-        final = self.path(key)
-        d, name = os.path.split(final)
-        os.makedirs(d, exist_ok=True)
-        return os.path.join(d, f"{TMP_MARK}{self.token}-{name}")
 
 
 def _describe(info: dict[str, Any]) -> str:
@@ -76,10 +60,12 @@ class WriterLock:
         self._beat: threading.Thread | None = None
         self.lost: str | None = None  # why the lease was lost, if it was
         self._created: str | None = None
+        self._lock_path: str | None = None  # the flock'd file, on a local destination
 
     def __enter__(self) -> "WriterLock":
-        if isinstance(self.base, LocalStore):
-            self._lock_local(self.base)
+        path = self.base.local_path(LOCK)
+        if path is not None:
+            self._lock_local(self.base, path)
         else:
             self._lease(self.base)
         return self
@@ -88,10 +74,10 @@ class WriterLock:
         self.release()
 
     # -- local: flock ---------------------------------------------------------------------
-    def _lock_local(self, store: LocalStore) -> None:
-        path = store.path(LOCK)
+    def _lock_local(self, store: Store, path: str) -> None:
+        self._lock_path = path
         # the topmost folder this writer creates: removed again if it ends up empty
-        missing = store.root
+        missing = store.local_path("") or os.path.dirname(os.path.dirname(path))
         while not os.path.exists(os.path.dirname(missing)) and os.path.dirname(missing) != missing:
             missing = os.path.dirname(missing)
         self._created = None if os.path.exists(missing) else missing
@@ -119,7 +105,8 @@ class WriterLock:
             self._fd, fd = fd, None
             old = _read_json(self._fd)
             tokens = [t for t in old.get("tokens", []) if isinstance(t, str) and t.isalnum()]
-            _remove_temporaries(store, tokens)
+            for folder in ("", WORK):  # the folders a pack writes temporaries in
+                store.remove_temporaries(folder, tokens=tokens)
             # Journal our token before the first temporary named by it can exist. Earlier
             # tokens stay listed a while: a worker of a killed pack can outlive its lock by
             # the moment the kernel takes to deliver its death signal.
@@ -137,7 +124,7 @@ class WriterLock:
         finally:
             if fd is not None:
                 os.close(fd)
-        self.store = _TokenTempStore(store.root, self.token, durable=store.durable)
+        self.store = store.for_writer(self.token)
 
     def inherited_fd(self) -> tuple[int, int, int] | None:
         """(fd, device, inode) of the lock, for forked workers to close their copy: the
@@ -195,7 +182,7 @@ class WriterLock:
     def check(self) -> None:
         """Raise `DestinationBusyError` if another writer holds the destination now (an
         object-store lease taken over): called before committing."""
-        if isinstance(self.base, LocalStore):
+        if self._lock_path is not None:
             return  # a flock cannot be taken over
         held = self._read_lease()
         if self.lost is None and (held is None or held.get("token") != self.token):
@@ -222,7 +209,7 @@ class WriterLock:
             return
         fd, self._fd = self._fd, None
         try:
-            lock_path = self.base.path(LOCK)  # type: ignore[attr-defined]  (local: flock)
+            lock_path = self._lock_path
             work = os.path.dirname(lock_path)
             if set(os.listdir(work)) <= {os.path.basename(lock_path)}:
                 os.unlink(lock_path)  # while held: a waiter re-checks the inode
@@ -263,24 +250,3 @@ def _read_json(fd: int) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}  # a torn write of a killed holder: nothing of it was used yet
     return value if isinstance(value, dict) else {}
-
-
-def _remove_temporaries(store: LocalStore, tokens: list[str]) -> int:
-    """Delete the temporary files of the journaled tokens, in the folders a pack writes."""
-    n = 0
-    marks = tuple(f"{TMP_MARK}{t}-" for t in tokens)
-    if not marks:
-        return 0
-    for folder in (store.root, os.path.dirname(store.path(LOCK))):
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            continue
-        for name in names:
-            if name.startswith(marks):
-                try:
-                    os.unlink(os.path.join(folder, name))
-                    n += 1
-                except FileNotFoundError:
-                    pass
-    return n

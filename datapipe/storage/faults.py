@@ -20,7 +20,7 @@ from collections import Counter
 from typing import Any
 
 from ..errors import StorageError
-from .stores import Store
+from .store import Store
 
 __all__ = ["FaultInjectingStore"]
 

@@ -130,7 +130,7 @@ class Turns:
         """Block until it is ``ticket``'s turn; False if shut down meanwhile."""
         with self._cond:
             while self._next != ticket and not self.closed:
-                self._cond.wait(0.5)
+                self._cond.wait()
             return not self.closed
 
     def done(self, ticket: int) -> None:
