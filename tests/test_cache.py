@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from datapipe.checksum import checksum
-from datapipe.errors import CacheBudgetError, ChecksumError, ObjectNotFoundError, StorageError
 from datapipe.cache import TieredCache, clear_warm_dir, warm_dir_stats
 from datapipe.cache.warm import url_key
+from datapipe.checksum import checksum
+from datapipe.errors import CacheBudgetError, ChecksumError, ObjectNotFoundError, StorageError
 
 
 def _objects(tmp_path, n, size):

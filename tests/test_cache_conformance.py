@@ -15,12 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from datapipe.cache import TieredCache
+from datapipe.cache.warm import url_key
 from datapipe.checksum import checksum
 from datapipe.errors import CacheBudgetError, ObjectChangedError, StorageError
-from datapipe.cache import TieredCache
-from datapipe.storage.faults import FaultInjectingStore
 from datapipe.storage import LocalStore, RetryPolicy, open_store
-from datapipe.cache.warm import url_key
+from datapipe.storage.faults import FaultInjectingStore
 
 PARTS = RetryPolicy(attempts=3, base_delay_s=0.001, part_bytes=16 << 10, max_parts=1)
 SIZE = 64 << 10  # four parts

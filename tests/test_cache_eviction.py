@@ -4,7 +4,8 @@ import os
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from datapipe.cache import Schedule, TieredCache, belady_hits, lru_hits
 from datapipe.cache.eviction import NEVER, choose_victims

@@ -7,11 +7,11 @@ import time
 
 import pytest
 
+from datapipe.cache import TieredCache
 from datapipe.checksum import checksum
 from datapipe.errors import ChecksumError, RemoteError
-from datapipe.cache import TieredCache
-from datapipe.storage.faults import FaultInjectingStore
 from datapipe.storage import RetryPolicy, open_store
+from datapipe.storage.faults import FaultInjectingStore
 from datapipe.storage.retry import is_transient
 
 FAST = RetryPolicy(attempts=4, base_delay_s=0.001, max_delay_s=0.01)

@@ -11,9 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from datapipe.cache import TieredCache
 from datapipe.checksum import checksum
 from datapipe.errors import RemoteError
-from datapipe.cache import TieredCache
 from datapipe.storage import RetryPolicy, open_store
 
 SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'

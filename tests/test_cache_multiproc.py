@@ -11,12 +11,12 @@ import time
 
 import pytest
 
+from datapipe.cache import TieredCache
+from datapipe.cache.warm import WarmDir, url_key
 from datapipe.checksum import checksum
 from datapipe.errors import StorageError
-from datapipe.cache import TieredCache
-from datapipe.storage.faults import FaultInjectingStore
 from datapipe.storage import open_store
-from datapipe.cache.warm import WarmDir, url_key
+from datapipe.storage.faults import FaultInjectingStore
 
 CTX = mp.get_context("spawn")
 

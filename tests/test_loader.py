@@ -434,9 +434,9 @@ def test_cache_with_an_unusable_warm_dir_reads_through(ds_url, tmp_path):
 
 
 def test_a_failed_read_of_a_pinned_copy_releases_the_pin(ds_url, tmp_path, monkeypatch):
+    from datapipe.cache import TieredCache
     from datapipe.errors import StorageError
     from datapipe.loader import source
-    from datapipe.cache import TieredCache
 
     def no_memory(path, limit, pool):
         raise OSError(12, "Cannot allocate memory", path)

@@ -7,9 +7,9 @@ import functools
 import pytest
 
 from datapipe import ShardWriter
+from datapipe.cache import TieredCache
 from datapipe.errors import ObjectNotFoundError
 from datapipe.loader import StreamingDataset
-from datapipe.cache import TieredCache
 from datapipe.storage.faults import FaultInjectingStore
 from datapipe.storage.retry import RetryPolicy
 

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..checksum import checksum as compute_checksum, verify
+from ..checksum import checksum as compute_checksum
+from ..checksum import verify
 from ..errors import CacheBudgetError, DatapipeError, ObjectChangedError, ObjectNotFoundError, StorageError
 from ..storage import FsspecStore, Store, open_store, split_url
 from ..storage.retry import RetryPolicy, call_with_retry, fetch_object, fetch_range, single_layer_options

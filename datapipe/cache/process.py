@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Callable
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 

@@ -23,7 +23,8 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
-from ..checksum import checksum as compute_checksum, verify
+from ..checksum import checksum as compute_checksum
+from ..checksum import verify
 from ..errors import CacheBudgetError, DatapipeError, ObjectChangedError, StorageError
 from ..storage import RetryPolicy, Store
 from .cold import CHANGE_RESTARTS, SizeChanged, checksum_ok

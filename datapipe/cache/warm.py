@@ -156,7 +156,7 @@ def _remove_unless_locked(path: str) -> bool | None:
 class Reservation:
     """Space for one object: a temporary file already of the object's size, locked by us."""
 
-    warm: "WarmDir"
+    warm: WarmDir
     key: str
     size: int
     tmp: str

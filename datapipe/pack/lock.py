@@ -62,7 +62,7 @@ class WriterLock:
         self._created: str | None = None
         self._lock_path: str | None = None  # the flock'd file, on a local destination
 
-    def __enter__(self) -> "WriterLock":
+    def __enter__(self) -> WriterLock:
         path = self.base.local_path(LOCK)
         if path is not None:
             self._lock_local(self.base, path)

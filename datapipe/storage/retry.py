@@ -21,8 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import (ObjectChangedError, ObjectNotFoundError, RemoteError, StorageError,
-                      TruncatedReadError)
+from ..errors import ObjectChangedError, ObjectNotFoundError, RemoteError, StorageError, TruncatedReadError
 
 __all__ = ["RetryPolicy", "is_transient", "call_with_retry", "run_requests", "fetch_object",
            "fetch_range", "single_layer_options"]
