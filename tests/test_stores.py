@@ -16,6 +16,7 @@ from datapipe.storage import (
     split_url,
 )
 from datapipe.storage.faults import FaultInjectingStore
+from datapipe.storage.lease import LeaseBusyError, WriterLease
 
 
 class StoreConformance:
@@ -101,6 +102,17 @@ class StoreConformance:
         assert store.get("d/y") == b"yy"
         assert store.remove_temporaries("d", tokens=["abc123"]) == 0  # nothing left half-written
         assert store.list("d/") == ["d/x", "d/y"]
+
+    def test_writer_lease_excludes_a_second_writer(self, store):
+        first = WriterLease(store, "w/lease").acquire()
+        with pytest.raises(LeaseBusyError) as busy:
+            WriterLease(store, "w/lease").acquire()
+        assert busy.value.holder is not None and busy.value.holder["writer"] == first.writer
+        first.check()
+        first.release()
+        second = WriterLease(store, "w/lease").acquire()  # free again once released
+        second.release()
+        assert not store.exists("w/lease")
 
 
 class TestMemoryStore(StoreConformance):

@@ -21,7 +21,7 @@ from .warm import BROKEN_DIR_ERRNOS, WarmDir
 __all__ = ["ProcessState", "Stats"]
 
 
-class Stats(Counter):
+class Stats(Counter[str]):
     """Counters that several threads of one process bump at once (readers, prefetchers):
     ``stats[k] += 1`` is a read then a write and loses counts under threads, so every
     change goes through ``update``, under a lock, and readers take ``snapshot()``."""
@@ -30,7 +30,7 @@ class Stats(Counter):
         self._lock = threading.RLock()  # before Counter.__init__; Counter.update calls itself
         super().__init__()
 
-    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+    def update(self, *args: Any, **kwargs: Any) -> None:
         with self._lock:
             super().update(*args, **kwargs)
 

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from ..checksum import checksum as compute_checksum
@@ -28,10 +29,10 @@ from ..checksum import verify
 from ..errors import CacheBudgetError, DatapipeError, ObjectChangedError, StorageError
 from ..storage import RetryPolicy, Store
 from .cold import CHANGE_RESTARTS, SizeChanged, checksum_ok
-from .eviction import Schedule, choose_victims
+from .eviction import Schedule, VictimChooser, choose_victims
 from .node_stats import COUNTER_KEYS, FLUSH_INTERVAL_S, sum_counter_files
 from .process import ProcessState
-from .warm import BROKEN_DIR_ERRNOS, DISK_FULL_ERRNOS, fill_record, url_key
+from .warm import BROKEN_DIR_ERRNOS, DISK_FULL_ERRNOS, WarmDir, fill_record, url_key
 
 __all__ = ["TieredCache", "CHANGE_RESTARTS"]
 
@@ -74,7 +75,7 @@ class TieredCache:
     def __init__(
         self,
         hot_bytes: int = 0,
-        warm_dir: str | os.PathLike | None = None,
+        warm_dir: str | os.PathLike[str] | None = None,
         warm_bytes: int = 0,
         *,
         storage_options: dict[str, Any] | None = None,
@@ -109,7 +110,8 @@ class TieredCache:
         self.pin_wait_s = pin_wait_s
         self.cold_wrapper = cold_wrapper
         self.stats_interval_s = float(stats_interval_s)
-        self.schedule: Schedule | None = None
+        self.schedule: Schedule[str] | None = None
+        self._warm_urls: tuple[Schedule[str], dict[str, str]] | None = None  # warm file name -> URL
         self.schedule_checksums: dict[str, str] = {}
         self.lookahead = 0
         self._process: ProcessState | None = None
@@ -198,8 +200,8 @@ class TieredCache:
             state.stats.update(hot_not_admitted=1)
         state.stats.update(hot_evictions=state.hot.evictions - before)
 
-    def _no_room_for_pin(self, state: ProcessState, url: str, size: int, waited: float) -> CacheBudgetError:
-        warm = state.warm
+    def _no_room_for_pin(self, state: ProcessState, warm: WarmDir, url: str, size: int,
+                         waited: float) -> CacheBudgetError:
         try:
             pinned, mine = warm.pinned_bytes(), state.pin_count()
         except OSError:
@@ -211,7 +213,7 @@ class TieredCache:
             f"process's pins must fit at once: raise warm_bytes to at least {pinned + size}, "
             "or release pins before taking new ones")
 
-    def _read_pinned(self, state: ProcessState, url: str, fd: int, checksum: str | None, *,
+    def _read_pinned(self, state: ProcessState, warm: WarmDir, url: str, fd: int, checksum: str | None, *,
                      want_bytes: bool = True) -> bytes | None:
         """The whole pinned copy (b"" when not ``want_bytes``), or None if it fails
         verification: against ``checksum``, and against the size and digest the copy was
@@ -224,7 +226,7 @@ class TieredCache:
             if record[0] != st.st_size:
                 state.stats.update(warm_corrupt=1)
                 return None
-        elif state.warm.records:  # this filesystem keeps records: the copy is not a fill's
+        elif warm.records:  # this filesystem keeps records: the copy is not a fill's
             state.stats.update(warm_corrupt=1)
             return None
         else:
@@ -235,7 +237,7 @@ class TieredCache:
                 state.stats.update(warm_corrupt=1)
                 return None
         wants = {d for d in (checksum, record[1] if record else None) if d}
-        known = all(state.warm.is_verified(st, d) for d in wants)
+        known = all(warm.is_verified(st, d) for d in wants)
         if known and not want_bytes:
             return b""
         data = os.pread(fd, st.st_size, 0)
@@ -245,16 +247,17 @@ class TieredCache:
             digest = compute_checksum(data) if wants else None
             if all(d == digest for d in wants):
                 for d in wants:
-                    state.warm.mark_verified(st, d)
+                    warm.mark_verified(st, d)
                 return data
         state.stats.update(warm_corrupt=1)
         return None
 
     def _below_hot(self, state: ProcessState, url: str, checksum: str | None, index: int | None) -> bytes:
-        if state.warm is not None:
+        warm = state.warm
+        if warm is not None:
             for _attempt in (0, 1):  # once more after re-creating a deleted warm directory
                 try:
-                    return self._from_warm(state, url, checksum, index)
+                    return self._from_warm(state, warm, url, checksum, index)
                 except OSError as e:
                     if not state.warm_broken(e):
                         raise
@@ -271,26 +274,28 @@ class TieredCache:
         self._check_hot_fits(state, url)
         return state.cold.fetch(url, checksum)
 
-    def _from_warm(self, state: ProcessState, url: str, checksum: str | None, index: int | None) -> bytes:
+    def _from_warm(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None,
+                   index: int | None) -> bytes:
         key = url_key(url)
-        fd = state.warm.open_pinned(key)
+        fd = warm.open_pinned(key)
         if fd is not None:
             try:
-                data = self._read_pinned(state, url, fd, checksum)
+                data = self._read_pinned(state, warm, url, fd, checksum)
             except BaseException:
                 os.close(fd)
                 raise
             if data is None:
-                state.warm.discard(key, fd)
+                warm.discard(key, fd)
             else:
                 os.close(fd)
                 state.stats.update(warm_hits=1, warm_bytes=len(data))
                 return data
         state.stats.update(warm_misses=1)
         self._check_hot_fits(state, url)
-        return self._fill(state, url, checksum, index)
+        filled: bytes = self._fill(state, warm, url, checksum, index)
+        return filled
 
-    def _fill(self, state: ProcessState, url: str, checksum: str | None, index: int | None, *,
+    def _fill(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None, index: int | None, *,
               pin: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
               ticket: int | None = None) -> Any:
         """Fetch ``url`` into the warm tier under the node-wide single-flight lock. Returns
@@ -299,7 +304,7 @@ class TieredCache:
         (``prefetch_at``: its index in the schedule; ``ticket``: its place in the order in
         which scheduled prefetches reserve space)."""
         if ticket is None:
-            return self._fill_once(state, url, checksum, index, pin=pin, prefetch=prefetch,
+            return self._fill_once(state, warm, url, checksum, index, pin=pin, prefetch=prefetch,
                                    prefetch_at=prefetch_at)
         try:
             state.cold.size(url)  # the HEAD request overlaps; only reservations go in turn
@@ -308,15 +313,14 @@ class TieredCache:
             s = self.schedule
             if s is not None and prefetch_at is not None and prefetch_at < s.position:
                 return None  # the reader got there first
-            return self._fill_once(state, url, checksum, index, prefetch=True,
+            return self._fill_once(state, warm, url, checksum, index, prefetch=True,
                                    prefetch_at=prefetch_at, ticket=ticket)
         finally:
             state.turns.done(ticket)
 
-    def _fill_once(self, state: ProcessState, url: str, checksum: str | None, index: int | None, *,
+    def _fill_once(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None, index: int | None, *,
                    pin: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
                    ticket: int | None = None) -> Any:
-        warm = state.warm
         key = url_key(url)
         t_start = time.monotonic()
         deadline = t_start + self.pin_wait_s
@@ -332,7 +336,7 @@ class TieredCache:
                     if prefetch:
                         os.close(fd)
                         return None
-                    data = self._read_pinned(state, url, fd, checksum)
+                    data = self._read_pinned(state, warm, url, fd, checksum)
                     if data is not None:
                         os.close(fd)
                         state.stats.update(warm_hits=1, warm_bytes=len(data))
@@ -361,7 +365,7 @@ class TieredCache:
                     return None
                 if res is None and pin:
                     if time.monotonic() > deadline:
-                        raise self._no_room_for_pin(state, url, size, time.monotonic() - t_start)
+                        raise self._no_room_for_pin(state, warm, url, size, time.monotonic() - t_start)
                     # until this process releases a pin or lands a download, or another
                     # process may have (checked again every _PIN_RECHECK_S)
                     state.wait_for_room(min(_PIN_RECHECK_S, max(0.0, deadline - time.monotonic())))
@@ -435,18 +439,20 @@ class TieredCache:
             state.stats.update(hot_hits=1, hot_bytes=end - start)
             return _slice(hit[0], start, end, url)
         state.stats.update(hot_misses=1)
-        if state.warm is not None:
+        warm = state.warm
+        if warm is not None:
             for _attempt in (0, 1):  # once more after re-creating a deleted warm directory
                 try:
-                    return self._range_from_warm(state, url, start, end, index)
+                    return self._range_from_warm(state, warm, url, start, end, index)
                 except OSError as e:
                     if not state.warm_broken(e):
                         raise
         return self._range_from_cold(state, url, start, end, index)
 
-    def _range_from_warm(self, state: ProcessState, url: str, start: int, end: int, index: int | None) -> bytes:
+    def _range_from_warm(self, state: ProcessState, warm: WarmDir, url: str, start: int, end: int,
+                         index: int | None) -> bytes:
         key = url_key(url)
-        fd = state.warm.open_pinned(key)
+        fd: int | None = warm.open_pinned(key)
         if fd is not None:
             try:
                 size = os.fstat(fd).st_size
@@ -461,14 +467,14 @@ class TieredCache:
                 elif record is not None or size == state.cold.size(url):  # the copy is whole: a bad range
                     _slice(b"", start, end, url, size)
                 state.stats.update(warm_corrupt=1)  # a copy shorter than the object
-                state.warm.discard(key, fd)
+                warm.discard(key, fd)
                 fd = None
             finally:
                 if fd is not None:
                     os.close(fd)
         state.stats.update(warm_misses=1)
         self._check_hot_fits(state, url)
-        data = self._fill(state, url, None, index)
+        data: bytes = self._fill(state, warm, url, None, index)
         self._admit_hot(state, url, data, None, index)
         return _slice(data, start, end, url)
 
@@ -488,30 +494,31 @@ class TieredCache:
         """The path of a warm copy of ``url``, pinned (never evicted, by any process)
         until :meth:`release`. Each call pins once; release once per call."""
         state = self._state()
-        if state.warm is None:
+        warm = state.warm
+        if warm is None:
             raise StorageError(f"local_path({url}) needs a usable warm_dir; this cache has none")
         key = url_key(url)
         index = self._locate(url)
         broken: OSError | None = None
         for _attempt in (0, 1, 2):
             try:
-                fd = state.warm.open_pinned(key)
+                fd = warm.open_pinned(key)
                 if fd is not None:
                     state.stats.update(warm_hits=1)
                 else:
                     state.stats.update(warm_misses=1)
-                    fd = self._fill(state, url, checksum, index, pin=True)
-                if self._read_pinned(state, url, fd, checksum, want_bytes=False) is not None:
+                    fd = self._fill(state, warm, url, checksum, index, pin=True)
+                if self._read_pinned(state, warm, url, fd, checksum, want_bytes=False) is not None:
                     with state.lock:
                         state.pins.setdefault(url, []).append(fd)
-                    return state.warm.path(key)
-                state.warm.discard(key, fd)  # corrupt copy: fill again
+                    return warm.path(key)
+                warm.discard(key, fd)  # corrupt copy: fill again
             except OSError as e:
                 if broken is None and state.warm_broken(e):
                     broken = e  # re-created (or not): one more try
                     continue
                 if broken is not None and not isinstance(e, DatapipeError) and e.errno in BROKEN_DIR_ERRNOS:
-                    raise StorageError(f"local_path({url}): warm cache {state.warm.root} is unusable "
+                    raise StorageError(f"local_path({url}): warm cache {warm.root} is unusable "
                                        f"({e}); a local copy needs a writable warm_dir") from e
                 raise
         raise StorageError(f"could not obtain a verified local copy of {url}")
@@ -561,23 +568,16 @@ class TieredCache:
                 ticket = state.turns.issue() if at is not None and state.warm is not None else None
                 fut = state.pool.submit(self._prefetch_one, state, url, checksum, at, ticket)
                 if ticket is not None:  # a cancelled task must not hold up the queue
-                    fut.add_done_callback(lambda f, t=ticket: state.turns.done(t))
+                    fut.add_done_callback(partial(_release_turn, state, ticket))
                 state.pending[url] = fut
-                fut.add_done_callback(lambda f, u=url: self._prefetch_done(state, u, f))
+                fut.add_done_callback(partial(_prefetch_done, state, url))
         return fut
-
-    @staticmethod
-    def _prefetch_done(state: ProcessState, url: str, fut: Future[None]) -> None:
-        with state.lock:
-            if state.pending.get(url) is fut:
-                del state.pending[url]
-        state.notify_prefetcher()  # a prefetch slot is free
 
     def _prefetch_one(self, state: ProcessState, url: str, checksum: str | None, at: int | None,
                       ticket: int | None = None) -> None:
         try:
             if state.warm is not None:
-                self._fill(state, url, checksum, None, prefetch=True, prefetch_at=at, ticket=ticket)
+                self._fill(state, state.warm, url, checksum, None, prefetch=True, prefetch_at=at, ticket=ticket)
             elif url not in state.hot:
                 self._check_hot_fits(state, url)
                 self._admit_hot(state, url, state.cold.fetch(url, checksum, background=True), checksum, at)
@@ -677,11 +677,16 @@ class TieredCache:
         return i
 
     def _chooser(self, url: str, index: int | None, *, prefetch_at: int | None = None,
-                 to_url: Callable[[str], str] = lambda k: k, force: bool = False):
+                 to_url: Callable[[str], str] = lambda k: k, force: bool = False) -> VictimChooser:
         """choose(cands, need) for the tier: LRU, or Belady against the schedule."""
         s = self.schedule
         if s is None or force:
-            return lambda cands, need, *_: choose_victims(cands, need, url)
+            def lru(cands: list[tuple[str, int, float]], need: int, *_: object) -> list[str] | None:
+                return choose_victims(cands, need, url)
+
+            return lru
+        horizon: int
+        nxt: float
         if prefetch_at is not None:
             # position - 1: the read that moved the position may not have opened (pinned)
             # its object yet; the background must not evict it under the reader.
@@ -690,21 +695,22 @@ class TieredCache:
             horizon = (index + 1) if index is not None else s.position
             nxt = s.next_use(url, horizon)
 
-        def choose(cands, need, *_):
+        def belady(cands: list[tuple[str, int, float]], need: int, *_: object) -> list[str] | None:
             named = [(to_url(k), size, rec) for k, size, rec in cands]
             back = {to_url(k): k for k, _s, _r in cands}
             v = choose_victims(named, need, url, schedule=s, incoming_next=nxt, horizon=horizon)
             return None if v is None else [back[u] for u in v]
 
-        return choose
+        return belady
 
     def _warm_key_to_url(self) -> Callable[[str], str]:
+        """Warm files are named by a hash of the URL; the schedule speaks URLs."""
         s = self.schedule
         if s is None:
             return lambda k: k
-        table = getattr(s, "warm_keys", None)
-        if table is None:  # warm files are named by hash; the schedule speaks URLs
-            table = s.warm_keys = {url_key(u): u for u in s._at}
+        if self._warm_urls is None or self._warm_urls[0] is not s:
+            self._warm_urls = (s, {url_key(u): u for u in s.distinct_keys()})
+        table = self._warm_urls[1]
         return lambda k: table.get(k, k)
 
     # -- metrics and shutdown ------------------------------------------------------------
@@ -737,7 +743,7 @@ class TieredCache:
         return out
 
     def _node_stats(self, state: ProcessState) -> dict[str, Any]:
-        if state.counters is None:
+        if state.counters is None or state.warm is None:
             out = self.stats()
             out["processes"] = 1
             return out
@@ -754,15 +760,16 @@ class TieredCache:
     def _warm_usage(self, state: ProcessState) -> int:
         """Bytes in the warm tier; 0 (with the one warning) when it is gone or unreadable:
         stats must not fail because the directory did."""
-        if state.warm is None:
+        warm = state.warm
+        if warm is None:
             return 0
         try:
-            return state.warm.usage()
+            return warm.usage()
         except OSError as e:
             if not state.warm_broken(e):
                 raise
             try:
-                return state.warm.usage()
+                return warm.usage()
             except OSError:
                 return 0
 
@@ -786,3 +793,13 @@ def _slice(data: bytes, start: int, end: int, url: str, size: int | None = None)
         raise StorageError(f"range [{start}, {end}) runs past the end of {url} ({size} bytes)")
     return data[start:end]
 
+
+def _release_turn(state: ProcessState, ticket: int, _fut: Future[None]) -> None:
+    state.turns.done(ticket)
+
+
+def _prefetch_done(state: ProcessState, url: str, fut: Future[None]) -> None:
+    with state.lock:
+        if state.pending.get(url) is fut:
+            del state.pending[url]
+    state.notify_prefetcher()  # a prefetch slot is free

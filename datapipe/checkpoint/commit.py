@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ..errors import CheckpointError, ObjectNotFoundError, StorageError
@@ -186,7 +187,7 @@ def apply_retention(store: Store, committed: int, attempt: str, keep_last: int,
     for s, keys in sorted(by_step.items()):
         if s in keep or s > committed:
             continue
-        _delete_step(store, s, keys, lambda a, s=s: in_flight(s, a))
+        _delete_step(store, s, keys, partial(in_flight, s))
         deleted.append(s)
     _delete_step(store, committed, by_step.get(committed, []),
                  lambda a: a == attempt or in_flight(committed, a), delete_manifest=False)

@@ -35,9 +35,9 @@ class FaultInjectingStore(Store):
                      + ["corrupt"] * corruptions + ["delay"] * delays)
         self.delay_s = delay_s
         self.size_errors = size_errors
-        self.reads: Counter = Counter()
-        self.sizes: Counter = Counter()
-        self.injected: Counter = Counter()
+        self.reads: Counter[str] = Counter()
+        self.sizes: Counter[str] = Counter()
+        self.injected: Counter[str] = Counter()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import posixpath
 import uuid
@@ -81,7 +82,7 @@ class LocalStore(Store):
                     pass  # gone already, or not ours to remove after all
         return n
 
-    def _open_read(self, key: str) -> BinaryIO:
+    def _open_read(self, key: str) -> io.FileIO:
         try:
             return open(self.path(key), "rb", buffering=0)
         except FileNotFoundError:

@@ -130,6 +130,7 @@ class Store(ABC):
         root and ``key``'s parent), so freshly created folders survive a power loss. A
         no-op where publishing an object is durable by itself (object stores) or where
         the store does not promise durability."""
+        return None
 
     def for_writer(self, token: str) -> Store:
         """This store as one writer sees it: the temporaries of its writes carry ``token``
