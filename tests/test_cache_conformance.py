@@ -137,7 +137,7 @@ def test_object_that_keeps_changing_is_a_named_error_and_nothing_is_published(tm
     wrap = functools.partial(Rewriter, versions=versions, times=10**6)
     cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=1 << 20, storage_options=opts,
                         retry=PARTS, cold_wrapper=wrap)
-    with pytest.raises(ObjectChangedError, match="s.tar.*changed"):
+    with pytest.raises(ObjectChangedError, match=r"s\.tar.*changed"):
         cache.read(url)
     with pytest.raises(ObjectChangedError):
         cache.local_path(url)
@@ -348,7 +348,7 @@ def test_warm_dir_remounted_read_only_reads_through(tmp_path, cold, ro_mount):
             assert c.read_range(b, 5, 50) == store.get("b.tar")[5:50]
             s = c.stats()
             c.stats(node=True)
-            with pytest.raises(StorageError, match="b.tar"):
+            with pytest.raises(StorageError, match=r"b\.tar"):
                 c.local_path(b)  # a new local copy cannot be made: a named error
         assert len([w for w in caught if "warm cache" in str(w.message)]) == 1
         assert s["warm_errors"] >= 1

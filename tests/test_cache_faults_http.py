@@ -198,7 +198,7 @@ def test_one_retry_layer_each_attempt_is_one_request(tmp_path, s3, s3_server):
         cache.close()
     with FaultProxy(s3_server.endpoint_url, ["503"] * 1000) as proxy:
         cache = TieredCache(storage_options=_via(opts, proxy.url), retry=policy)
-        with pytest.raises(RemoteError, match="x/s.tar.*3 attempts.*reduce your request rate"):
+        with pytest.raises(RemoteError, match=r"x/s\.tar.*3 attempts.*reduce your request rate"):
             cache.read(f"{root}/x/s.tar")
         assert sum(proxy.tries.values()) == 3
         cache.close()

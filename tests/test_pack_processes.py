@@ -281,7 +281,7 @@ def test_lost_worker_is_a_clear_error_and_rerun_resumes(corpus, tmp_path):
             pytest.skip("the pack finished before its workers could be seen")
         os.kill(workers[0], signal.SIGKILL)  # as the out-of-memory killer does
         os.kill(pack.pid, signal.SIGCONT)
-        out, err = pack.communicate(timeout=120)
+        _out, err = pack.communicate(timeout=120)
     finally:
         _kill_all([pack.pid, *workers])
     if pack.returncode == 0:
