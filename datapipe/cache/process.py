@@ -12,6 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ..errors import DatapipeError
 from ..storage import RetryPolicy, Store
 from .cold import ColdReader
 from .hot import HotTier, Turns
@@ -94,8 +95,6 @@ class ProcessState:
         """True when ``e`` says the warm directory itself is gone or unwritable (deleted,
         remounted read-only): it is re-created if it can be, a warning is given once,
         and the caller reads through."""
-        from ..errors import DatapipeError
-
         if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS or self.warm is None:
             return False
         self.stats.update(warm_errors=1)

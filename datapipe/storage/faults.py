@@ -1,7 +1,8 @@
 """A real Store that delegates to another and injects the faults object stores show:
 503 SlowDown, connection resets, bodies cut short, flipped bytes, slow answers.
 
-For tests and benchmarks of the cache's robustness, e.g. across spawned processes::
+Test scaffolding, not part of ``datapipe.storage``'s public names: tests and benchmarks of
+the cache's robustness import it from this module, e.g. across spawned processes::
 
     TieredCache(..., cold_wrapper=functools.partial(FaultInjectingStore, errors=2))
 
