@@ -5,6 +5,7 @@
   shared by processes) -> cold (any store);
 - process.py: the state one process holds for a cache (tiers, pools, pins, counters);
 - cold.py: reads from the cold store, one version per download, bounded in flight;
+- fill.py: filling the warm tier (single flight, room reserved first, copies verified);
 - hot.py, warm.py: the memory tier and the warm directory (single flight, budgets, pins);
 - eviction.py: the access schedule, Belady/LRU victim choice and hit-rate simulators;
 - node_stats.py: counters of every process using one warm directory.

@@ -24,22 +24,17 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from ..checksum import checksum as compute_checksum
 from ..checksum import verify
-from ..errors import CacheBudgetError, DatapipeError, ObjectChangedError, StorageError
+from ..errors import CacheBudgetError, DatapipeError, StorageError
 from ..storage import RetryPolicy, Store
-from .cold import CHANGE_RESTARTS, SizeChanged, checksum_ok
+from .cold import CHANGE_RESTARTS, checksum_ok
 from .eviction import Schedule, VictimChooser, choose_victims
+from .fill import fill, read_verified
 from .node_stats import COUNTER_KEYS, FLUSH_INTERVAL_S, sum_counter_files
 from .process import ProcessState
-from .warm import BROKEN_DIR_ERRNOS, DISK_FULL_ERRNOS, WarmDir, fill_record, url_key
+from .warm import BROKEN_DIR_ERRNOS, WarmDir, fill_record, url_key
 
 __all__ = ["TieredCache", "CHANGE_RESTARTS"]
-
-#: how often a pin waiting for room looks again when the room can only come from another
-#: process (its releases cannot signal across processes)
-_PIN_RECHECK_S = 0.05
-
 
 class TieredCache:
     """Read-through cache of whole objects by URL, in three tiers (see the module docstring).
@@ -200,58 +195,6 @@ class TieredCache:
             state.stats.update(hot_not_admitted=1)
         state.stats.update(hot_evictions=state.hot.evictions - before)
 
-    def _no_room_for_pin(self, state: ProcessState, warm: WarmDir, url: str, size: int,
-                         waited: float) -> CacheBudgetError:
-        try:
-            pinned, mine = warm.pinned_bytes(), state.pin_count()
-        except OSError:
-            pinned, mine = 0, 0
-        return CacheBudgetError(
-            f"no room in warm cache {warm.root} ({warm.budget} bytes) for {url} ({size} bytes) "
-            f"after waiting {waited:.1f} s (pin_wait_s={self.pin_wait_s}): {pinned} bytes are "
-            f"pinned ({mine} pin(s) held by this process), the rest downloading. Every "
-            f"process's pins must fit at once: raise warm_bytes to at least {pinned + size}, "
-            "or release pins before taking new ones")
-
-    def _read_pinned(self, state: ProcessState, warm: WarmDir, url: str, fd: int, checksum: str | None, *,
-                     want_bytes: bool = True) -> bytes | None:
-        """The whole pinned copy (b"" when not ``want_bytes``), or None if it fails
-        verification: against ``checksum``, and against the size and digest the copy was
-        filled with (or, without that record, the cold object's size). This process skips
-        hashing a copy it verified before only while its size, mtime and ctime are
-        unchanged, so a copy damaged or truncated in place is verified again."""
-        st = os.fstat(fd)
-        record = fill_record(fd)
-        if record is not None:
-            if record[0] != st.st_size:
-                state.stats.update(warm_corrupt=1)
-                return None
-        elif warm.records:  # this filesystem keeps records: the copy is not a fill's
-            state.stats.update(warm_corrupt=1)
-            return None
-        else:
-            expected = state.cold.sizes.get(url)
-            if expected is None and checksum is None:
-                expected = state.cold.size(url)
-            if expected is not None and expected != st.st_size:
-                state.stats.update(warm_corrupt=1)
-                return None
-        wants = {d for d in (checksum, record[1] if record else None) if d}
-        known = all(warm.is_verified(st, d) for d in wants)
-        if known and not want_bytes:
-            return b""
-        data = os.pread(fd, st.st_size, 0)
-        if len(data) == st.st_size:
-            if known:
-                return data
-            digest = compute_checksum(data) if wants else None
-            if all(d == digest for d in wants):
-                for d in wants:
-                    warm.mark_verified(st, d)
-                return data
-        state.stats.update(warm_corrupt=1)
-        return None
-
     def _below_hot(self, state: ProcessState, url: str, checksum: str | None, index: int | None) -> bytes:
         warm = state.warm
         if warm is not None:
@@ -280,7 +223,7 @@ class TieredCache:
         fd = warm.open_pinned(key)
         if fd is not None:
             try:
-                data = self._read_pinned(state, warm, url, fd, checksum)
+                data = read_verified(state, warm, url, fd, checksum)
             except BaseException:
                 os.close(fd)
                 raise
@@ -303,9 +246,12 @@ class TieredCache:
         None, and downloads nothing when the policy would not admit the object
         (``prefetch_at``: its index in the schedule; ``ticket``: its place in the order in
         which scheduled prefetches reserve space)."""
+
+        def chooser() -> VictimChooser:
+            return self._chooser(url, index, prefetch_at=prefetch_at, force=pin, to_url=self._warm_key_to_url())
+
         if ticket is None:
-            return self._fill_once(state, warm, url, checksum, index, pin=pin, prefetch=prefetch,
-                                   prefetch_at=prefetch_at)
+            return fill(state, warm, url, checksum, chooser, pin=pin, prefetch=prefetch, pin_wait_s=self.pin_wait_s)
         try:
             state.cold.size(url)  # the HEAD request overlaps; only reservations go in turn
             if not state.turns.wait(ticket):
@@ -313,105 +259,10 @@ class TieredCache:
             s = self.schedule
             if s is not None and prefetch_at is not None and prefetch_at < s.position:
                 return None  # the reader got there first
-            return self._fill_once(state, warm, url, checksum, index, prefetch=True,
-                                   prefetch_at=prefetch_at, ticket=ticket)
+            return fill(state, warm, url, checksum, chooser, prefetch=True, ticket=ticket,
+                        pin_wait_s=self.pin_wait_s)
         finally:
             state.turns.done(ticket)
-
-    def _fill_once(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None, index: int | None, *,
-                   pin: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
-                   ticket: int | None = None) -> Any:
-        key = url_key(url)
-        t_start = time.monotonic()
-        deadline = t_start + self.pin_wait_s
-        resized = 0
-        while True:
-            with warm.fill_lock(key) as waited:
-                if not prefetch:  # the reader's waits, not the background's
-                    state.stats.update(wait_seconds=waited)
-                fd = warm.open_pinned(key)
-                if fd is not None:  # filled by another thread or process while we waited
-                    if pin:
-                        return fd
-                    if prefetch:
-                        os.close(fd)
-                        return None
-                    data = self._read_pinned(state, warm, url, fd, checksum)
-                    if data is not None:
-                        os.close(fd)
-                        state.stats.update(warm_hits=1, warm_bytes=len(data))
-                        return data
-                    warm.discard(key, fd)
-                size = state.cold.size(url)
-                if size > warm.budget:
-                    raise CacheBudgetError(
-                        f"{url} is {size} bytes, more than warm_bytes={warm.budget}; raise "
-                        f"warm_bytes to at least {size}")
-                choose = self._chooser(url, index, prefetch_at=prefetch_at, force=pin,
-                                       to_url=self._warm_key_to_url())
-                before = warm.evictions
-                try:
-                    res = warm.reserve(key, size, choose)
-                except OSError as e:
-                    if e.errno not in DISK_FULL_ERRNOS:
-                        raise
-                    state.warn("warm_full", f"warm cache {warm.root} cannot take {url} ({e}); reading through")
-                    res = None
-                state.stats.update(warm_evictions=warm.evictions - before)
-                if ticket is not None:
-                    state.turns.done(ticket)  # space decided: the next prefetch may reserve
-                if res is None and prefetch:
-                    state.stats.update(prefetch_not_admitted=1)
-                    return None
-                if res is None and pin:
-                    if time.monotonic() > deadline:
-                        raise self._no_room_for_pin(state, warm, url, size, time.monotonic() - t_start)
-                    # until this process releases a pin or lands a download, or another
-                    # process may have (checked again every _PIN_RECHECK_S)
-                    state.wait_for_room(min(_PIN_RECHECK_S, max(0.0, deadline - time.monotonic())))
-                    continue
-                if res is None:
-                    state.stats.update(warm_not_admitted=1)
-                    return state.cold.fetch(url, checksum, background=prefetch)
-                data = None
-                try:
-                    data = state.cold.fetch(url, checksum, fixed_size=size, background=prefetch)
-                    res.write_and_publish(data, checksum or compute_checksum(data))
-                except SizeChanged:
-                    res.abort()
-                    resized += 1
-                    if resized > CHANGE_RESTARTS:
-                        raise ObjectChangedError(
-                            f"{url} changed size {resized} times while being cached; stop "
-                            "rewriting it while it is read, or retry later") from None
-                    continue  # reserve room for the size it has now
-                except OSError as e:
-                    res.abort()
-                    if isinstance(e, DatapipeError) or data is None:
-                        raise
-                    if e.errno in DISK_FULL_ERRNOS:
-                        state.warn("warm_full", f"warm cache {warm.root} is full ({e}); reading through")
-                        if pin:
-                            raise CacheBudgetError(f"cannot keep a local copy of {url}: {e}") from e
-                        return data
-                    if e.errno in BROKEN_DIR_ERRNOS and not pin:
-                        state.warm_broken(e)
-                        return data
-                    raise StorageError(f"warm cache {warm.root}: could not keep the copy of "
-                                       f"{url} ({e})") from e
-                except BaseException:
-                    res.abort()
-                    raise
-                state.stats.update(warm_fills=1)
-                state.notify_room()
-                if prefetch:
-                    return None
-                if not pin:
-                    return data
-                fd = warm.open_pinned(key)
-                if fd is not None:
-                    return fd
-            # evicted by another process between publish and pin: fill it again
 
     # -- byte ranges -------------------------------------------------------------------
     def read_range(self, url: str, start: int, end: int, *, checksum: str | None = None) -> bytes:
@@ -508,7 +359,7 @@ class TieredCache:
                 else:
                     state.stats.update(warm_misses=1)
                     fd = self._fill(state, warm, url, checksum, index, pin=True)
-                if self._read_pinned(state, warm, url, fd, checksum, want_bytes=False) is not None:
+                if read_verified(state, warm, url, fd, checksum, want_bytes=False) is not None:
                     with state.lock:
                         state.pins.setdefault(url, []).append(fd)
                     return warm.path(key)
