@@ -36,6 +36,7 @@ from .warm import BROKEN_DIR_ERRNOS, WarmDir, fill_record, url_key
 
 __all__ = ["TieredCache", "CHANGE_RESTARTS"]
 
+
 class TieredCache:
     """Read-through cache of whole objects by URL, in three tiers (see the module docstring).
 
