@@ -27,7 +27,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-from datapipe.storage import TieredCache, belady_hits, lru_hits, open_store
+from datapipe.cache import TieredCache, belady_hits, lru_hits
+from datapipe.storage import open_store
 
 __all__ = ["BenchConfig", "run", "main"]
 

@@ -2,10 +2,10 @@
 and checkpoint without stalling."""
 
 from ._version import __version__
+from .cache import TieredCache
 from .checkpoint import CheckpointInfo, CheckpointWriter, SaveHandle, list_checkpoints, load_checkpoint
 from .dataset import Dataset, DatasetIndex, open_dataset, open_index
 from .pack import PackResult, ShardWriter, join_parts, pack
-from .storage import TieredCache
 from .verify import VerifyReport, verify_dataset
 
 __all__ = [

@@ -101,12 +101,12 @@ def _cmd_verify(a: argparse.Namespace) -> int:
 
 
 def _cmd_cache(a: argparse.Namespace) -> int:
-    from . import storage
+    from . import cache
 
     if a.cache_cmd == "stats":
-        print(json.dumps(storage.warm_dir_stats(a.dir), indent=1))
+        print(json.dumps(cache.warm_dir_stats(a.dir), indent=1))
     else:
-        n = storage.clear_warm_dir(a.dir)
+        n = cache.clear_warm_dir(a.dir)
         print(f"removed {n} cached objects from {a.dir}")
     return 0
 

@@ -14,10 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from datapipe.cache import TieredCache
+from datapipe.cache.warm import url_key
 from datapipe.checksum import checksum
 from datapipe.errors import CacheBudgetError, ObjectChangedError, StorageError
-from datapipe.storage import FaultInjectingStore, LocalStore, RetryPolicy, TieredCache, open_store
-from datapipe.storage.warm import url_key
+from datapipe.storage import LocalStore, RetryPolicy, open_store
+from datapipe.storage.faults import FaultInjectingStore
 
 PARTS = RetryPolicy(attempts=3, base_delay_s=0.001, part_bytes=16 << 10, max_parts=1)
 SIZE = 64 << 10  # four parts
@@ -134,7 +136,7 @@ def test_object_that_keeps_changing_is_a_named_error_and_nothing_is_published(tm
     wrap = functools.partial(Rewriter, versions=versions, times=10**6)
     cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=1 << 20, storage_options=opts,
                         retry=PARTS, cold_wrapper=wrap)
-    with pytest.raises(ObjectChangedError, match="s.tar.*changed"):
+    with pytest.raises(ObjectChangedError, match=r"s\.tar.*changed"):
         cache.read(url)
     with pytest.raises(ObjectChangedError):
         cache.local_path(url)
@@ -266,7 +268,7 @@ def test_no_damage_to_a_warm_copy_is_ever_served(tmp_path_factory, damage, with_
 
 _FRESH_READ = """
 import ast, sys
-from datapipe.storage import TieredCache
+from datapipe.cache import TieredCache
 c = TieredCache(warm_dir=sys.argv[1], warm_bytes=1 << 20, storage_options=ast.literal_eval(sys.argv[3]))
 data = c.read(sys.argv[2])
 s = c.stats()
@@ -328,7 +330,7 @@ def test_warm_dir_remounted_read_only_reads_through(tmp_path, cold, ro_mount):
             assert c.read_range(b, 5, 50) == store.get("b.tar")[5:50]
             s = c.stats()
             c.stats(node=True)
-            with pytest.raises(StorageError, match="b.tar"):
+            with pytest.raises(StorageError, match=r"b\.tar"):
                 c.local_path(b)  # a new local copy cannot be made: a named error
         assert len([w for w in caught if "warm cache" in str(w.message)]) == 1
         assert s["warm_errors"] >= 1
@@ -363,7 +365,7 @@ def test_clear_refuses_a_folder_that_is_not_a_datapipe_cache(tmp_path):
     d = tmp_path / "not-a-cache"
     (d / "objects").mkdir(parents=True)
     (d / "objects" / "precious.txt").write_text("keep me")
-    from datapipe.storage import clear_warm_dir, warm_dir_stats
+    from datapipe.cache import clear_warm_dir, warm_dir_stats
 
     with pytest.raises(StorageError, match="not a datapipe warm cache"):
         clear_warm_dir(d)

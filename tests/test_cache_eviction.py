@@ -4,10 +4,11 @@ import os
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from datapipe.storage import Schedule, TieredCache, belady_hits, lru_hits
-from datapipe.storage.eviction import NEVER, choose_victims
+from datapipe.cache import Schedule, TieredCache, belady_hits, lru_hits
+from datapipe.cache.eviction import NEVER, choose_victims
 
 
 def _epochs(keys, epochs, seed):
@@ -150,7 +151,7 @@ def test_online_policy_matches_offline_optimum(accesses, slots):
 def test_turns_serve_tickets_in_issue_order():
     import threading
 
-    from datapipe.storage.hot import Turns
+    from datapipe.cache.hot import Turns
 
     turns = Turns()
     tickets = [turns.issue() for _ in range(5)]

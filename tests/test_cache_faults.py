@@ -7,9 +7,11 @@ import time
 
 import pytest
 
+from datapipe.cache import TieredCache
 from datapipe.checksum import checksum
 from datapipe.errors import ChecksumError, RemoteError
-from datapipe.storage import FaultInjectingStore, RetryPolicy, TieredCache, open_store
+from datapipe.storage import RetryPolicy, open_store
+from datapipe.storage.faults import FaultInjectingStore
 from datapipe.storage.retry import is_transient
 
 FAST = RetryPolicy(attempts=4, base_delay_s=0.001, max_delay_s=0.01)
@@ -32,7 +34,7 @@ def _cache(tmp_path, opts, retry=FAST, **faults):
 
 
 def _injected(cache):
-    return sum((s.injected for s in cache._proc().stores.values()), start=__import__("collections").Counter())
+    return sum((s.injected for s in cache._state().cold.stores.values()), start=__import__("collections").Counter())
 
 
 @pytest.mark.parametrize("fault", ["errors", "resets", "truncations"])
@@ -94,7 +96,7 @@ def test_large_objects_use_concurrent_ranges_each_retried(tmp_path, s3):
     parts = RetryPolicy(attempts=4, base_delay_s=0.001, part_bytes=64 << 10, max_parts=3)
     c = _cache(tmp_path, opts, retry=parts, resets=1, truncations=1)
     assert c.read(url, checksum=checksum(data)) == data
-    store = next(iter(c._proc().stores.values()))
+    store = next(iter(c._state().cold.stores.values()))
     assert store.reads["s0.tar"] == 5 + 2  # five 64 KiB parts, two of them asked twice
     assert c.stats()["cold_retries"] == 2
 

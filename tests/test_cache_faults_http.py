@@ -11,9 +11,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from datapipe.cache import TieredCache
 from datapipe.checksum import checksum
 from datapipe.errors import RemoteError
-from datapipe.storage import RetryPolicy, TieredCache, open_store
+from datapipe.storage import RetryPolicy, open_store
 
 SLOWDOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
             b"<Message>Please reduce your request rate.</Message></Error>")
@@ -197,7 +198,7 @@ def test_one_retry_layer_each_attempt_is_one_request(tmp_path, s3, s3_server):
         cache.close()
     with FaultProxy(s3_server.endpoint_url, ["503"] * 1000) as proxy:
         cache = TieredCache(storage_options=_via(opts, proxy.url), retry=policy)
-        with pytest.raises(RemoteError, match="x/s.tar.*3 attempts.*reduce your request rate"):
+        with pytest.raises(RemoteError, match=r"x/s\.tar.*3 attempts.*reduce your request rate"):
             cache.read(f"{root}/x/s.tar")
         assert sum(proxy.tries.values()) == 3
         cache.close()

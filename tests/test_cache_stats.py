@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from datapipe import ShardWriter, StreamingDataLoader, StreamingDataset, TieredCache
-from datapipe.storage import clear_warm_dir, warm_dir_stats
-from datapipe.storage.node_stats import COUNTER_KEYS
+from datapipe.cache import clear_warm_dir, warm_dir_stats
+from datapipe.cache.node_stats import COUNTER_KEYS
 
 N = 300
 
@@ -145,7 +145,7 @@ def _read_and_exit(warm: str, urls: list[str], how: str) -> None:
         c.read(u)
     if how == "kill":
         deadline = time.monotonic() + 10  # the timer's write, not any hook, puts them on disk
-        while c._p.counters.file._written != dict(c._p.stats) and time.monotonic() < deadline:
+        while c._state().counters.file._written != dict(c._state().stats) and time.monotonic() < deadline:
             time.sleep(0.02)
         os.kill(os.getpid(), signal.SIGKILL)
     if how == "exit":

@@ -419,7 +419,7 @@ def test_plain_iterator_without_torch(ds_url):
 
 
 def test_cache_with_an_unusable_warm_dir_reads_through(ds_url, tmp_path):
-    from datapipe.storage import TieredCache
+    from datapipe.cache import TieredCache
 
     blocker = tmp_path / "a-file"
     blocker.write_bytes(b"")  # a warm_dir under a regular file can never be created
@@ -434,9 +434,9 @@ def test_cache_with_an_unusable_warm_dir_reads_through(ds_url, tmp_path):
 
 
 def test_a_failed_read_of_a_pinned_copy_releases_the_pin(ds_url, tmp_path, monkeypatch):
+    from datapipe.cache import TieredCache
     from datapipe.errors import StorageError
     from datapipe.loader import source
-    from datapipe.storage import TieredCache
 
     def no_memory(path, limit, pool):
         raise OSError(12, "Cannot allocate memory", path)
@@ -449,7 +449,7 @@ def test_a_failed_read_of_a_pinned_copy_releases_the_pin(ds_url, tmp_path, monke
 
 
 def test_a_warm_copy_is_read_into_private_memory_and_unpinned_at_once(ds_url, tmp_path):
-    from datapipe.storage import TieredCache
+    from datapipe.cache import TieredCache
 
     cache = TieredCache(warm_dir=str(tmp_path / "warm"), warm_bytes=4 << 20)
     ds = StreamingDataset(ds_url, cache=cache)

@@ -164,7 +164,7 @@ from datapipe.loader import StreamingDataset
 url, mode, where = sys.argv[1], sys.argv[2], sys.argv[3]
 cache = None
 if where == "warm":
-    from datapipe.storage import TieredCache
+    from datapipe.cache import TieredCache
     cache = TieredCache(warm_dir=sys.argv[4], warm_bytes=64 << 20)
 # direct: a budget of one byte, so shards are fetched only for the chunk being read and most
 # of them after the truncation, whatever the machine's speed; warm: the default budget, so

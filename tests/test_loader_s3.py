@@ -7,9 +7,10 @@ import functools
 import pytest
 
 from datapipe import ShardWriter
+from datapipe.cache import TieredCache
 from datapipe.errors import ObjectNotFoundError
 from datapipe.loader import StreamingDataset
-from datapipe.storage import FaultInjectingStore, TieredCache
+from datapipe.storage.faults import FaultInjectingStore
 from datapipe.storage.retry import RetryPolicy
 
 N = 200

@@ -152,7 +152,7 @@ def test_second_pack_into_one_destination_is_refused(corpus, tmp_path):
         assert rc == 2, err
         assert "another pack is writing" in err and dest in err and "Traceback" not in err
         os.kill(first.pid, signal.SIGCONT)
-        out, err = first.communicate(timeout=120)
+        _out, err = first.communicate(timeout=120)
         assert first.returncode == 0, err
     finally:
         _kill_all([first.pid])
@@ -191,7 +191,7 @@ def test_rerun_after_kill_deletes_exactly_the_killed_packs_temporaries(corpus, t
     _kill_at(corpus, str(dest), "mid-shard")
     lock = json.loads((dest / "_pack" / "writer.lock").read_bytes())
     ours = [p for p in os.listdir(dest) if p.startswith(f".tmp-{lock['token']}-")]
-    assert ours == [".tmp-%s-shard-000001.tar" % lock["token"]]  # the kill left it behind
+    assert ours == [f".tmp-{lock['token']}-shard-000001.tar"]  # the kill left it behind
     rc, out, err = _run_cli(corpus, str(dest))  # the lock of the killed pack is no obstacle
     assert rc == 0, err
     assert "already done by an earlier run" in out
@@ -281,7 +281,7 @@ def test_lost_worker_is_a_clear_error_and_rerun_resumes(corpus, tmp_path):
             pytest.skip("the pack finished before its workers could be seen")
         os.kill(workers[0], signal.SIGKILL)  # as the out-of-memory killer does
         os.kill(pack.pid, signal.SIGCONT)
-        out, err = pack.communicate(timeout=120)
+        _out, err = pack.communicate(timeout=120)
     finally:
         _kill_all([pack.pid, *workers])
     if pack.returncode == 0:
@@ -289,7 +289,7 @@ def test_lost_worker_is_a_clear_error_and_rerun_resumes(corpus, tmp_path):
     assert pack.returncode == 2, err
     assert "Traceback" not in err and "BrokenProcessPool" not in err
     assert "worker process died" in err and "run the same command again" in err and dest in err
-    rc, out, err = _run_cli(corpus, dest, "--shard-samples", "2")
+    rc, _out, err = _run_cli(corpus, dest, "--shard-samples", "2")
     assert rc == 0, err
     assert _all_samples(dest) == _source_samples(corpus)
 
@@ -350,3 +350,39 @@ def test_join_is_refused_while_another_writer_holds_the_destination(tmp_path):
             datapipe.join_parts(dest)
     assert datapipe.join_parts(dest) == 4
     assert not os.path.exists(os.path.join(dest, "_pack"))
+
+
+def test_object_store_lease_is_exact_and_checked_before_commit(s3):
+    """Writers that start at the same instant: exactly one holds the destination (S3's
+    conditional writes, not a read-back); a holder whose lease is gone cannot commit."""
+    import threading
+
+    from datapipe.pack.lock import WriterLock
+
+    store = _s3_store(s3)
+    start = threading.Barrier(4)
+    won, busy = [], []
+
+    def contend():
+        lock = WriterLock(store)
+        start.wait()
+        try:
+            lock.__enter__()
+        except DestinationBusyError:
+            busy.append(lock)
+        else:
+            won.append(lock)
+
+    threads = [threading.Thread(target=contend) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (len(won), len(busy)) == (1, 3)
+    holder = won[0]
+    holder.check()  # still ours
+    store.delete("_pack/lease.json")  # gone: taken over, or cleaned up by someone else
+    with pytest.raises(DestinationBusyError, match="two packs"):
+        holder.check()
+    holder.release()
+    assert not store.list("_pack/")

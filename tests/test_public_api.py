@@ -28,7 +28,7 @@ PUBLIC = {
     "Stream": ("datapipe.loader", "class"),
     "StreamingDataLoader": ("datapipe.loader", "class"),
     "StreamingDataset": ("datapipe.loader", "class"),
-    "TieredCache": ("datapipe.storage", "class"),
+    "TieredCache": ("datapipe.cache", "class"),
     "VerifyReport": ("datapipe.verify", "class"),
     "verify_dataset": ("datapipe.verify", "function"),
 }

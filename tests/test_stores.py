@@ -1,6 +1,5 @@
 """One conformance suite, run against every Store implementation (zarr v3's pattern)."""
 
-import asyncio
 import os
 import pickle
 import uuid
@@ -9,7 +8,6 @@ import pytest
 
 from datapipe.errors import ObjectChangedError, ObjectNotFoundError, StorageError, TruncatedReadError
 from datapipe.storage import (
-    FaultInjectingStore,
     FsspecStore,
     LocalStore,
     MemoryStore,
@@ -17,6 +15,8 @@ from datapipe.storage import (
     open_store,
     split_url,
 )
+from datapipe.storage.faults import FaultInjectingStore
+from datapipe.storage.lease import LeaseBusyError, WriterLease
 
 
 class StoreConformance:
@@ -88,13 +88,31 @@ class StoreConformance:
         with pytest.raises(ObjectNotFoundError, match="nope"):
             store.stat("nope")
 
-    def test_async_twins(self, store):
-        async def go():
-            await store.aput("x", b"abc")
-            return (await store.aget("x"), await store.aget_range("x", 1, 3),
-                    await store.aexists("x"), await store.asize("x"))
+    def test_capabilities(self, store):
+        # a local path is a real file with the object's bytes, or there is none
+        store.put("d/x", b"abc")
+        path = store.local_path("d/x")
+        if path is not None:
+            with open(path, "rb") as f:
+                assert f.read() == b"abc"
+        store.sync_parents("d/x")  # never fails where the object exists
+        # a writer's view writes the same objects; its leftovers are its own to remove
+        mine = store.for_writer("abc123")
+        mine.put("d/y", b"yy")
+        assert store.get("d/y") == b"yy"
+        assert store.remove_temporaries("d", tokens=["abc123"]) == 0  # nothing left half-written
+        assert store.list("d/") == ["d/x", "d/y"]
 
-        assert asyncio.run(go()) == (b"abc", b"bc", True, 3)
+    def test_writer_lease_excludes_a_second_writer(self, store):
+        first = WriterLease(store, "w/lease").acquire()
+        with pytest.raises(LeaseBusyError) as busy:
+            WriterLease(store, "w/lease").acquire()
+        assert busy.value.holder is not None and busy.value.holder["writer"] == first.writer
+        first.check()
+        first.release()
+        second = WriterLease(store, "w/lease").acquire()  # free again once released
+        second.release()
+        assert not store.exists("w/lease")
 
 
 class TestMemoryStore(StoreConformance):
@@ -112,6 +130,26 @@ class TestLocalStore(StoreConformance):
         store.put("k/v", b"1")
         assert store.url("k/v") == str(tmp_path / "root" / "k" / "v")
         assert [p.name for p in (tmp_path / "root" / "k").iterdir()] == ["v"]
+
+    def test_writer_temporaries_are_named_and_removed_by_token(self, store, tmp_path):
+        folder = tmp_path / "root" / "k"
+        store.put("k/v", b"1")
+        for token in ("tok1", "tok2"):
+            with pytest.raises(RuntimeError):
+                with store.for_writer(token).open_writer("k/big") as f:
+                    f.write(b"x")
+                    # a killed writer leaves its temporary: keep a link to it before the
+                    # failure below unlinks it
+                    os.link(folder / f".tmp-{token}-big", folder / f".tmp-{token}-big2")
+                    raise RuntimeError("killed")
+        assert sorted(p.name for p in folder.iterdir()) == [".tmp-tok1-big2", ".tmp-tok2-big2", "v"]
+        assert store.list("k/") == ["k/v"]  # listings hide temporaries
+        assert store.local_path("k/v") == str(folder / "v")
+        assert store.remove_temporaries("k", tokens=["tok1"]) == 1
+        assert sorted(p.name for p in folder.iterdir()) == [".tmp-tok2-big2", "v"]
+        assert store.remove_temporaries("k") == 1  # every writer's
+        with pytest.raises(StorageError, match="letters and digits"):
+            store.for_writer("../x")
 
 
 class TestFsspecMemoryStore(StoreConformance):

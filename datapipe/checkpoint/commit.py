@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from ..errors import CheckpointError, ObjectNotFoundError, StorageError
-from ..storage import LocalStore, Store
-from ..storage.stores import TMP_MARK
+from ..storage import Store
 from .format import (
     LATEST_KEY,
     MANIFEST_NAME,
@@ -36,18 +36,9 @@ __all__ = ["sync_dirs", "await_parts", "write_manifest", "write_latest", "apply_
 
 def sync_dirs(store: Store, key: str) -> None:
     """fsync every directory above ``key``'s parent up to the store root, so the entries
-    of freshly created directories survive a power loss (the parent itself is fsync'd by
-    LocalStore when it publishes ``key``; object stores need nothing)."""
-    if not isinstance(store, LocalStore) or not store.durable:
-        return
-    parts = key.split("/")[:-1]
-    for i in range(len(parts) - 1, -1, -1):
-        d = os.path.join(store.root, *parts[:i])
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    of freshly created directories survive a power loss (the store's own capability:
+    object stores need nothing)."""
+    store.sync_parents(key)
 
 
 def await_parts(store: Store, step: int, attempt: str, world_size: int, timeout: float) -> list[dict[str, Any]]:
@@ -134,21 +125,6 @@ def read_latest_step(store: Store) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def _sweep_tmp(path: str, suffix: str = "") -> None:
-    """Unlink the temporary files (``.tmp-<id>-<name>``) that killed or failed writes
-    left directly in ``path``."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return
-    for name in names:
-        if name.startswith(TMP_MARK) and name.endswith(suffix):
-            try:
-                os.unlink(os.path.join(path, name))
-            except OSError:
-                pass
-
-
 def _delete_step(store: Store, step: int, keys: list[str], keep_attempt: Callable[[str], bool],
                  delete_manifest: bool = True) -> None:
     """Delete a step's manifest and the parts and chunks of every attempt that
@@ -165,19 +141,21 @@ def _delete_step(store: Store, step: int, keys: list[str], keep_attempt: Callabl
             if not keep_attempt(attempt):
                 attempts.add(attempt)
                 store.delete(key)
-    if isinstance(store, LocalStore):
+    root = store.local_path("")
+    if root is not None:
+        sdir = os.path.join(root, step_dir(step))
         # The temporary files of killed writers, which listings hide, inside the attempts
         # we deleted (and of a manifest in the step folder), then the folders left empty.
-        sdir = os.path.join(store.root, step_dir(step))
         for attempt in attempts:
             for dirpath, _dirs, _files in os.walk(os.path.join(sdir, attempt), topdown=False):
-                _sweep_tmp(dirpath)
+                rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
+                store.remove_temporaries(rel)
                 try:
                     os.rmdir(dirpath)
                 except OSError:
                     pass
         if delete_manifest:
-            _sweep_tmp(sdir, MANIFEST_NAME)
+            store.remove_temporaries(step_dir(step), suffix=MANIFEST_NAME)
             try:
                 os.rmdir(sdir)
             except OSError:
@@ -208,12 +186,11 @@ def apply_retention(store: Store, committed: int, attempt: str, keep_last: int,
     for s, keys in sorted(by_step.items()):
         if s in keep or s > committed:
             continue
-        _delete_step(store, s, keys, lambda a, s=s: in_flight(s, a))
+        _delete_step(store, s, keys, partial(in_flight, s))
         deleted.append(s)
     _delete_step(store, committed, by_step.get(committed, []),
                  lambda a: a == attempt or in_flight(committed, a), delete_manifest=False)
-    if isinstance(store, LocalStore):
-        # a `latest` whose write failed (disk full) or was killed; we hold the lease,
-        # so no other writer is writing one now
-        _sweep_tmp(store.root, "-" + LATEST_KEY)
+    # a `latest` whose write failed (disk full) or was killed; we hold the lease, so no
+    # other writer is writing one now
+    store.remove_temporaries("", suffix="-" + LATEST_KEY)
     return deleted

@@ -26,7 +26,7 @@ from ..errors import (
     StorageError,
     TopologyError,
 )
-from ..storage import LocalStore, Store, open_store
+from ..storage import Store, open_store
 from ..topology import Topology
 from .commit import scan_steps
 from .flatten import torch_dtype_from_name, unflatten
@@ -70,12 +70,13 @@ def _confine(store: Store, key: str, where: str) -> None:
     compared with the names the format defines before this (so no ``..``, absolute path,
     backslash or empty segment gets here); on a local disk a symlink could still lead
     out, so the resolved path is checked too."""
-    if isinstance(store, LocalStore):
-        root = os.path.realpath(store.root)
-        real = os.path.realpath(store.path(key))
+    path = store.local_path(key)
+    if path is not None:
+        root = os.path.realpath(store.local_path("") or path)
+        real = os.path.realpath(path)
         if os.path.commonpath([root, real]) != root:
             raise CorruptCheckpointError(
-                f"{where}: {store.path(key)} resolves to {real}, outside the checkpoint folder {root}"
+                f"{where}: {path} resolves to {real}, outside the checkpoint folder {root}"
             )
 
 

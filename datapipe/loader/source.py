@@ -44,7 +44,6 @@ from ..errors import (
     StorageError,
 )
 from ..storage.retry import RetryPolicy, call_with_retry
-from ..storage.stores import LocalStore
 from ..format.plain import check_members, walk_layout
 from .members import LayoutCache
 from .. import dataset as _dataset
@@ -375,8 +374,9 @@ class ShardSource:
                 return memoryview(cache.read(info.url, checksum=info.checksum)), None, bool(info.checksum)
             except IntegrityError as e:
                 raise CorruptShardError(f"shard fails its checksum: {e}") from e
-        if isinstance(ix.store, LocalStore):
-            return self._read_local(ix.store.path(info.name), info, f"shard {info.url}", ix.url)
+        local = ix.store.local_path(info.name)
+        if local is not None:
+            return self._read_local(local, info, f"shard {info.url}", ix.url)
         # Transient failures are retried; a shard shorter than the index says is not
         # (asking again cannot lengthen it) and shows as truncated samples when read.
         data = call_with_retry(lambda: ix.store.get(info.name), info.url, self.retry)

@@ -1,11 +1,23 @@
-"""Bytes by URL, in tiers. The only package that imports fsspec."""
+"""storage: the `Store` contract and its backends. The only package that imports fsspec.
 
-from .cache import TieredCache
-from .eviction import Schedule, belady_hits, lru_hits
-from .faults import FaultInjectingStore
+- store.py: the contract (bytes by key under a root URL, reads pinned to a version,
+  conditional writes, capabilities: a local path, durable folders, per-writer
+  temporaries) and URL helpers;
+- memory.py, local.py, remote.py: backends (a dict, a local directory, any fsspec
+  protocol); opening.py: ``open_store(url)`` picks one;
+- retry.py: one retry and timeout layer for cold requests;
+- lease.py: one writer per destination (a lease with a heartbeat);
+- faults.py: a fault-injecting wrapper for tests and benchmarks (not exported here).
+
+Imports: errors and checksum only. It knows no tar, no cache, no pack or checkpoint.
+"""
+
+from .local import LocalStore
+from .memory import MemoryStore
+from .opening import open_store
+from .remote import FsspecStore
 from .retry import RetryPolicy
-from .stores import FsspecStore, LocalStore, MemoryStore, Store, join_url, open_store, split_url
-from .warm import clear_warm_dir, warm_dir_stats
+from .store import Store, join_url, split_url
 
 __all__ = [
     "Store",
@@ -15,12 +27,5 @@ __all__ = [
     "open_store",
     "split_url",
     "join_url",
-    "TieredCache",
     "RetryPolicy",
-    "Schedule",
-    "belady_hits",
-    "lru_hits",
-    "FaultInjectingStore",
-    "warm_dir_stats",
-    "clear_warm_dir",
 ]

@@ -1,7 +1,8 @@
 """A real Store that delegates to another and injects the faults object stores show:
 503 SlowDown, connection resets, bodies cut short, flipped bytes, slow answers.
 
-For tests and benchmarks of the cache's robustness, e.g. across spawned processes::
+Test scaffolding, not part of ``datapipe.storage``'s public names: tests and benchmarks of
+the cache's robustness import it from this module, e.g. across spawned processes::
 
     TieredCache(..., cold_wrapper=functools.partial(FaultInjectingStore, errors=2))
 
@@ -20,7 +21,7 @@ from collections import Counter
 from typing import Any
 
 from ..errors import StorageError
-from .stores import Store
+from .store import Store
 
 __all__ = ["FaultInjectingStore"]
 
@@ -35,9 +36,9 @@ class FaultInjectingStore(Store):
                      + ["corrupt"] * corruptions + ["delay"] * delays)
         self.delay_s = delay_s
         self.size_errors = size_errors
-        self.reads: Counter = Counter()
-        self.sizes: Counter = Counter()
-        self.injected: Counter = Counter()
+        self.reads: Counter[str] = Counter()
+        self.sizes: Counter[str] = Counter()
+        self.injected: Counter[str] = Counter()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:

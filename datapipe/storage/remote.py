@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 from ..errors import ObjectChangedError, ObjectNotFoundError, StorageError, TruncatedReadError
-from .stores import Store, _changed_message, _check_range
+from .store import Store, changed_message, check_range
 
 __all__ = ["FsspecStore"]
 
@@ -118,16 +118,17 @@ class FsspecStore(Store):
 
     def get(self, key: str) -> bytes:
         try:
-            return self.fs.cat_file(self._path(key))
+            data: bytes = self.fs.cat_file(self._path(key))
         except Exception as e:
             raise self._translate(key, e) from e
+        return data
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
-        _check_range(self.url(key), start, end)
+        check_range(self.url(key), start, end)
         if end == start:
             return b""
         try:
-            data = self.fs.cat_file(self._path(key), start=start, end=end)
+            data: bytes = self.fs.cat_file(self._path(key), start=start, end=end)
         except Exception as e:
             raise self._translate(key, e) from e
         if len(data) != end - start:
@@ -227,10 +228,10 @@ class FsspecStore(Store):
     def get_range_at(self, key: str, start: int, end: int, version: str | None) -> bytes:
         if self.protocol not in _S3_PROTOCOLS or not (version or "").startswith("ETag="):
             return super().get_range_at(key, start, end, version)
-        _check_range(self.url(key), start, end)
+        check_range(self.url(key), start, end)
         if end == start:
             return b""
-        etag = version.split("=", 1)[1]
+        etag = (version or "").split("=", 1)[1]
         fs = self.fs
         bucket, path, _vid = fs.split_path(self._path(key))
 
@@ -247,13 +248,14 @@ class FsspecStore(Store):
         try:
             from fsspec.asyn import sync
 
-            got, data = sync(fs.loop, ranged)
+            answer: tuple[str | None, bytes] = sync(fs.loop, ranged)
         except Exception as e:
             if _precondition_failed(e):
-                raise ObjectChangedError(_changed_message(self.url(key), version, "another")) from e
+                raise ObjectChangedError(changed_message(self.url(key), version, "another")) from e
             raise self._translate(key, e) from e
+        got, data = answer
         if got is not None and got != etag:
-            raise ObjectChangedError(_changed_message(self.url(key), version, f"ETag={got}"))
+            raise ObjectChangedError(changed_message(self.url(key), version, f"ETag={got}"))
         if len(data) != end - start:
             raise TruncatedReadError(
                 f"range [{start}, {end}) of {self.url(key)} returned {len(data)} bytes"

@@ -17,12 +17,13 @@ import concurrent.futures as cf
 import errno
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
-from ..errors import (ObjectChangedError, ObjectNotFoundError, RemoteError, StorageError,
-                      TruncatedReadError)
+from ..errors import ObjectChangedError, ObjectNotFoundError, RemoteError, StorageError, TruncatedReadError
+from .store import Store
 
 __all__ = ["RetryPolicy", "is_transient", "call_with_retry", "run_requests", "fetch_object",
            "fetch_range", "single_layer_options"]
@@ -100,7 +101,7 @@ class RetryPolicy:
             raise ValueError("RetryPolicy.deadline_s must be > 0 or None")
 
     def delay(self, attempt: int) -> float:
-        return min(self.max_delay_s, self.base_delay_s * (2**attempt)) * random.uniform(0.5, 1.0)
+        return float(min(self.max_delay_s, self.base_delay_s * (2**attempt)) * random.uniform(0.5, 1.0))
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -152,7 +153,7 @@ def _final(e: BaseException) -> bool:
 
 
 def run_requests(
-    fns: list[Callable[[], T]],
+    fns: Sequence[Callable[[], T]],
     whats: list[str],
     policy: RetryPolicy,
     *,
@@ -174,7 +175,7 @@ def run_requests(
     deadlines: list[float | None] = [None] * n
     not_before = [0.0] * n
     waiting = list(range(n))
-    running: dict[cf.Future, tuple[int, list]] = {}
+    running: dict[cf.Future[T], tuple[int, list[float | None]]] = {}
     remaining = n
 
     def give_up(i: int, last: BaseException | None, why: str) -> RemoteError:
@@ -204,20 +205,22 @@ def run_requests(
             waiting.remove(i)
             if deadlines[i] is None and policy.deadline_s is not None:
                 deadlines[i] = now + policy.deadline_s
-            started: list = [None]
+            started: list[float | None] = [None]
 
-            def attempt(fn: Callable[[], T] = fns[i], started: list = started) -> T:
+            def attempt(fn: Callable[[], T] = fns[i], started: list[float | None] = started) -> T:
                 started[0] = time.monotonic()
                 return fn()
 
             running[pool.submit(attempt)] = (i, started)
         wake = [not_before[i] for i in waiting]
         for i, started in running.values():
-            if deadlines[i] is not None:
-                wake.append(deadlines[i])
+            d = deadlines[i]
+            if d is not None:
+                wake.append(d)
             if policy.attempt_timeout_s is not None:
                 # not started yet (queued behind other downloads): look again shortly
-                wake.append(started[0] + policy.attempt_timeout_s if started[0] is not None
+                t0 = started[0]
+                wake.append(t0 + policy.attempt_timeout_s if t0 is not None
                             else time.monotonic() + _QUEUED_POLL_S)
         timeout = max(0.0, min(wake) - time.monotonic()) if wake else None
         if not running:  # only backoff to wait out (cf.wait returns at once on nothing)
@@ -237,12 +240,12 @@ def run_requests(
                 failed(i, e)
         now = time.monotonic()
         for fut, (i, started) in list(running.items()):
-            limit = policy.attempt_timeout_s
-            if started[0] is not None and limit is not None and now - started[0] >= limit:
+            limit, t0, d = policy.attempt_timeout_s, started[0], deadlines[i]
+            if t0 is not None and limit is not None and now - t0 >= limit:
                 fut.cancel()
                 del running[fut]
                 failed(i, TimeoutError(f"no answer from {whats[i]} within {limit} s"))
-            elif deadlines[i] is not None and now >= deadlines[i]:
+            elif d is not None and now >= d:
                 del running[fut]
                 fut.cancel()
                 raise give_up(i, None, f"within its deadline of {policy.deadline_s} s "
@@ -290,7 +293,7 @@ def call_with_retry(
     return run_requests([fn], [what], policy, pool=pool, on_retry=on_retry)[0]
 
 
-def _range_attempt(store, key: str, start: int, end: int, version: str | None) -> bytes:
+def _range_attempt(store: Store, key: str, start: int, end: int, version: str | None) -> bytes:
     if version is None:
         data = store.get_range(key, start, end)
     else:
@@ -302,16 +305,17 @@ def _range_attempt(store, key: str, start: int, end: int, version: str | None) -
     return data
 
 
-def fetch_range(store, key: str, start: int, end: int, policy: RetryPolicy, *, pool=None,
-                on_retry=None, version: str | None = None) -> bytes:
+def fetch_range(store: Store, key: str, start: int, end: int, policy: RetryPolicy, *,
+                pool: cf.Executor | None = None, on_retry: Callable[[BaseException], None] | None = None,
+                version: str | None = None) -> bytes:
     """Bytes ``[start, end)`` of ``key``, retried; a short body counts as transient."""
     return call_with_retry(lambda: _range_attempt(store, key, start, end, version),
                            f"{store.url(key)} [{start}, {end})", policy, pool=pool,
                            on_retry=on_retry)
 
 
-def fetch_object(store, key: str, size: int, policy: RetryPolicy, *, pool: cf.Executor | None = None,
-                 on_retry=None, version: str | None = None) -> bytes:
+def fetch_object(store: Store, key: str, size: int, policy: RetryPolicy, *, pool: cf.Executor | None = None,
+                 on_retry: Callable[[BaseException], None] | None = None, version: str | None = None) -> bytes:
     """The whole object (``size`` bytes, known beforehand), retried; large objects as
     concurrent range requests, each retried on its own, so one reset costs one part.
     With ``version`` (from ``store.stat``) every request reads that version, and a
@@ -333,7 +337,7 @@ def fetch_object(store, key: str, size: int, policy: RetryPolicy, *, pool: cf.Ex
         return call_with_retry(whole, url, policy, pool=pool, on_retry=on_retry)
     step = max(1, policy.part_bytes)
     bounds = [(s, min(size, s + step)) for s in range(0, size, step)] or [(0, 0)]
-    fns = [lambda s=s, e=e: _range_attempt(store, key, s, e, version) for s, e in bounds]
+    fns = [partial(_range_attempt, store, key, s, e, version) for s, e in bounds]
     whats = [url if len(bounds) == 1 else f"{url} [{s}, {e})" for s, e in bounds]
     parts = run_requests(fns, whats, policy, pool=pool, on_retry=on_retry,
                          concurrency=policy.max_parts)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable
 
 from ..errors import CacheBudgetError
+from .eviction import VictimChooser
 
 __all__ = ["HotTier", "InflightBytes", "Turns"]
 
-Chooser = Callable[[list[tuple[str, int, float]], int, str], "list[str] | None"]
+
 
 
 class HotTier:
@@ -38,7 +38,7 @@ class HotTier:
     def __contains__(self, url: str) -> bool:
         return url in self._d
 
-    def admit(self, url: str, data: bytes, checksum: str | None, choose: Chooser) -> bool:
+    def admit(self, url: str, data: bytes, checksum: str | None, choose: VictimChooser) -> bool:
         """Store ``data`` if the policy makes room for it; False when it is not admitted."""
         size = len(data)
         if self.budget <= 0 or size > self.budget:
@@ -130,7 +130,7 @@ class Turns:
         """Block until it is ``ticket``'s turn; False if shut down meanwhile."""
         with self._cond:
             while self._next != ticket and not self.closed:
-                self._cond.wait(0.5)
+                self._cond.wait()
             return not self.closed
 
     def done(self, ticket: int) -> None:

@@ -46,13 +46,15 @@ import re
 import stat
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
 from ..errors import ObjectNotFoundError, StorageError
+from .eviction import VictimChooser
 from .node_stats import clear_counter_files, sum_counter_files
 
 __all__ = ["WarmDir", "Reservation", "warm_dir_stats", "clear_warm_dir", "DISK_FULL_ERRNOS"]
@@ -156,7 +158,7 @@ def _remove_unless_locked(path: str) -> bool | None:
 class Reservation:
     """Space for one object: a temporary file already of the object's size, locked by us."""
 
-    warm: "WarmDir"
+    warm: WarmDir
     key: str
     size: int
     tmp: str
@@ -213,7 +215,7 @@ class WarmDir:
         # filler (planted, or replaced behind our back) and is refused.
         self.records = _xattrs_work(self.objects)
         # (dev, ino) -> (signature when verified, digests it matched); per process
-        self._verified: dict[tuple[int, int], tuple[tuple, set[str]]] = {}
+        self._verified: dict[tuple[int, int], tuple[tuple[int, int, int, int, int], set[str]]] = {}
         self.cleaned = self.clean_dead_tmp()
         try:
             _write_meta(self.root, self.budget)
@@ -318,12 +320,12 @@ class WarmDir:
         finally:
             os.close(fd)
 
-    def _budget_lock(self):
+    def _budget_lock(self) -> AbstractContextManager[None]:
         return _budget_lock(self.root)
 
     def entries(self) -> list[tuple[str, int, float]]:
         """Published copies as ``(key, size, mtime_ns)``."""
-        out = []
+        out: list[tuple[str, int, float]] = []
         with os.scandir(self.objects) as it:
             for e in it:
                 try:
@@ -370,7 +372,7 @@ class WarmDir:
         self,
         key: str,
         size: int,
-        choose: Callable[[list[tuple[str, int, float]], int], list[str] | None],
+        choose: VictimChooser,
     ) -> Reservation | None:
         """Make room for ``size`` bytes (evicting what ``choose(candidates, need)`` names,
         never a pinned copy) and create the sized temporary file. None when there is no
@@ -472,7 +474,7 @@ def _check_warm_dir(root: str) -> str:
     return root
 
 
-def warm_dir_stats(root: str) -> dict:
+def warm_dir_stats(root: str) -> dict[str, Any]:
     """What a warm directory holds: objects, bytes, pinned copies, downloads in progress
     (and dead ones awaiting cleanup), the budget last configured, and ``counters``: the
     cache counters of every process that used it since it was last cleared, summed

@@ -263,10 +263,11 @@ def _add(totals: dict[str, float], counters: Mapping[str, Any]) -> None:
             totals[k] = totals.get(k, 0) + v
 
 
-def _read_counter_files(stats_dir: str, gen: str, *, unlocked_only: bool = False) -> tuple[dict[str, dict], int]:
+def _read_counter_files(stats_dir: str, gen: str, *,
+                        unlocked_only: bool = False) -> tuple[dict[str, dict[str, Any]], int]:
     """``({name: doc}, unreadable)`` over the counter files of generation ``gen``; with
     ``unlocked_only``, only files whose writer is gone (read while holding their lock)."""
-    docs: dict[str, dict] = {}
+    docs: dict[str, dict[str, Any]] = {}
     unreadable = 0
     try:
         names = os.listdir(stats_dir)

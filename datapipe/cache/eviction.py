@@ -18,14 +18,26 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, KeysView, Sequence
+from typing import Generic, Protocol, TypeVar
 
-__all__ = ["NEVER", "Schedule", "choose_victims", "belady_hits", "lru_hits"]
+__all__ = ["NEVER", "Schedule", "VictimChooser", "choose_victims", "belady_hits", "lru_hits"]
 
 NEVER = float("inf")
 
+K = TypeVar("K", bound=Hashable)
 
-class Schedule:
+
+class VictimChooser(Protocol):
+    """What a tier asks before admitting an object: ``choose(candidates, need)`` with
+    candidates as ``(key, size, recency)`` returns the keys to evict, or None: do not
+    admit. Tiers may pass more (the incoming key), which a chooser ignores."""
+
+    def __call__(self, candidates: list[tuple[str, int, float]], need: int, /,
+                 *more: object) -> list[str] | None: ...
+
+
+class Schedule(Generic[K]):
     """The future access order of one reader: a list of keys, repeats allowed, and the
     position of the next expected access.
 
@@ -34,23 +46,27 @@ class Schedule:
     e.g. with several prefetch threads); further away, the read counts as unscheduled and
     the position does not move."""
 
-    def __init__(self, keys: Sequence[Hashable], position: int = 0, window: int = 64) -> None:
+    def __init__(self, keys: Sequence[K], position: int = 0, window: int = 64) -> None:
         self.keys = list(keys)
         if not 0 <= position <= len(self.keys):
             raise ValueError(f"schedule position {position} outside [0, {len(self.keys)}]")
         self.position = position
         self.window = window
-        self._at: dict[Hashable, list[int]] = {}
+        self._at: dict[K, list[int]] = {}
         for i, k in enumerate(self.keys):
             self._at.setdefault(k, []).append(i)
 
     def __len__(self) -> int:
         return len(self.keys)
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._at
 
-    def next_use(self, key: Hashable, start: int) -> float:
+    def distinct_keys(self) -> KeysView[K]:
+        """Every key the schedule reads, once."""
+        return self._at.keys()
+
+    def next_use(self, key: K, start: int) -> float:
         """The first index >= ``start`` at which ``key`` is read; NEVER if none."""
         at = self._at.get(key)
         if not at:
@@ -58,7 +74,7 @@ class Schedule:
         i = bisect.bisect_left(at, start)
         return at[i] if i < len(at) else NEVER
 
-    def locate(self, key: Hashable) -> int | None:
+    def locate(self, key: K) -> int | None:
         j = self.next_use(key, self.position)
         if j == NEVER or j - self.position > self.window:
             return None
@@ -70,20 +86,20 @@ class Schedule:
         self.position = min(len(self.keys), self.position + n)
         return self.position
 
-    def upcoming(self, limit: int) -> list[tuple[int, Hashable]]:
+    def upcoming(self, limit: int) -> list[tuple[int, K]]:
         end = min(len(self.keys), self.position + limit)
         return [(i, self.keys[i]) for i in range(self.position, end)]
 
 
 def choose_victims(
-    candidates: Iterable[tuple[Hashable, int, float]],
+    candidates: Iterable[tuple[K, int, float]],
     need: int,
-    incoming: Hashable,
+    incoming: K,
     *,
-    schedule: Schedule | None = None,
+    schedule: Schedule[K] | None = None,
     incoming_next: float | None = None,
     horizon: int | None = None,
-) -> list[Hashable] | None:
+) -> list[K] | None:
     """Victims that free at least ``need`` bytes for ``incoming``, or None: do not admit it.
 
     ``candidates`` are the evictable entries as ``(key, size, recency)`` (older recency =
@@ -105,7 +121,7 @@ def choose_victims(
         ranked.sort(key=lambda r: (r[0], r[1]), reverse=True)  # furthest next use, then oldest
         cands = [(k, size, nxt) for nxt, _r, k, size in ranked]
         incoming_rank = NEVER if incoming_next is None else incoming_next
-    victims: list[Hashable] = []
+    victims: list[K] = []
     freed = 0
     for key, size, third in cands:
         if freed >= need:
@@ -119,16 +135,16 @@ def choose_victims(
     return victims if freed >= need else None
 
 
-def belady_hits(accesses: Sequence[Hashable], sizes: dict, capacity: int) -> int:
+def belady_hits(accesses: Sequence[K], sizes: dict[K, int], capacity: int) -> int:
     """Hits of the offline optimum (for equal sizes; the natural greedy for unequal ones):
     on a miss evict whatever is next used furthest away, or do not admit the missing object
     if it is that one. A plain O(n^2) scan, deliberately unlike the online code."""
-    cache: set = set()
+    cache: set[K] = set()
     used = 0
     hits = 0
     n = len(accesses)
 
-    def next_use(key: Hashable, t: int) -> int:
+    def next_use(key: K, t: int) -> int:
         for j in range(t + 1, n):
             if accesses[j] == key:
                 return j
@@ -157,9 +173,9 @@ def belady_hits(accesses: Sequence[Hashable], sizes: dict, capacity: int) -> int
     return hits
 
 
-def lru_hits(accesses: Sequence[Hashable], sizes: dict, capacity: int) -> int:
+def lru_hits(accesses: Sequence[K], sizes: dict[K, int], capacity: int) -> int:
     """Hits of a plain LRU cache of ``capacity`` bytes that admits every object that fits."""
-    cache: OrderedDict = OrderedDict()
+    cache: OrderedDict[K, int] = OrderedDict()
     used = 0
     hits = 0
     for key in accesses:

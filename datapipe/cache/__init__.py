@@ -1,0 +1,27 @@
+"""cache: tiers of bytes with budgets over the stores of ``storage/``.
+
+- tiered.py: `TieredCache`, the public API (read, read_range, local_path/pinned,
+  prefetch, set_schedule, stats, close): hot (memory) -> warm (a node-local directory
+  shared by processes) -> cold (any store);
+- process.py: the state one process holds for a cache (tiers, pools, pins, counters);
+- cold.py: reads from the cold store, one version per download, bounded in flight;
+- fill.py: filling the warm tier (single flight, room reserved first, copies verified);
+- hot.py, warm.py: the memory tier and the warm directory (single flight, budgets, pins);
+- eviction.py: the access schedule, Belady/LRU victim choice and hit-rate simulators;
+- node_stats.py: counters of every process using one warm directory.
+
+Imports: storage, errors, checksum. It knows no tar, no dataset, no loader.
+"""
+
+from .eviction import Schedule, belady_hits, lru_hits
+from .tiered import TieredCache
+from .warm import clear_warm_dir, warm_dir_stats
+
+__all__ = [
+    "TieredCache",
+    "Schedule",
+    "belady_hits",
+    "lru_hits",
+    "warm_dir_stats",
+    "clear_warm_dir",
+]

@@ -1,0 +1,178 @@
+"""Filling the warm tier: one download of an object per node at a time (the single-flight
+lock of its warm key), room reserved before the download and the download's size held to
+it, the copy published with its fill record, and every copy verified before it is used
+(against the checksum asked for and the size and digest it was filled with)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..checksum import checksum as compute_checksum
+from ..errors import CacheBudgetError, DatapipeError, ObjectChangedError, StorageError
+from .cold import CHANGE_RESTARTS, SizeChanged
+from .eviction import VictimChooser
+from .process import ProcessState
+from .warm import BROKEN_DIR_ERRNOS, DISK_FULL_ERRNOS, WarmDir, fill_record, url_key
+
+__all__ = ["fill", "read_verified"]
+
+#: how often a pin waiting for room looks again when the room can only come from another
+#: process (its releases cannot signal across processes)
+_PIN_RECHECK_S = 0.05
+
+
+def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, chooser: Callable[[], VictimChooser], *,
+         pin: bool = False, prefetch: bool = False, ticket: int | None = None, pin_wait_s: float = 60.0) -> Any:
+    """Fetch ``url`` into the warm tier under the node-wide single-flight lock, room for
+    it reserved first (victims named by ``chooser()``, asked afresh each round). Returns the
+    bytes, or with ``pin`` an fd pinning the published copy (waiting up to ``pin_wait_s``
+    for room). A prefetch returns None, and downloads nothing when the policy would not
+    admit the object; ``ticket``: its turn among scheduled prefetches, handed on once its
+    room is decided."""
+    key = url_key(url)
+    t_start = time.monotonic()
+    deadline = t_start + pin_wait_s
+    resized = 0
+    while True:
+        with warm.fill_lock(key) as waited:
+            if not prefetch:  # the reader's waits, not the background's
+                state.stats.update(wait_seconds=waited)
+            fd = warm.open_pinned(key)
+            if fd is not None:  # filled by another thread or process while we waited
+                if pin:
+                    return fd
+                if prefetch:
+                    os.close(fd)
+                    return None
+                data = read_verified(state, warm, url, fd, checksum)
+                if data is not None:
+                    os.close(fd)
+                    state.stats.update(warm_hits=1, warm_bytes=len(data))
+                    return data
+                warm.discard(key, fd)
+            size = state.cold.size(url)
+            if size > warm.budget:
+                raise CacheBudgetError(
+                    f"{url} is {size} bytes, more than warm_bytes={warm.budget}; raise "
+                    f"warm_bytes to at least {size}")
+            choose = chooser()
+            before = warm.evictions
+            try:
+                res = warm.reserve(key, size, choose)
+            except OSError as e:
+                if e.errno not in DISK_FULL_ERRNOS:
+                    raise
+                state.warn("warm_full", f"warm cache {warm.root} cannot take {url} ({e}); reading through")
+                res = None
+            state.stats.update(warm_evictions=warm.evictions - before)
+            if ticket is not None:
+                state.turns.done(ticket)  # space decided: the next prefetch may reserve
+            if res is None and prefetch:
+                state.stats.update(prefetch_not_admitted=1)
+                return None
+            if res is None and pin:
+                if time.monotonic() > deadline:
+                    raise _no_room_for_pin(state, warm, url, size, time.monotonic() - t_start, pin_wait_s)
+                # until this process releases a pin or lands a download, or another
+                # process may have (checked again every _PIN_RECHECK_S)
+                state.wait_for_room(min(_PIN_RECHECK_S, max(0.0, deadline - time.monotonic())))
+                continue
+            if res is None:
+                state.stats.update(warm_not_admitted=1)
+                return state.cold.fetch(url, checksum, background=prefetch)
+            data = None
+            try:
+                data = state.cold.fetch(url, checksum, fixed_size=size, background=prefetch)
+                res.write_and_publish(data, checksum or compute_checksum(data))
+            except SizeChanged:
+                res.abort()
+                resized += 1
+                if resized > CHANGE_RESTARTS:
+                    raise ObjectChangedError(
+                        f"{url} changed size {resized} times while being cached; stop "
+                        "rewriting it while it is read, or retry later") from None
+                continue  # reserve room for the size it has now
+            except OSError as e:
+                res.abort()
+                if isinstance(e, DatapipeError) or data is None:
+                    raise
+                if e.errno in DISK_FULL_ERRNOS:
+                    state.warn("warm_full", f"warm cache {warm.root} is full ({e}); reading through")
+                    if pin:
+                        raise CacheBudgetError(f"cannot keep a local copy of {url}: {e}") from e
+                    return data
+                if e.errno in BROKEN_DIR_ERRNOS and not pin:
+                    state.warm_broken(e)
+                    return data
+                raise StorageError(f"warm cache {warm.root}: could not keep the copy of "
+                                   f"{url} ({e})") from e
+            except BaseException:
+                res.abort()
+                raise
+            state.stats.update(warm_fills=1)
+            state.notify_room()
+            if prefetch:
+                return None
+            if not pin:
+                return data
+            fd = warm.open_pinned(key)
+            if fd is not None:
+                return fd
+        # evicted by another process between publish and pin: fill it again
+
+
+def read_verified(state: ProcessState, warm: WarmDir, url: str, fd: int, checksum: str | None, *,
+                  want_bytes: bool = True) -> bytes | None:
+    """The whole pinned copy (b"" when not ``want_bytes``), or None if it fails
+    verification: against ``checksum``, and against the size and digest the copy was
+    filled with (or, without that record, the cold object's size). This process skips
+    hashing a copy it verified before only while its size, mtime and ctime are
+    unchanged, so a copy damaged or truncated in place is verified again."""
+    st = os.fstat(fd)
+    record = fill_record(fd)
+    if record is not None:
+        if record[0] != st.st_size:
+            state.stats.update(warm_corrupt=1)
+            return None
+    elif warm.records:  # this filesystem keeps records: the copy is not a fill's
+        state.stats.update(warm_corrupt=1)
+        return None
+    else:
+        expected = state.cold.sizes.get(url)
+        if expected is None and checksum is None:
+            expected = state.cold.size(url)
+        if expected is not None and expected != st.st_size:
+            state.stats.update(warm_corrupt=1)
+            return None
+    wants = {d for d in (checksum, record[1] if record else None) if d}
+    known = all(warm.is_verified(st, d) for d in wants)
+    if known and not want_bytes:
+        return b""
+    data = os.pread(fd, st.st_size, 0)
+    if len(data) == st.st_size:
+        if known:
+            return data
+        digest = compute_checksum(data) if wants else None
+        if all(d == digest for d in wants):
+            for d in wants:
+                warm.mark_verified(st, d)
+            return data
+    state.stats.update(warm_corrupt=1)
+    return None
+
+
+def _no_room_for_pin(state: ProcessState, warm: WarmDir, url: str, size: int, waited: float,
+                     pin_wait_s: float) -> CacheBudgetError:
+    try:
+        pinned, mine = warm.pinned_bytes(), state.pin_count()
+    except OSError:
+        pinned, mine = 0, 0
+    return CacheBudgetError(
+        f"no room in warm cache {warm.root} ({warm.budget} bytes) for {url} ({size} bytes) "
+        f"after waiting {waited:.1f} s (pin_wait_s={pin_wait_s}): {pinned} bytes are "
+        f"pinned ({mine} pin(s) held by this process), the rest downloading. Every "
+        f"process's pins must fit at once: raise warm_bytes to at least {pinned + size}, "
+        "or release pins before taking new ones")

@@ -1,0 +1,153 @@
+"""The per-process state of a TieredCache: tiers, thread pools, pins, counters. Created on
+first use in each process (checked by pid) and never pickled, so a cache object crosses
+fork and spawn as its configuration and schedule."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..errors import DatapipeError
+from ..storage import RetryPolicy, Store
+from .cold import ColdReader
+from .hot import HotTier, Turns
+from .node_stats import CounterFile, CounterFlusher
+from .warm import BROKEN_DIR_ERRNOS, WarmDir
+
+__all__ = ["ProcessState", "Stats"]
+
+
+class Stats(Counter[str]):
+    """Counters that several threads of one process bump at once (readers, prefetchers):
+    ``stats[k] += 1`` is a read then a write and loses counts under threads, so every
+    change goes through ``update``, under a lock, and readers take ``snapshot()``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # before Counter.__init__; Counter.update calls itself
+        super().__init__()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        with self._lock:
+            super().update(*args, **kwargs)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self)
+
+
+class ProcessState:
+    """Everything a TieredCache holds in one process: the hot tier, the warm directory
+    (None when there is none or it could not be opened), the cold reader, pins, pending
+    prefetches and their pool, the schedule-prefetch thread and its wake-up, counters."""
+
+    def __init__(self, *, hot_bytes: int, warm_dir: str | None, warm_bytes: int, storage_options: dict[str, Any],
+                 retry: RetryPolicy, max_inflight_bytes: int, prefetch_threads: int,
+                 cold_wrapper: Callable[[Store], Store] | None, stats_interval_s: float) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.RLock()
+        self.stats = Stats()
+        self.warned: set[str] = set()
+        self.hot = HotTier(hot_bytes)
+        self.cold = ColdReader(storage_options=storage_options, retry=retry, max_inflight_bytes=max_inflight_bytes,
+                               cold_wrapper=cold_wrapper, count=self.stats.update)
+        self.pins: dict[str, list[int]] = {}
+        self.pending: dict[str, Future[None]] = {}
+        self.pool = ThreadPoolExecutor(prefetch_threads, thread_name_prefix="datapipe-prefetch")
+        self.refused: dict[str, int] = {}
+        self.turns = Turns()
+        self.last_prefetch_error: str | None = None
+        self.prefetcher: threading.Thread | None = None
+        # The schedule-prefetch thread sleeps on `wake` until `woken` is set: by a new
+        # schedule, a moved position, a finished prefetch, or close.
+        self.wake = threading.Condition()
+        self.woken = False
+        # Pin waits sleep on `room`: this process's releases, fills and discards notify it.
+        self.room = threading.Condition()
+        self.closed = False
+        self.warm: WarmDir | None = None
+        self.counters: CounterFlusher | None = None
+        if warm_dir is not None:
+            try:
+                self.warm = WarmDir(warm_dir, warm_bytes)
+                self.stats.update(warm_tmp_cleaned=self.warm.cleaned)
+            except OSError as e:
+                self.warn("warm-init", f"warm cache {warm_dir} unusable ({e}); reading through to the cold tier")
+        if self.warm is not None:
+            try:  # node-wide counters: this process's share, written to the warm dir
+                self.counters = CounterFlusher(self, CounterFile(self.warm.root), self.stats, stats_interval_s)
+            except OSError as e:
+                self.warn("stats-init", f"cache counters cannot be kept in {warm_dir} ({e}); node-wide "
+                          "stats will miss this process")
+
+    def warn(self, kind: str, msg: str) -> None:
+        """Count a warning of ``kind``; warn the first time this process sees it."""
+        self.stats.update({f"warnings_{kind}": 1})
+        if kind not in self.warned:
+            self.warned.add(kind)
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+    def warm_broken(self, e: OSError) -> bool:
+        """True when ``e`` says the warm directory itself is gone or unwritable (deleted,
+        remounted read-only): it is re-created if it can be, a warning is given once,
+        and the caller reads through."""
+        if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS or self.warm is None:
+            return False
+        self.stats.update(warm_errors=1)
+        try:
+            self.warm.repair()
+            repaired = ""
+        except OSError as e2:
+            repaired = f"; it cannot be re-created ({e2})"
+        self.warn("warm_broken", f"warm cache {self.warm.root} failed ({e}){repaired}; "
+                  "reading through to the cold tier")
+        return True
+
+    def notify_prefetcher(self) -> None:
+        with self.wake:
+            self.woken = True
+            self.wake.notify_all()
+
+    def wait_for_work(self) -> None:
+        """The schedule-prefetch thread: sleep until :meth:`notify_prefetcher`."""
+        with self.wake:
+            while not self.woken and not self.closed:
+                self.wake.wait()
+            self.woken = False
+
+    def notify_room(self) -> None:
+        with self.room:
+            self.room.notify_all()
+
+    def wait_for_room(self, timeout: float) -> None:
+        """Sleep until this process releases a pin or lands a fill, or ``timeout`` passes
+        (pins of other processes are released without a signal that crosses processes)."""
+        with self.room:
+            self.room.wait(timeout)
+
+    def pin_count(self) -> int:
+        with self.lock:
+            return sum(len(v) for v in self.pins.values())
+
+    def close(self) -> None:
+        """Stop background work, close pins, drop the hot tier, write the counters."""
+        self.closed = True
+        self.turns.close()
+        self.notify_prefetcher()
+        self.notify_room()
+        if self.prefetcher is not None:
+            self.prefetcher.join(timeout=5)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.cold.close()
+        if self.counters is not None:
+            self.counters.close()
+        with self.lock:
+            for fds in self.pins.values():
+                for fd in fds:
+                    os.close(fd)
+            self.pins.clear()
+        self.hot.clear()

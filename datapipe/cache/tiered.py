@@ -1,0 +1,657 @@
+"""TieredCache: read-through hot (memory) -> warm (shared local directory) -> cold (any URL).
+
+    cache = TieredCache(hot_bytes=2 << 30, warm_dir="/local/cache", warm_bytes=500 << 30)
+    data = cache.read("s3://bucket/ds/shard-00007.tar", checksum=index_checksum)
+    with cache.pinned(url) as path: ...        # a local file, never evicted while pinned
+    cache.set_schedule(epoch_order)            # clairvoyant eviction + prefetch in that order
+
+The object holds configuration and the schedule; threads, stores, file descriptors and
+counters live in a ProcessState created in each process on first use (checked by pid), so
+a cache is picklable and safe in forked or spawned DataLoader workers. Budgets: the warm
+directory never holds more than ``warm_bytes`` (downloads reserve their size first); this
+process's memory holds at most ``hot_bytes`` in the hot tier plus ``max_inflight_bytes``
+being downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+from ..checksum import verify
+from ..errors import CacheBudgetError, DatapipeError, StorageError
+from ..storage import RetryPolicy, Store
+from .cold import CHANGE_RESTARTS, checksum_ok
+from .eviction import Schedule, VictimChooser, choose_victims
+from .fill import fill, read_verified
+from .node_stats import COUNTER_KEYS, FLUSH_INTERVAL_S, sum_counter_files
+from .process import ProcessState
+from .warm import BROKEN_DIR_ERRNOS, WarmDir, fill_record, url_key
+
+__all__ = ["TieredCache", "CHANGE_RESTARTS"]
+
+
+class TieredCache:
+    """Read-through cache of whole objects by URL, in three tiers (see the module docstring).
+
+    Schedules: ``set_schedule(urls)`` hands over this process's future reads in order
+    (repeats allowed). Eviction then keeps what is needed soonest (Belady) and does not
+    admit an object that would be evicted before its next use; a background thread
+    prefetches the next ``lookahead`` scheduled objects, within ``max_inflight_bytes``.
+    The reader's position moves by itself: a ``read(url)`` whose URL occurs at most
+    ``window`` places ahead moves the position past that occurrence (``read_range`` only
+    when the URL is exactly the next one, so many ranges of one shard count once). Call
+    ``advance(n)`` to skip ``n`` scheduled reads yourself; ``schedule_position`` tells
+    where the cache believes the reader is.
+
+    Arguments: ``hot_bytes`` (0: no memory tier), ``warm_dir``/``warm_bytes`` (None/0:
+    no disk tier), ``storage_options`` for the cold fsspec filesystems,
+    ``max_inflight_bytes`` (bytes downloading at once in this process), ``retry`` (a
+    :class:`RetryPolicy`: attempts, backoff, per-attempt timeout, range-request size),
+    ``prefetch_threads``, ``pin_wait_s`` (how long ``local_path`` waits for room when the
+    warm tier is all pinned before raising CacheBudgetError), ``cold_wrapper`` (a
+    picklable callable wrapping each cold Store, e.g. for fault injection),
+    ``stats_interval_s`` (how often, at most, this process writes its counters to the
+    warm directory for ``stats(node=True)``; also written at close and at exit).
+
+    Errors: ObjectNotFoundError (no object at the URL), RemoteError (retries exhausted),
+    ChecksumError (a fill failed its checksum twice), CacheBudgetError (an object larger
+    than a tier's budget, checked before it is downloaded, or no unpinned room for a pin),
+    ObjectChangedError (the object kept changing while it was downloaded: every part of
+    one download reads one version, and a change starts the download over, at most
+    ``CHANGE_RESTARTS`` times). A warm tier that cannot be written (full disk, read-only,
+    deleted) warns once and reads through; a deleted one is re-created."""
+
+    def __init__(
+        self,
+        hot_bytes: int = 0,
+        warm_dir: str | os.PathLike[str] | None = None,
+        warm_bytes: int = 0,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        max_inflight_bytes: int = 1 << 30,
+        retry: RetryPolicy | None = None,
+        prefetch_threads: int = 4,
+        pin_wait_s: float = 60.0,
+        cold_wrapper: Callable[[Store], Store] | None = None,
+        stats_interval_s: float = FLUSH_INTERVAL_S,
+    ) -> None:
+        for name, v in (("hot_bytes", hot_bytes), ("warm_bytes", warm_bytes),
+                        ("max_inflight_bytes", max_inflight_bytes)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise CacheBudgetError(f"{name} must be a non-negative int, got {v!r}")
+        if warm_dir is not None and warm_bytes <= 0:
+            raise CacheBudgetError(f"warm_dir={warm_dir!s} needs warm_bytes > 0")
+        if warm_dir is None and warm_bytes:
+            raise CacheBudgetError("warm_bytes given without warm_dir")
+        if max_inflight_bytes <= 0:
+            raise CacheBudgetError("max_inflight_bytes must be > 0")
+        if prefetch_threads < 1:
+            raise ValueError("prefetch_threads must be >= 1")
+        if not isinstance(stats_interval_s, (int, float)) or not stats_interval_s > 0:
+            raise ValueError(f"stats_interval_s must be a number > 0, got {stats_interval_s!r}")
+        self.hot_bytes = hot_bytes
+        self.warm_dir = os.fspath(warm_dir) if warm_dir is not None else None
+        self.warm_bytes = warm_bytes
+        self.storage_options = dict(storage_options or {})
+        self.max_inflight_bytes = max_inflight_bytes
+        self.retry = retry or RetryPolicy()
+        self.prefetch_threads = prefetch_threads
+        self.pin_wait_s = pin_wait_s
+        self.cold_wrapper = cold_wrapper
+        self.stats_interval_s = float(stats_interval_s)
+        self.schedule: Schedule[str] | None = None
+        self._warm_urls: tuple[Schedule[str], dict[str, str]] | None = None  # warm file name -> URL
+        self.schedule_checksums: dict[str, str] = {}
+        self.lookahead = 0
+        self._process: ProcessState | None = None
+        self._process_lock = threading.Lock()
+
+    # -- per-process state ---------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_process"], state["_process_lock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._process_lock = threading.Lock()
+
+    def _state(self) -> ProcessState:
+        """This process's state, created on first use (a forked child never uses its
+        parent's: the pid differs) and afresh after :meth:`close`."""
+        state = self._process
+        if state is None or state.pid != os.getpid() or state.closed:
+            with self._process_lock:
+                state = self._process
+                if state is None or state.pid != os.getpid() or state.closed:
+                    state = self._process = ProcessState(
+                        hot_bytes=self.hot_bytes, warm_dir=self.warm_dir, warm_bytes=self.warm_bytes,
+                        storage_options=self.storage_options, retry=self.retry,
+                        max_inflight_bytes=self.max_inflight_bytes, prefetch_threads=self.prefetch_threads,
+                        cold_wrapper=self.cold_wrapper, stats_interval_s=self.stats_interval_s)
+        return state
+
+    def _current_state(self) -> ProcessState | None:
+        """This process's live state, without creating one."""
+        state = self._process
+        if state is None or state.pid != os.getpid() or state.closed:
+            return None
+        return state
+
+    def _check_hot_fits(self, state: ProcessState, url: str) -> None:
+        """Before a download for the hot tier: an object it can never hold is an error
+        now, not after its bytes were fetched and kept in warm."""
+        if self.hot_bytes > 0:
+            size = state.cold.size(url)
+            if size > self.hot_bytes:
+                raise CacheBudgetError(
+                    f"{url} is {size} bytes, more than hot_bytes={self.hot_bytes}; raise "
+                    f"hot_bytes to at least {size} or set it to 0")
+
+    def has_warm_tier(self) -> bool:
+        """True when the warm tier opened in this process. A ``warm_dir`` that cannot be
+        used warns and reads through, and then :meth:`local_path` is unavailable."""
+        return self._state().warm is not None
+
+    # -- the read path -------------------------------------------------------------------
+    def read(self, url: str, *, checksum: str | None = None) -> bytes:
+        """The whole object at ``url``, from the first tier that has it; verified against
+        ``checksum`` when given (a mismatch from cold is fetched once more, then raised)."""
+        state = self._state()
+        index = self._locate(url)
+        data = self._from_hot(state, url, checksum)
+        if data is not None:
+            return data
+        data = self._below_hot(state, url, checksum, index)
+        self._admit_hot(state, url, data, checksum, index)
+        return data
+
+    def _from_hot(self, state: ProcessState, url: str, checksum: str | None) -> bytes | None:
+        hit = state.hot.get(url)
+        if hit is not None:
+            data, known = hit
+            if checksum is None or checksum == known or checksum_ok(data, checksum):
+                state.stats.update(hot_hits=1, hot_bytes=len(data))
+                return data
+            state.hot.discard(url)
+        state.stats.update(hot_misses=1)
+        return None
+
+    def _admit_hot(self, state: ProcessState, url: str, data: bytes, checksum: str | None, index: int | None) -> None:
+        if self.hot_bytes <= 0:
+            return
+        if len(data) > self.hot_bytes:
+            raise CacheBudgetError(
+                f"{url} is {len(data)} bytes, more than hot_bytes={self.hot_bytes}; raise "
+                f"hot_bytes to at least {len(data)} or set it to 0")
+        before = state.hot.evictions
+        if not state.hot.admit(url, data, checksum, self._chooser(url, index)):
+            state.stats.update(hot_not_admitted=1)
+        state.stats.update(hot_evictions=state.hot.evictions - before)
+
+    def _below_hot(self, state: ProcessState, url: str, checksum: str | None, index: int | None) -> bytes:
+        warm = state.warm
+        if warm is not None:
+            for _attempt in (0, 1):  # once more after re-creating a deleted warm directory
+                try:
+                    return self._from_warm(state, warm, url, checksum, index)
+                except OSError as e:
+                    if not state.warm_broken(e):
+                        raise
+            self._check_hot_fits(state, url)
+            return state.cold.fetch(url, checksum)
+        fut = state.pending.get(url)
+        if fut is not None:  # a prefetch of this URL is under way: wait for it
+            t0 = time.monotonic()
+            fut.exception()
+            state.stats.update(wait_seconds=time.monotonic() - t0)
+            hit = state.hot.get(url)  # already counted as a hot miss; the wait shows
+            if hit is not None and (checksum is None or checksum == hit[1] or checksum_ok(hit[0], checksum)):
+                return hit[0]
+        self._check_hot_fits(state, url)
+        return state.cold.fetch(url, checksum)
+
+    def _from_warm(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None,
+                   index: int | None) -> bytes:
+        key = url_key(url)
+        fd = warm.open_pinned(key)
+        if fd is not None:
+            try:
+                data = read_verified(state, warm, url, fd, checksum)
+            except BaseException:
+                os.close(fd)
+                raise
+            if data is None:
+                warm.discard(key, fd)
+            else:
+                os.close(fd)
+                state.stats.update(warm_hits=1, warm_bytes=len(data))
+                return data
+        state.stats.update(warm_misses=1)
+        self._check_hot_fits(state, url)
+        filled: bytes = self._fill(state, warm, url, checksum, index)
+        return filled
+
+    def _fill(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None, index: int | None, *,
+              pin: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
+              ticket: int | None = None) -> Any:
+        """Fetch ``url`` into the warm tier under the node-wide single-flight lock. Returns
+        the bytes, or with ``pin`` an fd pinning the published copy. A prefetch returns
+        None, and downloads nothing when the policy would not admit the object
+        (``prefetch_at``: its index in the schedule; ``ticket``: its place in the order in
+        which scheduled prefetches reserve space)."""
+
+        def chooser() -> VictimChooser:
+            return self._chooser(url, index, prefetch_at=prefetch_at, force=pin, to_url=self._warm_key_to_url())
+
+        if ticket is None:
+            return fill(state, warm, url, checksum, chooser, pin=pin, prefetch=prefetch, pin_wait_s=self.pin_wait_s)
+        try:
+            state.cold.size(url)  # the HEAD request overlaps; only reservations go in turn
+            if not state.turns.wait(ticket):
+                return None
+            s = self.schedule
+            if s is not None and prefetch_at is not None and prefetch_at < s.position:
+                return None  # the reader got there first
+            return fill(state, warm, url, checksum, chooser, prefetch=True, ticket=ticket,
+                        pin_wait_s=self.pin_wait_s)
+        finally:
+            state.turns.done(ticket)
+
+    # -- byte ranges -------------------------------------------------------------------
+    def read_range(self, url: str, start: int, end: int, *, checksum: str | None = None) -> bytes:
+        """Bytes ``[start, end)``; ``checksum`` is of those bytes. A miss fills the whole
+        object into the cache when there is a cache to fill; otherwise one range request.
+        A range that fails its checksum drops the cached copy and is read once more."""
+        if start < 0 or end < start:
+            raise StorageError(f"invalid byte range [{start}, {end}) for {url}")
+        state = self._state()
+        index = self._locate(url, exact=True)
+        for attempt in (0, 1):
+            part = self._range_once(state, url, start, end, index if attempt == 0 else None)
+            if checksum_ok(part, checksum):
+                return part
+            state.stats.update(range_refetches=1)
+            state.hot.discard(url)
+            if state.warm is not None:
+                state.warm.discard(url_key(url))
+        verify(part, checksum, f"{url} [{start}, {end})")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _range_once(self, state: ProcessState, url: str, start: int, end: int, index: int | None) -> bytes:
+        hit = state.hot.get(url)
+        if hit is not None:
+            state.stats.update(hot_hits=1, hot_bytes=end - start)
+            return _slice(hit[0], start, end, url)
+        state.stats.update(hot_misses=1)
+        warm = state.warm
+        if warm is not None:
+            for _attempt in (0, 1):  # once more after re-creating a deleted warm directory
+                try:
+                    return self._range_from_warm(state, warm, url, start, end, index)
+                except OSError as e:
+                    if not state.warm_broken(e):
+                        raise
+        return self._range_from_cold(state, url, start, end, index)
+
+    def _range_from_warm(self, state: ProcessState, warm: WarmDir, url: str, start: int, end: int,
+                         index: int | None) -> bytes:
+        key = url_key(url)
+        fd: int | None = warm.open_pinned(key)
+        if fd is not None:
+            try:
+                size = os.fstat(fd).st_size
+                record = fill_record(fd)
+                if record is not None and record[0] != size:
+                    pass  # a copy truncated or grown in place: never a hit
+                elif end <= size:
+                    part = os.pread(fd, end - start, start)
+                    if len(part) == end - start:
+                        state.stats.update(warm_hits=1, warm_bytes=end - start)
+                        return part
+                elif record is not None or size == state.cold.size(url):  # the copy is whole: a bad range
+                    _slice(b"", start, end, url, size)
+                state.stats.update(warm_corrupt=1)  # a copy shorter than the object
+                warm.discard(key, fd)
+                fd = None
+            finally:
+                if fd is not None:
+                    os.close(fd)
+        state.stats.update(warm_misses=1)
+        self._check_hot_fits(state, url)
+        data: bytes = self._fill(state, warm, url, None, index)
+        self._admit_hot(state, url, data, None, index)
+        return _slice(data, start, end, url)
+
+    def _range_from_cold(self, state: ProcessState, url: str, start: int, end: int, index: int | None) -> bytes:
+        if self.hot_bytes > 0:
+            self._check_hot_fits(state, url)
+            data = state.cold.fetch(url, None)
+            self._admit_hot(state, url, data, None, index)
+            return _slice(data, start, end, url)
+        size = state.cold.size(url)
+        if end > size:
+            _slice(b"", start, end, url, size)
+        return state.cold.fetch_range(url, start, end)
+
+    # -- pinned local copies -------------------------------------------------------------
+    def local_path(self, url: str, *, checksum: str | None = None) -> str:
+        """The path of a warm copy of ``url``, pinned (never evicted, by any process)
+        until :meth:`release`. Each call pins once; release once per call."""
+        state = self._state()
+        warm = state.warm
+        if warm is None:
+            raise StorageError(f"local_path({url}) needs a usable warm_dir; this cache has none")
+        key = url_key(url)
+        index = self._locate(url)
+        broken: OSError | None = None
+        for _attempt in (0, 1, 2):
+            try:
+                fd = warm.open_pinned(key)
+                if fd is not None:
+                    state.stats.update(warm_hits=1)
+                else:
+                    state.stats.update(warm_misses=1)
+                    fd = self._fill(state, warm, url, checksum, index, pin=True)
+                if read_verified(state, warm, url, fd, checksum, want_bytes=False) is not None:
+                    with state.lock:
+                        state.pins.setdefault(url, []).append(fd)
+                    return warm.path(key)
+                warm.discard(key, fd)  # corrupt copy: fill again
+            except OSError as e:
+                if broken is None and state.warm_broken(e):
+                    broken = e  # re-created (or not): one more try
+                    continue
+                if broken is not None and not isinstance(e, DatapipeError) and e.errno in BROKEN_DIR_ERRNOS:
+                    raise StorageError(f"local_path({url}): warm cache {warm.root} is unusable "
+                                       f"({e}); a local copy needs a writable warm_dir") from e
+                raise
+        raise StorageError(f"could not obtain a verified local copy of {url}")
+
+    def release(self, url: str) -> None:
+        """Drop one pin taken by :meth:`local_path`."""
+        state = self._state()
+        with state.lock:
+            fds = state.pins.get(url)
+            if not fds:
+                raise StorageError(f"release({url}): it is not pinned in this process")
+            fd = fds.pop()
+            if not fds:
+                del state.pins[url]
+        os.close(fd)
+        state.notify_room()  # a pin waiting for room may fit now
+
+    @contextmanager
+    def pinned(self, url: str, *, checksum: str | None = None) -> Iterator[str]:
+        """``with cache.pinned(url) as path:`` a local copy for the block's duration."""
+        path = self.local_path(url, checksum=checksum)
+        try:
+            yield path
+        finally:
+            self.release(url)
+
+    # -- prefetch ------------------------------------------------------------------------
+    def prefetch(self, urls: Sequence[str], *,
+                 checksums: Sequence[str | None] | dict[str, str | None] | None = None) -> list[Future[None]]:
+        """Fetch ``urls`` into the cache in the background (warm tier, or hot without
+        one), at most ``max_inflight_bytes`` downloading at a time. Returns the futures;
+        a failed prefetch only counts in ``stats()['prefetch_errors']``: the later read
+        retries and raises."""
+        if isinstance(checksums, dict):
+            cks = [checksums.get(u) for u in urls]
+        else:
+            cks = list(checksums) if checksums is not None else [None] * len(urls)
+            if len(cks) != len(urls):
+                raise ValueError(f"prefetch: {len(urls)} urls but {len(cks)} checksums")
+        state = self._state()
+        return [self._submit_prefetch(state, u, c, None) for u, c in zip(urls, cks)]
+
+    def _submit_prefetch(self, state: ProcessState, url: str, checksum: str | None, at: int | None) -> Future[None]:
+        with state.lock:
+            fut = state.pending.get(url)
+            if fut is None:
+                ticket = state.turns.issue() if at is not None and state.warm is not None else None
+                fut = state.pool.submit(self._prefetch_one, state, url, checksum, at, ticket)
+                if ticket is not None:  # a cancelled task must not hold up the queue
+                    fut.add_done_callback(partial(_release_turn, state, ticket))
+                state.pending[url] = fut
+                fut.add_done_callback(partial(_prefetch_done, state, url))
+        return fut
+
+    def _prefetch_one(self, state: ProcessState, url: str, checksum: str | None, at: int | None,
+                      ticket: int | None = None) -> None:
+        try:
+            if state.warm is not None:
+                self._fill(state, state.warm, url, checksum, None, prefetch=True, prefetch_at=at, ticket=ticket)
+            elif url not in state.hot:
+                self._check_hot_fits(state, url)
+                self._admit_hot(state, url, state.cold.fetch(url, checksum, background=True), checksum, at)
+            state.stats.update(prefetched=1)
+        except Exception as e:
+            state.stats.update(prefetch_errors=1)
+            state.last_prefetch_error = f"{type(e).__name__}: {e}"
+        if state.counters is not None and len(state.pending) <= 1:
+            state.counters.file.flush(state.stats)  # the last of a pass (ours leaves pending after this)
+
+    # -- the access schedule -------------------------------------------------------------
+    def set_schedule(self, urls: Sequence[str], *, checksums: dict[str, str] | None = None,
+                     position: int = 0, lookahead: int = 8, window: int = 64) -> None:
+        """Hand over this process's future reads, in order (repeats allowed). Eviction in
+        both tiers becomes clairvoyant, and a background thread prefetches the next
+        ``lookahead`` scheduled objects that are not cached (0: no prefetch). Reads move
+        the position (see the class docstring); so does :meth:`advance`. ``checksums``
+        (url -> checksum) verify prefetched objects. ``set_schedule([])`` or
+        :meth:`clear_schedule` returns to LRU."""
+        if lookahead < 0:
+            raise ValueError("lookahead must be >= 0")
+        state = self._state()
+        with state.lock:
+            self.schedule = Schedule(list(urls), position, window) if len(urls) else None
+            self.schedule_checksums = dict(checksums or {})
+            self.lookahead = lookahead
+            state.refused = {}
+        if self.schedule is not None and lookahead and state.prefetcher is None:
+            state.prefetcher = threading.Thread(target=self._prefetch_loop, args=(state,),
+                                                name="datapipe-schedule-prefetch", daemon=True)
+            state.prefetcher.start()
+        self._wake()
+
+    def clear_schedule(self) -> None:
+        self.set_schedule([])
+
+    def advance(self, n: int = 1) -> int:
+        """Move the schedule position ``n`` reads forward (reads the caller skipped or
+        served elsewhere); returns the new position."""
+        if self.schedule is None:
+            raise StorageError("advance(): no schedule set; call set_schedule(urls) first")
+        with self._state().lock:
+            pos = self.schedule.advance(n)
+        self._wake()
+        return pos
+
+    @property
+    def schedule_position(self) -> int | None:
+        return None if self.schedule is None else self.schedule.position
+
+    def _wake(self) -> None:
+        """The schedule or its position changed: the prefetch thread looks again."""
+        state = self._current_state()
+        if state is not None:
+            state.notify_prefetcher()
+
+    def _prefetch_loop(self, state: ProcessState) -> None:
+        while not state.closed:
+            s = self.schedule
+            if s is not None and self.lookahead:
+                with state.lock:
+                    upcoming = s.upcoming(self.lookahead)
+                    pos = s.position
+                # Objects fetched ahead occupy the tier before they are used, shrinking it
+                # for everything else; beyond the next object, look ahead only while that
+                # stays within a quarter of the tier (sizes known from earlier HEADs).
+                room = (self.warm_bytes if state.warm is not None else self.hot_bytes) // 4
+                ahead = 0
+                for n, (i, url) in enumerate(upcoming):
+                    ahead += state.cold.sizes.get(url, 0)
+                    if n and ahead > room:
+                        break
+                    if len(state.pending) >= self.prefetch_threads or state.closed:
+                        break
+                    if url in state.pending or url in state.hot or state.refused.get(url) == pos:
+                        continue
+                    if state.warm is not None and os.path.exists(state.warm.path(url_key(url))):
+                        continue
+                    state.refused[url] = pos  # tried at this position; retried once it moves
+                    self._submit_prefetch(state, url, self.schedule_checksums.get(url), i)
+            state.wait_for_work()
+
+    # -- eviction choices against the schedule --------------------------------------
+    def _locate(self, url: str, *, exact: bool = False) -> int | None:
+        s = self.schedule
+        if s is None:
+            return None
+        with self._state().lock:
+            if exact:
+                i = s.position if s.position < len(s) and s.keys[s.position] == url else None
+            else:
+                i = s.locate(url)
+            if i is not None:
+                s.position = i + 1
+        if i is not None:
+            self._wake()
+        return i
+
+    def _chooser(self, url: str, index: int | None, *, prefetch_at: int | None = None,
+                 to_url: Callable[[str], str] = lambda k: k, force: bool = False) -> VictimChooser:
+        """choose(cands, need) for the tier: LRU, or Belady against the schedule."""
+        s = self.schedule
+        if s is None or force:
+            def lru(cands: list[tuple[str, int, float]], need: int, *_: object) -> list[str] | None:
+                return choose_victims(cands, need, url)
+
+            return lru
+        horizon: int
+        nxt: float
+        if prefetch_at is not None:
+            # position - 1: the read that moved the position may not have opened (pinned)
+            # its object yet; the background must not evict it under the reader.
+            horizon, nxt = max(0, s.position - 1), prefetch_at
+        else:
+            horizon = (index + 1) if index is not None else s.position
+            nxt = s.next_use(url, horizon)
+
+        def belady(cands: list[tuple[str, int, float]], need: int, *_: object) -> list[str] | None:
+            named = [(to_url(k), size, rec) for k, size, rec in cands]
+            back = {to_url(k): k for k, _s, _r in cands}
+            v = choose_victims(named, need, url, schedule=s, incoming_next=nxt, horizon=horizon)
+            return None if v is None else [back[u] for u in v]
+
+        return belady
+
+    def _warm_key_to_url(self) -> Callable[[str], str]:
+        """Warm files are named by a hash of the URL; the schedule speaks URLs."""
+        s = self.schedule
+        if s is None:
+            return lambda k: k
+        if self._warm_urls is None or self._warm_urls[0] is not s:
+            self._warm_urls = (s, {url_key(u): u for u in s.distinct_keys()})
+        table = self._warm_urls[1]
+        return lambda k: table.get(k, k)
+
+    # -- metrics and shutdown ------------------------------------------------------------
+    def stats(self, node: bool = False) -> dict[str, Any]:
+        """This process's counters (hits, misses and bytes per tier, evictions, bytes
+        from cold, retries, seconds waited, ...) and the tiers' current use.
+
+        ``node=True``: the same counters summed over every process that has used this
+        warm directory since it was last cleared (DataLoader workers, other ranks, exited
+        processes; see ``node_stats``), with ``processes`` (how many) and the warm tier's
+        use. This process's counters are written first, so they are current; another
+        live process's are at most ``stats_interval_s`` old. Without a usable warm
+        directory: this process's counters, with ``processes`` = 1."""
+        state = self._state()
+        if node:
+            return self._node_stats(state)
+        counts = state.stats.snapshot()
+        out: dict[str, Any] = {k: counts.get(k, 0) for k in COUNTER_KEYS}
+        out.update({k: v for k, v in counts.items() if k not in out})
+        out["wait_seconds"] = float(out["wait_seconds"])
+        out["hot_used_bytes"] = state.hot.used
+        out["hot_budget_bytes"] = self.hot_bytes
+        out["warm_budget_bytes"] = self.warm_bytes
+        out["warm_used_bytes"] = self._warm_usage(state)
+        out["inflight_peak_bytes"] = state.cold.inflight.peak
+        out["pinned"] = state.pin_count()
+        out["schedule_position"] = self.schedule_position
+        if state.last_prefetch_error:
+            out["last_prefetch_error"] = state.last_prefetch_error
+        return out
+
+    def _node_stats(self, state: ProcessState) -> dict[str, Any]:
+        if state.counters is None or state.warm is None:
+            out = self.stats()
+            out["processes"] = 1
+            return out
+        state.counters.file.flush(state.stats, force=True)
+        summed = sum_counter_files(state.warm.root)
+        out = dict(summed["counters"])
+        out["processes"] = summed["processes"]
+        if summed["unreadable"]:
+            out["unreadable_counter_files"] = summed["unreadable"]
+        out["warm_budget_bytes"] = self.warm_bytes
+        out["warm_used_bytes"] = self._warm_usage(state)
+        return out
+
+    def _warm_usage(self, state: ProcessState) -> int:
+        """Bytes in the warm tier; 0 (with the one warning) when it is gone or unreadable:
+        stats must not fail because the directory did."""
+        warm = state.warm
+        if warm is None:
+            return 0
+        try:
+            return warm.usage()
+        except OSError as e:
+            if not state.warm_broken(e):
+                raise
+            try:
+                return warm.usage()
+            except OSError:
+                return 0
+
+    def close(self) -> None:
+        """Stop background work, drop pins and the hot tier, and write this process's
+        counters for ``stats(node=True)``. A later call starts afresh."""
+        state = self._current_state()
+        if state is not None:
+            state.close()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _slice(data: bytes, start: int, end: int, url: str, size: int | None = None) -> bytes:
+    size = len(data) if size is None else size
+    if end > size:
+        raise StorageError(f"range [{start}, {end}) runs past the end of {url} ({size} bytes)")
+    return data[start:end]
+
+
+def _release_turn(state: ProcessState, ticket: int, _fut: Future[None]) -> None:
+    state.turns.done(ticket)
+
+
+def _prefetch_done(state: ProcessState, url: str, fut: Future[None]) -> None:
+    with state.lock:
+        if state.pending.get(url) is fut:
+            del state.pending[url]
+    state.notify_prefetcher()  # a prefetch slot is free

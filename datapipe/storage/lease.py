@@ -1,0 +1,351 @@
+"""One writer per destination: a lease object under a key of a store.
+
+The lease names its holder (a random writer id, host, pid, and the caller's fields) and
+carries a heartbeat that a background thread refreshes every ``ttl/3`` seconds.
+Exclusion comes from the storage, never from reading and then writing:
+
+- a store with a local path: ``flock`` on the lease file. The kernel drops the lock when
+  the holder's process dies, so a crashed writer's lease is free at once; two writers in
+  one process conflict too (each opens the file itself). The heartbeat is informational.
+- a store with conditional writes (S3): created with ``If-None-Match: *``, refreshed with
+  ``If-Match: <its ETag>``; a lease whose heartbeat is older than its ``ttl`` is stale and
+  taken over with ``If-Match`` on the stale version, so of two contenders exactly one
+  wins. A holder whose refresh fails that condition has lost it.
+- any other store (memory://, stores without conditional writes): the same protocol over
+  plain reads and writes, checked again after writing. This refuses a second writer that
+  starts while the first is alive, but two writers starting in the same instant may both
+  believe they hold it: that is a limit of the store.
+
+A holder checks that it still holds the lease (:meth:`WriterLease.check`) before it
+publishes anything that only one writer may publish.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ..checksum import checksum
+from ..errors import ObjectNotFoundError, StorageError
+from .store import Store
+
+__all__ = ["WriterLease", "LeaseBusyError", "LeaseLostError", "MAX_LEASE_BYTES"]
+
+#: a lease document is small; anything larger is not one
+MAX_LEASE_BYTES = 1 << 16
+
+
+class LeaseBusyError(StorageError):
+    """Another live writer holds the lease. ``holder``: its document (None if unreadable);
+    ``local``: the lease is a flock (freed when the holder's process exits)."""
+
+    def __init__(self, message: str, holder: dict[str, Any] | None, local: bool) -> None:
+        super().__init__(message)
+        self.holder = holder
+        self.local = local
+
+
+class LeaseLostError(StorageError):
+    """This writer no longer holds its lease; ``why`` says how it was lost."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
+def _encode_json(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True).encode()
+
+
+def _decode_json(data: bytes) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def describe_holder(doc: dict[str, Any] | None, now: float | None = None) -> str:
+    """"writer 'ab12' (host 'h', pid 7), last heartbeat 3 s ago" for error messages."""
+    if doc is None:
+        return "an unreadable lease"
+    now = time.time() if now is None else now
+    hb = doc.get("heartbeat_unix")
+    age = now - hb if isinstance(hb, (int, float)) else float("nan")
+    extra = "".join(f", {k} {doc[k]!r}" for k in ("run_id",) if k in doc)
+    return (f"writer {doc.get('writer')!r} (host {doc.get('host')!r}, pid {doc.get('pid')!r}{extra}), "
+            f"last heartbeat {age:.0f} s ago")
+
+
+def holder_is_dead_here(doc: dict[str, Any] | None) -> bool:
+    """Whether the holder ran on this host and its process is gone."""
+    if doc is None:
+        return False
+    pid = doc.get("pid")
+    if doc.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+class WriterLease:
+    """The lease of one writer on ``store``'s ``key``: :meth:`acquire` or raise
+    :class:`LeaseBusyError`.
+
+    ``ttl``: seconds after its last heartbeat that a lease counts as abandoned (object
+    stores). ``wait``: how long :meth:`acquire` keeps trying while another writer holds
+    it. ``fields``: extra holder fields written into the document. ``encode``/``decode``:
+    the document's bytes (JSON by default; ``decode`` returns None for what is not a
+    lease). ``inherit(previous)``: called once the lock file is ours (local stores), with
+    the document the previous holder left, before ours replaces it; returns fields to
+    add (a holder's journal outlives it there). ``take_over_dead_here``: a lease whose
+    holder ran on this host and whose process is gone counts as abandoned at once."""
+
+    def __init__(self, store: Store, key: str, *, ttl: float = 60.0, wait: float = 0.0,
+                 fields: dict[str, Any] | None = None,
+                 encode: Callable[[dict[str, Any]], bytes] = _encode_json,
+                 decode: Callable[[bytes], dict[str, Any] | None] = _decode_json,
+                 inherit: Callable[[dict[str, Any] | None], dict[str, Any]] | None = None,
+                 take_over_dead_here: bool = False) -> None:
+        if not isinstance(ttl, (int, float)) or not ttl > 0:
+            raise ValueError(f"lease ttl must be a positive number of seconds, got {ttl!r}")
+        if not isinstance(wait, (int, float)) or wait < 0:
+            raise ValueError(f"lease wait must be a number of seconds >= 0, got {wait!r}")
+        self.store, self.key, self.ttl, self.wait = store, key, float(ttl), float(wait)
+        self.fields = dict(fields or {})
+        self._encode, self._decode, self._inherit = encode, decode, inherit
+        self.take_over_dead_here = take_over_dead_here
+        self.writer = uuid.uuid4().hex
+        self.url = store.url(key)
+        self.path = store.local_path(key)  # a local file: flock
+        self.exclusive = self.path is not None or store.supports_conditional_writes
+        self._fd: int | None = None
+        self._pid = os.getpid()
+        self._ino: int | None = None
+        self._tag: str | None = None
+        self._acquired = 0.0
+        self._lost: str | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # heartbeat vs check/release
+        self._thread: threading.Thread | None = None
+
+    @property
+    def local(self) -> bool:
+        """The lease is a flock on a local file (freed when its holder's process exits)."""
+        return self.path is not None
+
+    @property
+    def fd(self) -> int | None:
+        """The locked file's descriptor while held locally (forked children close theirs)."""
+        return self._fd
+
+    # -- the document ---------------------------------------------------------------------
+    def _body(self) -> bytes:
+        now = time.time()
+        return self._encode({**self.fields, "writer": self.writer, "host": socket.gethostname(),
+                             "pid": os.getpid(), "acquired_unix": self._acquired or now,
+                             "heartbeat_unix": now, "ttl_s": self.ttl})
+
+    def _parse(self, data: bytes) -> dict[str, Any] | None:
+        if len(data) > MAX_LEASE_BYTES:
+            return None
+        return self._decode(data)
+
+    def _stale(self, doc: dict[str, Any] | None) -> bool:
+        if doc is None:
+            return True  # unreadable: no live writer of ours wrote it
+        hb, ttl = doc.get("heartbeat_unix"), doc.get("ttl_s")
+        if not isinstance(hb, (int, float)) or not isinstance(ttl, (int, float)):
+            return True
+        if self.take_over_dead_here and holder_is_dead_here(doc):
+            return True
+        return time.time() - hb > ttl
+
+    def _busy(self, doc: dict[str, Any] | None) -> LeaseBusyError:
+        how = ("the kernel frees it when that process exits" if self.local else
+               f"it goes stale {doc.get('ttl_s') if doc else self.ttl} s after its last heartbeat")
+        return LeaseBusyError(f"{self.url}: held by {describe_holder(doc)}; if that writer is dead, {how}",
+                              doc, self.local)
+
+    # -- acquire ----------------------------------------------------------------------------
+    def acquire(self) -> WriterLease:
+        """Take the lease (waiting up to ``wait`` seconds) and start the heartbeat.
+        Raises LeaseBusyError while another writer holds it, StorageError when the store
+        cannot hold a lease."""
+        deadline = time.monotonic() + self.wait
+        while True:
+            try:
+                path = self.path
+                doc = self._try_local(path) if path is not None else self._try_remote()
+            except OSError as e:
+                raise StorageError(f"{self.url}: cannot take the writer lease ({type(e).__name__}: {e})") from e
+            if doc is True:
+                break
+            if time.monotonic() >= deadline:
+                raise self._busy(doc)
+            time.sleep(min(1.0, max(0.05, self.ttl / 10), max(0.0, deadline - time.monotonic())))
+        self._thread = threading.Thread(target=self._heartbeat, name="datapipe-writer-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def _try_local(self, path: str) -> Any:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return self._parse(os.pread(fd, MAX_LEASE_BYTES + 1, 0))
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    raise
+                # a filesystem without locks (some NFS mounts): the store's own protocol
+                warnings.warn(f"{self.url}: the filesystem refuses flock ({e}); the writer lease "
+                              "falls back to write-and-read-back, which two writers starting "
+                              "at the same instant can both pass", stacklevel=4)
+                self.path = None
+                self.exclusive = self.store.supports_conditional_writes
+                return self._try_remote()
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # released (unlinked) between our open and our lock: open again
+                return self._try_local(path)
+            if self._inherit is not None:
+                self.fields.update(self._inherit(self._parse(os.pread(fd, MAX_LEASE_BYTES + 1, 0))))
+            self._acquired = time.time()
+            self._write_local(fd, durable=True)
+            self._fd, self._ino, fd = fd, os.fstat(fd).st_ino, -1
+            return True
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _write_local(self, fd: int, *, durable: bool = False) -> None:
+        body = self._body()
+        os.pwrite(fd, body, 0)
+        os.ftruncate(fd, len(body))
+        if durable:
+            os.fsync(fd)
+
+    def _get_tagged(self) -> tuple[bytes, str]:
+        if self.store.supports_conditional_writes:
+            return self.store.get_tagged(self.key)
+        data = self.store.get(self.key)
+        return data, checksum(data)
+
+    def _put_if(self, body: bytes, match: str | None) -> str | None:
+        if self.store.supports_conditional_writes:
+            return self.store.put_if(self.key, body, match)
+        # No atomic condition on this store: check, write, and read back (see module doc).
+        try:
+            data, tag = self._get_tagged()
+        except ObjectNotFoundError:
+            if match is not None:
+                return None
+        else:
+            if match is None or tag != match:
+                return None
+        self.store.put(self.key, body)
+        data, tag = self._get_tagged()
+        return tag if data == body else None
+
+    def _try_remote(self) -> Any:
+        self._acquired = time.time()
+        tag = self._put_if(self._body(), None)
+        if tag is None:
+            try:
+                data, seen = self._get_tagged()
+            except ObjectNotFoundError:
+                return None  # released meanwhile: try again
+            doc = self._parse(data)
+            if not self._stale(doc):
+                return doc
+            tag = self._put_if(self._body(), seen)  # of two contenders, one wins
+            if tag is None:
+                return doc
+        self._tag = tag
+        return True
+
+    # -- while held -------------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        period = self.ttl / 3
+        while not self._stop.wait(period):
+            with self._lock:
+                if self._lost is not None or self._stop.is_set():
+                    return
+                try:
+                    if self._fd is not None:
+                        self._write_local(self._fd)
+                    else:
+                        tag = self._put_if(self._body(), self._tag)
+                        if tag is None:
+                            self._lost = "its heartbeat found the lease replaced"
+                            return
+                        self._tag = tag
+                except (OSError, StorageError):
+                    pass  # a transient failure; check() asks the store itself before a commit
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLostError` unless this writer still holds the lease."""
+        with self._lock:
+            if self._lost is None:
+                try:
+                    if self.path is not None:
+                        if os.stat(self.path).st_ino != self._ino:
+                            self._lost = "the lease file was replaced"
+                    else:
+                        data, tag = self._get_tagged()
+                        if tag != self._tag:
+                            self._lost = f"it is now held by {describe_holder(self._parse(data))}"
+                except (FileNotFoundError, ObjectNotFoundError):
+                    self._lost = "the lease file was deleted"
+            if self._lost is not None:
+                raise LeaseLostError(f"{self.url}: this writer lost its lease ({self._lost})", self._lost)
+
+    def release(self, *, remove: bool = True) -> None:
+        """Stop the heartbeat and give the lease up. ``remove=False`` keeps a local lease
+        file (unlocked) for the next holder to :meth:`inherit` from. Never deletes a
+        lease another writer took over; a forked child (a DataLoader worker) exiting
+        leaves its parent's lease alone."""
+        if os.getpid() != self._pid:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            try:
+                if self._fd is not None:
+                    try:
+                        if remove and self.path is not None and os.stat(self.path).st_ino == self._ino:
+                            os.unlink(self.path)  # while locked: a waiter re-checks the inode
+                    except FileNotFoundError:
+                        pass
+                    os.close(self._fd)
+                    self._fd = None
+                elif self._lost is None and self._tag is not None:
+                    try:
+                        _data, tag = self._get_tagged()
+                    except ObjectNotFoundError:
+                        return
+                    if tag == self._tag:  # never delete a lease another writer took over
+                        self.store.delete(self.key)
+                    self._tag = None
+            except (OSError, StorageError):
+                pass  # an unreleased remote lease goes stale after ttl; a local one with us

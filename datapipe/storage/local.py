@@ -1,0 +1,220 @@
+"""`LocalStore`: a directory on a local filesystem as a Store."""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import BinaryIO
+
+from ..errors import ObjectChangedError, ObjectNotFoundError, StorageError, TruncatedReadError
+from .store import Store, changed_message, check_range
+
+__all__ = ["LocalStore"]
+
+
+#: temporaries are named ``.tmp-<writer>-<name>``; listings hide them
+_TMP_MARK = ".tmp-"
+
+
+def _file_version(st: os.stat_result) -> str:
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+class LocalStore(Store):
+    """A directory on a local filesystem. Writes go to a temporary name beside the target
+    (``.tmp-<writer>-<name>``: ``writer_token``, or a fresh random one per write), are
+    fsync'd when ``durable``, and are published by rename."""
+
+    def __init__(self, root: str, *, durable: bool = True, writer_token: str | None = None) -> None:
+        if root.startswith("file://"):
+            root = root[len("file://") :]
+        super().__init__(os.path.abspath(root))
+        if writer_token is not None and not (writer_token.isascii() and writer_token.isalnum()):
+            raise StorageError(f"writer_token must be letters and digits, got {writer_token!r}")
+        self.durable = durable
+        self.writer_token = writer_token
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def url(self, key: str) -> str:
+        return self.path(key)
+
+    # -- capabilities ----------------------------------------------------------------------
+    def local_path(self, key: str) -> str:
+        return self.path(key)
+
+    def sync_parents(self, key: str) -> None:
+        if not self.durable:
+            return
+        parts = key.split("/")[:-1]
+        for i in range(len(parts) - 1, -1, -1):
+            fd = os.open(os.path.join(self.root, *parts[:i]), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def for_writer(self, token: str) -> LocalStore:
+        return LocalStore(self.root, durable=self.durable, writer_token=token)
+
+    def remove_temporaries(self, folder: str = "", *, tokens: Iterable[str] | None = None,
+                           suffix: str = "") -> int:
+        marks = (_TMP_MARK,) if tokens is None else tuple(f"{_TMP_MARK}{t}-" for t in tokens)
+        if not marks:
+            return 0
+        path = self.path(folder) if folder else self.root
+        try:
+            names = os.listdir(path)
+        except OSError:
+            return 0
+        n = 0
+        for name in names:
+            if name.startswith(marks) and name.endswith(suffix):
+                try:
+                    os.unlink(os.path.join(path, name))
+                    n += 1
+                except OSError:
+                    pass  # gone already, or not ours to remove after all
+        return n
+
+    def _open_read(self, key: str) -> io.FileIO:
+        try:
+            return open(self.path(key), "rb", buffering=0)
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"no file at {self.path(key)}") from None
+        except IsADirectoryError:
+            raise ObjectNotFoundError(f"{self.path(key)} is a directory, not an object") from None
+
+    def get(self, key: str) -> bytes:
+        with self._open_read(key) as f:
+            return f.read()
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        with self._open_read(key) as f:
+            check_range(self.path(key), start, end)
+            data = os.pread(f.fileno(), end - start, start)
+        if len(data) != end - start:
+            raise TruncatedReadError(
+                f"range [{start}, {end}) runs past the end of {self.path(key)} "
+                f"({start + len(data)} bytes)"
+            )
+        return data
+
+    def stat(self, key: str) -> tuple[int, str | None]:
+        try:
+            st = os.stat(self.path(key))
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"no file at {self.path(key)}") from None
+        return st.st_size, _file_version(st)
+
+    def get_range_at(self, key: str, start: int, end: int, version: str | None) -> bytes:
+        # The file as opened is checked before and after the read: a rename over it or a
+        # write into it in between shows in its inode, size or times.
+        with self._open_read(key) as f:
+            check_range(self.path(key), start, end)
+            before = _file_version(os.fstat(f.fileno()))
+            if version is not None and before != version:
+                raise ObjectChangedError(changed_message(self.path(key), version, before))
+            data = os.pread(f.fileno(), end - start, start)
+            after = _file_version(os.fstat(f.fileno()))
+        if after != before:
+            raise ObjectChangedError(changed_message(self.path(key), before, after))
+        if len(data) != end - start:
+            raise TruncatedReadError(
+                f"range [{start}, {end}) runs past the end of {self.path(key)} "
+                f"({start + len(data)} bytes)"
+            )
+        return data
+
+    def readinto(self, key: str, buf: memoryview, start: int = 0) -> int:
+        with self._open_read(key) as f:
+            f.seek(start)
+            total = 0
+            while total < len(buf):
+                n = f.readinto(buf[total:])
+                if not n:
+                    break
+                total += n
+            return total
+
+    def _tmp_path(self, key: str) -> str:
+        final = self.path(key)
+        d, name = os.path.split(final)
+        os.makedirs(d, exist_ok=True)
+        token = self.writer_token or uuid.uuid4().hex[:12]
+        return os.path.join(d, f"{_TMP_MARK}{token}-{name}")
+
+    def _publish(self, tmp: str, key: str) -> None:
+        os.replace(tmp, self.path(key))
+        if self.durable:
+            fd = os.open(os.path.dirname(self.path(key)), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        with self.open_writer(key) as f:
+            f.write(data)
+
+    @contextmanager
+    def open_writer(self, key: str) -> Iterator[BinaryIO]:
+        tmp = self._tmp_path(key)
+        f = open(tmp, "wb")
+        try:
+            yield f
+            f.flush()
+            if self.durable:
+                os.fsync(f.fileno())
+            f.close()
+            self._publish(tmp, key)
+        except BaseException:
+            try:
+                f.close()  # may fail again (ENOSPC flushing the buffer): the unlink must still run
+            except OSError:
+                pass
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self.path(key))
+
+    def size(self, key: str) -> int:
+        try:
+            return os.stat(self.path(key)).st_size
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"no file at {self.path(key)}") from None
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self.path(key))
+        except FileNotFoundError:
+            return
+        # drop directories the delete left empty, up to (not including) the root
+        d = os.path.dirname(self.path(key))
+        while d != self.root and d.startswith(self.root):
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+            d = os.path.dirname(d)
+
+    def list(self, prefix: str = "") -> list[str]:
+        out = []
+        for dirpath, _dirs, files in os.walk(self.root):
+            rel = os.path.relpath(dirpath, self.root)
+            for name in files:
+                if name.startswith(_TMP_MARK):
+                    continue
+                key = name if rel == "." else posixpath.join(*rel.split(os.sep), name)
+                if key.startswith(prefix):
+                    out.append(key)
+        return sorted(out)
