@@ -1,6 +1,8 @@
 """datapipe: pack small files into shards, cache them in tiers, stream them into training,
 and checkpoint without stalling."""
 
+from typing import Any
+
 from ._version import __version__
 from .cache import TieredCache
 from .checkpoint import CheckpointInfo, CheckpointWriter, SaveHandle, list_checkpoints, load_checkpoint
@@ -32,7 +34,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # The loader imports torch when it is installed: load it on first use, so that
     # `datapipe pack` and friends start fast and torch stays optional.
     if name in ("StreamingDataset", "Stream"):

@@ -12,8 +12,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -57,11 +58,11 @@ class CheckpointInfo:
     data_bytes: int | None = None
     reason: str | None = None  # why it is not complete
 
-    def __iter__(self):  # so that `for step, complete in list_checkpoints(url)` works
+    def __iter__(self) -> Iterator[Any]:  # so that `for step, complete in list_checkpoints(url)` works
         return iter((self.step, self.complete))
 
 
-def _is_int(v: Any, lo: int = 0, hi: int = 1 << 62) -> bool:
+def _is_int(v: Any, lo: int = 0, hi: int = 1 << 62) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
@@ -106,7 +107,7 @@ def _read_manifest(store: Store, step: int) -> dict[str, Any]:
     if doc.get("step") != step or not _is_int(doc.get("step")):
         raise bad(f"manifest names step {doc.get('step')!r:.40}")
     attempt, ws, parts = doc.get("attempt"), doc.get("world_size"), doc.get("parts")
-    if parse_attempt(attempt) is None:
+    if not isinstance(attempt, str) or parse_attempt(attempt) is None:
         raise bad(f"attempt {attempt!r:.80} is not <run_id>-<n>")
     if not _is_int(ws, 1, MAX_WORLD_SIZE):
         raise bad(f"world_size {ws!r:.40} is not an int in [1, {MAX_WORLD_SIZE}]")
@@ -278,7 +279,7 @@ def _read_data(store: Store, part: dict[str, Any], where: str, threads: int = 4)
         for f in [pool.submit(_probe_chunk, store, c, compressed, where) for c in chunks]:
             f.result()  # the first failure, in chunk order; the pool waits for the rest
         buf = torch.empty(part["data_bytes"], dtype=torch.uint8)
-        view = memoryview(buf.numpy())
+        view = buf.numpy().data
         futs = [pool.submit(_read_chunk, store, c, view[c["offset"] : c["offset"] + c["bytes"]],
                             compressed, where) for c in chunks]
         for f in futs:
@@ -286,11 +287,12 @@ def _read_data(store: Store, part: dict[str, Any], where: str, threads: int = 4)
     return buf
 
 
-def _leaf_itemsize(kind: Any, dtype: Any, path: Any, where: str) -> int:
+def _leaf_dtype(kind: Any, dtype: Any, path: Any, where: str) -> tuple[str, int]:
+    """The leaf's dtype name and item size, checked."""
     if not isinstance(dtype, str) or len(dtype) > 64:
         raise CorruptCheckpointError(f"{where}: leaf {path!r:.100} has a malformed dtype {dtype!r:.60}")
     if kind == "torch":
-        return torch_dtype_from_name(dtype, where).itemsize
+        return dtype, int(torch_dtype_from_name(dtype, where).itemsize)
     if kind in ("numpy", "npscalar"):
         try:
             dt = np.dtype(dtype)
@@ -298,7 +300,7 @@ def _leaf_itemsize(kind: Any, dtype: Any, path: Any, where: str) -> int:
             raise CorruptCheckpointError(f"{where}: leaf {path!r:.100}: numpy dtype {dtype!r}: {e}") from None
         if dt.hasobject or dt.names is not None or dt.kind == "V":
             raise CorruptCheckpointError(f"{where}: leaf {path!r:.100} has a forbidden numpy dtype {dtype!r}")
-        return dt.itemsize
+        return dtype, int(dt.itemsize)
     raise CorruptCheckpointError(f"{where}: leaf {path!r:.100} of unknown kind {kind!r:.40}")
 
 
@@ -313,7 +315,7 @@ def _build_leaf(buf: Any, spec: Any, where: str, map_location: Any) -> Any:
     off, nbytes, strides = spec.get("offset"), spec.get("nbytes"), spec.get("strides")
     if not isinstance(path, str):
         raise CorruptCheckpointError(f"{where}: malformed leaf record {spec!r:.100}")
-    itemsize = _leaf_itemsize(kind, dtype, path, where)
+    dtype, itemsize = _leaf_dtype(kind, dtype, path, where)
     if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(d) for d in shape)):
         raise CorruptCheckpointError(f"{where}: leaf {path!r:.100} has a malformed shape {shape!r:.100}")
     numel = 1
