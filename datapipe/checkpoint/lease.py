@@ -11,25 +11,16 @@ its save instead.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..storage import Store
-from ..storage.lease import LeaseBusyError, LeaseLostError, WriterLease
+from ..storage.lease import LeaseBusyError, LeaseLostError, WriterLease, describe_holder
 from .format import decode_doc, encode_doc
 
 __all__ = ["LEASE_KEY", "Lease"]
 
 LEASE_KEY = "writer.lease"
-
-
-def _describe(doc: dict[str, Any] | None, now: float) -> str:
-    if doc is None:
-        return "an unreadable lease"
-    age = now - doc["heartbeat_unix"] if isinstance(doc.get("heartbeat_unix"), (int, float)) else float("nan")
-    return (f"writer {doc.get('writer')!r} (run {doc.get('run_id')!r}, host {doc.get('host')!r}, "
-            f"pid {doc.get('pid')!r}), last heartbeat {age:.0f} s ago")
 
 
 class Lease:
@@ -59,7 +50,7 @@ class Lease:
                    f"it goes stale {e.holder.get('ttl_s') if e.holder else self._lease.ttl} s after its last "
                    "heartbeat")
             raise CheckpointError(
-                f"{self.url}: another checkpoint writer holds this URL: {_describe(e.holder, time.time())}. "
+                f"{self.url}: another checkpoint writer holds this URL: {describe_holder(e.holder, local=e.local)}. "
                 f"One writer per URL: close the other writer, or write to another URL. If that writer "
                 f"is dead, {how}; pass lease_wait=<seconds> to wait for it"
             ) from None

@@ -19,27 +19,18 @@ Object stores publish an upload only when it completes: they have no temporaries
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from typing import Any
 
 from ..errors import DestinationBusyError, StorageError
 from ..storage import Store
-from ..storage.lease import LeaseBusyError, LeaseLostError, WriterLease
+from ..storage.lease import LeaseBusyError, LeaseLostError, WriterLease, describe_holder
 from .commit import LEASE, LOCK, WORK
 
 __all__ = ["WriterLock"]
 
 LEASE_STALE_S = 120.0  # a heartbeat this old means the writer is gone
 _KEEP_TOKENS = 8
-
-
-def _describe(info: dict[str, Any] | None) -> str:
-    info = info or {}
-    who = f"pid {info.get('pid', '?')} on {info.get('host', '?')}"
-    if isinstance(info.get("acquired_unix"), (int, float)):
-        who += ", started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info["acquired_unix"]))
-    return who
 
 
 class WriterLock:
@@ -81,14 +72,12 @@ class WriterLock:
             self.release()
             if e.local:
                 raise DestinationBusyError(
-                    f"another pack is writing {self.base.root} ({_describe(e.holder)}; it holds "
+                    f"another pack is writing {self.base.root} ({describe_holder(e.holder, local=True)}; it holds "
                     f"{self._lease.url}): wait for it to finish, or stop it and run your command again"
                 ) from None
-            hb = (e.holder or {}).get("heartbeat_unix")
-            age = time.time() - hb if isinstance(hb, (int, float)) else float("nan")
             raise DestinationBusyError(
-                f"another pack is writing {self.base.root} ({_describe(e.holder)}; its lease {self._lease.url} "
-                f"was renewed {age:.0f} s ago): wait for it to finish; a writer that died on another host "
+                f"another pack is writing {self.base.root} ({describe_holder(e.holder, local=False)}; its lease "
+                f"is {self._lease.url}): wait for it to finish; a writer that died on another host "
                 f"releases the destination {LEASE_STALE_S:.0f} s after its last heartbeat"
             ) from None
         except StorageError as e:

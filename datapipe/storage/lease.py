@@ -1,13 +1,14 @@
 """One writer per destination: a lease object under a key of a store.
 
-The lease names its holder (a random writer id, host, pid, and the caller's fields) and
-carries a heartbeat that a background thread refreshes every ``ttl/3`` seconds.
+The lease names its holder (a random writer id, host, pid, and the caller's fields).
 Exclusion comes from the storage, never from reading and then writing:
 
 - a store with a local path: ``flock`` on the lease file. The kernel drops the lock when
   the holder's process dies, so a crashed writer's lease is free at once; two writers in
-  one process conflict too (each opens the file itself). The heartbeat is informational.
-- a store with conditional writes (S3): created with ``If-None-Match: *``, refreshed with
+  one process conflict too (each opens the file itself). No heartbeat and no thread: a
+  held flock is the proof of life (and a writer without threads may still fork).
+- a store with conditional writes (S3): a heartbeat that a background thread refreshes
+  every ``ttl/3`` seconds; created with ``If-None-Match: *``, refreshed with
   ``If-Match: <its ETag>``; a lease whose heartbeat is older than its ``ttl`` is stale and
   taken over with ``If-Match`` on the stale version, so of two contenders exactly one
   wins. A holder whose refresh fails that condition has lost it.
@@ -74,16 +75,21 @@ def _decode_json(data: bytes) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def describe_holder(doc: dict[str, Any] | None, now: float | None = None) -> str:
-    """"writer 'ab12' (host 'h', pid 7), last heartbeat 3 s ago" for error messages."""
+def describe_holder(doc: dict[str, Any] | None, *, local: bool, now: float | None = None) -> str:
+    """"writer 'ab12' (host 'h', pid 7), last heartbeat 3 s ago" for error messages; a local
+    (flock) lease has no heartbeat: its holder is alive while the lock is held."""
     if doc is None:
         return "an unreadable lease"
     now = time.time() if now is None else now
+    extra = "".join(f", {k} {doc[k]!r}" for k in ("run_id",) if k in doc)
+    who = f"writer {doc.get('writer')!r} (host {doc.get('host')!r}, pid {doc.get('pid')!r}{extra})"
+    if local:
+        t = doc.get("acquired_unix")
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "?"
+        return f"{who}, holding it since {since}"
     hb = doc.get("heartbeat_unix")
     age = now - hb if isinstance(hb, (int, float)) else float("nan")
-    extra = "".join(f", {k} {doc[k]!r}" for k in ("run_id",) if k in doc)
-    return (f"writer {doc.get('writer')!r} (host {doc.get('host')!r}, pid {doc.get('pid')!r}{extra}), "
-            f"last heartbeat {age:.0f} s ago")
+    return f"{who}, last heartbeat {age:.0f} s ago"
 
 
 def holder_is_dead_here(doc: dict[str, Any] | None) -> bool:
@@ -178,8 +184,8 @@ class WriterLease:
     def _busy(self, doc: dict[str, Any] | None) -> LeaseBusyError:
         how = ("the kernel frees it when that process exits" if self.local else
                f"it goes stale {doc.get('ttl_s') if doc else self.ttl} s after its last heartbeat")
-        return LeaseBusyError(f"{self.url}: held by {describe_holder(doc)}; if that writer is dead, {how}",
-                              doc, self.local)
+        holder = describe_holder(doc, local=self.local)
+        return LeaseBusyError(f"{self.url}: held by {holder}; if that writer is dead, {how}", doc, self.local)
 
     # -- acquire ----------------------------------------------------------------------------
     def acquire(self) -> WriterLease:
@@ -198,8 +204,11 @@ class WriterLease:
             if time.monotonic() >= deadline:
                 raise self._busy(doc)
             time.sleep(min(1.0, max(0.05, self.ttl / 10), max(0.0, deadline - time.monotonic())))
-        self._thread = threading.Thread(target=self._heartbeat, name="datapipe-writer-lease", daemon=True)
-        self._thread.start()
+        if self._fd is None:
+            # a flock needs no heartbeat: the kernel frees it when the holder exits. No thread
+            # either, so a local writer (pack) may still fork its workers
+            self._thread = threading.Thread(target=self._heartbeat, name="datapipe-writer-lease", daemon=True)
+            self._thread.start()
         return self
 
     def _try_local(self, path: str) -> Any:
@@ -290,14 +299,11 @@ class WriterLease:
                 if self._lost is not None or self._stop.is_set():
                     return
                 try:
-                    if self._fd is not None:
-                        self._write_local(self._fd)
-                    else:
-                        tag = self._put_if(self._body(), self._tag)
-                        if tag is None:
-                            self._lost = "its heartbeat found the lease replaced"
-                            return
-                        self._tag = tag
+                    tag = self._put_if(self._body(), self._tag)
+                    if tag is None:
+                        self._lost = "its heartbeat found the lease replaced"
+                        return
+                    self._tag = tag
                 except (OSError, StorageError):
                     pass  # a transient failure; check() asks the store itself before a commit
 
@@ -312,7 +318,7 @@ class WriterLease:
                     else:
                         data, tag = self._get_tagged()
                         if tag != self._tag:
-                            self._lost = f"it is now held by {describe_holder(self._parse(data))}"
+                            self._lost = f"it is now held by {describe_holder(self._parse(data), local=self.local)}"
                 except (FileNotFoundError, ObjectNotFoundError):
                     self._lost = "the lease file was deleted"
             if self._lost is not None:
