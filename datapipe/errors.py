@@ -30,6 +30,7 @@ __all__ = [
     "CacheBudgetError",
     "PlanError",
     "StateMismatchError",
+    "DecodeError",
     "CheckpointError",
     "NoCheckpointError",
     "CorruptCheckpointError",
@@ -136,6 +137,15 @@ class PlanError(DatapipeError):
 
 class StateMismatchError(PlanError):
     """A resume state belongs to another dataset, seed or configuration."""
+
+
+# --- loader: samples into items -------------------------------------------------------
+
+
+class DecodeError(DatapipeError):
+    """A field decoder, a ``decode=`` function or a ``map=`` function raised on a sample
+    whose bytes passed their checks: the function's failure, not corruption. Names the
+    shard, the sample key and (for a field decoder) the field; chained from what it raised."""
 
 
 # --- checkpoint -----------------------------------------------------------------------

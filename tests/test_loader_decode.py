@@ -1,4 +1,4 @@
-"""The loader's fast tar splitter agrees with the format's decoder, or declines."""
+"""The format's fast structural check agrees with its strict decoder, or declines."""
 
 from __future__ import annotations
 
@@ -6,15 +6,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datapipe.errors import CorruptShardError
+from datapipe.errors import DecodeError
 from datapipe.format import decode_sample, encode_sample
-from datapipe.format.plain import split_plain_members
+from datapipe.format.layout import fast_layout
 from datapipe.loader.decode import make_decoder
 
 segment = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_-", min_size=1, max_size=60)
 fields = st.dictionaries(
     st.text(alphabet="abcxyz", min_size=1, max_size=5).map(lambda s: s) | st.sampled_from(["seg.png", "a.b.c"]),
     st.binary(max_size=2000), min_size=1, max_size=4)
+
+
+def split_plain_members(raw):
+    """The one-sample shard ``raw`` cut by :func:`fast_layout`, or None where it declines."""
+    key = raw[:100].split(b"\0", 1)[0].decode("utf-8", "replace").rpartition("/")
+    key = key[0] + key[1] + key[2].split(".", 1)[0]
+    lay = fast_layout(raw, [0], [len(raw)], [key]) if raw else None
+    if lay is None:
+        return None
+    row = lay.table[0].tolist()
+    return {"__key__": key, **{f: raw[row[2 * k] : row[2 * k + 1]] for k, f in enumerate(lay.fields)}}
 
 
 @given(dirs=st.lists(segment, max_size=3), base=segment, fields=fields)
@@ -47,7 +58,7 @@ def test_fast_split_declines_what_it_cannot_vouch_for():
 
 def test_decoder_errors_name_the_sample():
     dec = make_decoder("auto")
-    with pytest.raises(CorruptShardError, match=r"shard-1.tar sample 'k7': field 'json'"):
+    with pytest.raises(DecodeError, match=r"shard-1.tar sample 'k7': field 'json'"):
         dec({"__key__": "k7", "json": b"{not json"}, "shard-1.tar")
     assert dec({"__key__": "k", "cls": b" 12\n", "txt": b"h\xc3\xa9"}, "x") == {"__key__": "k", "cls": 12, "txt": "hé"}
 
@@ -70,10 +81,16 @@ def test_kept_layouts_cut_samples_as_the_tar_parser_does(tmp_path, mixed):
 
     url = _dataset(tmp_path / "ds", mixed)
     plain = StreamingDataset(url, shuffle=False, decode="raw")
-    plain.source.layouts.max_samples = 0  # no layouts: every sample parsed on its own
+    plain.source.find_layouts = False  # no layouts: every sample parsed on its own
     expected = list(plain)
     ds = StreamingDataset(url, shuffle=False, decode="raw")
     assert list(ds) == expected
+    assert len(ds.source.layouts) == 4  # every shard's layout (or member table) is kept
     assert list(ds) == expected  # second epoch: layouts come from the cache
-    held = len(ds.source.layouts._items)
-    assert held == (1 if mixed else 4)  # mixed shards keep no layout; only the last (#39) is uniform
+    kinds = []
+    for g in range(4):
+        data = ds.source.fetch(g)
+        kinds.append(type(data.reader).__name__)
+        data.close()
+    # mixed shards have no shared layout; only the last (#39 alone) is uniform
+    assert kinds == (["MemberWalkReader"] * 3 if mixed else ["LaidOutShardReader"] * 3) + ["LaidOutShardReader"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -406,6 +406,3 @@ def check_shard_rows(c: dict[str, Any], shard: int, record: Any, compression: st
     if bad:
         raise CorruptIndexError(f"{where}: {bad}; the index is damaged (re-run the pack that wrote it)")
 
-
-def as_dict(record: ShardRecord) -> dict[str, Any]:
-    return asdict(record)

@@ -5,7 +5,7 @@ the output is the rank's stream in order) and counts the samples it hands out, s
 ``state_dict()`` needs no argument even with worker processes.
 
 With ``on_error="skip"``, a sample skipped in a worker process is not simply left out: the
-dataset yields a :class:`~.dataset.Skipped` marker in its place, the collate function (run
+dataset yields a :class:`~.readers.Skipped` marker in its place, the collate function (run
 in the worker) takes the markers out of the batch and sends them along with it, and this
 process records them (``skipped``), warns naming shard and sample at the end of the pass,
 and counts them as consumed: each batch is still one batch of the plan, so the resume point
@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 from torch.utils.data import DataLoader, default_collate, default_convert
 
 from ..errors import PlanError
-from .dataset import Skipped, StreamingDataset
+from .dataset import StreamingDataset
+from .readers import Skipped
 
 __all__ = ["StreamingDataLoader"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CorruptShardError
+from ..errors import DatapipeError, DecodeError
 
 __all__ = ["DEFAULT_DECODERS", "SampleDecoder", "make_decoder"]
 
@@ -59,12 +59,22 @@ class SampleDecoder:
 
     def __call__(self, sample: dict[str, Any], where: str) -> Any:
         if self.user is not None:
-            item = self.user(sample)
+            item = self._apply(self.user, sample, sample, where, "decode")
         else:
             item = sample
             if self.table:
                 self._by_extension(sample, where)
-        return item if self.map_fn is None else self.map_fn(item)
+        return item if self.map_fn is None else self._apply(self.map_fn, item, sample, where, "map")
+
+    @staticmethod
+    def _apply(fn: Callable[[Any], Any], arg: Any, sample: dict[str, Any], where: str, what: str) -> Any:
+        try:
+            return fn(arg)
+        except DatapipeError:
+            raise  # already says what and where
+        except Exception as e:  # a user function can raise anything
+            raise DecodeError(f"{where} sample {sample.get('__key__')!r}: the {what}= function raised "
+                              f"{type(e).__name__}: {e}") from e
 
     def _by_extension(self, sample: dict[str, Any], where: str) -> None:
         table = self.table
@@ -78,7 +88,7 @@ class SampleDecoder:
             try:
                 sample[field] = fn(value)
             except Exception as e:  # a decoder of user data can raise anything
-                raise CorruptShardError(
+                raise DecodeError(
                     f"{where} sample {sample.get('__key__')!r}: field {field!r} does not decode as "
                     f".{ext}: {type(e).__name__}: {e}"
                 ) from e

@@ -45,8 +45,9 @@ from ..errors import (
 )
 from ..storage.retry import RetryPolicy, call_with_retry
 from ..storage.stores import LocalStore
-from ..format.plain import check_members, walk_layout
-from .members import LayoutCache
+from ..format.layout import find_layout
+from .layouts import LayoutCache
+from .readers import ShardReader, reader_for
 from .. import dataset as _dataset
 
 __all__ = ["BufferPool", "ShardData", "ShardSource"]
@@ -69,11 +70,10 @@ class ShardData:
     error: Exception | None = None
     #: the whole shard matched its checksum: samples need no check of their own
     verified: bool = False
-    #: a shared field layout (see .members): field k of sample j is src[table[j, 2k]:table[j, 2k+1]]
-    fields: tuple[str, ...] | None = None
-    table: np.ndarray | None = None
     #: the shard's tar bytes (from the index): no zstd frame may decompress to more
     tar_bytes: int = 0
+    #: how its samples are read, chosen once when it is fetched (see .readers)
+    reader: ShardReader | None = None
 
     def __post_init__(self) -> None:
         ends = self.offsets + self.lengths
@@ -82,33 +82,12 @@ class ShardData:
         self.src = self.buf.obj if isinstance(self.buf.obj, (bytes, mmap.mmap)) else bytes(self.buf)
         self._close_lock = threading.Lock()
 
-    # Plain lists for the per-sample path (numpy scalar indexing costs more than the work
-    # per sample). Built on first use only: a shard read through its layout never needs them.
-    @cached_property
-    def offs(self) -> list[int]:
-        return self.offsets.tolist()
-
-    @cached_property
-    def ends(self) -> list[int]:
-        return (self.offsets + self.lengths).tolist()
-
-    @cached_property
-    def rows(self) -> list[list[int]] | None:
-        return None if self.table is None else self.table.tolist()
-
     @cached_property
     def key_array(self) -> np.ndarray:
         """The keys as an object array, for gathering a chunk's keys in one step."""
         out = np.empty(len(self.keys), dtype=object)
         out[:] = self.keys
         return out
-
-    @cached_property
-    def digests(self) -> list[str] | None:
-        prefix = "xxh3_64:"
-        if self.checksums and all(c and c.startswith(prefix) for c in self.checksums):
-            return [c[len(prefix):] for c in self.checksums]
-        return None
 
     def where(self, j: int) -> str:
         off = int(self.offsets[j])
@@ -283,10 +262,11 @@ class ShardSource:
         #: local shard files whose bytes matched their checksum in this process: path ->
         #: (file identity, checksum); see _read_local
         self._verified: dict[str, tuple[tuple[int, ...], str]] = {}
-        #: field layouts of verified shards, kept across epochs (bounded; see .members)
+        #: field layouts of verified shards, kept across epochs (bounded; see .layouts)
         self.layouts = LayoutCache()
-        #: verified shards without a layout whose members were checked against the index
-        self._walked: set[tuple[int, int, str]] = set()
+        #: False: no layout is looked for, every sample is checked and parsed on its own by
+        #: the strict tar parser (the reference the laid-out readers are tested against)
+        self.find_layouts = True
         #: idle private buffers for local shard bytes, reused across shards and epochs
         self.buffers = BufferPool(max_pooled_bytes)
         if self.num_samples == 0:
@@ -337,22 +317,19 @@ class ShardSource:
         data = ShardData(g, info.url, buf, list(table.keys), np.asarray(table.offsets, np.int64),
                          np.asarray(table.lengths, np.int64), list(table.checksums or []),
                          ix.compression, closer, error, verified, tar_bytes=info.tar_bytes)
-        if verified and data.compression == "none" and data.max_end <= len(data.buf):
+        layout = None
+        if verified and self.find_layouts and data.compression == "none" and data.max_end <= len(data.buf):
             key = (g, len(data.buf), info.checksum)
-            lay = self.layouts.get(key)
-            if lay is None:
-                lay = walk_layout(data.src, data.offs, data.ends, data.keys)
-                if lay is not None:
-                    self.layouts.put(key, lay)
-            if lay is not None and lay.samples == len(data.keys):
-                data.fields, data.table = lay.fields, lay.table
-            elif key not in self._walked:
-                # no shared layout vouches for the index's ranges: walk every member once
+            layout = self.layouts.get(key)
+            if layout is None:
+                ends = data.offsets + data.lengths
                 try:
-                    check_members(data.src, data.offs, data.ends, data.keys, info.url)
-                    self._walked.add(key)
-                except CorruptShardError as e:
+                    layout = find_layout(data.src, data.offsets.tolist(), ends.tolist(), data.keys, info.url)
+                except CorruptShardError as e:  # every sample raises it (or is skipped)
                     data.error = e
+                else:
+                    self.layouts.put(key, layout)
+        data.reader = reader_for(data, layout)
         return data
 
     def _bytes(self, ix: Any, info: Any, cache: Any) -> tuple[memoryview, Any, bool]:

@@ -1,0 +1,228 @@
+"""Reading the samples of one fetched shard: one reader per kind of shard, chosen once,
+when the shard is fetched (LitData's strategy object per chunk), never per sample.
+
+Every reader has the same method, ``items(samples, steps, progress, on_error, positions)``:
+for the shard's sample indices ``samples`` (a chunk's samples of this shard, in stream
+order) it yields exactly one thing per sample, the raw sample ``{"__key__": key, field:
+bytes, ...}`` (plus ``__shard__``/``__sample__`` when ``positions``) or, for a sample that
+cannot be read and is skipped, the :class:`Skipped` marker that ``on_error`` returns. Just
+before it hands out sample ``samples[i]`` it sets ``progress.steps = steps[i]``, the plan
+step of that sample, so a resume state taken between two items is exact.
+
+- :class:`LaidOutShardReader`: a verified uncompressed shard whose samples all have the
+  same fields (:class:`~datapipe.format.layout.ShardLayout`): a chunk's rows are gathered
+  from the layout table with numpy, then one ``zip`` step, one dict display and one slice
+  per field per sample, in a loop written out for 1 to 4 fields (a general one for more).
+- :class:`MemberWalkReader`: a verified uncompressed shard whose samples differ in their
+  fields (:class:`~datapipe.format.layout.MemberTable`).
+- :class:`CheckedSampleReader`: everything else, sample by sample: a shard that failed its
+  whole-shard checksum, a zstd shard (one frame per sample), a truncated one. Each sample
+  is checked against its own checksum and parsed by the strict tar parser.
+- :class:`FailedShardReader`: a shard whose fetch raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from ..errors import CorruptIndexError, CorruptShardError, DatapipeError
+from ..format import decode_sample
+from ..format.layout import MemberTable, ShardLayout
+
+if TYPE_CHECKING:
+    from .source import ShardData
+
+__all__ = ["Skipped", "Progress", "ErrorPolicy", "ShardReader", "LaidOutShardReader", "MemberWalkReader",
+           "CheckedSampleReader", "FailedShardReader", "reader_for"]
+
+
+class Skipped(NamedTuple):
+    """A skipped sample's place in the stream, yielded instead of the sample only while a
+    :class:`~datapipe.loader.StreamingDataLoader` iterates (it takes it out of the batch and
+    reports it in the main process): batches stay aligned with the plan's batches, so the
+    loader's resume count stays exact with worker processes."""
+
+    url: str
+    key: str | None
+    why: str
+
+
+class Progress:
+    """Plan steps the consumer has taken in the current pass (skipped samples count too):
+    readers set :attr:`steps` to a sample's step just before they hand it out."""
+
+    __slots__ = ("steps",)
+
+    def __init__(self, steps: int = 0) -> None:
+        self.steps = steps
+
+
+class ErrorPolicy:
+    """The dataset's ``on_error``, applied in this one place: ``policy(url, key, error)``
+    re-raises ``error`` ("raise"), or records ``(url, key, why)`` in ``skipped`` and returns
+    the :class:`Skipped` marker that takes the sample's place ("skip")."""
+
+    def __init__(self, skip: bool, skipped: list[tuple[str, str | None, str]]) -> None:
+        self.skip = skip
+        self.skipped = skipped
+
+    def __call__(self, url: str, key: str | None, error: BaseException, why: str | None = None) -> Skipped:
+        if not self.skip or not isinstance(error, DatapipeError) or isinstance(error, CorruptIndexError):
+            raise error  # an index that fails is not one sample's fault: never skipped
+        marker = Skipped(url, key, str(error) if why is None else why)
+        self.skipped.append(tuple(marker))  # type: ignore[arg-type]  # (url, key, why)
+        return marker
+
+
+class ShardReader:
+    """What every reader offers (see the module docstring)."""
+
+    shard: int
+    url: str
+
+    def items(self, samples: np.ndarray, steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
+              positions: bool) -> Iterator[Any]:
+        raise NotImplementedError
+
+
+# -- laid-out shards: loops written out by number of fields ------------------------------------
+# Each yields {"__key__": key, field: src[a:b], ...} for the rows of ``cols`` (start and end
+# column of each field) and sets progress.steps before each item.
+
+def _items_1(src: Any, fields: Sequence[str], keys: list[str], cols: list[list[int]], steps: Sequence[int],
+             progress: Progress) -> Iterator[dict[str, Any]]:
+    (f0,) = fields
+    for progress.steps, k, a0, b0 in zip(steps, keys, *cols):
+        yield {"__key__": k, f0: src[a0:b0]}
+
+
+def _items_2(src: Any, fields: Sequence[str], keys: list[str], cols: list[list[int]], steps: Sequence[int],
+             progress: Progress) -> Iterator[dict[str, Any]]:
+    f0, f1 = fields
+    for progress.steps, k, a0, b0, a1, b1 in zip(steps, keys, *cols):
+        yield {"__key__": k, f0: src[a0:b0], f1: src[a1:b1]}
+
+
+def _items_3(src: Any, fields: Sequence[str], keys: list[str], cols: list[list[int]], steps: Sequence[int],
+             progress: Progress) -> Iterator[dict[str, Any]]:
+    f0, f1, f2 = fields
+    for progress.steps, k, a0, b0, a1, b1, a2, b2 in zip(steps, keys, *cols):
+        yield {"__key__": k, f0: src[a0:b0], f1: src[a1:b1], f2: src[a2:b2]}
+
+
+def _items_4(src: Any, fields: Sequence[str], keys: list[str], cols: list[list[int]], steps: Sequence[int],
+             progress: Progress) -> Iterator[dict[str, Any]]:
+    f0, f1, f2, f3 = fields
+    for progress.steps, k, a0, b0, a1, b1, a2, b2, a3, b3 in zip(steps, keys, *cols):
+        yield {"__key__": k, f0: src[a0:b0], f1: src[a1:b1], f2: src[a2:b2], f3: src[a3:b3]}
+
+
+def _items_n(src: Any, fields: Sequence[str], keys: list[str], cols: list[list[int]], steps: Sequence[int],
+             progress: Progress) -> Iterator[dict[str, Any]]:
+    for progress.steps, k, row in zip(steps, keys, zip(*cols)):
+        item = {"__key__": k}
+        for f, a, b in zip(fields, row[0::2], row[1::2]):
+            item[f] = src[a:b]
+        yield item
+
+
+_LOOPS: dict[int, Callable[..., Iterator[dict[str, Any]]]] = {1: _items_1, 2: _items_2, 3: _items_3, 4: _items_4}
+
+
+def _with_positions(items: Iterator[dict[str, Any]], shard: int, samples: np.ndarray) -> Iterator[dict[str, Any]]:
+    for item, j in zip(items, samples.tolist()):
+        item["__shard__"], item["__sample__"] = shard, j
+        yield item
+
+
+class LaidOutShardReader(ShardReader):
+    """A verified uncompressed shard whose samples share one field layout."""
+
+    def __init__(self, data: ShardData, layout: ShardLayout) -> None:
+        self.shard, self.url, self.data, self.layout = data.shard, data.url, data, layout
+        self._loop = _LOOPS.get(len(layout.fields), _items_n)
+
+    def items(self, samples: np.ndarray, steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
+              positions: bool) -> Iterator[Any]:
+        data = self.data
+        cols = self.layout.table[samples].T.tolist()
+        out = self._loop(data.src, self.layout.fields, data.key_array[samples].tolist(), cols, steps, progress)
+        return _with_positions(out, self.shard, samples) if positions else out
+
+
+class MemberWalkReader(ShardReader):
+    """A verified uncompressed shard whose samples differ in their fields."""
+
+    def __init__(self, data: ShardData, members: MemberTable) -> None:
+        self.shard, self.url, self.data, self.members = data.shard, data.url, data, members
+
+    def items(self, samples: np.ndarray, steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
+              positions: bool) -> Iterator[Any]:
+        data, m = self.data, self.members
+        src, keys, shapes, bounds = data.src, data.keys, m.shapes, m.bounds
+        for progress.steps, j, shape, first in zip(steps, samples.tolist(), m.shape[samples].tolist(),
+                                                   m.first[samples].tolist()):
+            if shape < 0:  # a field held twice: the strict decode raises what is wrong
+                try:
+                    decode_sample(data.sample_bytes(j), "none", data.where(j), data.tar_bytes)
+                    raise CorruptShardError(f"{data.where(j)}: a field is held twice")
+                except DatapipeError as e:
+                    yield on_error(self.url, keys[j], e)
+                    continue
+            fields = shapes[shape]
+            row = bounds[first : first + 2 * len(fields)].tolist()
+            item: dict[str, Any] = {"__key__": keys[j]}
+            for f, a, b in zip(fields, row[0::2], row[1::2]):
+                item[f] = src[a:b]
+            if positions:
+                item["__shard__"], item["__sample__"] = self.shard, j
+            yield item
+
+
+class CheckedSampleReader(ShardReader):
+    """Sample by sample: each checked against its own checksum (a zstd frame decompressed
+    within the shard's tar size), parsed by the strict tar parser, its key checked against
+    the index. A shard whose bytes could not be had raises (or skips) at each sample."""
+
+    def __init__(self, data: ShardData) -> None:
+        self.shard, self.url, self.data = data.shard, data.url, data
+
+    def items(self, samples: np.ndarray, steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
+              positions: bool) -> Iterator[Any]:
+        data = self.data
+        for progress.steps, j in zip(steps, samples.tolist()):
+            try:
+                sample = decode_sample(data.sample_bytes(j), data.compression, data.where(j), data.tar_bytes)
+                if sample["__key__"] != data.keys[j]:  # the tar header must agree with the index
+                    raise CorruptShardError(f"{data.where(j)}: the tar members name key {sample['__key__']!r}")
+            except DatapipeError as e:
+                yield on_error(self.url, data.keys[j], e)
+                continue
+            if positions:
+                sample["__shard__"], sample["__sample__"] = self.shard, j
+            yield sample
+
+
+class FailedShardReader(ShardReader):
+    """A shard whose fetch raised ``error``: each sample raises it, or is skipped."""
+
+    def __init__(self, shard: int, url: str, error: BaseException) -> None:
+        self.shard, self.url, self.error = shard, url, error
+
+    def items(self, samples: np.ndarray, steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
+              positions: bool) -> Iterator[Any]:
+        for progress.steps, j in zip(steps, samples.tolist()):
+            yield on_error(self.url, None, self.error, f"sample #{j}: {self.error}")
+
+
+def reader_for(data: ShardData, layout: ShardLayout | MemberTable | None) -> ShardReader:
+    """The reader of a fetched shard: by its layout when it has one (a verified
+    uncompressed shard), else sample by sample."""
+    if isinstance(layout, ShardLayout) and layout.samples == len(data.keys):
+        return LaidOutShardReader(data, layout)
+    if isinstance(layout, MemberTable) and layout.samples == len(data.keys):
+        return MemberWalkReader(data, layout)
+    return CheckedSampleReader(data)
