@@ -16,6 +16,7 @@ from datapipe.errors import (
     ChecksumError,
     CorruptShardError,
     DatapipeError,
+    DecodeError,
     ObjectNotFoundError,
     PlanError,
     StateMismatchError,
@@ -93,7 +94,7 @@ def test_npy_fields_decode_without_pickle(tmp_path):
         np.save(buf, np.array([{"x": 1}], dtype=object), allow_pickle=True)
         w.write({"__key__": "evil", "npy": buf.getvalue()})
     ds = StreamingDataset(url, shuffle=False)
-    with pytest.raises(CorruptShardError, match="evil"):
+    with pytest.raises(DecodeError, match="evil"):
         got = [s["npy"] for s in ds]
     with pytest.warns(RuntimeWarning, match="evil"):
         got = [s["npy"] for s in StreamingDataset(url, shuffle=False, on_error="skip")]

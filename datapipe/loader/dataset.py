@@ -29,7 +29,7 @@ from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
 from .decode import make_decoder
 from .mixing import Stream, epoch_layout, stream_targets
 from .prefetch import Chunk, Prefetcher
-from .readers import ErrorPolicy, FailedShardReader, Progress, ShardReader, Skipped
+from .readers import ErrorPolicy, FailedShardReader, Progress, ShardReader, Skipped, chunk_items
 from .source import ShardSource
 
 try:  # torch is optional: without it the dataset is a plain iterable
@@ -319,22 +319,16 @@ class StreamingDataset(_Base):
         return reader
 
     def _chunk_items(self, pre: Prefetcher, chunk: Chunk, on_error: ErrorPolicy) -> Iterator[Any]:
-        """The items of ``chunk`` in stream order: each shard's reader reads the chunk's
-        samples of that shard, and the per-shard streams are taken in the chunk's order."""
+        """The items of ``chunk`` in stream order, read by its shards' readers (see
+        :func:`.readers.chunk_items`), then decoded."""
         shards = chunk.shards  # distinct, in order of first use
         readers = [self._reader(pre, g) for g in shards]
         ids = np.asarray(shards, dtype=np.int64)
         sorter = np.argsort(ids)
         loc = sorter[np.searchsorted(ids, chunk.shard, sorter=sorter)]  # each sample's shard in `shards`
-        order = np.argsort(loc, kind="stable")
-        cuts = np.cumsum(np.bincount(loc, minlength=len(shards)))[:-1]
         first = self._progress.steps + 1  # the chunk before this one is fully taken
         positions = self.return_position and self._decode.is_identity  # else added after the map
-        streams = np.empty(len(shards), dtype=object)
-        for i, (samples, steps) in enumerate(zip(np.split(chunk.sample[order], cuts),
-                                                np.split(order + first, cuts))):
-            streams[i] = readers[i].items(samples, steps.tolist(), self._progress, on_error, positions)
-        items: Iterator[Any] = map(next, streams[loc].tolist())
+        items = chunk_items(readers, loc, chunk.sample, first, self._progress, on_error, positions)
         if not self._decode.is_identity:
             items = self._decoded(items, chunk, {r.shard: r.url for r in readers}, on_error)
         return items

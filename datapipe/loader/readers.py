@@ -23,7 +23,8 @@ step of that sample, so a resume state taken between two items is exact.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import count, repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from .source import ShardData
 
 __all__ = ["Skipped", "Progress", "ErrorPolicy", "ShardReader", "LaidOutShardReader", "MemberWalkReader",
-           "CheckedSampleReader", "FailedShardReader", "reader_for"]
+           "CheckedSampleReader", "FailedShardReader", "reader_for", "chunk_items"]
 
 
 class Skipped(NamedTuple):
@@ -89,53 +90,100 @@ class ShardReader:
 
 
 # -- laid-out shards: loops written out by number of fields ------------------------------------
-# Each yields {"__key__": key, field: src[a:b], ...} for the rows of ``cols`` (start and end
-# column of each field) and sets progress.steps before each item.
+# Each yields {"__key__": keys[i], field_k: srcs[i][a:b], ...} with a, b from the start and end
+# columns of field k in ``cols``, setting progress.steps to steps[i] before each item. A dict
+# display per number of fields: a loop over the fields costs about twice as much per sample.
 
-def _items_1(src: Any, fields: Sequence[str], keys: list[str], cols: list[list[int]], steps: Sequence[int],
-             progress: Progress) -> Iterator[dict[str, Any]]:
+def _items_1(srcs: Iterable[Any], fields: Sequence[str], keys: list[str], cols: list[list[int]],
+             steps: Iterable[int], progress: Progress) -> Iterator[dict[str, Any]]:
     (f0,) = fields
-    for progress.steps, k, a0, b0 in zip(steps, keys, *cols):
-        yield {"__key__": k, f0: src[a0:b0]}
+    for progress.steps, s, k, a0, b0 in zip(steps, srcs, keys, *cols):
+        yield {"__key__": k, f0: s[a0:b0]}
 
 
-def _items_2(src: Any, fields: Sequence[str], keys: list[str], cols: list[list[int]], steps: Sequence[int],
-             progress: Progress) -> Iterator[dict[str, Any]]:
+def _items_2(srcs: Iterable[Any], fields: Sequence[str], keys: list[str], cols: list[list[int]],
+             steps: Iterable[int], progress: Progress) -> Iterator[dict[str, Any]]:
     f0, f1 = fields
-    for progress.steps, k, a0, b0, a1, b1 in zip(steps, keys, *cols):
-        yield {"__key__": k, f0: src[a0:b0], f1: src[a1:b1]}
+    for progress.steps, s, k, a0, b0, a1, b1 in zip(steps, srcs, keys, *cols):
+        yield {"__key__": k, f0: s[a0:b0], f1: s[a1:b1]}
 
 
-def _items_3(src: Any, fields: Sequence[str], keys: list[str], cols: list[list[int]], steps: Sequence[int],
-             progress: Progress) -> Iterator[dict[str, Any]]:
+def _items_3(srcs: Iterable[Any], fields: Sequence[str], keys: list[str], cols: list[list[int]],
+             steps: Iterable[int], progress: Progress) -> Iterator[dict[str, Any]]:
     f0, f1, f2 = fields
-    for progress.steps, k, a0, b0, a1, b1, a2, b2 in zip(steps, keys, *cols):
-        yield {"__key__": k, f0: src[a0:b0], f1: src[a1:b1], f2: src[a2:b2]}
+    for progress.steps, s, k, a0, b0, a1, b1, a2, b2 in zip(steps, srcs, keys, *cols):
+        yield {"__key__": k, f0: s[a0:b0], f1: s[a1:b1], f2: s[a2:b2]}
 
 
-def _items_4(src: Any, fields: Sequence[str], keys: list[str], cols: list[list[int]], steps: Sequence[int],
-             progress: Progress) -> Iterator[dict[str, Any]]:
+def _items_4(srcs: Iterable[Any], fields: Sequence[str], keys: list[str], cols: list[list[int]],
+             steps: Iterable[int], progress: Progress) -> Iterator[dict[str, Any]]:
     f0, f1, f2, f3 = fields
-    for progress.steps, k, a0, b0, a1, b1, a2, b2, a3, b3 in zip(steps, keys, *cols):
-        yield {"__key__": k, f0: src[a0:b0], f1: src[a1:b1], f2: src[a2:b2], f3: src[a3:b3]}
+    for progress.steps, s, k, a0, b0, a1, b1, a2, b2, a3, b3 in zip(steps, srcs, keys, *cols):
+        yield {"__key__": k, f0: s[a0:b0], f1: s[a1:b1], f2: s[a2:b2], f3: s[a3:b3]}
 
 
-def _items_n(src: Any, fields: Sequence[str], keys: list[str], cols: list[list[int]], steps: Sequence[int],
-             progress: Progress) -> Iterator[dict[str, Any]]:
-    for progress.steps, k, row in zip(steps, keys, zip(*cols)):
+def _items_5(srcs: Iterable[Any], fields: Sequence[str], keys: list[str], cols: list[list[int]],
+             steps: Iterable[int], progress: Progress) -> Iterator[dict[str, Any]]:
+    f0, f1, f2, f3, f4 = fields
+    for progress.steps, s, k, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4 in zip(steps, srcs, keys, *cols):
+        yield {"__key__": k, f0: s[a0:b0], f1: s[a1:b1], f2: s[a2:b2], f3: s[a3:b3], f4: s[a4:b4]}
+
+
+def _items_6(srcs: Iterable[Any], fields: Sequence[str], keys: list[str], cols: list[list[int]],
+             steps: Iterable[int], progress: Progress) -> Iterator[dict[str, Any]]:
+    f0, f1, f2, f3, f4, f5 = fields
+    for progress.steps, s, k, a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5 in zip(steps, srcs, keys, *cols):
+        yield {"__key__": k, f0: s[a0:b0], f1: s[a1:b1], f2: s[a2:b2], f3: s[a3:b3], f4: s[a4:b4], f5: s[a5:b5]}
+
+
+def _items_n(srcs: Iterable[Any], fields: Sequence[str], keys: list[str], cols: list[list[int]],
+             steps: Iterable[int], progress: Progress) -> Iterator[dict[str, Any]]:
+    for progress.steps, s, k, row in zip(steps, srcs, keys, zip(*cols)):
         item = {"__key__": k}
-        for f, a, b in zip(fields, row[0::2], row[1::2]):
-            item[f] = src[a:b]
+        i = 0
+        for f in fields:
+            item[f] = s[row[i] : row[i + 1]]
+            i += 2
         yield item
 
 
-_LOOPS: dict[int, Callable[..., Iterator[dict[str, Any]]]] = {1: _items_1, 2: _items_2, 3: _items_3, 4: _items_4}
+_LOOPS: dict[int, Callable[..., Iterator[dict[str, Any]]]] = {
+    1: _items_1, 2: _items_2, 3: _items_3, 4: _items_4, 5: _items_5, 6: _items_6}
 
 
-def _with_positions(items: Iterator[dict[str, Any]], shard: int, samples: np.ndarray) -> Iterator[dict[str, Any]]:
-    for item, j in zip(items, samples.tolist()):
-        item["__shard__"], item["__sample__"] = shard, j
+def _with_positions(items: Iterator[dict[str, Any]], shards: Iterable[int],
+                    samples: Iterable[int]) -> Iterator[dict[str, Any]]:
+    for item, g, j in zip(items, shards, samples):
+        item["__shard__"], item["__sample__"] = g, j
         yield item
+
+
+def _laid_out_items(readers: Sequence[LaidOutShardReader], loc: np.ndarray, samples: np.ndarray,
+                    steps: Iterable[int], progress: Progress, positions: bool) -> Iterator[dict[str, Any]]:
+    """The items of samples ``samples`` (of shard ``readers[loc[i]]`` each), all laid out
+    with the same fields: the rows are gathered from the layout tables in one numpy step."""
+    if len(readers) == 1:
+        (r,) = readers
+        table, key_array, rows = r.layout.table, r.data.key_array, samples
+        srcs: Iterable[Any] = repeat(r.data.src)
+    else:
+        sizes = np.array([r.layout.samples for r in readers], dtype=np.int64)
+        base = np.zeros(len(readers), dtype=np.int64)
+        np.cumsum(sizes[:-1], out=base[1:])
+        rows = base[loc] + samples
+        table = np.concatenate([r.layout.table for r in readers])
+        key_array = np.concatenate([r.data.key_array for r in readers])
+        by_reader = np.empty(len(readers), dtype=object)
+        for i, r in enumerate(readers):  # one by one: numpy would read an mmap as an array
+            by_reader[i] = r.data.src
+        srcs = by_reader[loc].tolist()
+    fields = readers[0].layout.fields
+    loop = _LOOPS.get(len(fields), _items_n)
+    items = loop(srcs, fields, key_array[rows].tolist(), table[rows].T.tolist(), steps, progress)
+    if positions:
+        shard_ids = np.array([r.shard for r in readers], dtype=np.int64)
+        return _with_positions(items, shard_ids[loc].tolist(), samples.tolist())
+    return items
 
 
 class LaidOutShardReader(ShardReader):
@@ -143,14 +191,10 @@ class LaidOutShardReader(ShardReader):
 
     def __init__(self, data: ShardData, layout: ShardLayout) -> None:
         self.shard, self.url, self.data, self.layout = data.shard, data.url, data, layout
-        self._loop = _LOOPS.get(len(layout.fields), _items_n)
 
     def items(self, samples: np.ndarray, steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
               positions: bool) -> Iterator[Any]:
-        data = self.data
-        cols = self.layout.table[samples].T.tolist()
-        out = self._loop(data.src, self.layout.fields, data.key_array[samples].tolist(), cols, steps, progress)
-        return _with_positions(out, self.shard, samples) if positions else out
+        return _laid_out_items([self], np.zeros(len(samples), np.int64), samples, steps, progress, positions)
 
 
 class MemberWalkReader(ShardReader):
@@ -216,6 +260,26 @@ class FailedShardReader(ShardReader):
               positions: bool) -> Iterator[Any]:
         for progress.steps, j in zip(steps, samples.tolist()):
             yield on_error(self.url, None, self.error, f"sample #{j}: {self.error}")
+
+
+def chunk_items(readers: Sequence[ShardReader], loc: np.ndarray, samples: np.ndarray, first: int,
+                progress: Progress, on_error: ErrorPolicy, positions: bool) -> Iterator[Any]:
+    """The items of a chunk in stream order: sample ``samples[i]`` of the shard that
+    ``readers[loc[i]]`` reads, its plan step ``first + i``. Each reader reads the chunk's
+    samples of its shard and the streams are taken in the chunk's order; when every shard of
+    the chunk is laid out with the same fields (the common case, where the cost per sample
+    matters most) one loop reads them all, without interleaving streams."""
+    fields = {r.layout.fields if isinstance(r, LaidOutShardReader) else None for r in readers}
+    if len(fields) == 1 and None not in fields:
+        laid = [r for r in readers if isinstance(r, LaidOutShardReader)]
+        return _laid_out_items(laid, loc, samples, count(first), progress, positions)
+    order = np.argsort(loc, kind="stable")
+    cuts = np.cumsum(np.bincount(loc, minlength=len(readers)))[:-1]
+    streams = np.empty(len(readers), dtype=object)
+    for i, (mine, steps) in enumerate(zip(np.split(samples[order], cuts), np.split(order + first, cuts))):
+        streams[i] = readers[i].items(mine, steps.tolist(), progress, on_error, positions)
+    # each stream yields exactly one thing per sample, so this takes them in the chunk's order
+    return map(next, streams[loc].tolist())
 
 
 def reader_for(data: ShardData, layout: ShardLayout | MemberTable | None) -> ShardReader:
