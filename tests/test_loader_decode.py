@@ -94,3 +94,47 @@ def test_kept_layouts_cut_samples_as_the_tar_parser_does(tmp_path, mixed):
         data.close()
     # mixed shards have no shared layout; only the last (#39 alone) is uniform
     assert kinds == (["MemberWalkReader"] * 3 if mixed else ["LaidOutShardReader"] * 3) + ["LaidOutShardReader"]
+
+
+def _fails_on_7(sample):
+    if sample["__key__"] == "d/007":
+        raise KeyError("no such label")
+    return sample
+
+
+@pytest.mark.parametrize("where", ["decode", "map"])
+def test_a_user_function_that_raises_is_a_decode_error_not_corruption(tmp_path, where):
+    from datapipe.errors import CorruptShardError
+    from datapipe.loader import StreamingDataset
+
+    url = _dataset(tmp_path / "ds", False)
+    kw = {"decode": _fails_on_7} if where == "decode" else {"decode": "raw", "map": _fails_on_7}
+    with pytest.raises(DecodeError, match=rf"shard-000000.tar sample 'd/007': the {where}= function raised KeyError") as e:
+        list(StreamingDataset(url, shuffle=False, **kw))
+    assert not isinstance(e.value, CorruptShardError) and isinstance(e.value.__cause__, KeyError)
+    ds = StreamingDataset(url, shuffle=False, on_error="skip", **kw)
+    with pytest.warns(RuntimeWarning, match="skipped 1 unreadable"):
+        got = [s["__key__"] for s in ds]
+    assert len(got) == 39 and "d/007" not in got and [k for _, k, _ in ds.skipped] == ["d/007"]
+
+
+def test_a_failing_schedule_hook_is_reported_once_and_reads_go_on(tmp_path):
+    import numpy as np
+
+    from datapipe.loader.prefetch import Chunk, Prefetcher
+
+    class Shard:
+        def close(self):
+            pass
+
+    def hook(order):
+        raise OSError("cache gone")
+
+    chunks = (Chunk.make(k, np.arange(1), np.array([k]), np.zeros(1, np.int64)) for k in range(5))
+    pre = Prefetcher(chunks, lambda g: Shard(), lambda g: 1, schedule=hook)
+    with pytest.warns(RuntimeWarning, match="schedule hook failed.*cache gone") as seen:
+        for c in pre:
+            pre.shard(c.shards[0])
+            pre.done(c)
+        pre.close()
+    assert len([w for w in seen if "schedule hook" in str(w.message)]) == 1

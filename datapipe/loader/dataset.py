@@ -11,7 +11,8 @@
 Order, partition and resume come from :mod:`datapipe.plan`; this module resolves the
 topology (explicit arguments, else ``torch.distributed`` if initialised, else the
 ``RANK``/``WORLD_SIZE`` environment, else one rank), cuts the worker's share of the rank's
-stream into chunks, fetches their shards through a :class:`.prefetch.Prefetcher` and
+stream into chunks, fetches their shards through a :class:`.prefetch.Prefetcher`, reads
+each chunk through its shards' readers (:mod:`.readers`, chosen once per shard) and
 decodes samples. Without torch installed it is a plain iterable.
 """
 
@@ -95,8 +96,10 @@ class StreamingDataset(_Base):
     dropping the last ``< world`` samples (True) or repeating as many (False).
     ``batch_size``: the DataLoader's, so that workers take whole batches in turn and the
     loader's output is the rank's stream in order (exact resume). ``on_error``: "raise" on a
-    corrupt sample, or "skip" it and report all skipped at the end of the pass (a rank that
-    skips yields fewer samples than the others that epoch). Under a
+    sample that cannot be read (corrupt, or a :class:`~datapipe.errors.DecodeError`: a field
+    decoder, ``decode=`` or ``map=`` function raised on it), or "skip" it and report all
+    skipped at the end of the pass (a rank that skips yields fewer samples than the others
+    that epoch). Under a
     :class:`~datapipe.loader.StreamingDataLoader`, skips in worker processes are reported in
     the main process (``loader.skipped`` and a warning) and its resume point counts them.
     One pass at a time: a second iterator started while one is live raises PlanError.

@@ -91,6 +91,7 @@ class Prefetcher:
         self._reading = 0  # number of the chunk the consumer reads
         self._planned: list[Chunk] = []  # handed out or queued, not yet done
         self._stop = False
+        self._schedule_failed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._thread_main, name="datapipe-prefetch", daemon=True)
@@ -164,12 +165,14 @@ class Prefetcher:
                 data.close()
 
     def _poke(self) -> None:
+        """Wake the planner: the consumer took a chunk, freed budget, or asked it to stop."""
         loop, ev = self._loop, self._changed
-        if loop is not None and ev is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(ev.set)
-            except RuntimeError:  # loop already closed
-                pass
+        if loop is None or ev is None:
+            return  # not waiting yet: it checks the state before it first waits
+        try:
+            loop.call_soon_threadsafe(ev.set)
+        except RuntimeError:  # the loop has closed: the planner has ended, nothing to wake
+            return
 
     # -- producer side -----------------------------------------------------------------
     def _thread_main(self) -> None:
@@ -193,30 +196,34 @@ class Prefetcher:
             loop.close()
 
     def _put(self, item: Any) -> None:
-        while not self._stop:
-            try:
-                self._queue.put(item, timeout=0.05)
-                return
-            except queue.Full:
-                continue
+        """Hand ``item`` (the planner's error) to the consumer, from the planner's thread
+        once its loop has ended. A consumer that stops drains the queue after setting the
+        stop flag, so a blocked put always ends."""
+        if not self._stop:
+            self._queue.put(item)
 
-    async def _put_async(self, item: Any) -> bool:
+    async def _until(self, ready: Callable[[], bool]) -> bool:
+        """Wait, without polling, until ``ready()`` (checked each time the consumer pokes);
+        False once the consumer has asked to stop."""
+        changed = self._changed
+        if changed is None:
+            raise RuntimeError("prefetch loop not started")
         while not self._stop:
-            try:
-                self._queue.put_nowait(item)
+            changed.clear()  # before the check: a poke after it wakes the wait below
+            if ready():
                 return True
-            except queue.Full:
-                await self._wait_change(0.05)
+            await changed.wait()
         return False
 
-    async def _wait_change(self, timeout: float) -> None:
-        if self._changed is None:
-            raise RuntimeError("prefetch loop not started")
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
-        self._changed.clear()
+    async def _put_async(self, item: Any) -> bool:
+        def put() -> bool:
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                return False
+            return True
+
+        return await self._until(put)
 
     async def _run(self) -> None:
         self._changed = asyncio.Event()
@@ -235,20 +242,22 @@ class Prefetcher:
                         slot.refs += 1
                         continue
                 size = max(int(self._shard_bytes(g)), 1)
-                # wait for budget, unless this chunk is the one being read (progress first)
-                while not self._stop:
+                new = _Slot(size)
+                new.refs = 1
+
+                def reserve(g: int = g, new: _Slot = new, number: int = chunk.number) -> bool:
+                    # budget, unless this chunk is the one being read (progress first)
                     with self._lock:
-                        fits = self._held + size <= self.max_bytes or chunk.number <= self._reading
-                        if fits:
-                            slot = _Slot(size)
-                            slot.refs = 1
-                            self._slots[g] = slot
-                            self._held += size
-                            self.peak_bytes = max(self.peak_bytes, self._held)
-                            break
-                    await self._wait_change(0.05)
-                if self._stop:
+                        if self._held + new.size > self.max_bytes and number > self._reading:
+                            return False
+                        self._slots[g] = new
+                        self._held += new.size
+                        self.peak_bytes = max(self.peak_bytes, self._held)
+                        return True
+
+                if not await self._until(reserve):
                     return
+                slot = new
                 await sem.acquire()
                 t = asyncio.get_running_loop().create_task(self._load(g, slot, sem))
                 tasks.add(t)
@@ -260,7 +269,7 @@ class Prefetcher:
                 return
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        self._put(_END)
+        await self._put_async(_END)
 
     def _landed_after_stop(self, g: int, fut: Any) -> None:
         if fut.cancelled():  # never started
@@ -310,5 +319,8 @@ class Prefetcher:
                         order.append(g)
         try:
             self._schedule(order)
-        except Exception:  # a cache that cannot take hints still serves reads
-            pass
+        except Exception as e:  # noqa: BLE001 - a cache that cannot take hints still serves reads
+            if not self._schedule_failed:  # once per pass: every chunk would say the same
+                self._schedule_failed = True
+                warnings.warn(f"the cache's schedule hook failed ({type(e).__name__}: {e}); reads go on, "
+                              "but its eviction no longer knows the upcoming shards", RuntimeWarning, stacklevel=2)
