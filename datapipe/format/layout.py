@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import CorruptShardError
 from .tar import BLOCK, padding, split_member_name, walk_members
@@ -37,7 +38,7 @@ class ShardLayout:
 
     __slots__ = ("fields", "table")
 
-    def __init__(self, fields: tuple[str, ...], table: np.ndarray) -> None:
+    def __init__(self, fields: tuple[str, ...], table: NDArray[Any]) -> None:
         self.fields = fields
         self.table = table  # (samples, 2 * fields) int64: kept compact in the cache
 
@@ -52,10 +53,10 @@ class MemberTable:
     bounds[first[j] + 2k + 1]]``. ``shape[j] == -1``: the sample holds a field twice, and
     reading it raises (its strict decode names the problem)."""
 
-    __slots__ = ("shapes", "shape", "first", "bounds")
+    __slots__ = ("bounds", "first", "shape", "shapes")
 
-    def __init__(self, shapes: list[tuple[str, ...]], shape: np.ndarray, first: np.ndarray,
-                 bounds: np.ndarray) -> None:
+    def __init__(self, shapes: list[tuple[str, ...]], shape: NDArray[Any], first: NDArray[Any],
+                 bounds: NDArray[Any]) -> None:
         self.shapes, self.shape, self.first, self.bounds = shapes, shape, first, bounds
 
     @property

@@ -34,7 +34,7 @@ class _Batch(NamedTuple):
 
     batch: Any
     steps: int
-    skipped: tuple
+    skipped: tuple[Skipped, ...]
 
 
 class _CollateSkipped:
@@ -55,7 +55,7 @@ class _CollateSkipped:
         return _Batch(self.collate(items) if items else None, len(data), skipped)
 
 
-class StreamingDataLoader(DataLoader):
+class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's DataLoader is generic in its batch type; ours varies with collate_fn
     def __init__(self, dataset: StreamingDataset, batch_size: int | None = 1, **kwargs: Any) -> None:
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
@@ -76,8 +76,10 @@ class StreamingDataLoader(DataLoader):
         #: or last pass, by whichever process read them
         self.skipped: list[tuple[str, str | None, str]] = []
         self._live: object | None = None
+        #: the dataset, typed as what it is (torch types ``self.dataset`` as any Dataset)
+        self.stream: StreamingDataset = dataset
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator of batches, as DataLoader's iterator yields
         # one pass at a time, for the reason StreamingDataset.__iter__ gives
         if self._live is not None:
             raise PlanError("this StreamingDataLoader is already being iterated: finish or close() the first "
@@ -85,7 +87,7 @@ class StreamingDataLoader(DataLoader):
         token = self._live = object()
         self.samples_seen = 0
         self.skipped = []
-        dataset = self.dataset
+        dataset = self.stream
         dataset._holes = True
         try:
             batches = super().__iter__()  # worker processes start here, with a copy of the dataset
@@ -114,8 +116,8 @@ class StreamingDataLoader(DataLoader):
                               RuntimeWarning, stacklevel=2)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.dataset.state_dict(self.samples_seen)
+        return self.stream.state_dict(self.samples_seen)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state)
+        self.stream.load_state_dict(state)
         self.samples_seen = 0

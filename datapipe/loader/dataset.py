@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import DatapipeError, PlanError, StateMismatchError
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
@@ -86,7 +87,7 @@ def _in_worker() -> bool:
     return get_worker_info() is not None
 
 
-class StreamingDataset(_Base):
+class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableDataset is generic in its item type; ours vary with decode/map
     """Samples of one or more packed datasets in a deterministic, resumable, shuffled order.
 
     ``source``: a dataset URL, a list of URLs (read as one dataset), or a list of
@@ -118,7 +119,7 @@ class StreamingDataset(_Base):
         streams = [source] if isinstance(source, (str, Stream)) else list(source)
         if not streams:
             raise PlanError("a StreamingDataset needs at least one dataset URL")
-        self.streams = [s if isinstance(s, Stream) else Stream(os.fspath(s)) for s in streams]
+        self.streams = [s if isinstance(s, Stream) else Stream(os.fspath(s)) for s in streams]  # type: ignore[call-overload]  # the elements of a list[str] | list[Stream]
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if int(seed) < 0:
@@ -182,10 +183,10 @@ class StreamingDataset(_Base):
         return state
 
     # -- plan ---------------------------------------------------------------------------
-    def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def _layout(self, epoch: int) -> tuple[NDArray[Any], NDArray[Any]]:
         return epoch_layout(self._stream_counts, self._targets, self.seed, epoch)
 
-    def _make_plan(self, world: int) -> tuple[EpochPlan, np.ndarray]:
+    def _make_plan(self, world: int) -> tuple[EpochPlan, NDArray[Any]]:
         counts, real = self._layout(self.epoch)
         algo = "window" if self.shuffle else "none"
         window = self.window if self.shuffle else 1
@@ -248,7 +249,7 @@ class StreamingDataset(_Base):
         self._plan = None
 
     # -- iteration ----------------------------------------------------------------------
-    def _chunks(self, plan: EpochPlan, real: np.ndarray, rank: int, worker: int,
+    def _chunks(self, plan: EpochPlan, real: NDArray[Any], rank: int, worker: int,
                 num_workers: int) -> Iterator[Chunk]:
         start, stop = plan.start, plan.per_rank
         batches = worker_batches(start, stop, self.batch_size, worker, num_workers)
@@ -317,7 +318,7 @@ class StreamingDataset(_Base):
         samples, where the stream reaches them."""
         try:
             reader: ShardReader = pre.shard(g).reader
-        except Exception as e:  # noqa: BLE001 - raised by the reader at the shard's first sample
+        except Exception as e:
             return FailedShardReader(g, self.source.url(g), e)
         return reader
 

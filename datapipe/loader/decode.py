@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import DatapipeError, DecodeError
 
@@ -29,8 +30,9 @@ def _int(b: bytes) -> int:
     return int(bytes(b).strip() or b"0")
 
 
-def _npy(b: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(b), allow_pickle=False)
+def _npy(b: bytes) -> NDArray[Any]:
+    out: NDArray[Any] = np.load(io.BytesIO(b), allow_pickle=False)
+    return out
 
 
 DEFAULT_DECODERS: dict[str, Callable[[bytes], Any]] = {
@@ -78,6 +80,8 @@ class SampleDecoder:
 
     def _by_extension(self, sample: dict[str, Any], where: str) -> None:
         table = self.table
+        if table is None:
+            return
         for field, value in sample.items():
             if field[:2] == "__":
                 continue

@@ -25,6 +25,9 @@ class LayoutCache:
     samples' positions (16 bytes per field per sample); ``max_samples=0`` keeps none."""
 
     def __init__(self, max_samples: int = 1 << 20) -> None:
+        self._start(max_samples)
+
+    def _start(self, max_samples: int) -> None:
         self.max_samples = int(max_samples)
         self._items: OrderedDict[Any, Layout] = OrderedDict()
         self._held = 0
@@ -35,7 +38,7 @@ class LayoutCache:
         return {"max_samples": self.max_samples}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["max_samples"])
+        self._start(state["max_samples"])
 
     def __len__(self) -> int:
         """Layouts held."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 __all__ = ["Chunk", "Prefetcher"]
 
@@ -33,19 +34,19 @@ class Chunk:
     """Consecutive samples of a worker's stream."""
 
     number: int
-    steps: np.ndarray
-    shard: np.ndarray
-    sample: np.ndarray
+    steps: NDArray[Any]
+    shard: NDArray[Any]
+    sample: NDArray[Any]
     shards: list[int] = field(default_factory=list)  # distinct, in order of first use
 
     @classmethod
-    def make(cls, number: int, steps: np.ndarray, shard: np.ndarray, sample: np.ndarray) -> "Chunk":
+    def make(cls, number: int, steps: NDArray[Any], shard: NDArray[Any], sample: NDArray[Any]) -> Chunk:
         uniq, first = np.unique(shard, return_index=True)
         return cls(number, steps, shard, sample, uniq[np.argsort(first)].tolist())
 
 
 class _Slot:
-    __slots__ = ("ready", "data", "error", "refs", "size")
+    __slots__ = ("data", "error", "ready", "refs", "size")
 
     def __init__(self, size: int) -> None:
         self.ready = threading.Event()
@@ -81,7 +82,7 @@ class Prefetcher:
         self.concurrency = int(concurrency)
         self._schedule = schedule
         self.close_timeout_s = float(close_timeout_s)
-        self._queue: queue.Queue = queue.Queue(maxsize=lookahead_chunks)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=lookahead_chunks)
         self._lock = threading.Lock()
         self._slots: dict[int, _Slot] = {}
         self._fetching: set[int] = set()  # shards whose fetch call has not returned
@@ -184,7 +185,7 @@ class Prefetcher:
         self._loop = loop
         try:
             loop.run_until_complete(self._run())
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+        except BaseException as e:
             self._put(e)
         finally:
             pending = asyncio.all_tasks(loop)
@@ -228,7 +229,7 @@ class Prefetcher:
     async def _run(self) -> None:
         self._changed = asyncio.Event()
         sem = asyncio.Semaphore(self.concurrency)
-        tasks: set[asyncio.Task] = set()
+        tasks: set[asyncio.Task[None]] = set()
         for chunk in self._chunks:
             if self._stop:
                 return
@@ -296,7 +297,7 @@ class Prefetcher:
             # may hold a cache pin) is closed when it lands
             fut.add_done_callback(lambda f: self._landed_after_stop(g, f))
             slot.error = e
-        except BaseException as e:  # noqa: BLE001 - raised to the consumer when it asks
+        except BaseException as e:
             slot.error = e
         finally:
             sem.release()
@@ -319,7 +320,7 @@ class Prefetcher:
                         order.append(g)
         try:
             self._schedule(order)
-        except Exception as e:  # noqa: BLE001 - a cache that cannot take hints still serves reads
+        except Exception as e:
             if not self._schedule_failed:  # once per pass: every chunk would say the same
                 self._schedule_failed = True
                 warnings.warn(f"the cache's schedule hook failed ({type(e).__name__}: {e}); reads go on, "

@@ -28,6 +28,7 @@ from itertools import count, repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import CorruptIndexError, CorruptShardError, DatapipeError
 from ..format import decode_sample
@@ -84,7 +85,7 @@ class ShardReader:
     shard: int
     url: str
 
-    def items(self, samples: np.ndarray, steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
+    def items(self, samples: NDArray[Any], steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
               positions: bool) -> Iterator[Any]:
         raise NotImplementedError
 
@@ -158,7 +159,7 @@ def _with_positions(items: Iterator[dict[str, Any]], shards: Iterable[int],
         yield item
 
 
-def _laid_out_items(readers: Sequence[LaidOutShardReader], loc: np.ndarray, samples: np.ndarray,
+def _laid_out_items(readers: Sequence[LaidOutShardReader], loc: NDArray[Any], samples: NDArray[Any],
                     steps: Iterable[int], progress: Progress, positions: bool) -> Iterator[dict[str, Any]]:
     """The items of samples ``samples`` (of shard ``readers[loc[i]]`` each), all laid out
     with the same fields: the rows are gathered from the layout tables in one numpy step."""
@@ -178,7 +179,7 @@ def _laid_out_items(readers: Sequence[LaidOutShardReader], loc: np.ndarray, samp
             by_reader[i] = r.data.src
         srcs = by_reader[loc].tolist()
     fields = readers[0].layout.fields
-    loop = _LOOPS.get(len(fields), _items_n)
+    loop: Callable[..., Iterator[dict[str, Any]]] = _LOOPS.get(len(fields), _items_n)
     items = loop(srcs, fields, key_array[rows].tolist(), table[rows].T.tolist(), steps, progress)
     if positions:
         shard_ids = np.array([r.shard for r in readers], dtype=np.int64)
@@ -192,7 +193,7 @@ class LaidOutShardReader(ShardReader):
     def __init__(self, data: ShardData, layout: ShardLayout) -> None:
         self.shard, self.url, self.data, self.layout = data.shard, data.url, data, layout
 
-    def items(self, samples: np.ndarray, steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
+    def items(self, samples: NDArray[Any], steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
               positions: bool) -> Iterator[Any]:
         return _laid_out_items([self], np.zeros(len(samples), np.int64), samples, steps, progress, positions)
 
@@ -203,7 +204,7 @@ class MemberWalkReader(ShardReader):
     def __init__(self, data: ShardData, members: MemberTable) -> None:
         self.shard, self.url, self.data, self.members = data.shard, data.url, data, members
 
-    def items(self, samples: np.ndarray, steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
+    def items(self, samples: NDArray[Any], steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
               positions: bool) -> Iterator[Any]:
         data, m = self.data, self.members
         src, keys, shapes, bounds = data.src, data.keys, m.shapes, m.bounds
@@ -234,7 +235,7 @@ class CheckedSampleReader(ShardReader):
     def __init__(self, data: ShardData) -> None:
         self.shard, self.url, self.data = data.shard, data.url, data
 
-    def items(self, samples: np.ndarray, steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
+    def items(self, samples: NDArray[Any], steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
               positions: bool) -> Iterator[Any]:
         data = self.data
         for progress.steps, j in zip(steps, samples.tolist()):
@@ -256,13 +257,13 @@ class FailedShardReader(ShardReader):
     def __init__(self, shard: int, url: str, error: BaseException) -> None:
         self.shard, self.url, self.error = shard, url, error
 
-    def items(self, samples: np.ndarray, steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
+    def items(self, samples: NDArray[Any], steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
               positions: bool) -> Iterator[Any]:
         for progress.steps, j in zip(steps, samples.tolist()):
             yield on_error(self.url, None, self.error, f"sample #{j}: {self.error}")
 
 
-def chunk_items(readers: Sequence[ShardReader], loc: np.ndarray, samples: np.ndarray, first: int,
+def chunk_items(readers: Sequence[ShardReader], loc: NDArray[Any], samples: NDArray[Any], first: int,
                 progress: Progress, on_error: ErrorPolicy, positions: bool) -> Iterator[Any]:
     """The items of a chunk in stream order: sample ``samples[i]`` of the shard that
     ``readers[loc[i]]`` reads, its plan step ``first + i``. Each reader reads the chunk's

@@ -32,7 +32,9 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
+from .. import dataset as _dataset
 from ..checksum import checksum, verify
 from ..errors import (
     CorruptShardError,
@@ -43,12 +45,11 @@ from ..errors import (
     PlanError,
     StorageError,
 )
+from ..format.layout import find_layout
 from ..storage.retry import RetryPolicy, call_with_retry
 from ..storage.stores import LocalStore
-from ..format.layout import find_layout
 from .layouts import LayoutCache
 from .readers import ShardReader, reader_for
-from .. import dataset as _dataset
 
 __all__ = ["BufferPool", "ShardData", "ShardSource"]
 
@@ -61,8 +62,8 @@ class ShardData:
     url: str
     buf: memoryview
     keys: list[str]
-    offsets: np.ndarray
-    lengths: np.ndarray
+    offsets: NDArray[Any]
+    lengths: NDArray[Any]
     checksums: list[str]
     compression: str
     _closer: Any = None
@@ -83,7 +84,7 @@ class ShardData:
         self._close_lock = threading.Lock()
 
     @cached_property
-    def key_array(self) -> np.ndarray:
+    def key_array(self) -> NDArray[Any]:
         """The keys as an object array, for gathering a chunk's keys in one step."""
         out = np.empty(len(self.keys), dtype=object)
         out[:] = self.keys
@@ -142,6 +143,9 @@ class BufferPool:
     """
 
     def __init__(self, max_bytes: int) -> None:
+        self._start(max_bytes)
+
+    def _start(self, max_bytes: int) -> None:
         self.max_bytes = int(max_bytes)
         self._idle: list[mmap.mmap] = []
         self._held = 0  # bytes of idle buffers
@@ -152,7 +156,7 @@ class BufferPool:
         return {"max_bytes": self.max_bytes}  # buffers do not pickle: a worker has its own
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["max_bytes"])
+        self._start(state["max_bytes"])
 
     def take(self, size: int) -> mmap.mmap:
         """A buffer of exactly ``size`` (> 0) bytes, contents undefined."""
@@ -285,7 +289,7 @@ class ShardSource:
                  "\n".join(str(s.checksum) for s in ix.shards) for ix in self.indexes]
         return checksum("\0".join(parts).encode())
 
-    def info(self, g: int) -> tuple[Any, Any]:
+    def info(self, g: int) -> tuple[_dataset.DatasetIndex, _dataset.ShardInfo]:
         s = int(self.source_of[g])
         ix = self.indexes[s]
         return ix, ix.shards[g - int(self.shard_base[s])]
