@@ -11,7 +11,7 @@ import zstandard
 import datapipe
 from datapipe.errors import CorruptShardError, InvalidMemberNameError
 from datapipe.format import decode_sample, encode_sample, split_member_name
-from datapipe.format.tar import iter_members, member_header
+from datapipe.format.tar import member_header, walk_members
 
 
 @pytest.mark.parametrize(
@@ -71,13 +71,13 @@ def test_corrupt_header_is_named():
     h = bytearray(member_header("k.txt", 3)) + b"abc" + b"\0" * 509
     h[0] ^= 0xFF
     with pytest.raises(CorruptShardError, match="shard-x.*checksum"):
-        list(iter_members(bytes(h), "shard-x"))
+        list(walk_members(bytes(h), "shard-x"))
 
 
 def test_truncated_member_is_named():
     blob = member_header("k.txt", 2000) + b"a" * 100
     with pytest.raises(CorruptShardError, match="truncated"):
-        list(iter_members(blob, "s"))
+        list(walk_members(blob, "s"))
 
 
 def _samples(n):

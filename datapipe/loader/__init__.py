@@ -1,4 +1,16 @@
-"""Runtime: the prefetching, decoding StreamingDataset and its torch adapter."""
+"""Runtime: the prefetching, decoding StreamingDataset and its torch adapter.
+
+- ``dataset``: ``StreamingDataset`` (plan, chunks, error policy, resume state).
+- ``source``: the shards of one or more datasets and fetching one shard's bytes.
+- ``prefetch``: fetching shards ahead of the reader within a byte budget.
+- ``readers``: one reader per kind of shard, chosen once per shard, and reading a chunk.
+- ``layouts``: the bounded cache of shard layouts, kept across epochs.
+- ``decode``, ``mixing``, ``dataloader``: decoding by extension, stream mixes, the torch
+  ``DataLoader`` subclass.
+
+Imports ``plan``, ``format``, ``storage`` (its stores and retry policy), ``datapipe.dataset``
+and the leaves; never ``pack`` or ``checkpoint``.
+"""
 
 from typing import Any
 
