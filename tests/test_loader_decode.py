@@ -131,8 +131,8 @@ def test_a_failing_schedule_hook_is_reported_once_and_reads_go_on(tmp_path):
         raise OSError("cache gone")
 
     chunks = (Chunk.make(k, np.arange(1), np.array([k]), np.zeros(1, np.int64)) for k in range(5))
-    pre = Prefetcher(chunks, lambda g: Shard(), lambda g: 1, schedule=hook)
     with pytest.warns(RuntimeWarning, match="schedule hook failed.*cache gone") as seen:
+        pre = Prefetcher(chunks, lambda g: Shard(), lambda g: 1, schedule=hook)  # its thread starts here
         for c in pre:
             pre.shard(c.shards[0])
             pre.done(c)

@@ -12,13 +12,17 @@ step of that sample, so a resume state taken between two items is exact.
 - :class:`LaidOutShardReader`: a verified uncompressed shard whose samples all have the
   same fields (:class:`~datapipe.format.layout.ShardLayout`): a chunk's rows are gathered
   from the layout table with numpy, then one ``zip`` step, one dict display and one slice
-  per field per sample, in a loop written out for 1 to 4 fields (a general one for more).
+  per field per sample, in a loop written out for 1 to 6 fields (a general one for more).
 - :class:`MemberWalkReader`: a verified uncompressed shard whose samples differ in their
   fields (:class:`~datapipe.format.layout.MemberTable`).
 - :class:`CheckedSampleReader`: everything else, sample by sample: a shard that failed its
   whole-shard checksum, a zstd shard (one frame per sample), a truncated one. Each sample
   is checked against its own checksum and parsed by the strict tar parser.
 - :class:`FailedShardReader`: a shard whose fetch raised.
+
+:func:`chunk_items` reads a chunk (samples of several shards, interleaved by the shuffle)
+through its shards' readers; where all of them are laid out alike it reads the whole chunk
+in one such loop, which is where the cost per sample matters most.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ class ErrorPolicy:
         if not self.skip or not isinstance(error, DatapipeError) or isinstance(error, CorruptIndexError):
             raise error  # an index that fails is not one sample's fault: never skipped
         marker = Skipped(url, key, str(error) if why is None else why)
-        self.skipped.append(tuple(marker))  # type: ignore[arg-type]  # (url, key, why)
+        self.skipped.append((marker.url, marker.key, marker.why))
         return marker
 
 
