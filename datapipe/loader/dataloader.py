@@ -88,13 +88,13 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
         self.samples_seen = 0
         self.skipped = []
         dataset = self.stream
-        dataset._holes = True
+        dataset.yield_skip_markers = True
         try:
             batches = super().__iter__()  # worker processes start here, with a copy of the dataset
             if self.num_workers > 0:
                 # this process's copy is not read by the loader: a direct pass over it gets no
                 # markers (the single-process iterator reads it lazily: it keeps them)
-                dataset._holes = False
+                dataset.yield_skip_markers = False
             for out in batches:
                 batch, steps, skipped = out
                 self.samples_seen += steps
@@ -103,9 +103,9 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
                 if batch is None:  # every sample of this batch was skipped
                     continue
                 yield batch
-            dataset._resume = None  # the resumed pass is over
+            dataset.end_resumed_pass()
         finally:
-            dataset._holes = False
+            dataset.yield_skip_markers = False
             if self._live is token:
                 self._live = None
             if self.skipped:

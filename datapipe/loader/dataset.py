@@ -168,8 +168,9 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         self.skipped: list[tuple[str, str | None, str]] = []
         #: the running pass (a token), so that a second one is refused while it is live
         self._live: object | None = None
-        #: yield a Skipped in place of each skipped sample (set by StreamingDataLoader)
-        self._holes = False
+        #: yield a Skipped marker in place of each skipped sample (a StreamingDataLoader sets it:
+        #: it takes the markers out of the batches and reports the skips in the main process)
+        self.yield_skip_markers = False
         if sum(self._targets) == 0:
             raise PlanError(f"{', '.join(self.source.urls)}: the mix asks for no sample per epoch")
 
@@ -303,15 +304,20 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         try:
             for chunk in pre:
                 items = self._chunk_items(pre, chunk, on_error)
-                if on_error.skip and not self._holes:  # else the loader takes the markers out
+                if on_error.skip and not self.yield_skip_markers:  # else the loader takes the markers out
                     items = (x for x in items if x.__class__ is not Skipped)
                 yield from items
                 pre.done(chunk)
         finally:
             pre.close()
-        if not self._holes:  # else the loader reports them, in the main process
+        if not self.yield_skip_markers:  # else the loader reports them, in the main process
             self._report_skipped()
-        self._resume = None  # the resumed pass is over; the next pass starts the epoch afresh
+        self.end_resumed_pass()
+
+    def end_resumed_pass(self) -> None:
+        """The resumed pass is over: the next pass starts the epoch afresh (called at the end of
+        each pass, and by a :class:`~datapipe.loader.StreamingDataLoader` whose workers read it)."""
+        self._resume = None
 
     def _reader(self, pre: Prefetcher, g: int) -> ShardReader:
         """Shard ``g``'s reader; a fetch that raised is raised (or skipped) at each of its
