@@ -446,7 +446,7 @@ def test_a_failed_read_of_a_pinned_copy_releases_the_pin(ds_url, tmp_path, monke
 
     monkeypatch.setattr(source, "_read_into", no_memory)  # the fault: no memory for the copy (ENOMEM)
     cache = TieredCache(warm_dir=str(tmp_path / "warm"), warm_bytes=4 << 20)
-    with pytest.raises(StorageError, match="cannot read the warm copy of .*shard"):
+    with pytest.raises(StorageError, match=r"cannot read the warm copy of .*shard"):
         list(StreamingDataset(ds_url, cache=cache, window=3, seed=1))
     assert cache.stats()["pinned"] == 0
 

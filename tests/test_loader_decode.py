@@ -31,7 +31,7 @@ def split_plain_members(raw):
 @given(dirs=st.lists(segment, max_size=3), base=segment, fields=fields)
 @settings(max_examples=80, deadline=None)
 def test_fast_split_equals_decode_sample(dirs, base, fields):
-    key = "/".join(dirs + [base])
+    key = "/".join([*dirs, base])
     sample = {"__key__": key, **fields}
     _, parts = encode_sample(sample)
     raw = b"".join(bytes(p) for p in parts)
@@ -39,7 +39,7 @@ def test_fast_split_equals_decode_sample(dirs, base, fields):
     slow = decode_sample(raw)
     if fast is not None:  # long names (prefix or PAX) decline and take the general path
         assert fast == slow
-        assert list(fast)[0] == "__key__"
+        assert next(iter(fast)) == "__key__"
     else:
         assert len(key) + max(len(f) for f in fields) + 1 > 99
     assert slow == {"__key__": key, **fields}
@@ -109,7 +109,8 @@ def test_a_user_function_that_raises_is_a_decode_error_not_corruption(tmp_path, 
 
     url = _dataset(tmp_path / "ds", False)
     kw = {"decode": _fails_on_7} if where == "decode" else {"decode": "raw", "map": _fails_on_7}
-    with pytest.raises(DecodeError, match=rf"shard-000000.tar sample 'd/007': the {where}= function raised KeyError") as e:
+    message = rf"shard-000000.tar sample 'd/007': the {where}= function raised KeyError"
+    with pytest.raises(DecodeError, match=message) as e:
         list(StreamingDataset(url, shuffle=False, **kw))
     assert not isinstance(e.value, CorruptShardError) and isinstance(e.value.__cause__, KeyError)
     ds = StreamingDataset(url, shuffle=False, on_error="skip", **kw)

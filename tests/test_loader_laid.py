@@ -84,7 +84,7 @@ def test_resume_state_counts_every_item_of_a_laid_chunk(url):
 
 def test_decode_error_in_a_laid_chunk_names_shard_and_sample(tmp_path):
     url = _write(tmp_path / "bad", bad=(7, 150))
-    with pytest.raises(DecodeError, match="s0007|s0150") as e:
+    with pytest.raises(DecodeError, match=r"s0007|s0150") as e:
         list(StreamingDataset(url, window=4, seed=2))
     assert ".tar" in str(e.value)
     kw = dict(window=4, seed=2, on_error="skip", batch_size=5)
