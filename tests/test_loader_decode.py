@@ -17,7 +17,7 @@ fields = st.dictionaries(
     st.binary(max_size=2000), min_size=1, max_size=4)
 
 
-def split_plain_members(raw):
+def fast_cut(raw):
     """The one-sample shard ``raw`` cut by :func:`fast_layout`, or None where it declines."""
     key = raw[:100].split(b"\0", 1)[0].decode("utf-8", "replace").rpartition("/")
     key = key[0] + key[1] + key[2].split(".", 1)[0]
@@ -30,12 +30,12 @@ def split_plain_members(raw):
 
 @given(dirs=st.lists(segment, max_size=3), base=segment, fields=fields)
 @settings(max_examples=80, deadline=None)
-def test_fast_split_equals_decode_sample(dirs, base, fields):
+def test_fast_layout_cuts_as_decode_sample_does(dirs, base, fields):
     key = "/".join([*dirs, base])
     sample = {"__key__": key, **fields}
     _, parts = encode_sample(sample)
     raw = b"".join(bytes(p) for p in parts)
-    fast = split_plain_members(raw)
+    fast = fast_cut(raw)
     slow = decode_sample(raw)
     if fast is not None:  # long names (prefix or PAX) decline and take the general path
         assert fast == slow
@@ -45,15 +45,15 @@ def test_fast_split_equals_decode_sample(dirs, base, fields):
     assert slow == {"__key__": key, **fields}
 
 
-def test_fast_split_declines_what_it_cannot_vouch_for():
+def test_fast_layout_declines_what_it_cannot_vouch_for():
     _, parts = encode_sample({"__key__": "k", "txt": b"hello"})
     raw = bytearray(b"".join(bytes(p) for p in parts))
-    assert split_plain_members(bytes(raw))["txt"] == b"hello"
+    assert fast_cut(bytes(raw))["txt"] == b"hello"
     bad = bytearray(raw)
     bad[156] = ord("5")  # a directory member
-    assert split_plain_members(bytes(bad)) is None
-    assert split_plain_members(bytes(raw[:515])) is None  # cut inside the data
-    assert split_plain_members(b"") is None
+    assert fast_cut(bytes(bad)) is None
+    assert fast_cut(bytes(raw[:515])) is None  # cut inside the data
+    assert fast_cut(b"") is None
 
 
 def test_decoder_errors_name_the_sample():

@@ -44,7 +44,7 @@ def _reader_kind(ds, g=0):
 
 
 @pytest.mark.parametrize("decode", ["raw", "auto"])
-def test_laid_chunks_equal_the_per_sample_path(url, decode):
+def test_laid_out_reader_equals_the_checked_sample_reader(url, decode):
     kw = dict(window=3, seed=5, decode=decode, return_position=True, batch_size=8, chunk_samples=40)
     fast, slow = StreamingDataset(url, **kw), _per_sample(StreamingDataset(url, **kw))
     for epoch in range(2):
