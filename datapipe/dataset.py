@@ -6,11 +6,13 @@ from __future__ import annotations
 import io
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
+from numpy.typing import NDArray
 
 from .checksum import checksum, verify
 from .errors import CorruptIndexError, CorruptShardError, DatapipeError, ObjectNotFoundError
@@ -38,8 +40,8 @@ class SampleTable:
     """The samples of one shard, in stored order."""
 
     keys: list[str]
-    offsets: np.ndarray
-    lengths: np.ndarray
+    offsets: NDArray[Any]
+    lengths: NDArray[Any]
     checksums: list[str]
 
     def __len__(self) -> int:
@@ -157,7 +159,8 @@ class DatasetIndex:
         self._index_checksums: dict[str, str] = self.manifest["index_checksums"]
         table = self.store.get(shards_file)
         where = self.store.url(shards_file)
-        if len(table) != self._index_files[shards_file]["bytes"] or checksum(table) != self._index_checksums[shards_file]:
+        if len(table) != self._index_files[shards_file]["bytes"] \
+                or checksum(table) != self._index_checksums[shards_file]:
             raise CorruptIndexError(
                 f"checksum mismatch for {where}: it is not the shard table the manifest "
                 "names (damaged or replaced; re-run the pack that wrote it)"
@@ -206,7 +209,7 @@ class DatasetIndex:
             rows = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
         except DatapipeError:
             raise
-        except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds on a bad file
+        except Exception as e:
             raise _index_error(where, e) from None
         rg, n = self._row_group, self.num_samples
         expect = [min(rg, n - g * rg) for g in range(-(-n // rg))]
@@ -229,7 +232,7 @@ class DatasetIndex:
                 table = self._pq.read_row_group(g)
             except DatapipeError:
                 raise
-            except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds on a bad file
+            except Exception as e:
                 raise _index_error(self._samples_where, e) from None
             rows = sample_rows(table, f"{self._samples_where} row group {g}", self.num_shards)
             self._groups[g] = rows
@@ -336,7 +339,7 @@ class Dataset:
         except KeyError:
             raise KeyError(f"no sample with key {key!r} in {self.index.url}") from None
 
-    def __iter__(self):  # noqa: ANN204 - sequential convenience
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         for i in range(len(self)):
             yield self[i]
 

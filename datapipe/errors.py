@@ -32,6 +32,7 @@ __all__ = [
     "PlanError",
     "StateMismatchError",
     "TopologyError",
+    "DecodeError",
     "CheckpointError",
     "NoCheckpointError",
     "CorruptCheckpointError",
@@ -151,6 +152,15 @@ class StateMismatchError(PlanError):
 class TopologyError(DatapipeError, ValueError):
     """A rank and world size that do not fit (rank outside ``[0, world_size)``, not
     integers, or a ``RANK``/``WORLD_SIZE`` environment that does not parse)."""
+
+
+# --- loader: samples into items -------------------------------------------------------
+
+
+class DecodeError(DatapipeError):
+    """A field decoder, a ``decode=`` function or a ``map=`` function raised on a sample
+    whose bytes passed their checks: the function's failure, not corruption. Names the
+    shard, the sample key and (for a field decoder) the field; chained from what it raised."""
 
 
 # --- checkpoint -----------------------------------------------------------------------

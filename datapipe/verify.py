@@ -56,7 +56,8 @@ def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
     # sample-level problems first, so the first one reported names the sample
     shard_problem = None
     if len(data) != info.bytes:
-        shard_problem = Problem(info.url, None, f"has {len(data)} bytes, the index says {info.bytes} (truncated or replaced)")
+        shard_problem = Problem(info.url, None,
+                                f"has {len(data)} bytes, the index says {info.bytes} (truncated or replaced)")
     elif checksum(data) != info.checksum:
         shard_problem = Problem(info.url, None, f"checksum mismatch: index {info.checksum}, stored {checksum(data)}")
     # a zstd shard decompresses to exactly tar_bytes: each frame is bounded by what is left

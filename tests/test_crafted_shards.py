@@ -16,7 +16,7 @@ import pytest
 import xxhash
 
 import datapipe
-import datapipe.loader  # noqa: F401 - imported before any memory is traced
+import datapipe.loader
 from datapipe.errors import DatapipeError
 from datapipe.format import SampleRecords, ShardRecord
 from datapipe.pack.commit import write_index
@@ -25,7 +25,8 @@ from datapipe.storage import open_store
 EOA = b"\0" * 1024
 
 
-def _header(name: bytes, size: int, kind: bytes = b"0", linkname: bytes = b"", size_field: bytes | None = None) -> bytes:
+def _header(name: bytes, size: int, kind: bytes = b"0", linkname: bytes = b"",
+            size_field: bytes | None = None) -> bytes:
     h = bytearray(512)
     h[0 : len(name)] = name
     h[100:108] = b"0000644\0"

@@ -234,7 +234,7 @@ def test_manifest_without_its_checksum_says_what_to_do(tmp_path):
     doc = json.loads(path.read_text())
     doc.pop("manifest_checksum", None)
     path.write_text(json.dumps(doc))
-    with pytest.raises(datapipe.errors.CorruptIndexError, match="manifest.json.*[Rr]e-run"):
+    with pytest.raises(datapipe.errors.CorruptIndexError, match=r"manifest.json.*[Rr]e-run"):
         datapipe.open_dataset(dest)
 
 

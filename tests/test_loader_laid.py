@@ -1,4 +1,5 @@
-"""The vectorised chunk path and the pooled shard buffers: same items, counts, errors as the per-sample path."""
+"""The laid-out reader and the pooled shard buffers: same items, counts, errors as the strict
+sample-by-sample reader; the fast structural check agrees with the strict tar parser."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import pickle
 import pytest
 
 from datapipe import ShardWriter, open_index
-from datapipe.errors import ChecksumError, CorruptShardError
+from datapipe.errors import ChecksumError, CorruptShardError, DecodeError
 from datapipe.loader import StreamingDataset
+from datapipe.loader.readers import CheckedSampleReader, LaidOutShardReader
 from datapipe.loader.source import BufferPool
 
 N = 300
@@ -29,12 +31,20 @@ def url(tmp_path_factory):
 
 
 def _per_sample(ds):
-    ds.source.layouts.max_samples = 0  # no layouts: every sample takes the per-sample path
+    ds.source.find_layouts = False  # no layouts: every sample is checked and parsed on its own
     return ds
 
 
+def _reader_kind(ds, g=0):
+    data = ds.source.fetch(g)
+    try:
+        return type(data.reader)
+    finally:
+        data.close()
+
+
 @pytest.mark.parametrize("decode", ["raw", "auto"])
-def test_laid_chunks_equal_the_per_sample_path(url, decode):
+def test_laid_out_reader_equals_the_checked_sample_reader(url, decode):
     kw = dict(window=3, seed=5, decode=decode, return_position=True, batch_size=8, chunk_samples=40)
     fast, slow = StreamingDataset(url, **kw), _per_sample(StreamingDataset(url, **kw))
     for epoch in range(2):
@@ -43,7 +53,8 @@ def test_laid_chunks_equal_the_per_sample_path(url, decode):
         got, expected = list(fast), list(slow)
         assert got == expected and len(got) == N
         assert [type(v) for v in got[0].values()] == [type(v) for v in expected[0].values()]
-    assert fast.source.layouts._items and not slow.source.layouts._items
+    assert len(fast.source.layouts) and not len(slow.source.layouts)
+    assert _reader_kind(fast) is LaidOutShardReader and _reader_kind(slow) is CheckedSampleReader
 
 
 def _pick(sample):  # a map that builds a new sample: positions are added after it
@@ -73,7 +84,7 @@ def test_resume_state_counts_every_item_of_a_laid_chunk(url):
 
 def test_decode_error_in_a_laid_chunk_names_shard_and_sample(tmp_path):
     url = _write(tmp_path / "bad", bad=(7, 150))
-    with pytest.raises(CorruptShardError, match="s0007|s0150") as e:
+    with pytest.raises(DecodeError, match=r"s0007|s0150") as e:
         list(StreamingDataset(url, window=4, seed=2))
     assert ".tar" in str(e.value)
     kw = dict(window=4, seed=2, on_error="skip", batch_size=5)
@@ -161,10 +172,10 @@ def _shard(tmp_path, samples):
 
 @pytest.mark.parametrize("case", ["uniform", "key_lengths", "dotted_fields", "mixed", "one", "bad_size",
                                   "bad_name", "long_name"])
-def test_vectorised_walk_agrees_with_the_member_walk(tmp_path, case):
+def test_fast_layout_agrees_with_the_strict_parse(tmp_path, case):
     import numpy as np
 
-    from datapipe.format.plain import _vector_layout, _walk_each, walk_layout
+    from datapipe.format.layout import MemberTable, ShardLayout, fast_layout, find_layout, shard_members
 
     samples = []
     for i in range(1 if case == "one" else 30):
@@ -183,15 +194,30 @@ def test_vectorised_walk_agrees_with_the_member_walk(tmp_path, case):
     if case == "bad_name":
         data[offs[7] + 2] ^= 0x01
     src = bytes(data)
-    each = _walk_each(src, offs, ends, keys)
-    fast = _vector_layout(src, offs, ends, keys)
-    got = walk_layout(src, offs, ends, keys)
-    if fast is not None:  # whatever the fast walk accepts, the member walk lays out the same way
-        assert each is not None and fast.fields == each.fields and np.array_equal(fast.table, each.table)
-    assert (got is None) == (each is None)
-    if got is not None:
-        assert got.fields == each.fields and np.array_equal(got.table, each.table)
+
+    def strict():
+        try:
+            return shard_members(src, offs, ends, keys, "shard")
+        except CorruptShardError as e:
+            return e
+
+    each = strict()
+    fast = fast_layout(src, offs, ends, keys)
+    if fast is not None:  # whatever the fast check accepts, the strict parse lays out the same way
+        assert isinstance(each, ShardLayout) and fast.fields == each.fields and np.array_equal(fast.table, each.table)
+    if isinstance(each, CorruptShardError):
+        with pytest.raises(CorruptShardError):
+            find_layout(src, offs, ends, keys, "shard")
+    else:
+        got = find_layout(src, offs, ends, keys, "shard")
+        assert type(got) is type(each)
+        if isinstance(got, ShardLayout):
+            assert got.fields == each.fields and np.array_equal(got.table, each.table)
     accepted = {"uniform", "key_lengths", "dotted_fields", "one"}
     assert (fast is not None) == (case in accepted)
-    if case in ("mixed", "bad_name", "long_name"):
-        assert each is None
+    if case == "mixed":
+        assert isinstance(each, MemberTable)
+    if case == "long_name":  # PAX headers: not the fast check's, laid out by the strict parse
+        assert isinstance(each, ShardLayout) and each.samples == 30
+    if case in ("bad_size", "bad_name"):  # a header that fails its checksum, a name of another key
+        assert isinstance(each, CorruptShardError)

@@ -1,4 +1,15 @@
-"""Shard bytes on the wire: tar members, zstd frames, the dataset index. No I/O here."""
+"""Shard bytes on the wire: tar members, zstd frames, the dataset index. No I/O here.
+
+- ``tar``: member names and headers, and the one strict tar parser (``walk_members``).
+- ``sample``: one sample's members (and zstd frame) to and from ``{"__key__": ..., field: ...}``.
+- ``shard``: ``ShardBuilder``, writing a shard and recording offsets and checksums.
+- ``layout``: where every field of every sample of a shard lies (the strict parse, and the
+  one fast structural check tested against it).
+- ``index``: the manifest, ``shards.parquet`` and ``samples.parquet``, and their checks.
+
+Imports only the leaves (``datapipe.errors``, ``datapipe.checksum``); nothing about where
+bytes live.
+"""
 
 from .index import (
     MANIFEST,

@@ -11,12 +11,13 @@ from __future__ import annotations
 import io
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from numpy.typing import NDArray
 
 from .._version import __version__
 from ..checksum import Hasher, checksum
@@ -354,7 +355,7 @@ class SampleTableWriter:
 
 
 def sample_rows(table: pa.Table, where: str = "samples.parquet", num_shards: int | None = None
-                ) -> dict[str, np.ndarray | list[str]]:
+                ) -> dict[str, NDArray[Any] | list[str]]:
     """Columns of a slice of ``samples.parquet`` as numpy arrays (keys and checksums as
     lists), each row checked: a safe key, a shard number below ``num_shards``, a
     non-negative offset, a positive length and a well-formed checksum."""
@@ -375,7 +376,8 @@ def sample_rows(table: pa.Table, where: str = "samples.parquet", num_shards: int
         bad = f"key {bad!r} is not a safe relative sample key"
     elif not all(map(_CHECKSUM_RE.fullmatch, out["checksum"])):
         bad = "a sample checksum is missing or not an xxh3_64 checksum (nothing could be verified)"
-    elif len(out["shard"]) and (out["shard"].min() < 0 or (num_shards is not None and out["shard"].max() >= num_shards)):
+    elif len(out["shard"]) and (out["shard"].min() < 0
+                                or (num_shards is not None and out["shard"].max() >= num_shards)):
         bad = f"a shard number is outside [0, {num_shards})"
     elif len(out["offset"]) and (out["offset"].min() < 0 or out["length"].min() <= 0
                                  or out["length"].max() >= _MAX_INT or out["offset"].max() >= _MAX_INT):
@@ -406,6 +408,3 @@ def check_shard_rows(c: dict[str, Any], shard: int, record: Any, compression: st
     if bad:
         raise CorruptIndexError(f"{where}: {bad}; the index is damaged (re-run the pack that wrote it)")
 
-
-def as_dict(record: ShardRecord) -> dict[str, Any]:
-    return asdict(record)

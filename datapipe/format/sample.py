@@ -21,7 +21,7 @@ COMPRESSIONS = ("none", "zstd")
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
-def field_bytes(key: str, field: str, value: Any) -> bytes | memoryview:
+def field_bytes(key: str, field: str, value: Any) -> bytes | bytearray | memoryview:
     """Bytes stored for one field: bytes-likes as they are, str as UTF-8, numbers as text,
     dicts and lists as JSON."""
     if isinstance(value, (bytes, bytearray)):
@@ -42,7 +42,7 @@ def field_bytes(key: str, field: str, value: Any) -> bytes | memoryview:
     )
 
 
-def encode_sample(sample: Mapping[str, Any]) -> tuple[str, list[bytes | memoryview]]:
+def encode_sample(sample: Mapping[str, Any]) -> tuple[str, list[bytes | bytearray | memoryview]]:
     """``(key, parts)``: the tar members of one sample as a list of byte pieces (headers,
     data, padding) whose concatenation is the sample's stored bytes. Fields are written in
     sorted order so a shard's bytes depend only on its samples."""
@@ -53,7 +53,7 @@ def encode_sample(sample: Mapping[str, Any]) -> tuple[str, list[bytes | memoryvi
     fields = sorted(k for k in sample if not k.startswith("__"))
     if not fields:
         raise FormatError(f"sample {key!r} has no field to store")
-    parts: list[bytes | memoryview] = []
+    parts: list[bytes | bytearray | memoryview] = []
     for field in fields:
         data = field_bytes(key, field, sample[field])
         name = member_name(key, field)
@@ -147,7 +147,8 @@ def decode_sample(
             key = k
             out["__key__"] = k
         elif k != key:
-            raise CorruptShardError(f"{where}: member {name[:200]!r} at byte {at} belongs to another sample than {key!r}")
+            raise CorruptShardError(
+                f"{where}: member {name[:200]!r} at byte {at} belongs to another sample than {key!r}")
         if field in out:
             raise CorruptShardError(f"{where}: sample {key!r} holds field {field!r} twice")
         out[field] = bytes(data)

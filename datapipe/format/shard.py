@@ -110,7 +110,7 @@ class ShardBuilder:
         key, parts = encode_sample(sample)
         return self.add_encoded(key, parts, [k for k in sample if not k.startswith("__")])
 
-    def add_encoded(self, key: str, parts: list[bytes | memoryview], fields: Sequence[str]) -> int:
+    def add_encoded(self, key: str, parts: list[bytes | bytearray | memoryview], fields: Sequence[str]) -> int:
         """Append a sample already cut into tar pieces by ``encode_sample``."""
         return self._store_raw(key, memoryview(b"".join(parts)), fields)
 

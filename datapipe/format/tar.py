@@ -27,7 +27,6 @@ __all__ = [
     "check_key",
     "member_header",
     "padding",
-    "iter_members",
     "walk_members",
 ]
 
@@ -175,17 +174,12 @@ def _decode_name(raw: bytes, where: str, at: int) -> str:
         raise CorruptShardError(f"{where}: member name at byte {at} is not valid UTF-8: {raw[:120]!r}") from None
 
 
-def iter_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[str, memoryview, int]]:
-    """Yield ``(name, data, header_offset)`` of each regular-file member of a tar byte
-    buffer, stopping at the end-of-archive blocks or the end of the buffer. ``where`` names
-    the shard (and sample) in errors; offsets in them are of ``buf``. See :func:`walk_members`."""
-    mv = memoryview(buf)
-    for name, start, end, header in walk_members(mv, where):
-        yield name, mv[start:end], header
-
-
 def walk_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[str, int, int, int]]:
-    """Yield ``(name, data_start, data_end, header_offset)`` of each regular-file member.
+    """The strict tar parser, which every reader's slow path uses: yield ``(name,
+    data_start, data_end, header_offset)`` of each regular-file member of a tar byte buffer,
+    stopping at the end-of-archive blocks or the end of the buffer. ``where`` names the
+    shard (and sample) in errors; offsets in them are of ``buf``. Header checksums are
+    checked.
 
     Only what the packer writes is accepted: regular files, their PAX or GNU long-name
     headers. Links, directories, devices, and PAX records that would make another tar

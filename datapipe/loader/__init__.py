@@ -1,4 +1,18 @@
-"""Runtime: the prefetching, decoding StreamingDataset and its torch adapter."""
+"""Runtime: the prefetching, decoding StreamingDataset and its torch adapter.
+
+- ``dataset``: ``StreamingDataset`` (plan, chunks, error policy, resume state).
+- ``source``: the shards of one or more datasets and fetching one shard's bytes.
+- ``prefetch``: fetching shards ahead of the reader within a byte budget.
+- ``readers``: one reader per kind of shard, chosen once per shard, and reading a chunk.
+- ``layouts``: the bounded cache of shard layouts, kept across epochs.
+- ``decode``, ``mixing``, ``dataloader``: decoding by extension, stream mixes, the torch
+  ``DataLoader`` subclass.
+
+Imports ``plan``, ``format``, ``storage`` (its stores and retry policy), ``datapipe.dataset``
+and the leaves; never ``pack`` or ``checkpoint``.
+"""
+
+from typing import Any
 
 from .dataset import StreamingDataset, resolve_topology
 from .decode import DEFAULT_DECODERS, make_decoder
@@ -8,7 +22,7 @@ __all__ = ["DEFAULT_DECODERS", "Stream", "StreamingDataLoader", "StreamingDatase
            "resolve_topology"]
 
 
-def __getattr__(name: str):  # torch is optional: import the DataLoader subclass on demand
+def __getattr__(name: str) -> Any:  # torch is optional: import the DataLoader subclass on demand
     if name == "StreamingDataLoader":
         from .dataloader import StreamingDataLoader
 

@@ -5,7 +5,7 @@ the output is the rank's stream in order) and counts the samples it hands out, s
 ``state_dict()`` needs no argument even with worker processes.
 
 With ``on_error="skip"``, a sample skipped in a worker process is not simply left out: the
-dataset yields a :class:`~.dataset.Skipped` marker in its place, the collate function (run
+dataset yields a :class:`~.readers.Skipped` marker in its place, the collate function (run
 in the worker) takes the markers out of the batch and sends them along with it, and this
 process records them (``skipped``), warns naming shard and sample at the end of the pass,
 and counts them as consumed: each batch is still one batch of the plan, so the resume point
@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 from torch.utils.data import DataLoader, default_collate, default_convert
 
 from ..errors import PlanError
-from .dataset import Skipped, StreamingDataset
+from .dataset import StreamingDataset
+from .readers import Skipped
 
 __all__ = ["StreamingDataLoader"]
 
@@ -33,7 +34,7 @@ class _Batch(NamedTuple):
 
     batch: Any
     steps: int
-    skipped: tuple
+    skipped: tuple[Skipped, ...]
 
 
 class _CollateSkipped:
@@ -54,7 +55,7 @@ class _CollateSkipped:
         return _Batch(self.collate(items) if items else None, len(data), skipped)
 
 
-class StreamingDataLoader(DataLoader):
+class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's DataLoader is generic in its batch type; ours varies with collate_fn
     def __init__(self, dataset: StreamingDataset, batch_size: int | None = 1, **kwargs: Any) -> None:
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
@@ -75,8 +76,10 @@ class StreamingDataLoader(DataLoader):
         #: or last pass, by whichever process read them
         self.skipped: list[tuple[str, str | None, str]] = []
         self._live: object | None = None
+        #: the dataset, typed as what it is (torch types ``self.dataset`` as any Dataset)
+        self.stream: StreamingDataset = dataset
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator of batches, as DataLoader's iterator yields
         # one pass at a time, for the reason StreamingDataset.__iter__ gives
         if self._live is not None:
             raise PlanError("this StreamingDataLoader is already being iterated: finish or close() the first "
@@ -84,14 +87,14 @@ class StreamingDataLoader(DataLoader):
         token = self._live = object()
         self.samples_seen = 0
         self.skipped = []
-        dataset = self.dataset
-        dataset._holes = True
+        dataset = self.stream
+        dataset.yield_skip_markers = True
         try:
             batches = super().__iter__()  # worker processes start here, with a copy of the dataset
             if self.num_workers > 0:
                 # this process's copy is not read by the loader: a direct pass over it gets no
                 # markers (the single-process iterator reads it lazily: it keeps them)
-                dataset._holes = False
+                dataset.yield_skip_markers = False
             for out in batches:
                 batch, steps, skipped = out
                 self.samples_seen += steps
@@ -100,9 +103,9 @@ class StreamingDataLoader(DataLoader):
                 if batch is None:  # every sample of this batch was skipped
                     continue
                 yield batch
-            dataset._resume = None  # the resumed pass is over
+            dataset.end_resumed_pass()
         finally:
-            dataset._holes = False
+            dataset.yield_skip_markers = False
             if self._live is token:
                 self._live = None
             if self.skipped:
@@ -113,8 +116,8 @@ class StreamingDataLoader(DataLoader):
                               RuntimeWarning, stacklevel=2)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.dataset.state_dict(self.samples_seen)
+        return self.stream.state_dict(self.samples_seen)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state)
+        self.stream.load_state_dict(state)
         self.samples_seen = 0

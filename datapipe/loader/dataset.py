@@ -11,7 +11,8 @@
 Order, partition and resume come from :mod:`datapipe.plan`; this module resolves the
 topology (explicit arguments, else ``torch.distributed`` if initialised, else the
 ``RANK``/``WORLD_SIZE`` environment, else one rank), cuts the worker's share of the rank's
-stream into chunks, fetches their shards through a :class:`.prefetch.Prefetcher` and
+stream into chunks, fetches their shards through a :class:`.prefetch.Prefetcher`, reads
+each chunk through its shards' readers (:mod:`.readers`, chosen once per shard) and
 decodes samples. Without torch installed it is a plain iterable.
 """
 
@@ -20,20 +21,18 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
-import xxhash
+from numpy.typing import NDArray
 
-from ..errors import CorruptIndexError, CorruptShardError, DatapipeError, PlanError, StateMismatchError, TopologyError
-from ..format import decode_sample
+from ..errors import DatapipeError, PlanError, StateMismatchError, TopologyError
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
 from ..topology import Topology
-from ..format.plain import split_plain_members
 from .decode import make_decoder
-from .laid import chunk_columns, item_loop
 from .mixing import Stream, epoch_layout, stream_targets
 from .prefetch import Chunk, Prefetcher
+from .readers import ErrorPolicy, FailedShardReader, Progress, ShardReader, Skipped, chunk_items
 from .source import ShardSource
 
 try:  # torch is optional: without it the dataset is a plain iterable
@@ -42,20 +41,6 @@ except ImportError:  # pragma: no cover - torch is installed in the test environ
     _Base = object  # type: ignore[assignment,misc]
 
 __all__ = ["StreamingDataset", "resolve_topology"]
-
-
-class Skipped(NamedTuple):
-    """A skipped sample's place in the stream, yielded instead of the sample only while a
-    :class:`~datapipe.loader.StreamingDataLoader` iterates (it takes it out of the batch and
-    reports it in the main process): batches stay aligned with the plan's batches, so the
-    loader's resume count stays exact with worker processes."""
-
-    url: str
-    key: str | None
-    why: str
-
-
-_SKIP = object()  # _read_sample's answer for a skipped sample
 
 
 def resolve_topology(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
@@ -88,7 +73,7 @@ def _in_worker() -> bool:
     return get_worker_info() is not None
 
 
-class StreamingDataset(_Base):
+class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableDataset is generic in its item type; ours vary with decode/map
     """Samples of one or more packed datasets in a deterministic, resumable, shuffled order.
 
     ``source``: a dataset URL, a list of URLs (read as one dataset), or a list of
@@ -98,8 +83,10 @@ class StreamingDataset(_Base):
     dropping the last ``< world`` samples (True) or repeating as many (False).
     ``batch_size``: the DataLoader's, so that workers take whole batches in turn and the
     loader's output is the rank's stream in order (exact resume). ``on_error``: "raise" on a
-    corrupt sample, or "skip" it and report all skipped at the end of the pass (a rank that
-    skips yields fewer samples than the others that epoch). Under a
+    sample that cannot be read (corrupt, or a :class:`~datapipe.errors.DecodeError`: a field
+    decoder, ``decode=`` or ``map=`` function raised on it), or "skip" it and report all
+    skipped at the end of the pass (a rank that skips yields fewer samples than the others
+    that epoch). Under a
     :class:`~datapipe.loader.StreamingDataLoader`, skips in worker processes are reported in
     the main process (``loader.skipped`` and a warning) and its resume point counts them.
     One pass at a time: a second iterator started while one is live raises PlanError.
@@ -118,7 +105,7 @@ class StreamingDataset(_Base):
         streams = [source] if isinstance(source, (str, Stream)) else list(source)
         if not streams:
             raise PlanError("a StreamingDataset needs at least one dataset URL")
-        self.streams = [s if isinstance(s, Stream) else Stream(os.fspath(s)) for s in streams]
+        self.streams = [s if isinstance(s, Stream) else Stream(os.fspath(s)) for s in streams]  # type: ignore[call-overload]  # the elements of a list[str] | list[Stream]
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if int(seed) < 0:
@@ -161,13 +148,15 @@ class StreamingDataset(_Base):
         self._resume: dict[str, Any] | None = None
         self._topology: tuple[int, int] | None = None
         self._plan: EpochPlan | None = None
-        self._yielded = 0
+        #: plan steps taken in the running pass (set by the readers as they hand items out)
+        self._progress = Progress()
         #: (shard url, sample key or None, reason) of everything skipped in this process
         self.skipped: list[tuple[str, str | None, str]] = []
         #: the running pass (a token), so that a second one is refused while it is live
         self._live: object | None = None
-        #: yield a Skipped in place of each skipped sample (set by StreamingDataLoader)
-        self._holes = False
+        #: yield a Skipped marker in place of each skipped sample (a StreamingDataLoader sets it:
+        #: it takes the markers out of the batches and reports the skips in the main process)
+        self.yield_skip_markers = False
         if sum(self._targets) == 0:
             raise PlanError(f"{', '.join(self.source.urls)}: the mix asks for no sample per epoch")
 
@@ -181,10 +170,10 @@ class StreamingDataset(_Base):
         return state
 
     # -- plan ---------------------------------------------------------------------------
-    def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    def _layout(self, epoch: int) -> tuple[NDArray[Any], NDArray[Any]]:
         return epoch_layout(self._stream_counts, self._targets, self.seed, epoch)
 
-    def _make_plan(self, world: int) -> tuple[EpochPlan, np.ndarray]:
+    def _make_plan(self, world: int) -> tuple[EpochPlan, NDArray[Any]]:
         counts, real = self._layout(self.epoch)
         algo = "window" if self.shuffle else "none"
         window = self.window if self.shuffle else 1
@@ -228,7 +217,7 @@ class StreamingDataset(_Base):
         plan = self._plan
         if plan is None:
             plan, _ = self._make_plan(self._world()[1])
-        seen = self._yielded if samples_seen is None else int(samples_seen)
+        seen = self._progress.steps if samples_seen is None else int(samples_seen)
         if not 0 <= seen <= plan.per_rank - plan.start:
             raise PlanError(f"samples_seen={seen} is outside [0, {plan.per_rank - plan.start}] for this pass")
         return plan.state_dict(plan.start + seen)
@@ -247,7 +236,7 @@ class StreamingDataset(_Base):
         self._plan = None
 
     # -- iteration ----------------------------------------------------------------------
-    def _chunks(self, plan: EpochPlan, real: np.ndarray, rank: int, worker: int,
+    def _chunks(self, plan: EpochPlan, real: NDArray[Any], rank: int, worker: int,
                 num_workers: int) -> Iterator[Chunk]:
         start, stop = plan.start, plan.per_rank
         batches = worker_batches(start, stop, self.batch_size, worker, num_workers)
@@ -285,8 +274,9 @@ class StreamingDataset(_Base):
         rank, world = self._world()
         worker, num_workers = _worker()
         plan, real = self._make_plan(world)
-        self._plan, self._yielded = plan, 0
+        self._plan, self._progress = plan, Progress()
         self.skipped = []  # reported at the end of each pass, then started afresh
+        on_error = ErrorPolicy(self.on_error == "skip", self.skipped)
         cache = self.cache
         source = self.source
 
@@ -299,148 +289,62 @@ class StreamingDataset(_Base):
                          max_bytes=self.prefetch_bytes, concurrency=self.concurrency, schedule=schedule)
         try:
             for chunk in pre:
-                laid = self._laid_chunk(pre, chunk)
-                yield from (self._read_chunk(pre, chunk) if laid is None else laid)
+                items = self._chunk_items(pre, chunk, on_error)
+                if on_error.skip and not self.yield_skip_markers:  # else the loader takes the markers out
+                    items = (x for x in items if x.__class__ is not Skipped)
+                yield from items
                 pre.done(chunk)
         finally:
             pre.close()
-        if not self._holes:  # else the loader reports them, in the main process
+        if not self.yield_skip_markers:  # else the loader reports them, in the main process
             self._report_skipped()
-        self._resume = None  # the resumed pass is over; the next pass starts the epoch afresh
+        self.end_resumed_pass()
 
-    def _open_shard(self, pre: Prefetcher, g: int) -> tuple[Any, Any]:
-        """(shard data or None, fast-path tuple or the fetch error, or None)."""
+    def end_resumed_pass(self) -> None:
+        """The resumed pass is over: the next pass starts the epoch afresh (called at the end of
+        each pass, and by a :class:`~datapipe.loader.StreamingDataLoader` whose workers read it)."""
+        self._resume = None
+
+    def _reader(self, pre: Prefetcher, g: int) -> ShardReader:
+        """Shard ``g``'s reader; a fetch that raised is raised (or skipped) at each of its
+        samples, where the stream reaches them."""
         try:
-            data = pre.shard(g)
-        except DatapipeError as e:
-            if self.on_error != "skip" or isinstance(e, CorruptIndexError):  # not one sample's fault
-                raise
-            return None, e
-        # fast path: the bytes are all there and verified, as a whole or by sample digests
-        if data.error is None and data.max_end <= len(data.buf) and data.compression == "none" \
-                and (data.verified or data.digests is not None):
-            return data, (data.buf, data.src, data.offs, data.ends, None if data.verified else data.digests)
-        return data, None
+            reader: ShardReader = pre.shard(g).reader
+        except Exception as e:
+            return FailedShardReader(g, self.source.url(g), e)
+        return reader
 
-    def _laid_chunk(self, pre: Prefetcher, chunk: Chunk) -> Iterator[Any] | None:
-        """The chunk's items cut through its shards' layouts in one vectorised step (see
-        :mod:`.laid`), or ``None`` when a shard of the chunk is not verified and laid out
-        with the same fields as the others: the per-sample path then reads the chunk, and
-        raises or skips what it must at the sample where it happens."""
-        datas = []
-        fields = None
-        for g in chunk.shards:
-            try:
-                data = pre.shard(g)
-            except Exception:  # noqa: BLE001 - the per-sample path raises it at its sample
-                return None
-            if data.table is None or not data.verified or data.error is not None \
-                    or data.compression != "none" or data.max_end > len(data.buf):
-                return None
-            if fields is None:
-                fields = data.fields
-            elif data.fields != fields:
-                return None
-            datas.append(data)
-        if not datas:
-            return None
-        srcs, keys, columns = chunk_columns(datas, chunk.shard, chunk.sample)
-        identity = self._decode.is_identity
-        # positions go in after decoding, as on the per-sample path: a map sees the sample only
-        with_pos = self.return_position and identity
-        items = item_loop(fields, with_pos)(self, self._yielded + 1, srcs, keys, columns,
-                                             chunk.shard.tolist() if with_pos else None,
-                                             chunk.sample.tolist() if with_pos else None)
-        return items if identity else self._decoded(items, datas, chunk, keys)
+    def _chunk_items(self, pre: Prefetcher, chunk: Chunk, on_error: ErrorPolicy) -> Iterator[Any]:
+        """The items of ``chunk`` in stream order, read by its shards' readers (see
+        :func:`.readers.chunk_items`), then decoded."""
+        shards = chunk.shards  # distinct, in order of first use
+        readers = [self._reader(pre, g) for g in shards]
+        ids = np.asarray(shards, dtype=np.int64)
+        sorter = np.argsort(ids)
+        loc = sorter[np.searchsorted(ids, chunk.shard, sorter=sorter)]  # each sample's shard in `shards`
+        first = self._progress.steps + 1  # the chunk before this one is fully taken
+        positions = self.return_position and self._decode.is_identity  # else added after the map
+        items = chunk_items(readers, loc, chunk.sample, first, self._progress, on_error, positions)
+        if not self._decode.is_identity:
+            items = self._decoded(items, chunk, {r.shard: r.url for r in readers}, on_error)
+        return items
 
-    def _decoded(self, items: Iterator[dict[str, Any]], datas: list[Any], chunk: Chunk,
-                 keys: list[str]) -> Iterator[Any]:
-        decoder, skip, with_pos = self._decode, self.on_error == "skip", self.return_position
-        urls = {d.shard: d.url for d in datas}
-        for item, key, g, j in zip(items, keys, chunk.shard.tolist(), chunk.sample.tolist()):
-            url = urls[g]
+    def _decoded(self, items: Iterator[Any], chunk: Chunk, urls: dict[int, str],
+                 on_error: ErrorPolicy) -> Iterator[Any]:
+        decoder, with_pos = self._decode, self.return_position
+        for item, g, j in zip(items, chunk.shard.tolist(), chunk.sample.tolist()):
+            if item.__class__ is Skipped:
+                yield item
+                continue
+            key = item["__key__"]
             try:
-                item = decoder(item, url)
+                item = decoder(item, urls[g])
             except DatapipeError as e:
-                if not skip:
-                    raise
-                self.skipped.append((url, key, str(e)))
-                if self._holes:
-                    yield Skipped(url, key, str(e))
+                yield on_error(urls[g], key, e)
                 continue
             if with_pos and isinstance(item, dict):
                 item["__shard__"], item["__sample__"] = g, j
             yield item
-
-    def _read_chunk(self, pre: Prefetcher, chunk: Chunk) -> Iterator[Any]:
-        decoder = None if self._decode.is_identity else self._decode
-        skip, with_pos = self.on_error == "skip", self.return_position
-        hexdigest, split = xxhash.xxh3_64_hexdigest, split_plain_members
-        opened: dict[int, tuple[Any, Any]] = {}
-        laid: dict[int, tuple[Any, ...]] = {}  # verified shards with a known field layout
-        for g, j in zip(chunk.shard.tolist(), chunk.sample.tolist()):
-            self._yielded += 1  # a plan step consumed (also when skipped): resume lines up
-            lay = laid.get(g)
-            if lay is not None:  # the hot path: two list lookups and one copy per field
-                src, rows, fields, keys, data = lay
-                r, k = rows[j], 0
-                item = {"__key__": keys[j]}
-                for f in fields:
-                    item[f] = src[r[k] : r[k + 1]]
-                    k += 2
-                if decoder is not None:
-                    try:
-                        item = decoder(item, data.url)
-                    except DatapipeError as e:
-                        if not skip:
-                            raise
-                        self.skipped.append((data.url, keys[j], str(e)))
-                        if self._holes:
-                            yield Skipped(data.url, keys[j], str(e))
-                        continue
-            else:
-                got = opened.get(g)
-                if got is None:
-                    got = opened[g] = self._open_shard(pre, g)
-                    data = got[0]
-                    if data is not None and got[1] is not None and data.rows is not None:
-                        laid[g] = (data.src, data.rows, data.fields, data.keys, data)
-                item = self._read_sample(got, g, j, decoder, hexdigest, split)
-                if item is _SKIP:
-                    if self._holes:
-                        yield Skipped(*self.skipped[-1])
-                    continue
-                if item is None:
-                    continue
-            if with_pos and isinstance(item, dict):
-                item["__shard__"], item["__sample__"] = g, j
-            yield item
-
-    def _read_sample(self, got: tuple[Any, Any], g: int, j: int, decoder: Any, hexdigest: Any,
-                     split: Any) -> Any:
-        """Sample ``j`` of shard ``g`` off the hot path; ``_SKIP`` when skipped."""
-        data, fast = got
-        if data is None:
-            self.skipped.append((self.source.url(g), None, f"sample #{j}: {fast}"))
-            return _SKIP
-        try:
-            sample = None
-            if fast is not None:
-                buf, src, offs, ends, digests = fast
-                start, end = offs[j], ends[j]
-                if digests is not None and hexdigest(buf[start:end]) != digests[j]:
-                    data.sample_bytes(j)  # raises the ChecksumError naming the sample
-                sample = split(src, start, end)
-            if sample is None:
-                sample = decode_sample(data.sample_bytes(j), data.compression, data.where(j), data.tar_bytes)
-            if sample["__key__"] != data.keys[j]:  # the tar header must agree with the index
-                raise CorruptShardError(f"{data.where(j)}: the tar members name key {sample['__key__']!r}")
-            return sample if decoder is None else decoder(sample, data.url)
-        except DatapipeError as e:
-            if self.on_error != "skip":
-                raise
-            self.skipped.append((data.url, data.keys[j], str(e)))
-            return _SKIP
 
     def _report_skipped(self) -> None:
         if self.skipped:

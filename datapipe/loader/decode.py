@@ -15,8 +15,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
-from ..errors import CorruptShardError
+from ..errors import DatapipeError, DecodeError
 
 __all__ = ["DEFAULT_DECODERS", "SampleDecoder", "make_decoder"]
 
@@ -29,8 +30,9 @@ def _int(b: bytes) -> int:
     return int(bytes(b).strip() or b"0")
 
 
-def _npy(b: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(b), allow_pickle=False)
+def _npy(b: bytes) -> NDArray[Any]:
+    out: NDArray[Any] = np.load(io.BytesIO(b), allow_pickle=False)
+    return out
 
 
 DEFAULT_DECODERS: dict[str, Callable[[bytes], Any]] = {
@@ -59,15 +61,27 @@ class SampleDecoder:
 
     def __call__(self, sample: dict[str, Any], where: str) -> Any:
         if self.user is not None:
-            item = self.user(sample)
+            item = self._apply(self.user, sample, sample, where, "decode")
         else:
             item = sample
             if self.table:
                 self._by_extension(sample, where)
-        return item if self.map_fn is None else self.map_fn(item)
+        return item if self.map_fn is None else self._apply(self.map_fn, item, sample, where, "map")
+
+    @staticmethod
+    def _apply(fn: Callable[[Any], Any], arg: Any, sample: dict[str, Any], where: str, what: str) -> Any:
+        try:
+            return fn(arg)
+        except DatapipeError:
+            raise  # already says what and where
+        except Exception as e:  # a user function can raise anything
+            raise DecodeError(f"{where} sample {sample.get('__key__')!r}: the {what}= function raised "
+                              f"{type(e).__name__}: {e}") from e
 
     def _by_extension(self, sample: dict[str, Any], where: str) -> None:
         table = self.table
+        if table is None:
+            return
         for field, value in sample.items():
             if field[:2] == "__":
                 continue
@@ -78,7 +92,7 @@ class SampleDecoder:
             try:
                 sample[field] = fn(value)
             except Exception as e:  # a decoder of user data can raise anything
-                raise CorruptShardError(
+                raise DecodeError(
                     f"{where} sample {sample.get('__key__')!r}: field {field!r} does not decode as "
                     f".{ext}: {type(e).__name__}: {e}"
                 ) from e

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import PlanError
 from ..plan import derive_key
@@ -49,19 +50,20 @@ def stream_targets(streams: list[Stream], sizes: list[int], epoch_size: int | No
     """Samples each stream contributes to one epoch."""
     if len(streams) != len(sizes):
         raise PlanError("one size per stream is needed")
-    weighted = [i for i, s in enumerate(streams) if s.weight is not None]
+    weights = {i: float(s.weight) for i, s in enumerate(streams) if s.weight is not None}
+    weighted = list(weights)
     targets = [0] * len(streams)
     for i, s in enumerate(streams):
         if s.weight is None:
-            targets[i] = int(round((1.0 if s.repeat is None else s.repeat) * sizes[i]))
+            targets[i] = round((1.0 if s.repeat is None else s.repeat) * sizes[i])
     if weighted:
-        total_w = sum(streams[i].weight for i in weighted)
+        total_w = sum(weights.values())
         if total_w <= 0:
             raise PlanError("the weights of a mix sum to zero")
         size = sum(sizes[i] for i in weighted) if epoch_size is None else int(epoch_size)
         if size < 0:
             raise PlanError(f"epoch_size must be non-negative, got {epoch_size}")
-        shares = [size * streams[i].weight / total_w for i in weighted]
+        shares = [size * weights[i] / total_w for i in weighted]
         floors = [int(x) for x in shares]
         # largest remainders get the samples rounding left over, so the total is exact
         left = size - sum(floors)
@@ -76,12 +78,12 @@ def stream_targets(streams: list[Stream], sizes: list[int], epoch_size: int | No
     return targets
 
 
-def epoch_layout(stream_counts: list[np.ndarray], targets: list[int], seed: int,
-                 epoch: int) -> tuple[np.ndarray, np.ndarray]:
+def epoch_layout(stream_counts: list[NDArray[Any]], targets: list[int], seed: int,
+                 epoch: int) -> tuple[NDArray[Any], NDArray[Any]]:
     """(virtual shard sample counts, real global shard of each virtual shard) for one epoch.
     Real shards are numbered across the streams in order."""
-    counts_out: list[np.ndarray] = []
-    real_out: list[np.ndarray] = []
+    counts_out: list[NDArray[Any]] = []
+    real_out: list[NDArray[Any]] = []
     base = 0
     for i, (counts, target) in enumerate(zip(stream_counts, targets)):
         counts = np.asarray(counts, dtype=np.int64)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 __all__ = ["Chunk", "Prefetcher"]
 
@@ -33,19 +34,19 @@ class Chunk:
     """Consecutive samples of a worker's stream."""
 
     number: int
-    steps: np.ndarray
-    shard: np.ndarray
-    sample: np.ndarray
+    steps: NDArray[Any]
+    shard: NDArray[Any]
+    sample: NDArray[Any]
     shards: list[int] = field(default_factory=list)  # distinct, in order of first use
 
     @classmethod
-    def make(cls, number: int, steps: np.ndarray, shard: np.ndarray, sample: np.ndarray) -> "Chunk":
+    def make(cls, number: int, steps: NDArray[Any], shard: NDArray[Any], sample: NDArray[Any]) -> Chunk:
         uniq, first = np.unique(shard, return_index=True)
         return cls(number, steps, shard, sample, uniq[np.argsort(first)].tolist())
 
 
 class _Slot:
-    __slots__ = ("ready", "data", "error", "refs", "size")
+    __slots__ = ("data", "error", "ready", "refs", "size")
 
     def __init__(self, size: int) -> None:
         self.ready = threading.Event()
@@ -81,7 +82,7 @@ class Prefetcher:
         self.concurrency = int(concurrency)
         self._schedule = schedule
         self.close_timeout_s = float(close_timeout_s)
-        self._queue: queue.Queue = queue.Queue(maxsize=lookahead_chunks)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=lookahead_chunks)
         self._lock = threading.Lock()
         self._slots: dict[int, _Slot] = {}
         self._fetching: set[int] = set()  # shards whose fetch call has not returned
@@ -91,6 +92,7 @@ class Prefetcher:
         self._reading = 0  # number of the chunk the consumer reads
         self._planned: list[Chunk] = []  # handed out or queued, not yet done
         self._stop = False
+        self._schedule_failed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._thread_main, name="datapipe-prefetch", daemon=True)
@@ -164,12 +166,14 @@ class Prefetcher:
                 data.close()
 
     def _poke(self) -> None:
+        """Wake the planner: the consumer took a chunk, freed budget, or asked it to stop."""
         loop, ev = self._loop, self._changed
-        if loop is not None and ev is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(ev.set)
-            except RuntimeError:  # loop already closed
-                pass
+        if loop is None or ev is None:
+            return  # not waiting yet: it checks the state before it first waits
+        try:
+            loop.call_soon_threadsafe(ev.set)
+        except RuntimeError:  # the loop has closed: the planner has ended, nothing to wake
+            return
 
     # -- producer side -----------------------------------------------------------------
     def _thread_main(self) -> None:
@@ -181,7 +185,7 @@ class Prefetcher:
         self._loop = loop
         try:
             loop.run_until_complete(self._run())
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+        except BaseException as e:
             self._put(e)
         finally:
             pending = asyncio.all_tasks(loop)
@@ -193,35 +197,39 @@ class Prefetcher:
             loop.close()
 
     def _put(self, item: Any) -> None:
-        while not self._stop:
-            try:
-                self._queue.put(item, timeout=0.05)
-                return
-            except queue.Full:
-                continue
+        """Hand ``item`` (the planner's error) to the consumer, from the planner's thread
+        once its loop has ended. A consumer that stops drains the queue after setting the
+        stop flag, so a blocked put always ends."""
+        if not self._stop:
+            self._queue.put(item)
 
-    async def _put_async(self, item: Any) -> bool:
+    async def _until(self, ready: Callable[[], bool]) -> bool:
+        """Wait, without polling, until ``ready()`` (checked each time the consumer pokes);
+        False once the consumer has asked to stop."""
+        changed = self._changed
+        if changed is None:
+            raise RuntimeError("prefetch loop not started")
         while not self._stop:
-            try:
-                self._queue.put_nowait(item)
+            changed.clear()  # before the check: a poke after it wakes the wait below
+            if ready():
                 return True
-            except queue.Full:
-                await self._wait_change(0.05)
+            await changed.wait()
         return False
 
-    async def _wait_change(self, timeout: float) -> None:
-        if self._changed is None:
-            raise RuntimeError("prefetch loop not started")
-        try:
-            await asyncio.wait_for(self._changed.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
-        self._changed.clear()
+    async def _put_async(self, item: Any) -> bool:
+        def put() -> bool:
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                return False
+            return True
+
+        return await self._until(put)
 
     async def _run(self) -> None:
         self._changed = asyncio.Event()
         sem = asyncio.Semaphore(self.concurrency)
-        tasks: set[asyncio.Task] = set()
+        tasks: set[asyncio.Task[None]] = set()
         for chunk in self._chunks:
             if self._stop:
                 return
@@ -235,20 +243,22 @@ class Prefetcher:
                         slot.refs += 1
                         continue
                 size = max(int(self._shard_bytes(g)), 1)
-                # wait for budget, unless this chunk is the one being read (progress first)
-                while not self._stop:
+                new = _Slot(size)
+                new.refs = 1
+
+                def reserve(g: int = g, new: _Slot = new, number: int = chunk.number) -> bool:
+                    # budget, unless this chunk is the one being read (progress first)
                     with self._lock:
-                        fits = self._held + size <= self.max_bytes or chunk.number <= self._reading
-                        if fits:
-                            slot = _Slot(size)
-                            slot.refs = 1
-                            self._slots[g] = slot
-                            self._held += size
-                            self.peak_bytes = max(self.peak_bytes, self._held)
-                            break
-                    await self._wait_change(0.05)
-                if self._stop:
+                        if self._held + new.size > self.max_bytes and number > self._reading:
+                            return False
+                        self._slots[g] = new
+                        self._held += new.size
+                        self.peak_bytes = max(self.peak_bytes, self._held)
+                        return True
+
+                if not await self._until(reserve):
                     return
+                slot = new
                 await sem.acquire()
                 t = asyncio.get_running_loop().create_task(self._load(g, slot, sem))
                 tasks.add(t)
@@ -260,7 +270,7 @@ class Prefetcher:
                 return
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        self._put(_END)
+        await self._put_async(_END)
 
     def _landed_after_stop(self, g: int, fut: Any) -> None:
         if fut.cancelled():  # never started
@@ -287,7 +297,7 @@ class Prefetcher:
             # may hold a cache pin) is closed when it lands
             fut.add_done_callback(lambda f: self._landed_after_stop(g, f))
             slot.error = e
-        except BaseException as e:  # noqa: BLE001 - raised to the consumer when it asks
+        except BaseException as e:
             slot.error = e
         finally:
             sem.release()
@@ -310,5 +320,8 @@ class Prefetcher:
                         order.append(g)
         try:
             self._schedule(order)
-        except Exception:  # a cache that cannot take hints still serves reads
-            pass
+        except Exception as e:
+            if not self._schedule_failed:  # once per pass: every chunk would say the same
+                self._schedule_failed = True
+                warnings.warn(f"the cache's schedule hook failed ({type(e).__name__}: {e}); reads go on, "
+                              "but its eviction no longer knows the upcoming shards", RuntimeWarning, stacklevel=2)

@@ -32,7 +32,9 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
+from .. import dataset as _dataset
 from ..checksum import checksum, verify
 from ..errors import (
     CorruptShardError,
@@ -43,10 +45,10 @@ from ..errors import (
     PlanError,
     StorageError,
 )
+from ..format.layout import find_layout
 from ..storage.retry import RetryPolicy, call_with_retry
-from ..format.plain import check_members, walk_layout
-from .members import LayoutCache
-from .. import dataset as _dataset
+from .layouts import LayoutCache
+from .readers import ShardReader, reader_for
 
 __all__ = ["BufferPool", "ShardData", "ShardSource"]
 
@@ -59,8 +61,8 @@ class ShardData:
     url: str
     buf: memoryview
     keys: list[str]
-    offsets: np.ndarray
-    lengths: np.ndarray
+    offsets: NDArray[Any]
+    lengths: NDArray[Any]
     checksums: list[str]
     compression: str
     _closer: Any = None
@@ -68,11 +70,10 @@ class ShardData:
     error: Exception | None = None
     #: the whole shard matched its checksum: samples need no check of their own
     verified: bool = False
-    #: a shared field layout (see .members): field k of sample j is src[table[j, 2k]:table[j, 2k+1]]
-    fields: tuple[str, ...] | None = None
-    table: np.ndarray | None = None
     #: the shard's tar bytes (from the index): no zstd frame may decompress to more
     tar_bytes: int = 0
+    #: how its samples are read, chosen once when it is fetched (see .readers)
+    reader: ShardReader | None = None
 
     def __post_init__(self) -> None:
         ends = self.offsets + self.lengths
@@ -81,33 +82,12 @@ class ShardData:
         self.src = self.buf.obj if isinstance(self.buf.obj, (bytes, mmap.mmap)) else bytes(self.buf)
         self._close_lock = threading.Lock()
 
-    # Plain lists for the per-sample path (numpy scalar indexing costs more than the work
-    # per sample). Built on first use only: a shard read through its layout never needs them.
     @cached_property
-    def offs(self) -> list[int]:
-        return self.offsets.tolist()
-
-    @cached_property
-    def ends(self) -> list[int]:
-        return (self.offsets + self.lengths).tolist()
-
-    @cached_property
-    def rows(self) -> list[list[int]] | None:
-        return None if self.table is None else self.table.tolist()
-
-    @cached_property
-    def key_array(self) -> np.ndarray:
+    def key_array(self) -> NDArray[Any]:
         """The keys as an object array, for gathering a chunk's keys in one step."""
         out = np.empty(len(self.keys), dtype=object)
         out[:] = self.keys
         return out
-
-    @cached_property
-    def digests(self) -> list[str] | None:
-        prefix = "xxh3_64:"
-        if self.checksums and all(c and c.startswith(prefix) for c in self.checksums):
-            return [c[len(prefix):] for c in self.checksums]
-        return None
 
     def where(self, j: int) -> str:
         off = int(self.offsets[j])
@@ -162,6 +142,9 @@ class BufferPool:
     """
 
     def __init__(self, max_bytes: int) -> None:
+        self._start(max_bytes)
+
+    def _start(self, max_bytes: int) -> None:
         self.max_bytes = int(max_bytes)
         self._idle: list[mmap.mmap] = []
         self._held = 0  # bytes of idle buffers
@@ -172,7 +155,7 @@ class BufferPool:
         return {"max_bytes": self.max_bytes}  # buffers do not pickle: a worker has its own
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["max_bytes"])
+        self._start(state["max_bytes"])
 
     def take(self, size: int) -> mmap.mmap:
         """A buffer of exactly ``size`` (> 0) bytes, contents undefined."""
@@ -282,10 +265,11 @@ class ShardSource:
         #: local shard files whose bytes matched their checksum in this process: path ->
         #: (file identity, checksum); see _read_local
         self._verified: dict[str, tuple[tuple[int, ...], str]] = {}
-        #: field layouts of verified shards, kept across epochs (bounded; see .members)
+        #: field layouts of verified shards, kept across epochs (bounded; see .layouts)
         self.layouts = LayoutCache()
-        #: verified shards without a layout whose members were checked against the index
-        self._walked: set[tuple[int, int, str]] = set()
+        #: False: no layout is looked for, every sample is checked and parsed on its own by
+        #: the strict tar parser (the reference the laid-out readers are tested against)
+        self.find_layouts = True
         #: idle private buffers for local shard bytes, reused across shards and epochs
         self.buffers = BufferPool(max_pooled_bytes)
         if self.num_samples == 0:
@@ -304,7 +288,7 @@ class ShardSource:
                  "\n".join(str(s.checksum) for s in ix.shards) for ix in self.indexes]
         return checksum("\0".join(parts).encode())
 
-    def info(self, g: int) -> tuple[Any, Any]:
+    def info(self, g: int) -> tuple[_dataset.DatasetIndex, _dataset.ShardInfo]:
         s = int(self.source_of[g])
         ix = self.indexes[s]
         return ix, ix.shards[g - int(self.shard_base[s])]
@@ -336,22 +320,19 @@ class ShardSource:
         data = ShardData(g, info.url, buf, list(table.keys), np.asarray(table.offsets, np.int64),
                          np.asarray(table.lengths, np.int64), list(table.checksums or []),
                          ix.compression, closer, error, verified, tar_bytes=info.tar_bytes)
-        if verified and data.compression == "none" and data.max_end <= len(data.buf):
+        layout = None
+        if verified and self.find_layouts and data.compression == "none" and data.max_end <= len(data.buf):
             key = (g, len(data.buf), info.checksum)
-            lay = self.layouts.get(key)
-            if lay is None:
-                lay = walk_layout(data.src, data.offs, data.ends, data.keys)
-                if lay is not None:
-                    self.layouts.put(key, lay)
-            if lay is not None and lay.samples == len(data.keys):
-                data.fields, data.table = lay.fields, lay.table
-            elif key not in self._walked:
-                # no shared layout vouches for the index's ranges: walk every member once
+            layout = self.layouts.get(key)
+            if layout is None:
+                ends = data.offsets + data.lengths
                 try:
-                    check_members(data.src, data.offs, data.ends, data.keys, info.url)
-                    self._walked.add(key)
-                except CorruptShardError as e:
+                    layout = find_layout(data.src, data.offsets.tolist(), ends.tolist(), data.keys, info.url)
+                except CorruptShardError as e:  # every sample raises it (or is skipped)
                     data.error = e
+                else:
+                    self.layouts.put(key, layout)
+        data.reader = reader_for(data, layout)
         return data
 
     def _bytes(self, ix: Any, info: Any, cache: Any) -> tuple[memoryview, Any, bool]:

@@ -490,7 +490,7 @@ def _pack_table(src: str, kind: str, lock: WriterLock, opts: dict[str, Any], pro
     keys: set[str] = set()
     bar = _progress_bar(stop - start, progress)
     limits = ShardLimits(opts["shard_bytes"], opts["shard_samples"])
-    pending: list[tuple[str, list[bytes | memoryview], list[str]]] = []
+    pending: list[tuple[str, list[bytes | bytearray | memoryview], list[str]]] = []
     pending_bytes = 0
 
     def flush() -> None:

@@ -1,10 +1,10 @@
 """Where each field of each sample of a shard lies, found once per shard and kept.
 
 Parsing a sample's tar headers costs a dozen Python operations per member, every epoch.
-The layout of a shard (:func:`datapipe.format.plain.walk_layout`) is found when the shard is
-first fetched, on the prefetch thread, and kept here in a bounded cache; the reader then
-cuts each sample with two list lookups per field. A layout is only ever computed from,
-and used on, bytes verified against the index.
+The layout of a shard (:func:`datapipe.format.layout.find_layout`) is found when the shard
+is first fetched, on the prefetch thread, and kept here in a bounded cache across epochs;
+the reader then cuts each sample with lookups. A layout is only ever computed from, and
+used on, bytes verified against the index.
 """
 
 from __future__ import annotations
@@ -13,18 +13,23 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from ..format.plain import ShardLayout
+from ..format.layout import MemberTable, ShardLayout
+
+Layout = ShardLayout | MemberTable
 
 __all__ = ["LayoutCache"]
 
 
 class LayoutCache:
     """Layouts by shard, least recently used first out, holding at most ``max_samples``
-    samples' positions (16 bytes per field per sample)."""
+    samples' positions (16 bytes per field per sample); ``max_samples=0`` keeps none."""
 
     def __init__(self, max_samples: int = 1 << 20) -> None:
+        self._start(max_samples)
+
+    def _start(self, max_samples: int) -> None:
         self.max_samples = int(max_samples)
-        self._items: OrderedDict[Any, ShardLayout] = OrderedDict()
+        self._items: OrderedDict[Any, Layout] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
 
@@ -33,16 +38,21 @@ class LayoutCache:
         return {"max_samples": self.max_samples}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["max_samples"])
+        self._start(state["max_samples"])
 
-    def get(self, key: Any) -> ShardLayout | None:
+    def __len__(self) -> int:
+        """Layouts held."""
+        with self._lock:
+            return len(self._items)
+
+    def get(self, key: Any) -> Layout | None:
         with self._lock:
             lay = self._items.get(key)
             if lay is not None:
                 self._items.move_to_end(key)
             return lay
 
-    def put(self, key: Any, layout: ShardLayout) -> None:
+    def put(self, key: Any, layout: Layout) -> None:
         if layout.samples > self.max_samples:
             return
         with self._lock:
