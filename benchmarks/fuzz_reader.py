@@ -219,7 +219,9 @@ class CaseFailure(AssertionError):
 
 
 @contextmanager
-def _deadline(seconds: int, what: str):
+def deadline(seconds: int, what: str):
+    """Raise CaseFailure in this (main) thread if the block runs longer than ``seconds``."""
+
     def hang(*_: Any) -> None:
         raise CaseFailure(f"{what}: no answer within {seconds} s (a hang)")
 
@@ -252,7 +254,7 @@ def run_case(case: dict[str, Any], refs: dict[str, str], work: str) -> str:
     files = tuple(os.listdir(dest)) if any_file else (name,)
     expected = _expected()
     results = {}
-    with _deadline(DEADLINE_S, what):
+    with deadline(DEADLINE_S, what):
         # random access: every sample by position, one by key
         try:
             ds = datapipe.open_dataset(dest)

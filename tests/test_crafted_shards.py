@@ -7,16 +7,15 @@ DatapipeError that names the shard and a byte offset, in bounded time and memory
 from __future__ import annotations
 
 import json
-import signal
 import tracemalloc
 import warnings
-from contextlib import contextmanager
 
 import pytest
 import xxhash
 
 import datapipe
 import datapipe.loader
+from benchmarks.fuzz_reader import deadline
 from datapipe.errors import DatapipeError
 from datapipe.format import SampleRecords, ShardRecord
 from datapipe.pack.commit import write_index
@@ -139,18 +138,6 @@ def _install(dest, compression: str, sample: bytes, tar_bytes: int) -> str:
     return str(dest)
 
 
-@contextmanager
-def _deadline(seconds: int):
-    def hang(*_):
-        raise TimeoutError(f"no answer within {seconds} s (a hang)")
-
-    old = signal.signal(signal.SIGALRM, hang)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _every_reader_refuses(dest: str, shard: str, max_bytes: int = 128 << 20) -> None:
@@ -174,7 +161,7 @@ def _every_reader_refuses(dest: str, shard: str, max_bytes: int = 128 << 20) -> 
                        ("epoch skip", epoch("skip"))):
         tracemalloc.start()
         try:
-            with _deadline(20):
+            with deadline(20, name):
                 with pytest.raises((DatapipeError, RuntimeWarning)) as e:
                     read()
             peak = tracemalloc.get_traced_memory()[1]

@@ -12,22 +12,12 @@ import pytest
 
 import datapipe
 from datapipe.errors import DestinationExistsError, ObjectNotFoundError
-from tools.corpus import generate_corpus
+from tools.corpus import generate_corpus, read_corpus
 
 
 def _all_samples(url, storage_options=None):
     ds = datapipe.open_dataset(url, storage_options)
     return {s["__key__"]: s for s in ds}
-
-
-def _source_samples(root):
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            rel = os.path.relpath(os.path.join(dirpath, f), root)
-            key, field = datapipe.format.split_member_name(rel)
-            out.setdefault(key, {"__key__": key})[field] = open(os.path.join(dirpath, f), "rb").read()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +32,7 @@ def test_pack_directory_roundtrip(corpus, tmp_path, compression):
     dest = str(tmp_path / "ds")
     r = datapipe.pack(corpus, dest, shard_bytes=128 * 1024, compression=compression, workers=1)
     assert r.samples == 300 and r.shards > 3
-    assert _all_samples(dest) == _source_samples(corpus)
+    assert _all_samples(dest) == read_corpus(corpus)
     assert not os.path.exists(os.path.join(dest, "_pack"))
     assert datapipe.verify_dataset(dest).ok
 
@@ -86,7 +76,7 @@ def test_pack_to_s3_and_random_access(corpus, s3):
     r = datapipe.pack(corpus, dest, shard_bytes=128 * 1024, compression="zstd", workers=2, storage_options=opts)
     assert r.samples == 300
     ds = datapipe.open_dataset(dest, opts)
-    src = _source_samples(corpus)
+    src = read_corpus(corpus)
     for i in (0, 7, 150, 299):
         s = ds[i]
         assert s == src[s["__key__"]]
@@ -151,6 +141,6 @@ def test_killed_pack_is_invisible_and_rerun_finishes(corpus, tmp_path):
         datapipe.open_dataset(dest)
     r = datapipe.pack(corpus, dest, shard_bytes=48 * 1024, workers=1)
     assert r.resumed_shards == 3  # exactly the shards recorded before the kill
-    assert _all_samples(dest) == _source_samples(corpus)
+    assert _all_samples(dest) == read_corpus(corpus)
     assert datapipe.verify_dataset(dest).ok
     assert not [f for f in os.listdir(dest) if f.startswith(".tmp-")]

@@ -12,7 +12,7 @@ import pytest
 
 import datapipe
 from datapipe.errors import DestinationBusyError
-from tools.corpus import generate_corpus
+from tools.corpus import generate_corpus, read_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--shard-samples", "10", "-q"]  # the same options in every run of one test: a rerun resumes
@@ -81,17 +81,6 @@ def _kill_at(src, dest, point):
     assert p.returncode == -signal.SIGKILL, p.stderr
 
 
-def _source_samples(root):
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            rel = os.path.relpath(os.path.join(dirpath, f), root)
-            key, field = datapipe.format.split_member_name(rel)
-            with open(os.path.join(dirpath, f), "rb") as fh:
-                out.setdefault(key, {"__key__": key})[field] = fh.read()
-    return out
-
-
 def _all_samples(url, storage_options=None):
     return {s["__key__"]: s for s in datapipe.open_dataset(url, storage_options)}
 
@@ -156,7 +145,7 @@ def test_second_pack_into_one_destination_is_refused(corpus, tmp_path):
         assert first.returncode == 0, err
     finally:
         _kill_all([first.pid])
-    assert _all_samples(dest) == _source_samples(corpus)
+    assert _all_samples(dest) == read_corpus(corpus)
     assert sorted(os.listdir(dest)) == sorted(["manifest.json", "samples.parquet", "shards.parquet"] + [
         f"shard-{i:06d}.tar" for i in range(30)])
 
@@ -177,7 +166,7 @@ def test_in_process_second_writer_gets_busy_error(corpus, tmp_path):
         assert first.wait(timeout=120) == 0
     finally:
         _kill_all([first.pid])
-    assert _all_samples(dest) == _source_samples(corpus)
+    assert _all_samples(dest) == read_corpus(corpus)
 
 
 # --- item 3 (and 5's stale lock): what a rerun after kill -9 cleans ---------------------
@@ -198,7 +187,7 @@ def test_rerun_after_kill_deletes_exactly_the_killed_packs_temporaries(corpus, t
     assert foreign.read_bytes() == b"not ours"
     assert sorted(p for p in os.listdir(dest) if p.startswith(".tmp-")) == [foreign.name]
     assert not (dest / "_pack").exists()
-    assert _all_samples(str(dest)) == _source_samples(corpus)
+    assert _all_samples(str(dest)) == read_corpus(corpus)
 
 
 def test_pack_never_deletes_temporaries_it_did_not_write(tmp_path):
@@ -239,7 +228,7 @@ def test_pack_killed_during_cleanup_finishes_on_rerun(corpus, tmp_path, point):
     assert "packed 300 samples into 30 shards" in out
     assert not os.path.exists(os.path.join(dest, "_pack"))
     assert {n: os.stat(os.path.join(dest, n)).st_ino for n in os.listdir(dest)} == published  # none rewritten
-    assert _all_samples(dest) == _source_samples(corpus)
+    assert _all_samples(dest) == read_corpus(corpus)
     assert datapipe.verify_dataset(dest).ok
     # a pack of other input still finds a dataset there
     rc, _out, err = _run_cli(corpus, dest, "--shard-samples", "20")
@@ -266,7 +255,7 @@ def test_killed_pack_takes_its_workers_with_it(corpus, tmp_path):
         _kill_all([pack.pid, *workers])
     rc, _out, err = _run_cli(corpus, dest)
     assert rc == 0, err
-    assert _all_samples(dest) == _source_samples(corpus)
+    assert _all_samples(dest) == read_corpus(corpus)
 
 
 def test_lost_worker_is_a_clear_error_and_rerun_resumes(corpus, tmp_path):
@@ -291,7 +280,7 @@ def test_lost_worker_is_a_clear_error_and_rerun_resumes(corpus, tmp_path):
     assert "worker process died" in err and "run the same command again" in err and dest in err
     rc, _out, err = _run_cli(corpus, dest, "--shard-samples", "2")
     assert rc == 0, err
-    assert _all_samples(dest) == _source_samples(corpus)
+    assert _all_samples(dest) == read_corpus(corpus)
 
 
 # --- the same rules on an object store (lease) -------------------------------------------
@@ -323,7 +312,7 @@ def test_object_store_one_writer_and_rerun_after_kill(corpus, s3):
     # the writer is gone (same host, its pid is dead): the rerun takes the lease over at once
     r = datapipe.pack(corpus, dest, shard_samples=60, storage_options=opts)
     assert r.samples == 300
-    assert _all_samples(dest, opts) == _source_samples(corpus)
+    assert _all_samples(dest, opts) == read_corpus(corpus)
     assert not store.list("_pack/")
 
 

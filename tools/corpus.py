@@ -10,9 +10,24 @@ import os
 
 import numpy as np
 
-__all__ = ["generate_corpus"]
+__all__ = ["generate_corpus", "read_corpus"]
 
 _WORDS = "a an the cat dog bird tree car road sky blue red small big runs sits flies over under near".split()
+
+
+def read_corpus(root: str) -> dict[str, dict[str, object]]:
+    """Every sample of a folder as ``{key: {"__key__": key, field: bytes}}``, files grouped
+    into samples by datapipe's key rule: what a pack of ``root`` must hold."""
+    from datapipe.format import split_member_name
+
+    out: dict[str, dict[str, object]] = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), root)
+            key, field = split_member_name(rel)
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                out.setdefault(key, {"__key__": key})[field] = fh.read()
+    return out
 
 
 def generate_corpus(root: str, n_samples: int = 1000, seed: int = 0, mean_bytes: int = 16384,
