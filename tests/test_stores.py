@@ -196,3 +196,58 @@ def test_url_helpers():
     assert isinstance(open_store("memory://x"), FsspecStore)
     with pytest.raises(StorageError, match="no fsspec backend"):
         open_store("nosuchproto://x").exists("y")
+
+
+def test_s3_get_tagged_rewritten_during_its_read_reads_the_new_version(s3):
+    """s3fs takes the ETag with a HEAD and reads with If-Match on it: an object rewritten in
+    between (another writer taking a lease over) must give that writer's bytes and tag,
+    not a raw FileExpired StorageError."""
+    root, opts = s3
+    store = open_store(root, opts)
+    store.put("k", b"one")
+    real_open, rewritten = store.fs.open, []
+
+    def racing_open(path, mode="rb", **kw):
+        f = real_open(path, mode, **kw)  # the HEAD is made here
+        if not rewritten:
+            rewritten.append(open_store(root, opts).put_if("k", b"two", str(f.details["ETag"])))
+        return f
+
+    store.fs.open = racing_open
+    data, tag = store.get_tagged("k")
+    assert rewritten[0] is not None  # the rewrite really happened between HEAD and GET
+    assert (data, tag) == (b"two", rewritten[0])
+
+
+def test_s3_contenders_for_a_stale_lease_one_wins_the_others_are_busy(s3):
+    import json
+    import threading
+    import time
+
+    root, opts = s3
+    for trial in range(3):
+        key = f"l{trial}.lease"
+        open_store(root, opts).put(key, json.dumps({"writer": "old", "heartbeat_unix": time.time() - 3600,
+                                                    "ttl_s": 60}).encode())
+        won, busy, other = [], [], []
+        start = threading.Barrier(6)
+
+        def contend(key=key, won=won, busy=busy, other=other, start=start):
+            store = open_store(root, opts)
+            lease = WriterLease(store, key)
+            store.fs  # noqa: B018 - the filesystem is made before the race starts
+            start.wait()
+            try:
+                won.append(lease.acquire())
+            except LeaseBusyError:
+                busy.append(lease)
+            except Exception as e:  # any other outcome fails the test below
+                other.append(e)
+
+        threads = [threading.Thread(target=contend) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert (len(won), len(busy), other) == (1, 5, [])
+        won[0].release()
