@@ -251,3 +251,29 @@ def test_s3_contenders_for_a_stale_lease_one_wins_the_others_are_busy(s3):
             t.join(60)
         assert (len(won), len(busy), other) == (1, 5, [])
         won[0].release()
+
+
+def test_a_retried_call_without_a_pool_abandons_an_attempt_after_its_timeout():
+    """call_with_retry(pool=None) (the loader's index and shard reads) bounds each attempt
+    by attempt_timeout_s like the pooled path does: a request that never answers is
+    abandoned and retried, never waited on."""
+    import threading
+    import time
+
+    from datapipe.storage.retry import RetryPolicy, call_with_retry
+
+    release, calls = threading.Event(), []
+
+    def stalls_once():
+        calls.append(1)
+        if len(calls) == 1:
+            release.wait(30)  # a server that accepts and never answers
+        return b"ok"
+
+    policy = RetryPolicy(attempts=2, base_delay_s=0.001, attempt_timeout_s=0.3, deadline_s=20)
+    t0 = time.monotonic()
+    try:
+        assert call_with_retry(stalls_once, "s3://b/x (test)", policy) == b"ok"
+        assert time.monotonic() - t0 < 10 and len(calls) == 2
+    finally:
+        release.set()
