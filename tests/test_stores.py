@@ -277,3 +277,33 @@ def test_a_retried_call_without_a_pool_abandons_an_attempt_after_its_timeout():
         assert time.monotonic() - t0 < 10 and len(calls) == 2
     finally:
         release.set()
+
+
+def test_a_lease_released_between_create_and_read_is_taken_at_once():
+    """The create (If-None-Match) finds the holder's lease, which is released before it is
+    read: the contender tries again at once instead of reporting an unreadable holder."""
+
+    class ReleasedInBetween(MemoryStore):
+        supports_conditional_writes = True
+        raced = False
+
+        def get_tagged(self, key):
+            return self.get(key), str(self.stat(key)[1])
+
+        def put_if(self, key, data, match):
+            with self._lock:
+                cur, gen = self._objects.get(key), str(self._generation.get(key))
+                if (match is None and cur is not None) or (match is not None and match != gen):
+                    if not self.raced:  # the holder releases right after our create failed
+                        self.raced = True
+                        self._objects.pop(key, None)
+                    return None
+                self._objects[key] = bytes(data)
+                self._generation[key] = self._generation.get(key, 0) + 1
+                return str(self._generation[key])
+
+    store = ReleasedInBetween()
+    store.put("w.lease", b'{"writer": "holder"}')
+    lease = WriterLease(store, "w.lease", ttl=60)
+    assert lease.acquire() is lease and store.raced
+    lease.release()

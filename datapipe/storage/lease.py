@@ -282,14 +282,16 @@ class WriterLease:
         data, tag = self._get_tagged()
         return tag if data == body else None
 
-    def _try_remote(self) -> Any:
+    def _try_remote(self, released: int = 0) -> Any:
         self._acquired = time.time()
         tag = self._put_if(self._body(), None)
         if tag is None:
             try:
                 data, seen = self._get_tagged()
             except ObjectNotFoundError:
-                return None  # released meanwhile: try again
+                # released between our create and our read: try again now (a few times,
+                # then the caller's wait decides)
+                return self._try_remote(released + 1) if released < 3 else None
             doc = self._parse(data)
             if not self._stale(doc):
                 return doc
