@@ -26,7 +26,9 @@ class Topology(NamedTuple):
     def checked(cls, rank: object, world_size: object) -> Topology:
         """``(rank, world_size)`` as a Topology; :class:`TopologyError` unless both are ints
         with ``0 <= rank < world_size``."""
-        if not (isinstance(rank, int) and isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
+        if (isinstance(rank, bool) or isinstance(world_size, bool)  # True is an int to Python
+                or not (isinstance(rank, int) and isinstance(world_size, int) and world_size >= 1
+                        and 0 <= rank < world_size)):
             raise TopologyError(f"rank {rank!r} is not inside world size {world_size!r}")
         return cls(rank, world_size)
 

@@ -412,3 +412,24 @@ def test_no_room_for_a_pin_says_what_holds_the_budget(tmp_path):
     assert "3000 bytes are pinned" in msg and "warm_bytes to at least 4000" in msg
     a.close()
     b.close()
+
+
+def test_a_copy_replaced_behind_our_back_is_never_served_by_read_range(tmp_path):
+    """read() refuses a warm copy without its fill record (where the filesystem keeps
+    records); read_range() must refuse it too, not serve the planted bytes."""
+    (tmp_path / "cold").mkdir()
+    data = os.urandom(4096)
+    url = _put(str(tmp_path / "cold"), {}, "s.tar", data)
+    filler = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=1 << 20)
+    assert filler.read(url) == data
+    if not filler._state().warm.records:
+        pytest.skip("this filesystem keeps no extended attributes: copies carry no fill record")
+    filler.close()
+    copy = tmp_path / "warm" / "objects" / url_key(url)
+    (tmp_path / "other").write_bytes(b"X" * len(data))  # same size, no fill record
+    os.replace(tmp_path / "other", copy)
+    fresh = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=1 << 20)
+    assert fresh.read_range(url, 0, 64) == data[:64]
+    assert fresh.stats()["warm_corrupt"] == 1
+    assert open(copy, "rb").read() == data  # refilled from cold
+    fresh.close()

@@ -150,3 +150,40 @@ def test_full_disk_reads_through_with_a_warning(tmp_path):
     assert stats["warnings_warm_full"] == 3
     assert len([m for m in warns if "reading through" in m]) == 1  # warned once
     assert os.listdir(tmp_path / "warm" / "tmp") == []
+
+
+class _Stalled(FaultInjectingStore):
+    """Every ranged read stalls until ``release`` is set: a server (or a hung mount) that
+    accepts a request and never answers."""
+
+    release = None
+
+    def get_range(self, key, start, end):
+        self.release.wait(60)
+        return super().get_range(key, start, end)
+
+    def get_range_at(self, key, start, end, version):
+        self.release.wait(60)
+        return super().get_range_at(key, start, end, version)
+
+
+def test_close_after_an_abandoned_attempt_does_not_wait_for_it(tmp_path):
+    import threading
+
+    (tmp_path / "cold").mkdir()
+    (tmp_path / "cold" / "s.tar").write_bytes(os.urandom(4096))
+    url = str(tmp_path / "cold" / "s.tar")
+    _Stalled.release = threading.Event()
+    try:
+        cache = TieredCache(hot_bytes=1 << 20, cold_wrapper=_Stalled,
+                            retry=RetryPolicy(attempts=2, base_delay_s=0.001, attempt_timeout_s=0.3, deadline_s=5))
+        with pytest.raises(RemoteError, match="no answer"):
+            cache.read(url)
+        closer = threading.Thread(target=cache.close, daemon=True)
+        t0 = time.monotonic()
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "close() waits for an abandoned, stalled attempt"
+        assert time.monotonic() - t0 < 5
+    finally:
+        _Stalled.release.set()

@@ -344,3 +344,15 @@ def test_a_store_without_conditional_writes_still_refuses_a_second_live_writer()
     with CheckpointWriter(url) as w:  # released at close
         w.save(2, {"x": 2}).wait()
     assert load_checkpoint(url) == {"x": 2}
+
+
+def test_a_symlink_planted_as_the_lease_is_refused_and_its_target_untouched(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious user data\n")
+    url = tmp_path / "ckpt"
+    url.mkdir()
+    os.symlink(victim, url / LEASE_KEY)
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        CheckpointWriter(str(url))
+    assert victim.read_text() == "precious user data\n"
+    assert os.path.islink(url / LEASE_KEY)

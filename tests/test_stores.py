@@ -196,3 +196,114 @@ def test_url_helpers():
     assert isinstance(open_store("memory://x"), FsspecStore)
     with pytest.raises(StorageError, match="no fsspec backend"):
         open_store("nosuchproto://x").exists("y")
+
+
+def test_s3_get_tagged_rewritten_during_its_read_reads_the_new_version(s3):
+    """s3fs takes the ETag with a HEAD and reads with If-Match on it: an object rewritten in
+    between (another writer taking a lease over) must give that writer's bytes and tag,
+    not a raw FileExpired StorageError."""
+    root, opts = s3
+    store = open_store(root, opts)
+    store.put("k", b"one")
+    real_open, rewritten = store.fs.open, []
+
+    def racing_open(path, mode="rb", **kw):
+        f = real_open(path, mode, **kw)  # the HEAD is made here
+        if not rewritten:
+            rewritten.append(open_store(root, opts).put_if("k", b"two", str(f.details["ETag"])))
+        return f
+
+    store.fs.open = racing_open
+    data, tag = store.get_tagged("k")
+    assert rewritten[0] is not None  # the rewrite really happened between HEAD and GET
+    assert (data, tag) == (b"two", rewritten[0])
+
+
+def test_s3_contenders_for_a_stale_lease_one_wins_the_others_are_busy(s3):
+    import json
+    import threading
+    import time
+
+    root, opts = s3
+    for trial in range(3):
+        key = f"l{trial}.lease"
+        open_store(root, opts).put(key, json.dumps({"writer": "old", "heartbeat_unix": time.time() - 3600,
+                                                    "ttl_s": 60}).encode())
+        won, busy, other = [], [], []
+        start = threading.Barrier(6)
+
+        def contend(key=key, won=won, busy=busy, other=other, start=start):
+            store = open_store(root, opts)
+            lease = WriterLease(store, key)
+            store.fs  # noqa: B018 - the filesystem is made before the race starts
+            start.wait()
+            try:
+                won.append(lease.acquire())
+            except LeaseBusyError:
+                busy.append(lease)
+            except Exception as e:  # any other outcome fails the test below
+                other.append(e)
+
+        threads = [threading.Thread(target=contend) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert (len(won), len(busy), other) == (1, 5, [])
+        won[0].release()
+
+
+def test_a_retried_call_without_a_pool_abandons_an_attempt_after_its_timeout():
+    """call_with_retry(pool=None) (the loader's index and shard reads) bounds each attempt
+    by attempt_timeout_s like the pooled path does: a request that never answers is
+    abandoned and retried, never waited on."""
+    import threading
+    import time
+
+    from datapipe.storage.retry import RetryPolicy, call_with_retry
+
+    release, calls = threading.Event(), []
+
+    def stalls_once():
+        calls.append(1)
+        if len(calls) == 1:
+            release.wait(30)  # a server that accepts and never answers
+        return b"ok"
+
+    policy = RetryPolicy(attempts=2, base_delay_s=0.001, attempt_timeout_s=0.3, deadline_s=20)
+    t0 = time.monotonic()
+    try:
+        assert call_with_retry(stalls_once, "s3://b/x (test)", policy) == b"ok"
+        assert time.monotonic() - t0 < 10 and len(calls) == 2
+    finally:
+        release.set()
+
+
+def test_a_lease_released_between_create_and_read_is_taken_at_once():
+    """The create (If-None-Match) finds the holder's lease, which is released before it is
+    read: the contender tries again at once instead of reporting an unreadable holder."""
+
+    class ReleasedInBetween(MemoryStore):
+        supports_conditional_writes = True
+        raced = False
+
+        def get_tagged(self, key):
+            return self.get(key), str(self.stat(key)[1])
+
+        def put_if(self, key, data, match):
+            with self._lock:
+                cur, gen = self._objects.get(key), str(self._generation.get(key))
+                if (match is None and cur is not None) or (match is not None and match != gen):
+                    if not self.raced:  # the holder releases right after our create failed
+                        self.raced = True
+                        self._objects.pop(key, None)
+                    return None
+                self._objects[key] = bytes(data)
+                self._generation[key] = self._generation.get(key, 0) + 1
+                return str(self._generation[key])
+
+    store = ReleasedInBetween()
+    store.put("w.lease", b'{"writer": "holder"}')
+    lease = WriterLease(store, "w.lease", ttl=60)
+    assert lease.acquire() is lease and store.raced
+    lease.release()

@@ -59,3 +59,11 @@ def test_each_caller_keeps_its_error_class(no_env, tmp_path):
     assert resolve_topology() == (1, 2)
     with CheckpointWriter(str(tmp_path / "ckpt")) as w:  # the writer reads no environment
         assert (w.rank, w.world_size) == (0, 1)
+
+
+@pytest.mark.parametrize("rank, world_size", [(True, 2), (False, True), (0, True)])
+def test_bools_are_not_ranks(no_env, rank, world_size):
+    with pytest.raises(TopologyError, match="not inside world size"):
+        Topology.resolve(rank, world_size, environment=False)
+    with pytest.raises(CheckpointError, match="not inside world size"):
+        CheckpointWriter("/nonexistent-never-created", rank=rank, world_size=world_size)

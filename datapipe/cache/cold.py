@@ -51,7 +51,9 @@ class ColdReader:
         self._lock = threading.Lock()
 
     def close(self) -> None:
-        self.parts.shutdown(wait=True, cancel_futures=True)
+        # Not waiting: what still runs here is only attempts that were abandoned (timed
+        # out, results dropped); one stalled on a dead server must not hang close().
+        self.parts.shutdown(wait=False, cancel_futures=True)
 
     def store_for(self, url: str) -> tuple[Store, str]:
         """The store of ``url``'s folder (created once per process) and the key in it."""

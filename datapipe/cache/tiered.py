@@ -311,6 +311,8 @@ class TieredCache:
                 record = fill_record(fd)
                 if record is not None and record[0] != size:
                     pass  # a copy truncated or grown in place: never a hit
+                elif record is None and warm.records:
+                    pass  # not a fill's copy (planted, or replaced behind our back): never a hit
                 elif end <= size:
                     part = os.pread(fd, end - start, start)
                     if len(part) == end - start:

@@ -213,7 +213,15 @@ class WriterLease:
 
     def _try_local(self, path: str) -> Any:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            # never through a link: the holder writes its document into the file it opens
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise StorageError(f"{path} is a symbolic link, not a lease file; a writer lease is never "
+                               "taken through one (it would overwrite the file it points to): remove "
+                               "it if no writer of ours made it") from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -274,14 +282,16 @@ class WriterLease:
         data, tag = self._get_tagged()
         return tag if data == body else None
 
-    def _try_remote(self) -> Any:
+    def _try_remote(self, released: int = 0) -> Any:
         self._acquired = time.time()
         tag = self._put_if(self._body(), None)
         if tag is None:
             try:
                 data, seen = self._get_tagged()
             except ObjectNotFoundError:
-                return None  # released meanwhile: try again
+                # released between our create and our read: try again now (a few times,
+                # then the caller's wait decides)
+                return self._try_remote(released + 1) if released < 3 else None
             doc = self._parse(data)
             if not self._stale(doc):
                 return doc

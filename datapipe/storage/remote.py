@@ -22,6 +22,8 @@ __all__ = ["FsspecStore"]
 _STREAMING_WRITE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "abfs", "az", "abfss"}
 # S3: conditional PUT (If-None-Match: * / If-Match: <ETag>) and If-Match on range GETs
 _S3_PROTOCOLS = {"s3", "s3a"}
+# get_tagged reads again when the object is rewritten during its read, this many times
+_TAGGED_READ_TRIES = 5
 # what fsspec backends call the token that changes when an object is rewritten, best first
 _VERSION_FIELDS = ("ETag", "etag", "generation", "VersionId", "version_id", "md5Hash",
                    "mtime", "LastModified", "last_modified", "updated", "created")
@@ -147,12 +149,19 @@ class FsspecStore(Store):
         if not self.supports_conditional_writes:
             return super().get_tagged(key)
         path = self._path(key)
-        try:
-            self.fs.invalidate_cache(path)  # the tag must be the object's, not a listing's
-            with self.fs.open(path, "rb") as f:  # s3fs pins every read to this ETag
-                return f.read(), str(f.details["ETag"])
-        except Exception as e:
-            raise self._translate(key, e) from e
+        last: Exception | None = None
+        for _try in range(_TAGGED_READ_TRIES):
+            try:
+                self.fs.invalidate_cache(path)  # the tag must be the object's, not a listing's
+                with self.fs.open(path, "rb") as f:  # s3fs pins every read to this ETag
+                    return f.read(), str(f.details["ETag"])
+            except Exception as e:
+                if type(e).__name__ != "FileExpired":
+                    raise self._translate(key, e) from e
+                # rewritten between s3fs's HEAD (the ETag) and its GET: read the new version
+                last = e
+        raise ObjectChangedError(changed_message(self.url(key), "read", "another, "
+                                                 f"{_TAGGED_READ_TRIES} times in a row")) from last
 
     def put_if(self, key: str, data: bytes, match: str | None) -> str | None:
         if not self.supports_conditional_writes:

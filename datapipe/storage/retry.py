@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import errno
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -253,9 +254,33 @@ def run_requests(
     return results
 
 
+def _bounded(fn: Callable[[], T], what: str, limit: float) -> T:
+    """``fn()`` in a daemon thread of its own, abandoned (its result dropped) when it has
+    not answered within ``limit`` seconds; a daemon thread does not hold up the exit."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # handed to the caller's thread below
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="datapipe-attempt", daemon=True).start()
+    if not done.wait(limit):
+        raise TimeoutError(f"no answer from {what} within {limit:.3g} s")
+    if "error" in box:
+        raise box["error"]
+    value: T = box["value"]
+    return value
+
+
 def _inline(fn: Callable[[], T], what: str, policy: RetryPolicy,
             on_retry: Callable[[BaseException], None] | None) -> T:
-    """Retries without a pool: no attempt can be abandoned, but the deadline still stops
+    """Retries without a pool: each attempt runs in a thread of its own and is abandoned
+    after ``attempt_timeout_s`` (or what is left of the deadline); the deadline also stops
     further attempts."""
     last: BaseException | None = None
     end = None if policy.deadline_s is None else time.monotonic() + policy.deadline_s
@@ -267,8 +292,11 @@ def _inline(fn: Callable[[], T], what: str, policy: RetryPolicy,
                 break
             time.sleep(pause)
         made += 1
+        limit = policy.attempt_timeout_s
+        if end is not None:
+            limit = min(limit, end - time.monotonic()) if limit is not None else end - time.monotonic()
         try:
-            return fn()
+            return fn() if limit is None else _bounded(fn, what, max(0.0, limit))
         except Exception as e:
             if _final(e):
                 raise
