@@ -46,13 +46,10 @@ class Lease:
         try:
             self._lease.acquire()
         except LeaseBusyError as e:
-            how = ("the kernel frees it when that process exits" if e.local else
-                   f"it goes stale {e.holder.get('ttl_s') if e.holder else self._lease.ttl} s after its last "
-                   "heartbeat")
             raise CheckpointError(
                 f"{self.url}: another checkpoint writer holds this URL: {describe_holder(e.holder, local=e.local)}. "
                 f"One writer per URL: close the other writer, or write to another URL. If that writer "
-                f"is dead, {how}; pass lease_wait=<seconds> to wait for it"
+                f"is dead, {e.frees}; pass lease_wait=<seconds> to wait for it"
             ) from None
         except StorageError as e:
             raise CheckpointError(f"{self.url}: cannot take the writer lease ({type(e).__name__}: {e}); "

@@ -6,7 +6,8 @@
 - memory.py, local.py, remote.py: backends (a dict, a local directory, any fsspec
   protocol); opening.py: ``open_store(url)`` picks one;
 - retry.py: one retry and timeout layer for cold requests;
-- lease.py: one writer per destination (a lease with a heartbeat);
+- lease.py: one writer per destination (a flock locally; a lease with a heartbeat and
+  conditional writes on object stores);
 - faults.py: a fault-injecting wrapper for tests and benchmarks (not exported here).
 
 Imports: errors and checksum only. It knows no tar, no cache, no pack or checkpoint.

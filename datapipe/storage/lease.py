@@ -47,12 +47,14 @@ MAX_LEASE_BYTES = 1 << 16
 
 class LeaseBusyError(StorageError):
     """Another live writer holds the lease. ``holder``: its document (None if unreadable);
-    ``local``: the lease is a flock (freed when the holder's process exits)."""
+    ``local``: the lease is a flock (freed when the holder's process exits); ``frees``:
+    how the lease of a dead holder is freed, for messages."""
 
-    def __init__(self, message: str, holder: dict[str, Any] | None, local: bool) -> None:
+    def __init__(self, message: str, holder: dict[str, Any] | None, local: bool, frees: str) -> None:
         super().__init__(message)
         self.holder = holder
         self.local = local
+        self.frees = frees
 
 
 class LeaseLostError(StorageError):
@@ -185,7 +187,7 @@ class WriterLease:
         how = ("the kernel frees it when that process exits" if self.local else
                f"it goes stale {doc.get('ttl_s') if doc else self.ttl} s after its last heartbeat")
         holder = describe_holder(doc, local=self.local)
-        return LeaseBusyError(f"{self.url}: held by {holder}; if that writer is dead, {how}", doc, self.local)
+        return LeaseBusyError(f"{self.url}: held by {holder}; if that writer is dead, {how}", doc, self.local, how)
 
     # -- acquire ----------------------------------------------------------------------------
     def acquire(self) -> WriterLease:
