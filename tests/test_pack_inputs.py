@@ -249,3 +249,24 @@ def test_full_disk_names_the_path_and_the_fix(tmp_path, small_disk):
     assert "free space there or choose another destination" in err and "run the same command again" in err
     assert not os.path.exists(os.path.join(dest, "manifest.json"))
     assert not [n for n in os.listdir(dest) if n.startswith(".tmp-")]  # nothing half-written left
+
+
+@pytest.mark.parametrize("parts", [None, 2])
+def test_destination_inside_the_source_is_not_packed(tmp_path, parts):
+    """DEST inside SRC: the pack listed its own lock file (``_pack/writer.lock``, key
+    ``out/_pack/writer``, field ``lock``) as a sample, and with ``--part`` a later part
+    packed the shards, journal and lock of the earlier ones."""
+    src = tmp_path / "src"
+    for i in range(6):
+        _write(os.path.join(src, f"k{i}.txt"), b"x" * (i + 1))
+    dest = str(src / "out")
+    if parts is None:
+        datapipe.pack(str(src), dest, workers=1)
+    else:
+        for i in range(parts):
+            datapipe.pack(str(src), dest, workers=1, part=(i, parts))
+        datapipe.join_parts(dest)
+    ds = datapipe.open_dataset(dest)
+    assert sorted(ds.index.keys()) == [f"k{i}" for i in range(6)]
+    assert ds.index.manifest["fields"] == ["txt"]
+    assert datapipe.verify_dataset(dest).ok
