@@ -326,7 +326,8 @@ class Dataset:
         sample = decode_sample(data, self.index.compression, where, limit=info.tar_bytes)
         if sample["__key__"] != key:
             raise CorruptShardError(f"{where}: the tar members name key {sample['__key__']!r}, the index {key!r}")
-        if after[:len(key) + 1] == (key + ".").encode():
+        keydot = (key + ".").encode("utf-8")
+        if after[: len(keydot)] == keydot:
             raise CorruptShardError(f"{where}: the member after the sample's range has its key too: "
                                     "the index cuts the sample short")
         return sample

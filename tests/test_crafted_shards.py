@@ -79,6 +79,11 @@ PLAIN = {
     "size_beyond_eof": _header(b"k.txt", 10**9) + b"x" * 512,
     "size_base256_huge": _header(b"k.txt", 0, size_field=b"\x80" + b"\xff" * 11) + b"x" * 512,
     "size_not_octal": _header(b"k.txt", 0, size_field=b"0000000009x\0") + b"x" * 512,
+    # int(..., 8) takes a sign, a 0o prefix and underscores: a size of -512 made the parser
+    # read the same header forever (a PAX header: a hang; a member: a hang that grows memory)
+    "pax_size_negative": _header(b"././@PaxHeader", 0, b"x", size_field=b"-0000001000\0") + _member(b"k.txt", b"x"),
+    "size_negative": _header(b"k.txt", 0, size_field=b"-0000001000\0") + _member(b"k.cls", b"1"),
+    "size_octal_prefix": _header(b"k.txt", 0, size_field=b"0o000000001\0") + b"x" + b"\0" * 511,
     "second_key_in_range": _member(b"k.txt", b"x") + _member(b"j.txt", b"y"),
     "zero_block_inside_range": _member(b"k.txt", b"x") + b"\0" * 512 + _member(b"k.cls", b"1"),
     "stray_bytes_after_member": _member(b"k.txt", b"x") + b"\x01" * 100,
@@ -208,3 +213,22 @@ def test_crafted_cases_fit_their_index(tmp_path):
         got = list(datapipe.StreamingDataset(dest, shuffle=False, decode=None))
         assert [dict(g) for g in got] == [{"__key__": "k", "txt": b"hello"}]
         assert json.loads((tmp_path / compression / "manifest.json").read_text())["num_samples"] == 1
+
+
+def test_base256_size_is_read_as_other_tar_readers_read_it(tmp_path):
+    """A GNU base-256 size whose last byte is zero (512 = 0x80 .. 0x02 0x00) was read with
+    its trailing NUL bytes stripped (2): datapipe handed out 2 bytes where tarfile and GNU
+    tar see 512."""
+    import io
+    import tarfile
+
+    data = b"ab" + b"z" * 510
+    sample = _header(b"k.txt", 0, size_field=b"\x80" + b"\0" * 9 + b"\x02\x00") + data
+    dest = _install(tmp_path / "ds", "none", sample, 0)
+    with tarfile.open(fileobj=io.BytesIO(sample + EOA)) as tf:
+        (member,) = tf.getmembers()
+        assert member.size == 512
+    assert datapipe.open_dataset(dest)[0] == {"__key__": "k", "txt": data}
+    assert datapipe.verify_dataset(dest).ok
+    got = [dict(g) for g in datapipe.StreamingDataset(dest, shuffle=False, decode=None)]
+    assert got == [{"__key__": "k", "txt": data}]

@@ -264,3 +264,30 @@ def test_sample_key_leaving_the_dataset_is_refused(tmp_path, key):
     _resign(dest, shards, per, manifest)
     _refused(lambda: _read_all(dest), "samples.parquet")
     _refused(lambda: _stream(dest), "samples.parquet")
+
+
+@pytest.mark.parametrize("prefix", ["d/s", "d/é"])
+def test_rows_that_cut_a_sample_short_are_refused_by_random_access(tmp_path, prefix):
+    """Sample 0's range re-signed to end before its last member (``cls``), which the range
+    of sample 1 then starts with: random access to sample 0 must not return it without
+    ``cls``. The check of the header after the range compared the key's length in
+    characters with bytes, so it never fired for a key that is not ASCII."""
+    import xxhash
+
+    dest = str(tmp_path / "ds")
+    with datapipe.ShardWriter(dest, max_samples=8) as w:
+        for i in range(8):
+            w.write({"__key__": f"{prefix}{i:03d}", "cls": str(i), "bin": bytes([i]) * 700})
+    shards, per, manifest = _index(dest)
+    r = per[0]
+    r.lengths[0] -= 1024  # the cls member: one header block, one data block
+    r.offsets[1] -= 1024
+    r.lengths[1] += 1024
+    blob = open(f"{dest}/{shards[0].name}", "rb").read()
+    for j in (0, 1):
+        r.checksums[j] = "xxh3_64:" + xxhash.xxh3_64_hexdigest(blob[r.offsets[j] : r.offsets[j] + r.lengths[j]])
+    _resign(dest, shards, per, manifest)
+    ds = datapipe.open_dataset(dest)
+    _refused(lambda: ds[0], shards[0].name)
+    _refused(lambda: ds[1], shards[0].name)
+    assert ds[2] == {"__key__": f"{prefix}002", "bin": bytes([2]) * 700, "cls": b"2"}

@@ -144,3 +144,23 @@ def test_killed_pack_is_invisible_and_rerun_finishes(corpus, tmp_path):
     assert _all_samples(dest) == read_corpus(corpus)
     assert datapipe.verify_dataset(dest).ok
     assert not [f for f in os.listdir(dest) if f.startswith(".tmp-")]
+
+
+def test_second_shard_writer_on_one_destination_is_refused(tmp_path):
+    """Two ShardWriters on one destination both reported success, and the dataset held only
+    the one that closed last. The first holds the destination until it closes or aborts."""
+    from datapipe.errors import DestinationBusyError
+
+    dest = str(tmp_path / "ds")
+    a = datapipe.ShardWriter(dest)
+    a.write({"__key__": "a1", "txt": "A"})
+    with pytest.raises(DestinationBusyError, match="another pack is writing"):
+        datapipe.ShardWriter(dest)
+    a.close()
+    assert [s["__key__"] for s in datapipe.open_dataset(dest)] == ["a1"]
+    assert sorted(os.listdir(dest)) == ["manifest.json", "samples.parquet", "shard-000000.tar", "shards.parquet"]
+    b = datapipe.ShardWriter(str(tmp_path / "other"))
+    b.abort()  # an aborted writer gives its destination up too
+    with datapipe.ShardWriter(str(tmp_path / "other")) as c:
+        c.write({"__key__": "c1", "txt": "C"})
+    assert datapipe.verify_dataset(str(tmp_path / "other")).ok

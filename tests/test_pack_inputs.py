@@ -249,3 +249,63 @@ def test_full_disk_names_the_path_and_the_fix(tmp_path, small_disk):
     assert "free space there or choose another destination" in err and "run the same command again" in err
     assert not os.path.exists(os.path.join(dest, "manifest.json"))
     assert not [n for n in os.listdir(dest) if n.startswith(".tmp-")]  # nothing half-written left
+
+
+@pytest.mark.parametrize("parts", [None, 2])
+def test_destination_inside_the_source_is_not_packed(tmp_path, parts):
+    """DEST inside SRC: the pack listed its own lock file (``_pack/writer.lock``, key
+    ``out/_pack/writer``, field ``lock``) as a sample, and with ``--part`` a later part
+    packed the shards, journal and lock of the earlier ones."""
+    src = tmp_path / "src"
+    for i in range(6):
+        _write(os.path.join(src, f"k{i}.txt"), b"x" * (i + 1))
+    dest = str(src / "out")
+    if parts is None:
+        datapipe.pack(str(src), dest, workers=1)
+    else:
+        for i in range(parts):
+            datapipe.pack(str(src), dest, workers=1, part=(i, parts))
+        datapipe.join_parts(dest)
+    ds = datapipe.open_dataset(dest)
+    assert sorted(ds.index.keys()) == [f"k{i}" for i in range(6)]
+    assert ds.index.manifest["fields"] == ["txt"]
+    assert datapipe.verify_dataset(dest).ok
+
+
+def test_damaged_journal_is_a_named_error_or_repacked(tmp_path):
+    """A damaged ``_pack/plan.json`` gave a raw JSONDecodeError / AttributeError; a damaged
+    shard record a raw JSONDecodeError. The plan names itself and says what to do; a
+    damaged record is a shard not yet done, packed again by the rerun."""
+    from datapipe.errors import DestinationExistsError
+
+    src = tmp_path / "src"
+    for i in range(6):
+        _write(os.path.join(src, f"k{i}.txt"), b"x" * (i + 1))
+    dest = tmp_path / "ds"
+    (dest / "_pack").mkdir(parents=True)
+    for bad in (b'{"fingerp', b"[1]", b"\xff\xfe"):
+        (dest / "_pack" / "plan.json").write_bytes(bad)
+        with pytest.raises(DestinationExistsError, match=r"_pack/plan.json is damaged.*--overwrite"):
+            datapipe.pack(str(src), str(dest), workers=1)
+    datapipe.pack(str(src), str(dest), workers=1, overwrite=True)
+    assert datapipe.verify_dataset(str(dest)).ok
+    # a pack stopped after recording its shards, before its index; one record then damaged
+    shutil.rmtree(dest)
+    packer = importlib.import_module("datapipe.pack.packer")
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    real_commit = packer._commit
+    packer._commit = killed
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            datapipe.pack(str(src), str(dest), workers=1, shard_samples=2)
+    finally:
+        packer._commit = real_commit
+    assert sorted(os.listdir(dest / "_pack")) == ["plan.json", "shard-000000.tar.json", "shard-000001.tar.json",
+                                                  "shard-000002.tar.json", "writer.lock"]
+    (dest / "_pack" / "shard-000001.tar.json").write_bytes(b'{"record": ')
+    r = datapipe.pack(str(src), str(dest), workers=1, shard_samples=2)
+    assert r.resumed_shards == 2 and r.samples == 6
+    assert datapipe.verify_dataset(str(dest)).ok

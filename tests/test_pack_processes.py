@@ -42,6 +42,48 @@ def _run_cli(src, dest, *extra, timeout=120):
     return p.returncode, out, err
 
 
+# A `datapipe pack` that holds mid-run, deterministically: every process that packs (the
+# pack itself with --workers 1, each forked worker otherwise) finishes one shard, then
+# touches HOLD/held and waits before finishing its next one until HOLD/go exists.
+# argv: HOLD, then the CLI's arguments
+_HELD = """
+import os, sys, time
+from datapipe.cli import main
+from datapipe.format.shard import ShardBuilder
+
+hold = sys.argv[1]
+real_finish, count = ShardBuilder.finish, {}
+def finish(self):
+    count[os.getpid()] = count.get(os.getpid(), 0) + 1
+    if count[os.getpid()] >= 2:
+        open(os.path.join(hold, "held"), "a").close()
+        while not os.path.exists(os.path.join(hold, "go")):
+            time.sleep(0.01)
+    return real_finish(self)
+ShardBuilder.finish = finish
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+class _HeldPack:
+    """A pack held before its second shard (see _HELD): ``wait_held()``, then ``go()``."""
+
+    def __init__(self, hold, src, dest, *extra):
+        self.hold = str(hold)
+        os.makedirs(self.hold, exist_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", _HELD, self.hold, "pack", src, dest, *ARGS, *extra],
+                                     env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+
+    def wait_held(self):
+        _wait_for(lambda: os.path.exists(os.path.join(self.hold, "held")) or self.proc.poll() is not None,
+                  "the pack to hold")
+        assert self.proc.poll() is None, self.proc.communicate()[1]
+
+    def go(self):
+        open(os.path.join(self.hold, "go"), "a").close()
+
+
 # A pack that kills itself (SIGKILL, no cleanup of any kind) at a chosen point; argv: src dest point
 _KILL_AT = """
 import os, signal, sys
@@ -129,20 +171,15 @@ def _kill_all(pids):
 
 def test_second_pack_into_one_destination_is_refused(corpus, tmp_path):
     dest = str(tmp_path / "ds")
-    first = _pack_cli(corpus, dest, "--workers", "2")
+    first = _HeldPack(tmp_path / "hold", corpus, dest, "--workers", "2")
     try:
-        _wait_for(lambda: os.path.exists(os.path.join(dest, "_pack", "plan.json")) or first.poll() is not None,
-                  "the first pack to start")
-        os.kill(first.pid, signal.SIGSTOP)  # hold the first pack mid-run, deterministically
-        if os.path.exists(os.path.join(dest, "manifest.json")):
-            os.kill(first.pid, signal.SIGCONT)
-            pytest.skip("the first pack finished before it could be held")
+        first.wait_held()  # mid-run: its lock taken, no manifest
         rc, _out, err = _run_cli(corpus, dest)
         assert rc == 2, err
         assert "another pack is writing" in err and dest in err and "Traceback" not in err
-        os.kill(first.pid, signal.SIGCONT)
-        _out, err = first.communicate(timeout=120)
-        assert first.returncode == 0, err
+        first.go()
+        _out, err = first.proc.communicate(timeout=120)
+        assert first.proc.returncode == 0, err
     finally:
         _kill_all([first.pid])
     assert _all_samples(dest) == read_corpus(corpus)
@@ -152,18 +189,14 @@ def test_second_pack_into_one_destination_is_refused(corpus, tmp_path):
 
 def test_in_process_second_writer_gets_busy_error(corpus, tmp_path):
     dest = str(tmp_path / "ds")
-    first = _pack_cli(corpus, dest, "--workers", "1")
+    first = _HeldPack(tmp_path / "hold", corpus, dest, "--workers", "1")
     try:
-        _wait_for(lambda: os.path.exists(os.path.join(dest, "_pack", "plan.json")) or first.poll() is not None,
-                  "the first pack to start")
-        os.kill(first.pid, signal.SIGSTOP)
-        if os.path.exists(os.path.join(dest, "manifest.json")):
-            os.kill(first.pid, signal.SIGCONT)
-            pytest.skip("the first pack finished before it could be held")
+        first.wait_held()
         with pytest.raises(DestinationBusyError, match=f"pid {first.pid}"):
             datapipe.pack(corpus, dest, shard_samples=10, overwrite=True)
-        os.kill(first.pid, signal.SIGCONT)
-        assert first.wait(timeout=120) == 0
+        first.go()
+        _out, err = first.proc.communicate(timeout=120)
+        assert first.proc.returncode == 0, err
     finally:
         _kill_all([first.pid])
     assert _all_samples(dest) == read_corpus(corpus)
@@ -240,16 +273,16 @@ def test_pack_killed_during_cleanup_finishes_on_rerun(corpus, tmp_path, point):
 
 def test_killed_pack_takes_its_workers_with_it(corpus, tmp_path):
     dest = str(tmp_path / "ds")
-    pack = _pack_cli(corpus, dest, "--workers", "2")
+    held = _HeldPack(tmp_path / "hold", corpus, dest, "--workers", "2")
+    pack = held.proc
     workers = []
     try:
-        _wait_for(lambda: len(_children(pack.pid)) >= 2 or pack.poll() is not None, "two workers")
-        os.kill(pack.pid, signal.SIGSTOP)  # workers fill their result pipe and block, as in the report
+        held.wait_held()  # a worker holds before its second shard: work is pending
+        _wait_for(lambda: len(_children(pack.pid)) >= 2, "two workers")
+        os.kill(pack.pid, signal.SIGSTOP)  # the other worker fills its result pipe and blocks, as in the report
         workers = _children(pack.pid)
-        if pack.poll() is not None or len(workers) < 2:
-            pytest.skip("the pack finished before its workers could be seen")
         os.kill(pack.pid, signal.SIGKILL)
-        pack.wait()
+        pack.wait()  # the held worker is never released: only the pack's death may end it
         _wait_for(lambda: all(_proc_state(w) is None for w in workers), "the workers to exit", timeout=20)
     finally:
         _kill_all([pack.pid, *workers])
@@ -260,21 +293,18 @@ def test_killed_pack_takes_its_workers_with_it(corpus, tmp_path):
 
 def test_lost_worker_is_a_clear_error_and_rerun_resumes(corpus, tmp_path):
     dest = str(tmp_path / "ds")
-    pack = _pack_cli(corpus, dest, "--workers", "2", "--shard-samples", "2")
+    held = _HeldPack(tmp_path / "hold", corpus, dest, "--workers", "2", "--shard-samples", "2")
+    pack = held.proc
     workers = []
     try:
-        _wait_for(lambda: len(_children(pack.pid)) >= 2 or pack.poll() is not None, "two workers")
-        os.kill(pack.pid, signal.SIGSTOP)  # keep work pending while one worker is killed
+        held.wait_held()  # work is pending: 150 shards, a worker holds before its second
+        _wait_for(lambda: len(_children(pack.pid)) >= 2, "two workers")
         workers = _children(pack.pid)
-        if pack.poll() is not None or len(workers) < 2:
-            pytest.skip("the pack finished before its workers could be seen")
         os.kill(workers[0], signal.SIGKILL)  # as the out-of-memory killer does
-        os.kill(pack.pid, signal.SIGCONT)
+        held.go()
         _out, err = pack.communicate(timeout=120)
     finally:
         _kill_all([pack.pid, *workers])
-    if pack.returncode == 0:
-        pytest.skip("every shard was handed out before the worker was killed")
     assert pack.returncode == 2, err
     assert "Traceback" not in err and "BrokenProcessPool" not in err
     assert "worker process died" in err and "run the same command again" in err and dest in err
@@ -293,20 +323,18 @@ def _s3_store(s3):
     return open_store(root + "/ds", opts)
 
 
-def test_object_store_one_writer_and_rerun_after_kill(corpus, s3):
+def test_object_store_one_writer_and_rerun_after_kill(corpus, s3, tmp_path):
     root, opts = s3
     dest = root + "/ds"
     store = _s3_store(s3)
-    first = _pack_cli(corpus, dest, "--workers", "1", "--shard-samples", "60", "--storage-options", json.dumps(opts))
+    first = _HeldPack(tmp_path / "hold", corpus, dest, "--workers", "1", "--shard-samples", "60",
+                      "--storage-options", json.dumps(opts))
     try:
-        _wait_for(lambda: store.exists("_pack/plan.json") or first.poll() is not None, "the first pack to start")
-        os.kill(first.pid, signal.SIGSTOP)
-        if store.exists("manifest.json"):
-            pytest.skip("the first pack finished before it could be held")
+        first.wait_held()  # mid-run, its lease taken: no manifest
         with pytest.raises(DestinationBusyError, match="lease"):
             datapipe.pack(corpus, dest, shard_samples=60, storage_options=opts)
         os.kill(first.pid, signal.SIGKILL)  # its lease stays behind, fresh
-        first.wait()
+        first.proc.wait()
     finally:
         _kill_all([first.pid])
     # the writer is gone (same host, its pid is dead): the rerun takes the lease over at once

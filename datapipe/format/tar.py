@@ -130,14 +130,20 @@ def member_header(name: str, size: int, mtime: int = 0) -> bytes:
     return bytes(header)
 
 
+_OCTAL_DIGITS = frozenset(b"01234567")
+
+
 def _parse_octal(field: bytes, where: str) -> int:
-    field = field.rstrip(b"\0 ").lstrip(b" ")
-    if field and field[0] & 0x80:  # GNU base-256 for huge values
+    """A non-negative number field: octal digits (padded with spaces, ended by NUL or
+    space), or GNU base-256 (first byte 0x80, the rest of the field big-endian). A sign,
+    a ``0o`` prefix, an underscore or a negative base-256 value (which ``int()`` would
+    take, and which could make the parser go back or stand still) is an error."""
+    if field[:1] == b"\x80":  # GNU base-256: every byte after the marker is the value
         return int.from_bytes(field[1:], "big")
-    try:
-        return int(field or b"0", 8)
-    except ValueError:
-        raise CorruptShardError(f"{where}: bad number {field!r} in a tar header") from None
+    digits = field.rstrip(b"\0 ").lstrip(b" ")
+    if not _OCTAL_DIGITS.issuperset(digits):
+        raise CorruptShardError(f"{where}: bad number {field!r} in a tar header")
+    return int(digits or b"0", 8)
 
 
 def _parse_pax(data: bytes, where: str, at: int) -> dict[str, str]:

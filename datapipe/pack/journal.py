@@ -19,6 +19,18 @@ __all__ = ["WORK", "Journal", "fingerprint"]
 _NOT_RECORDS = (PLAN, LOCK, LEASE)
 
 
+_RECORD_KEYS = frozenset({"record"})  # what every record holds (see packer._run, packer._pack_table)
+
+
+def _json_object(store: Store, key: str) -> dict[str, Any] | None:
+    """The JSON object stored at ``key``, or None if it is not one."""
+    try:
+        doc = json.loads(store.get(key))
+    except ValueError:  # not JSON, or not UTF-8
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def fingerprint(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -33,7 +45,13 @@ class Journal:
         self.store = store
         self.committed = False
         if store.exists(PLAN):
-            old = json.loads(store.get(PLAN)).get("fingerprint")
+            plan = _json_object(store, PLAN)
+            old = None if plan is None else plan.get("fingerprint")
+            if plan is None and not overwrite:
+                raise DestinationExistsError(
+                    f"{store.url(PLAN)} is damaged (not the JSON a pack writes): {store.root} holds an "
+                    "unfinished pack that cannot be resumed (pass --overwrite to discard it and start again)"
+                )
             if old == fingerprint:
                 self.committed = store.exists(MANIFEST)
             else:
@@ -57,10 +75,14 @@ class Journal:
         retract_dataset(self.store)
 
     def done(self) -> dict[str, dict[str, Any]]:
+        """The records of finished shards. A record that does not parse (damaged on disk)
+        is not a finished shard: its shard is packed again."""
         out = {}
         for key in self.store.list(WORK + "/"):
             if key.endswith(".json") and key not in _NOT_RECORDS:
-                out[key[len(WORK) + 1 : -5]] = json.loads(self.store.get(key))
+                rec = _json_object(self.store, key)
+                if rec is not None and _RECORD_KEYS <= rec.keys():
+                    out[key[len(WORK) + 1 : -5]] = rec
         return out
 
     def record(self, name: str, result: dict[str, Any]) -> None:

@@ -326,7 +326,11 @@ def pack(
 def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: int | None, skip_errors: bool,
                     progress: bool, overwrite: bool, follow_links: bool) -> PackResult:
     store = lock.store
-    listing = list_directory(src, skip_errors, follow_links)
+    # a destination inside the source is not input: the top one, where other parts go too
+    dest_dir = lock.base.local_path("")
+    if dest_dir is not None and opts["part"] is not None:
+        dest_dir = os.path.dirname(dest_dir.rstrip(os.sep))
+    listing = list_directory(src, skip_errors, follow_links, exclude=dest_dir)
     samples = listing.samples
     if opts["part"] is not None:
         i, n = opts["part"]

@@ -62,13 +62,17 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def list_directory(root: str, skip_errors: bool = False, follow_links: bool = False) -> DirectoryListing:
+def list_directory(root: str, skip_errors: bool = False, follow_links: bool = False,
+                   exclude: str | None = None) -> DirectoryListing:
     """Group every regular file under ``root`` into samples by WebDataset's key rule, sorted
     by key. Dot-files and names without a field are listed as ignored. A symbolic link is
     followed only to a file inside ``root`` (anywhere with ``follow_links``) and is read
-    at its target; anything but a regular file is passed over, never opened."""
+    at its target; anything but a regular file is passed over, never opened. ``exclude``:
+    a folder never entered (the pack's own destination, when it lies inside ``root``: its
+    lock, journal and shards are not input)."""
     root = os.path.abspath(root)
     real_root = os.path.realpath(root)
+    skip_dir = os.path.realpath(exclude) if exclude is not None else None
     groups: dict[str, list[tuple[str, str, int]]] = {}
     out = DirectoryListing([])
     checked: set[str] = set()
@@ -82,7 +86,7 @@ def list_directory(root: str, skip_errors: bool = False, follow_links: bool = Fa
         for entry in entries:
             name = entry.name
             if entry.is_dir(follow_symlinks=False):
-                if not name.startswith("."):
+                if not name.startswith(".") and os.path.realpath(entry.path) != skip_dir:
                     stack.append((entry.path, prefix + name + "/"))
                 continue
             if entry.is_dir():  # a link to a directory: not followed, as os.walk does

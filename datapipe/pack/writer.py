@@ -11,6 +11,7 @@ from ..format import COMPRESSIONS, SampleRecords, ShardBuilder, ShardRecord, enc
 from ..format.tar import END_OF_ARCHIVE
 from ..storage import open_store
 from .commit import check_destination, write_index
+from .lock import WriterLock
 
 __all__ = ["ShardWriter", "ShardLimits", "DEFAULT_SHARD_BYTES", "DEFAULT_SHARD_SAMPLES"]
 
@@ -53,7 +54,9 @@ class ShardWriter:
 
     Shards roll over at ``max_bytes`` (of tar bytes, before compression) or ``max_samples``.
     On a clean exit the index and manifest are written; after an exception nothing is
-    committed and the destination does not read as a dataset.
+    committed and the destination does not read as a dataset. From creation to
+    ``close()``/``abort()`` it holds the destination's writer lock, as ``pack`` does: a
+    second writer there gets :class:`~datapipe.errors.DestinationBusyError`.
     """
 
     def __init__(
@@ -69,8 +72,13 @@ class ShardWriter:
     ) -> None:
         compression = checked_compression(compression)
         self.limits = ShardLimits(max_bytes, max_samples)
-        self.store = open_store(dest, storage_options)
-        check_destination(self.store, overwrite)
+        self._lock: WriterLock | None = WriterLock(open_store(dest, storage_options)).__enter__()
+        self.store = self._lock.store
+        try:
+            check_destination(self.store, overwrite)
+        except BaseException:
+            self._release()
+            raise
         self.compression, self.level = compression, level
         self.shards: list[ShardRecord] = []
         self._samples: list[SampleRecords] = []
@@ -130,19 +138,33 @@ class ShardWriter:
         ``exc`` as a note (``exc`` stays the error the caller sees); without ``exc`` it is
         raised."""
         ctx, self._builder, self._ctx, self._closed = self._ctx, None, None, True
-        if ctx is None:
-            return
-        err = exc or PackError("ShardWriter aborted")
         try:
-            ctx.__exit__(type(err), err, None)
-        except Exception as cleanup:
-            if exc is None:
-                raise
-            exc.add_note(f"ShardWriter: discarding the partial shard also failed: {cleanup!r}")
+            if ctx is None:
+                return
+            err = exc or PackError("ShardWriter aborted")
+            try:
+                ctx.__exit__(type(err), err, None)
+            except Exception as cleanup:
+                if exc is None:
+                    raise
+                exc.add_note(f"ShardWriter: discarding the partial shard also failed: {cleanup!r}")
+        finally:
+            self._release()
 
     def close(self) -> None:
         if self._closed:
             return
-        self._close_shard()
-        self._closed = True
-        write_index(self.store, self.shards, self._samples, self.compression, self._fields)
+        try:
+            self._close_shard()
+            self._closed = True
+            if self._lock is not None:
+                self._lock.check()
+            write_index(self.store, self.shards, self._samples, self.compression, self._fields)
+        finally:
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
