@@ -368,6 +368,13 @@ class WarmDir:
         self.evictions += bool(removed)
         return True
 
+    def _held_except(self, key: str) -> tuple[list[tuple[str, int, float]], int]:
+        """Published copies other than ``key``'s, and the bytes held with downloads in
+        flight. Under the budget lock; tmp/ is scanned first (see reserve)."""
+        in_flight = self._tmp_bytes()
+        entries = [e for e in self.entries() if e[0] != key]
+        return entries, sum(s for _k, s, _m in entries) + in_flight
+
     def reserve(
         self,
         key: str,
@@ -378,10 +385,14 @@ class WarmDir:
         never a pinned copy) and create the sized temporary file. None when there is no
         room that may be made now: the caller reads through instead."""
         with self._budget_lock():
-            entries = [e for e in self.entries() if e[0] != key]
-            need = sum(s for _k, s, _m in entries) + self._tmp_bytes() + size - self.budget
+            # Downloads publish (rename tmp/ -> objects/) outside this lock: scanning tmp/
+            # first counts a copy published between the two scans twice, never zero times,
+            # so the budget can only be over-estimated, never exceeded.
+            entries, held = self._held_except(key)
+            need = held + size - self.budget
             if need > 0 and _clean_dead_tmp(self.tmpdir):
-                need = sum(s for _k, s, _m in entries) + self._tmp_bytes() + size - self.budget
+                entries, held = self._held_except(key)
+                need = held + size - self.budget
             busy: set[str] = set()
             while need > 0:
                 cands = [e for e in entries if e[0] not in busy]
