@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from torch.utils.data import DataLoader, default_collate, default_convert
 
 from ..errors import PlanError
-from .dataset import StreamingDataset
+from .dataset import StreamingDataset, skip_report
 from .readers import Skipped
 
 __all__ = ["StreamingDataLoader"]
@@ -110,10 +110,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
                 self._live = None
             if self.skipped:
                 dataset.skipped = list(self.skipped)
-                shown = "; ".join(f"{u} {k!r}: {why}" for u, k, why in self.skipped[:5])
-                more = f" (and {len(self.skipped) - 5} more)" if len(self.skipped) > 5 else ""
-                warnings.warn(f"StreamingDataset skipped {len(self.skipped)} unreadable samples: {shown}{more}",
-                              RuntimeWarning, stacklevel=2)
+                warnings.warn(skip_report(self.skipped), RuntimeWarning, stacklevel=2)
 
     def state_dict(self) -> dict[str, Any]:
         return self.stream.state_dict(self.samples_seen)

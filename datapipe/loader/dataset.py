@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,21 +56,25 @@ def resolve_topology(rank: int | None = None, world_size: int | None = None) -> 
         raise PlanError(str(e)) from None
 
 
-def _worker() -> tuple[int, int]:
+def _worker_info() -> Any:
+    """torch's worker info in a DataLoader worker process, else None."""
     try:
         from torch.utils.data import get_worker_info
     except ImportError:  # pragma: no cover
-        return 0, 1
-    info = get_worker_info()
+        return None
+    return get_worker_info()
+
+
+def _worker() -> tuple[int, int]:
+    info = _worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-def _in_worker() -> bool:
-    try:
-        from torch.utils.data import get_worker_info
-    except ImportError:  # pragma: no cover
-        return False
-    return get_worker_info() is not None
+def skip_report(skipped: Sequence[tuple[str, str | None, str]], where: str = "") -> str:
+    """The warning for samples skipped in a pass: how many, the first five, ``where``."""
+    shown = "; ".join(f"{u} {k!r}: {why}" for u, k, why in skipped[:5])
+    more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
+    return f"StreamingDataset skipped {len(skipped)} unreadable samples: {shown}{more}{where}"
 
 
 class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableDataset is generic in its item type; ours vary with decode/map
@@ -348,10 +352,8 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
 
     def _report_skipped(self) -> None:
         if self.skipped:
-            shown = "; ".join(f"{u} {k!r}: {why}" for u, k, why in self.skipped[:5])
-            more = f" (and {len(self.skipped) - 5} more)" if len(self.skipped) > 5 else ""
-            if _in_worker():  # under a plain DataLoader the main process never hears of these skips
-                more += ("; this is a DataLoader worker process: a StreamingDataLoader reports skips in the "
+            where = ""
+            if _worker_info() is not None:  # under a plain DataLoader the main process never hears of these
+                where = ("; this is a DataLoader worker process: a StreamingDataLoader reports skips in the "
                          "main process and counts them in its resume point")
-            warnings.warn(f"StreamingDataset skipped {len(self.skipped)} unreadable samples: {shown}{more}",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(skip_report(self.skipped, where), RuntimeWarning, stacklevel=3)
