@@ -149,11 +149,12 @@ class TieredCache:
         """Before a download for the hot tier: an object it can never hold is an error
         now, not after its bytes were fetched and kept in warm."""
         if self.hot_bytes > 0:
-            size = state.cold.size(url)
-            if size > self.hot_bytes:
-                raise CacheBudgetError(
-                    f"{url} is {size} bytes, more than hot_bytes={self.hot_bytes}; raise "
-                    f"hot_bytes to at least {size} or set it to 0")
+            self._refuse_over_hot(url, state.cold.size(url))
+
+    def _refuse_over_hot(self, url: str, size: int) -> None:
+        if size > self.hot_bytes:
+            raise CacheBudgetError(f"{url} is {size} bytes, more than hot_bytes={self.hot_bytes}; raise "
+                                   f"hot_bytes to at least {size} or set it to 0")
 
     def has_warm_tier(self) -> bool:
         """True when the warm tier opened in this process. A ``warm_dir`` that cannot be
@@ -187,10 +188,7 @@ class TieredCache:
     def _admit_hot(self, state: ProcessState, url: str, data: bytes, checksum: str | None, index: int | None) -> None:
         if self.hot_bytes <= 0:
             return
-        if len(data) > self.hot_bytes:
-            raise CacheBudgetError(
-                f"{url} is {len(data)} bytes, more than hot_bytes={self.hot_bytes}; raise "
-                f"hot_bytes to at least {len(data)} or set it to 0")
+        self._refuse_over_hot(url, len(data))
         before = state.hot.evictions
         if not state.hot.admit(url, data, checksum, self._chooser(url, index)):
             state.stats.update(hot_not_admitted=1)
