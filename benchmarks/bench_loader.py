@@ -415,7 +415,8 @@ def _summarise(raw: dict[str, Any], n: int, payload: int) -> dict[str, Any]:
     res.update(samples_per_s=rates[best], median_samples_per_s=statistics.median(rates),
                MB_per_s=payload / eps[best]["seconds"] / 1e6,
                median_MB_per_s=statistics.median(payload / e["seconds"] / 1e6 for e in eps),
-               samples_per_cpu_s=n / max(eps[best]["cpu_s"], 1e-9), seconds=eps[best]["seconds"])
+               samples_per_cpu_s=n / eps[best]["cpu_s"] if eps[best]["cpu_s"] > 0 else None,
+               seconds=eps[best]["seconds"])
     return res
 
 
@@ -604,6 +605,99 @@ def run_map(cfg: dict[str, Any], work: str, log: Callable[[str], None]) -> dict[
     return out
 
 
+# -- the issue's targets ---------------------------------------------------------------------------
+
+GB_PER_S_TARGET = 1000.0  # MB/s of payload through StreamingDataLoader(num_workers=2), 16 KiB and larger
+OVER_LITDATA_LOADER = 5.0
+OVER_LITDATA_ONE_PROCESS = 1.5
+BATCHED_OVER_LITDATA = 10.0
+MAP_TWO_OVER_ONE = 1.8
+MEMORY_SLACK_MB = 200.0
+
+
+def _rate(cell: dict[str, Any], system: str, mode: str, key: str = "samples_per_s") -> float | None:
+    v = cell.get("systems", {}).get(system, {}).get(mode, {}).get(key)
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def _litdata_best(cell: dict[str, Any], mode: str) -> tuple[float | None, str]:
+    """The faster of LitData at our chunk size and at its own default (the stricter bar)."""
+    got = [(r, name) for name in ("litdata", "litdata@default") if (r := _rate(cell, name, mode)) is not None]
+    return max(got) if got else (None, "")
+
+
+def _check(name: str, met: bool | None, figures: list[str]) -> dict[str, Any]:
+    return {"target": name, "status": "NOT MEASURED" if met is None else "MET" if met else "MISSED",
+            "figures": figures}
+
+
+def target_checks(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 12's targets, each MET, MISSED or NOT MEASURED, with the figures behind it,
+    computed from this run's results (LitData is taken at the faster of its two settings)."""
+    cells: dict[str, Any] = result.get("cells", {})
+    out = []
+
+    def per_cell(name: str, ratio: Callable[[dict[str, Any]], tuple[float | None, str]], bar: float,
+                 only: Callable[[dict[str, Any]], bool] = lambda c: True) -> None:
+        figs, oks = [], []
+        for cid, c in cells.items():
+            if not only(c):
+                continue
+            v, text = ratio(c)
+            figs.append(f"{cid}: {text}")
+            oks.append(None if v is None else v >= bar)
+        met = None if not oks or None in oks else all(oks)
+        out.append(_check(name, met, figs))
+
+    def loader_mb(c: dict[str, Any]) -> tuple[float | None, str]:
+        v = _rate(c, "datapipe", "dataloader", "MB_per_s")
+        return v, "not measured" if v is None else f"{v:,.0f} MB/s"
+
+    def ratio_to_lit(mode: str, lit_mode: str) -> Callable[[dict[str, Any]], tuple[float | None, str]]:
+        def f(c: dict[str, Any]) -> tuple[float | None, str]:
+            ours = _rate(c, "datapipe", mode)
+            lit, which = _litdata_best(c, lit_mode)
+            if ours is None or lit is None:
+                err = c.get("systems", {}).get("datapipe", {}).get(mode, {})
+                why = err.get("unavailable") or err.get("error") or "LitData not measured"
+                return None, f"not measured ({str(why)[:80]})"
+            return ours / lit, f"{ours / lit:.2f}x ({ours:,.0f} vs {which} {lit:,.0f} samples/s)"
+        return f
+
+    per_cell(f"StreamingDataLoader(num_workers=2) >= {GB_PER_S_TARGET / 1000:g} GB/s of payload, 16 KiB and "
+             "256 KiB samples", loader_mb, GB_PER_S_TARGET, lambda c: c.get("mean_bytes", 0) >= 16384)
+    per_cell(f"StreamingDataLoader >= {OVER_LITDATA_LOADER:g}x LitData's StreamingDataLoader, every cell",
+             ratio_to_lit("dataloader", "dataloader"), OVER_LITDATA_LOADER)
+    per_cell(f"one process, per sample >= {OVER_LITDATA_ONE_PROCESS:g}x LitData, every cell",
+             ratio_to_lit("one_process", "one_process"), OVER_LITDATA_ONE_PROCESS)
+    per_cell(f"batched mode >= {BATCHED_OVER_LITDATA:g}x LitData's per-sample rate, every cell",
+             ratio_to_lit("batched", "one_process"), BATCHED_OVER_LITDATA)
+    m = result.get("map", {}).get("systems", {}).get("datapipe", {})
+    r = m.get("two_over_one")
+    if r is None:
+        out.append(_check(f"JPEG map: 2 workers >= {MAP_TWO_OVER_ONE:g}x 1 worker", None, ["not measured"]))
+    else:
+        out.append(_check(f"JPEG map: 2 workers >= {MAP_TWO_OVER_ONE:g}x 1 worker", r >= MAP_TWO_OVER_ONE,
+                          [f"{r:.2f}x ({m['workers_2']['samples_per_s']:,.0f} vs "
+                           f"{m['workers_1']['samples_per_s']:,.0f} images/s)"]))
+    figs, oks = [], []
+    for cid, c in cells.items():
+        mem = c.get("systems", {}).get("datapipe", {}).get("dataloader", {}).get("memory")
+        if not mem:
+            continue
+        ring = mem.get("ring_bytes")
+        limit = (mem.get("prefetch_bytes", 0) + (ring or 0)) / MiB + MEMORY_SLACK_MB
+        peak_w = max(mem["worker_peak_rss_MB"], default=0.0)
+        oks.append(max(mem["main_peak_rss_MB"], peak_w) <= limit)
+        figs.append(f"{cid}: main {mem['main_peak_rss_MB']:,.0f} MB, largest worker {peak_w:,.0f} MB; limit "
+                    f"{limit:,.0f} MB = prefetch_bytes {mem.get('prefetch_bytes', 0) / MiB:,.0f} MiB + ring "
+                    + ("(size not exposed: counted as 0)" if ring is None else f"{ring / MiB:,.0f} MiB")
+                    + f" + {MEMORY_SLACK_MB:g} MB")
+    out.append(_check("memory: main and each worker within prefetch_bytes + ring + 200 MB over an epoch",
+                      (all(oks) if oks else None), figs or ["not measured"]))
+    return out
+
+
 # -- the whole run ---------------------------------------------------------------------------
 
 
@@ -632,6 +726,7 @@ def run(config: dict[str, Any] | None = None, log: Callable[[str], None] | None 
         if not cfg["workdir"]:
             shutil.rmtree(work, ignore_errors=True)
     result["seconds"] = time.perf_counter() - t0
+    result["targets"] = target_checks(result)
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     return result
 

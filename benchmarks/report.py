@@ -1,12 +1,14 @@
 """Every benchmark in one run, side by side with the peers and the machine's floors:
 
-    python -m benchmarks.report                 # default corpus, about 10 minutes on 2 cores
+    python -m benchmarks.report                 # default corpus and the whole loader sweep
     python -m benchmarks.report --samples 5000  # smaller corpus
     python -m benchmarks.report --quick         # a smoke run of every part, a few minutes
+    python -m benchmarks.report --parts loader --workdir /tmp/dp-bench   # the issue-12 sweep alone, formats kept
 
 Writes ``benchmarks/results/``: ``results.json`` (every figure), ``REPORT.md`` (tables with
 ratios to the floors and peers), and PNG plots: pack and read throughput per system, hit
-rate and bytes from cold against cache size per policy, checkpoint stall and total time
+rate and bytes from cold against cache size per policy, the loader sweep (samples/s per cell and
+system through DataLoader workers), checkpoint stall and total time
 against state size per system. Each part runs the module of the same name
 (``benchmarks.bench_pack`` ...), which can also be run alone.
 """
@@ -26,7 +28,7 @@ from typing import Any
 
 from . import plots, tables
 
-PARTS = ("pack", "read", "cache", "checkpoint")
+PARTS = ("pack", "read", "loader", "cache", "checkpoint")
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -64,6 +66,16 @@ def run_read(samples: int, quick: bool, work: str) -> dict[str, Any]:
     return run(cfg)
 
 
+def run_loader(quick: bool, work: str, cells: list[str] | None) -> dict[str, Any]:
+    from .bench_loader import QUICK, run
+
+    cfg: dict[str, Any] = dict(QUICK) if quick else {}
+    if cells:
+        cfg["cells"] = cells
+    cfg["workdir"] = os.path.join(work, "loader")
+    return run(cfg, log=lambda s: print("  " + s, flush=True))
+
+
 def run_cache(quick: bool, work: str) -> dict[str, Any]:
     from .bench_cache import BenchConfig, run
 
@@ -93,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--out", default=os.path.join(HERE, "results"),
                     help="where results go (default benchmarks/results)")
-    ap.add_argument("--workdir", default=None, help="scratch space for corpora and formats (default: a temp dir)")
+    ap.add_argument("--workdir", default=None, help="scratch space for corpora and formats (default: a temp dir; "
+                    "give one to reuse the prepared formats in later runs)")
+    ap.add_argument("--cells", default=None, help="comma-separated cells of the loader sweep (default: all; "
+                    "see python -m benchmarks.bench_loader --help)")
     a = ap.parse_args(argv)
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
     bad = sorted(set(parts) - set(PARTS))
@@ -112,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": {},
     }
     runners = {"pack": lambda: run_pack(samples, a.quick, work), "read": lambda: run_read(samples, a.quick, work),
+               "loader": lambda: run_loader(a.quick, work, [c for c in (a.cells or "").split(",") if c.strip()]),
                "cache": lambda: run_cache(a.quick, work), "checkpoint": lambda: run_checkpoint(a.quick, work)}
     for part in parts:
         print(f"== {part}", flush=True)
