@@ -20,19 +20,24 @@ def pack_md(r: dict[str, Any]) -> str:
     rows = []
     for row in r["rows"]:
         if row.get("seconds") is None:
-            rows.append([row["label"], "failed: " + str(row.get("error"))[:80], "", "", "", ""])
+            rows.append([row["label"], "failed: " + str(row.get("error"))[:80], "", "", "", "", "", ""])
             continue
         faster = {True: "yes", False: "no", None: ""}[row.get("faster_than_every_peer")]
+        settings = ", ".join(f"{k}={v}" for k, v in (row.get("settings") or {}).items())
         rows.append([row["label"], _f(row["seconds"]), _f(row["samples_per_s"], "{:,.0f}"),
-                     _f(row["mb_per_s"], "{:,.1f}"), _f(row["ratio_to_floor"]), faster])
+                     _f(row["mb_per_s"], "{:,.1f}"), _f(row["ratio_to_floor"]), faster,
+                     str(row.get("processes") or 1), settings])
     v = r.get("verdict") or {}
     head = (f"{r['corpus']['files']:,} files ({c['samples']:,} samples x 3), {r['corpus']['bytes'] / 1e6:,.0f} MB; "
-            f"shard limit {c['shard_mb']:g} MiB; best of {c['repeats']}; page cache: {', '.join(r['cache_modes'])}.")
+            f"shard limit {c['shard_mb']:g} MiB; best of {c['repeats']}; page cache: {', '.join(r['cache_modes'])}; "
+            f"{c.get('workers') or 'default'} processes for every system and the floor (x floor divides by "
+            f"'{r.get('floor_system', 'floor')}').")
     verdict = ""
     if v:
         verdict = (f"\n\ndatapipe.pack: **{v['ratio_to_floor']:.2f}x** the floor (target <= {v['target_ratio']}x); "
                    f"faster than every peer: **{'yes' if v['faster_than_every_peer'] else 'no'}**.")
-    table = _table(["system", "seconds", "samples/s", "MB/s", "x floor", "faster than every peer"], rows)
+    table = _table(["system", "seconds", "samples/s", "MB/s", "x floor", "faster than every peer", "processes",
+                    "settings"], rows)
     return head + "\n\n" + table + verdict
 
 
