@@ -89,7 +89,7 @@ DEFAULTS: dict[str, Any] = {
     "cells": list(CELLS), "systems": list(SYSTEMS), "parts": ["sweep", "map"], "epochs": 3, "batch_size": 256,
     "workers": 2, "seed": 0, "workdir": None, "peer_defaults": True, "job_timeout_s": 600.0,
     "map_images": 2000, "map_side": 256, "map_out_side": 128, "map_batch_size": 64, "map_workers": [1, 2],
-    "map_shard_bytes": 2 * MiB, "map_systems": ["datapipe", "litdata"],
+    "map_shard_bytes": 2 * MiB, "map_systems": ["datapipe", "litdata"], "prepare_only": False,
 }
 QUICK: dict[str, Any] = {"cells": list(QUICK_CELLS), "epochs": 2, "map_images": 200, "map_side": 64,
                          "map_out_side": 32, "map_batch_size": 16, "map_shard_bytes": 64 << 10}
@@ -429,8 +429,8 @@ def _spawn(job: dict[str, Any], timeout: float) -> dict[str, Any]:
         return {"error": f"timed out after {timeout:.0f} s"}
     line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("RESULT ")), None)
     if p.returncode != 0 or line is None:
-        tail = [x for x in (p.stderr or p.stdout).strip().splitlines() if x.strip()][-3:]
-        return {"error": f"exit {p.returncode}: " + " | ".join(tail)}
+        lines = [x.strip() for x in (p.stderr or p.stdout).splitlines() if x.strip()]
+        return {"error": f"exit {p.returncode}: " + (lines[-1] if lines else "no output")}
     res: dict[str, Any] = json.loads(line[len("RESULT "):])
     return res
 
@@ -470,6 +470,8 @@ def run_cell(cfg: dict[str, Any], cell: str, work: str, log: Callable[[str], Non
                 entry["error"] = f"prepare: {type(e).__name__}: {e}"
                 continue
             entry["format"] = {k: fmt[k] for k in ("files", "bytes", "prepare_s", "reused")}
+            if cfg.get("prepare_only"):
+                continue
             for mode in _modes(system):
                 job = {"system": system, "mode": mode, "dir": fmt["dir"], "keys": c["keys"], "seed": cfg["seed"],
                        "epochs": cfg["epochs"], "batch_size": cfg["batch_size"], "workers": cfg["workers"]}
@@ -726,7 +728,8 @@ def run(config: dict[str, Any] | None = None, log: Callable[[str], None] | None 
         if not cfg["workdir"]:
             shutil.rmtree(work, ignore_errors=True)
     result["seconds"] = time.perf_counter() - t0
-    result["targets"] = target_checks(result)
+    if not cfg["prepare_only"]:
+        result["targets"] = target_checks(result)
     result["machine"]["loadavg_end"] = list(os.getloadavg())
     return result
 
@@ -749,6 +752,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-peer-defaults", action="store_true",
                     help="measure peers only at datapipe's shard size, not also at their own defaults")
     ap.add_argument("--workdir", help="keep corpora and prepared formats here, reused by later runs")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="only write the corpora and formats into --workdir (no measurement), for a later run")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--job", help=argparse.SUPPRESS)  # one measurement, run by the sweep in a fresh interpreter
     a = ap.parse_args(argv)
@@ -768,6 +773,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg["peer_defaults"] = False
     if a.workdir:
         cfg["workdir"] = a.workdir
+    if a.prepare_only:
+        if not a.workdir:
+            ap.error("--prepare-only needs --workdir (where the formats are kept)")
+        cfg.update(prepare_only=True, parts=["sweep"])
     try:
         res = run(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     except ValueError as e:
