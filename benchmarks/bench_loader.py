@@ -661,8 +661,9 @@ def target_checks(result: dict[str, Any]) -> list[dict[str, Any]]:
             lit, which = _litdata_best(c, lit_mode)
             if ours is None or lit is None:
                 err = c.get("systems", {}).get("datapipe", {}).get(mode, {})
-                why = err.get("unavailable") or err.get("error") or "LitData not measured"
-                return None, f"not measured ({str(why)[:80]})"
+                why = ("not available in this datapipe" if "unavailable" in err
+                       else str(err.get("error", ""))[:100] or ("LitData not measured" if ours else "not run"))
+                return None, f"not measured ({why})"
             return ours / lit, f"{ours / lit:.2f}x ({ours:,.0f} vs {which} {lit:,.0f} samples/s)"
         return f
 
