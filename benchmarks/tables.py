@@ -200,6 +200,27 @@ def loader_md(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def gpu_md(r: dict[str, Any]) -> str:
+    """Batches into device memory by worker count, against plain pinned copies."""
+    fl = r["floor"]
+    rows = [[w, "failed: " + str(x.get("error"))[:60], "", "", ""] if "error" in x else
+            [w, _f(x["GB_per_s"]), _mb(x["samples_per_s"]), _f(x.get("of_floor")), x.get("path", "")]
+            for w, x in r["runs"].items()]
+    c = r["config"]
+    lines = [f"{r['samples']:,} samples x {c['mean_bytes'] / 1024:g} KiB ({r['payload_MB']:,.0f} MB) on "
+             f"{r.get('device_name', r['device'])}, {r['cpus']} CPUs; "
+             f"StreamingDataLoader(batch_size={c['batch_size']}, pin_memory=True), each batch's byte fields copied "
+             f"to the device; best of {c['epochs']} epochs. Floor: plain pinned host-to-device copies of "
+             f"{fl['piece_bytes'] / 2**20:g} MiB, {fl['GB_per_s']:.2f} GB/s.", "",
+             _table(["workers", "GB/s into device memory", "samples/s", "of floor", "path"], rows)]
+    t = r.get("target")
+    if t:
+        ratio = "—" if t["eight_over_one"] is None else f"{t['eight_over_one']:.2f}x"
+        lines += ["", f"- **{t['status']}** 8 workers >= 3 GB/s and >= 3x one worker: "
+                      f"{t['eight_workers_GB_per_s']:.2f} GB/s, {ratio} one worker"]
+    return "\n".join(lines)
+
+
 def _peer_cold_mb(peers: dict[str, Any], name: str, frac: str) -> str:
     p = peers.get(name, {}).get(frac)
     if not p:
@@ -278,8 +299,8 @@ def report_markdown(report: dict[str, Any], images: list[str]) -> str:
            f"`{report['command']}` — {report['started']}; {m['cpus']} CPUs ({m['cpu']}), {m['memory_GiB']} GiB, "
            f"Python {m['python']}; load average at start {m['loadavg_start'][0]:.1f}, at end "
            f"{m.get('loadavg_end', [float('nan')])[0]:.1f}. Seconds per part: {report['seconds']}.", ""]
-    for part, fn in (("pack", pack_md), ("read", read_md), ("loader", loader_md), ("cache", cache_md),
-                     ("checkpoint", checkpoint_md)):
+    for part, fn in (("pack", pack_md), ("read", read_md), ("loader", loader_md), ("gpu", gpu_md),
+                     ("cache", cache_md), ("checkpoint", checkpoint_md)):
         if part in report:
             r = report[part]
             out += [f"## {part}", "", f"{part} benchmark failed: {r['error']}" if "error" in r else fn(r), ""]
