@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -29,10 +30,11 @@ from numpy.typing import NDArray
 from ..errors import DatapipeError, PlanError, StateMismatchError, TopologyError
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
 from ..topology import Topology
+from .batch import Batch
 from .decode import make_decoder
 from .mixing import Stream, epoch_layout, stream_targets
 from .prefetch import Chunk, Prefetcher
-from .readers import ErrorPolicy, FailedShardReader, Progress, ShardReader, Skipped, chunk_items
+from .readers import ErrorPolicy, FailedShardReader, Progress, ShardReader, Skipped, chunk_items, laid_out_batches
 from .source import ShardSource
 
 try:  # torch is optional: without it the dataset is a plain iterable
@@ -105,7 +107,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                  rank: int | None = None, world_size: int | None = None,
                  storage_options: dict[str, Any] | None = None, on_error: str = "raise",
                  epoch_size: int | None = None, prefetch_bytes: int = 512 << 20, concurrency: int = 4,
-                 chunk_samples: int = 8192, return_position: bool = False) -> None:
+                 chunk_samples: int = 8192, return_position: bool = False, batched: bool = False) -> None:
         streams = [source] if isinstance(source, (str, Stream)) else list(source)
         if not streams:
             raise PlanError("a StreamingDataset needs at least one dataset URL")
@@ -142,6 +144,8 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         self.concurrency = int(concurrency)
         self.chunk_samples = int(chunk_samples)
         self.return_position = bool(return_position)
+        #: yield :class:`~.batch.Batch` es of ``batch_size`` samples instead of samples
+        self.batched = bool(batched)
         self._decode = make_decoder(decode, map)
         sizes = [int(ix.num_samples) for ix in self.source.indexes]
         self._targets = stream_targets(self.streams, sizes, epoch_size)
@@ -161,6 +165,9 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         #: yield a Skipped marker in place of each skipped sample (a StreamingDataLoader sets it:
         #: it takes the markers out of the batches and reports the skips in the main process)
         self.yield_skip_markers = False
+        #: set by a StreamingDataLoader with persistent workers: where a worker's copy reads
+        #: the epoch and resume state of each pass (see .control)
+        self._control: Any = None
         if sum(self._targets) == 0:
             raise PlanError(f"{', '.join(self.source.urls)}: the mix asks for no sample per epoch")
 
@@ -277,6 +284,10 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
     def _pass(self) -> Iterator[Any]:
         rank, world = self._world()
         worker, num_workers = _worker()
+        if self._control is not None and _worker_info() is not None:
+            told = self._control.read()  # a persistent worker: the main process's epoch and resume point
+            if told is not None:
+                self.epoch, self._resume = told
         plan, real = self._make_plan(world)
         self._plan, self._progress = plan, Progress()
         self.skipped = []  # reported at the end of each pass, then started afresh
@@ -293,10 +304,13 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                          max_bytes=self.prefetch_bytes, concurrency=self.concurrency, schedule=schedule)
         try:
             for chunk in pre:
-                items = self._chunk_items(pre, chunk, on_error)
-                if on_error.skip and not self.yield_skip_markers:  # else the loader takes the markers out
-                    items = (x for x in items if x.__class__ is not Skipped)
-                yield from items
+                if self.batched:
+                    yield from self._chunk_batches(pre, chunk, on_error)
+                else:
+                    items = self._chunk_items(pre, chunk, on_error)
+                    if on_error.skip and not self.yield_skip_markers:  # else the loader takes the markers out
+                        items = (x for x in items if x.__class__ is not Skipped)
+                    yield from items
                 pre.done(chunk)
         finally:
             pre.close()
@@ -318,14 +332,43 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
             return FailedShardReader(g, self.source.url(g), e)
         return reader
 
+    def _chunk_readers(self, pre: Prefetcher, chunk: Chunk) -> tuple[list[ShardReader], NDArray[Any]]:
+        """The readers of the chunk's shards (distinct, in order of first use) and each
+        sample's place among them."""
+        shards = chunk.shards
+        readers = [self._reader(pre, g) for g in shards]
+        ids = np.asarray(shards, dtype=np.int64)
+        lookup = np.empty(int(ids.max()) - int(ids.min()) + 1, dtype=np.int64)
+        lookup[ids - ids.min()] = np.arange(len(ids))
+        return readers, lookup[chunk.shard - ids.min()]
+
+    def _chunk_batches(self, pre: Prefetcher, chunk: Chunk, on_error: ErrorPolicy) -> Iterator[Batch]:
+        """The chunk as batches of ``batch_size`` samples (chunks hold whole batches of the
+        plan; the last batch of the pass may be shorter): cut from the shards' layouts with
+        numpy where every shard of the chunk is laid out alike and nothing is decoded, else
+        collated from its samples. A batch counts its skipped samples in ``steps``."""
+        size, progress = self.batch_size, self._progress
+        if self._decode.is_identity:
+            readers, loc = self._chunk_readers(pre, chunk)
+            cut = laid_out_batches(readers, loc, chunk.sample, size, self.return_position)
+            if cut is not None:
+                for batch in cut:
+                    progress.steps += batch.steps
+                    yield batch
+                return
+        items = self._chunk_items(pre, chunk, on_error)
+        while True:
+            group = list(islice(items, size))  # the readers advance progress sample by sample
+            if not group:
+                return
+            samples = [x for x in group if x.__class__ is not Skipped]
+            skipped = tuple(x for x in group if x.__class__ is Skipped)
+            yield Batch.from_samples(samples, skipped)
+
     def _chunk_items(self, pre: Prefetcher, chunk: Chunk, on_error: ErrorPolicy) -> Iterator[Any]:
         """The items of ``chunk`` in stream order, read by its shards' readers (see
         :func:`.readers.chunk_items`), then decoded."""
-        shards = chunk.shards  # distinct, in order of first use
-        readers = [self._reader(pre, g) for g in shards]
-        ids = np.asarray(shards, dtype=np.int64)
-        sorter = np.argsort(ids)
-        loc = sorter[np.searchsorted(ids, chunk.shard, sorter=sorter)]  # each sample's shard in `shards`
+        readers, loc = self._chunk_readers(pre, chunk)
         first = self._progress.steps + 1  # the chunk before this one is fully taken
         positions = self.return_position and self._decode.is_identity  # else added after the map
         items = chunk_items(readers, loc, chunk.sample, first, self._progress, on_error, positions)
