@@ -27,6 +27,7 @@ from numpy.typing import NDArray
 __all__ = ["Batch", "Column"]
 
 _BYTES = (bytes, bytearray, memoryview)
+_MISSING = object()
 
 
 class Column:
@@ -203,8 +204,9 @@ class Batch:
 
     @classmethod
     def from_samples(cls, samples: list[Any], skipped: tuple[Any, ...] = ()) -> Batch:
-        """A batch of ``samples``: dicts with the same fields, tuples of the same length
-        (a ``map=`` returning ``(x, y)``), or single values (a ``map=`` returning a tensor)."""
+        """A batch of ``samples``: dicts (a field that some samples lack is a list with None
+        for them), tuples of the same length (a ``map=`` returning ``(x, y)``), or single
+        values (a ``map=`` returning a tensor)."""
         if not samples:
             return cls({}, 0, len(skipped), skipped)
         first = samples[0]
@@ -213,15 +215,14 @@ class Batch:
             return cls(by_position, len(samples), None, skipped, "tuple")
         if not all(isinstance(s, dict) for s in samples):
             return cls({"0": _collate(samples)}, len(samples), None, skipped, "single")
-        names = list(samples[0])
+        names = list(dict.fromkeys(name for sample in samples for name in sample))
         fields: dict[str, Any] = {}
         for name in names:
-            try:
-                values = [s[name] for s in samples]
-            except KeyError:
-                raise ValueError(f"samples of one batch have different fields: {names} and "
-                                 f"{sorted(next(s for s in samples if name not in s))}") from None
-            fields[name] = _collate(values)
+            values = [sample.get(name, _MISSING) for sample in samples]
+            if any(v is _MISSING for v in values):  # an optional field: None where a sample lacks it
+                fields[name] = [None if v is _MISSING else v for v in values]
+            else:
+                fields[name] = _collate(values)
         return cls(fields, len(samples), None, skipped)
 
     def __len__(self) -> int:

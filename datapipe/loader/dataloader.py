@@ -172,6 +172,8 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
                     batch = ring.open(batch, steps, skipped)
                     if self.pin_memory:
                         batch = batch.pin_memory()
+                elif ring is not None:
+                    ring.fallbacks += 1
                 if self.columnar and self._drop_last and steps < size:
                     continue  # the short last batch, as DataLoader(drop_last=True) drops it
                 self.samples_seen += steps

@@ -130,9 +130,10 @@ class BatchRing:
         self._slots: list[_Slot | None] = [None] * self.slots_per_worker  # worker side
         self._maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}  # main side
         self._lock = threading.Lock()
-        #: batches sent pickled because no slot was free (worker side), opened from slots (main)
-        self.fallbacks = 0
+        #: (main process) batches opened from slots, and batches that came pickled because
+        #: their worker found no slot free (counted by the loader)
         self.opened = 0
+        self.fallbacks = 0
 
     def __getstate__(self) -> dict[str, Any]:
         return {"slots_per_worker": self.slots_per_worker, "free": self.free, "id": self.id}
@@ -147,7 +148,6 @@ class BatchRing:
         the batch itself)."""
         need = _measure(batch)
         if not self.free[worker].acquire(block=False):
-            self.fallbacks += 1
             return None
         i = next(k for k, s in enumerate(self._slots) if s is None or s.mm[0] == _FREE)
         slot = self._slots[i]
