@@ -256,3 +256,37 @@ def test_a_batch_views_its_slot_without_a_copy(urls):
     assert len(col.buffers) == 1 and np.shares_memory(data, col.buffers[0])  # no gather needed
     t, _ = col.as_tensor()
     assert t.data_ptr() == data.ctypes.data
+
+
+def _decode_cls(sample):
+    if int(bytes(sample["cls"])) % 50 == 7:
+        raise ValueError("unlucky sample")
+    return {"__key__": sample["__key__"], "n": int(bytes(sample["cls"])), "jpg": bytes(sample["jpg"])}
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_map_threads_keep_the_order_the_skips_and_the_resume_point(urls, batched):
+    kw = dict(window=3, seed=1, decode=None, map=_decode_cls, on_error="skip", batch_size=8, chunk_samples=50,
+              batched=batched)
+
+    def keys(ds):
+        out = []
+        with pytest.warns(RuntimeWarning, match="skipped"):
+            for x in ds:
+                out += x["__key__"] if batched else [x["__key__"]]
+        return out
+
+    want = keys(StreamingDataset(urls["laid"], **kw))
+    assert len(want) == N - 6
+    assert keys(StreamingDataset(urls["laid"], map_threads=3, **kw)) == want
+    ds = StreamingDataset(urls["laid"], map_threads=2, **kw)
+    it = iter(ds)
+    head = []
+    for _ in range(20):
+        x = next(it)
+        head += x["__key__"] if batched else [x["__key__"]]
+    state = ds.state_dict()
+    del it
+    again = StreamingDataset(urls["laid"], map_threads=2, **kw)
+    again.load_state_dict(state)
+    assert head + keys(again) == want
