@@ -290,3 +290,10 @@ def test_map_threads_keep_the_order_the_skips_and_the_resume_point(urls, batched
     again = StreamingDataset(urls["laid"], map_threads=2, **kw)
     again.load_state_dict(state)
     assert head + keys(again) == want
+
+
+def test_pin_memory_without_an_accelerator_still_delivers(urls):
+    ds = StreamingDataset(urls["laid"], window=2, seed=5, decode=None)
+    loader = StreamingDataLoader(ds, batch_size=16, num_workers=1, pin_memory=True)
+    with pytest.warns(UserWarning, match="pin"):  # torch: no accelerator, nothing pinned
+        assert len(_keys(loader)) == N

@@ -154,6 +154,8 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
         size = int(self.batch_size or 1)
         try:
             batches = super().__iter__()  # worker processes start here, with a copy of the dataset
+            # pin_memory=True pins only where an accelerator is present (torch decides, and warns)
+            pin = bool(getattr(batches, "_pin_memory", False))
             if self.num_workers > 0:
                 # this process's copy is not read by the loader: a direct pass over it gets
                 # samples and no markers (the single-process iterator reads it lazily: it keeps them)
@@ -170,7 +172,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
                     continue
                 if isinstance(batch, RingBatch) and ring is not None:
                     batch = ring.open(batch, steps, skipped)
-                    if self.pin_memory:
+                    if pin:  # torch's pin thread passed the slot's description through
                         batch = batch.pin_memory()
                 elif ring is not None:
                     ring.fallbacks += 1
