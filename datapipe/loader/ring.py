@@ -149,7 +149,10 @@ class BatchRing:
         need = _measure(batch)
         if not self.free[worker].acquire(block=False):
             return None
-        i = next(k for k, s in enumerate(self._slots) if s is None or s.mm[0] == _FREE)
+        i = next((k for k, s in enumerate(self._slots) if s is None or s.mm[0] == _FREE), -1)
+        if i < 0:  # cannot happen while the count matches the headers; never wait on it
+            self.free[worker].release()
+            return None
         slot = self._slots[i]
         size = _HEADER + max(need, 1)
         if slot is None or len(slot.mm) < size:
