@@ -148,11 +148,12 @@ def test_buffer_pool_stays_inside_its_budget_and_never_refills_a_viewed_buffer()
     assert big[8999] == 7
     pool.give(big)  # 2900 in use + 4000 idle + 9000 > 12000: unmapped, not kept
     assert big.closed and pool._held == 4000 and pool._idle == [b]
-    view = memoryview(b)[10:20]  # someone still views it: it is never refilled
+    view = memoryview(b)[10:20]  # someone still views it: it is not refilled while viewed
     fresh = pool.take(4000)
-    assert fresh is not b and not pool._idle and pool._held == 0
+    assert fresh is not b and pool._idle == [b] and pool._held == 4000
     assert bytes(view) == b"\2" * 10
     view.release()
+    assert pool.take(4000) is b and not pool._idle and pool._held == 0  # reused once nothing views it
     small = BufferPool(100)
     small.give(pool.take(1000))  # larger than the whole budget: not kept
     assert not small._idle and small._held == 0

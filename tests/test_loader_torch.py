@@ -101,12 +101,24 @@ def test_two_ranks_over_gloo(ds_url, tmp_path):
     assert not set(per_rank[0]) & set(per_rank[1])
 
 
-def test_persistent_workers_are_refused(tmp_path):
-    import datapipe
-
-    dest = str(tmp_path / "ds")
-    with datapipe.ShardWriter(dest) as w:
-        w.write({"__key__": "a", "txt": b"x"})
-    ds = datapipe.StreamingDataset(dest)
-    with pytest.raises(ValueError, match="persistent_workers"):
-        datapipe.StreamingDataLoader(ds, batch_size=1, num_workers=1, persistent_workers=True)
+def test_persistent_workers_follow_set_epoch_and_load_state_dict(ds_url):
+    """Persistent workers (the default with workers) keep their dataset copy across passes:
+    each pass's epoch and resume point reach them through the loader's pass control."""
+    ref = StreamingDataset(ds_url, window=3, seed=2, batch_size=8)
+    ds = StreamingDataset(ds_url, window=3, seed=2)
+    loader = StreamingDataLoader(ds, batch_size=8, num_workers=2)
+    assert loader.persistent_workers
+    for epoch in (0, 1, 4):
+        ref.set_epoch(epoch)
+        ds.set_epoch(epoch)
+        assert _ids(loader) == [int(s["cls"]) for s in ref]
+    ref.set_epoch(7)
+    ds.set_epoch(7)
+    head = []
+    for k, b in enumerate(loader):
+        head += [int(x) for x in b["cls"]]
+        if k == 3:
+            break
+    state = loader.state_dict()
+    ds.load_state_dict(state)
+    assert head + _ids(loader) == [int(s["cls"]) for s in ref]

@@ -57,6 +57,7 @@ def _run(dest: str, cache: Any, storage_options: Any, ckpt_url: str, *, stop_at:
         log["resumed_from"] = {"step": step, "epoch": start_epoch, "samples_into_epoch": state["loader_seen"]}
     t0 = time.perf_counter()
     seen = 0
+    loss = None
     try:
         for epoch in range(start_epoch, EPOCHS):
             loader.dataset.set_epoch(epoch)
@@ -82,7 +83,8 @@ def _run(dest: str, cache: Any, storage_options: Any, ckpt_url: str, *, stop_at:
         writer.close()
         log["seconds"] += time.perf_counter() - t0
         log["samples"] += seen
-        log["loss"] = float(loss.detach())
+        if loss is not None:
+            log["loss"] = float(loss.detach())
 
 
 def train_and_resume(dest: str, workdir: str, storage_options: Any, step: Callable[[str], None]) -> dict[str, Any]:

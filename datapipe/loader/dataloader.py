@@ -1,15 +1,21 @@
-"""A torch DataLoader that keeps the StreamingDataset's resume state for you.
+"""A torch DataLoader that keeps the StreamingDataset's resume state for you and hands out
+whole batches at memory speed.
+
+With its default collate, the dataset cuts whole :class:`~.batch.Batch` es itself (columnar,
+no Python work per sample where the shards are laid out alike; see
+:meth:`StreamingDataset._chunk_batches`), and worker processes pass them to this process
+through a :class:`~.ring.BatchRing` of shared-memory slots, not as pickled ``bytes``: the
+batch arrives as views of the slot, and the slot is reused once the batch is dropped. With
+``collate_fn=`` given, samples are collated by it as in a plain DataLoader.
 
 It sets the dataset's ``batch_size`` to its own (so workers take whole batches in turn and
 the output is the rank's stream in order) and counts the samples it hands out, so
 ``state_dict()`` needs no argument even with worker processes.
 
 With ``on_error="skip"``, a sample skipped in a worker process is not simply left out: the
-dataset yields a :class:`~.readers.Skipped` marker in its place, the collate function (run
-in the worker) takes the markers out of the batch and sends them along with it, and this
-process records them (``skipped``), warns naming shard and sample at the end of the pass,
-and counts them as consumed: each batch is still one batch of the plan, so the resume point
-stays exact.
+batch carries a :class:`~.readers.Skipped` marker for it, and this process records it
+(``skipped``), warns naming shard and sample at the end of the pass, and counts it as
+consumed: each batch is still one batch of the plan, so the resume point stays exact.
 """
 
 from __future__ import annotations
@@ -18,34 +24,52 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
-from torch.utils.data import DataLoader, default_collate, default_convert
+import torch.multiprocessing
+from torch.utils.data import DataLoader, default_collate, default_convert, get_worker_info
 
 from ..errors import PlanError
+from .batch import Batch
+from .control import PassControl
 from .dataset import StreamingDataset, skip_report
 from .readers import Skipped
+from .ring import BatchRing, RingBatch
 
 __all__ = ["StreamingDataLoader"]
 
 
 class _Batch(NamedTuple):
     """What the wrapped collate function returns (a named tuple: pin_memory pins ``batch``
-    inside it): the collated batch (None if every sample was skipped), the plan steps it
-    covers, and the samples skipped among them."""
+    inside it): the collated batch (None if every sample was skipped; a :class:`RingBatch`
+    when it waits in a shared-memory slot), the plan steps it covers, and the samples
+    skipped among them."""
 
     batch: Any
     steps: int
     skipped: tuple[Skipped, ...]
 
 
-class _CollateSkipped:
-    """Wraps a collate function: markers of skipped samples are taken out of the batch
-    before it is collated, and returned beside it (picklable, for spawned workers)."""
+class _Collate:
+    """Runs in the worker (picklable, for spawned workers). Columnar: the dataset's
+    :class:`Batch` goes into a ring slot when the ring has one free, else as it is (its
+    columns pickle as their own bytes only). Per sample: markers of skipped samples are
+    taken out of the batch before ``collate`` runs, and returned beside it."""
 
-    def __init__(self, collate: Callable[[Any], Any], batched: bool) -> None:
-        self.collate = collate
+    def __init__(self, collate: Callable[[Any], Any] | None, batched: bool) -> None:
+        self.collate = collate  # None: columnar batches cut by the dataset
         self.batched = batched
+        self.ring: BatchRing | None = None
 
     def __call__(self, data: Any) -> _Batch:
+        if self.collate is None:
+            batch: Batch = data
+            if batch.size == 0:
+                return _Batch(None, batch.steps, batch.skipped)
+            info = get_worker_info()
+            if info is not None and self.ring is not None:
+                written = self.ring.write(info.id, batch)
+                if written is not None:
+                    return _Batch(written, batch.steps, batch.skipped)
+            return _Batch(batch, batch.steps, batch.skipped)
         if not self.batched:  # one sample at a time
             if isinstance(data, Skipped):
                 return _Batch(None, 1, (data,))
@@ -56,21 +80,35 @@ class _CollateSkipped:
 
 
 class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's DataLoader is generic in its batch type; ours varies with collate_fn
+    """``StreamingDataLoader(dataset, batch_size=256, num_workers=4, ...)``: a DataLoader
+    over a :class:`StreamingDataset` that yields :class:`~.batch.Batch` es (bytes fields as
+    zero-copy :class:`~.batch.Column` s, tensors from ``map=`` stacked, numbers as tensors,
+    other values as lists) through shared memory, or what ``collate_fn`` makes when one is
+    given. ``state_dict()``/``load_state_dict()`` resume exactly; ``skipped`` lists the
+    samples skipped in the last pass (``on_error="skip"``)."""
+
     def __init__(self, dataset: StreamingDataset, batch_size: int | None = 1, **kwargs: Any) -> None:
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
-        if kwargs.get("persistent_workers"):
-            # Persistent workers keep the dataset copy they started with, so set_epoch and
-            # load_state_dict would never reach them: every epoch would repeat one order.
-            raise ValueError("StreamingDataLoader does not support persistent_workers=True: workers would miss "
-                             "set_epoch() and load_state_dict(); leave it False")
+        # Workers that live across passes keep their shard buffers, verified-shard memo,
+        # layouts and ring slots: a new worker pays for all of them again (fresh memory,
+        # hashing, parsing). set_epoch()/load_state_dict() reach them through a PassControl.
+        kwargs.setdefault("persistent_workers", int(kwargs.get("num_workers", 0)) > 0)
         if batch_size is not None:
             dataset.batch_size = int(batch_size)
         collate = kwargs.pop("collate_fn", None)
-        if collate is None:
-            collate = default_collate if batch_size is not None else default_convert
-        super().__init__(dataset, batch_size=batch_size,
-                         collate_fn=_CollateSkipped(collate, batch_size is not None), **kwargs)
+        #: batches cut by the dataset and passed through shared memory (no collate_fn given)
+        self.columnar = collate is None and batch_size is not None
+        self._drop_last = bool(kwargs.get("drop_last", False))
+        if self.columnar:
+            kwargs.pop("drop_last", None)  # torch refuses it without auto-batching: applied here
+            super().__init__(dataset, batch_size=None, collate_fn=_Collate(None, False), **kwargs)
+            object.__setattr__(self, "batch_size", int(batch_size))  # type: ignore[arg-type]  # checked above; DataLoader refuses a plain assignment after __init__
+        else:
+            if collate is None:
+                collate = default_collate if batch_size is not None else default_convert
+            super().__init__(dataset, batch_size=batch_size,
+                             collate_fn=_Collate(collate, batch_size is not None), **kwargs)
         self.samples_seen = 0
         #: (shard url, sample key or None, reason) of the samples skipped in the current
         #: or last pass, by whichever process read them
@@ -78,6 +116,16 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
         self._live: object | None = None
         #: the dataset, typed as what it is (torch types ``self.dataset`` as any Dataset)
         self.stream: StreamingDataset = dataset
+        #: the shared-memory ring of the running workers (columnar, with workers)
+        self.ring: BatchRing | None = None
+        #: where persistent workers read each pass's epoch and resume state
+        self._control = PassControl() if self.persistent_workers else None
+
+    def __len__(self) -> int:
+        if not self.columnar:
+            return super().__len__()
+        n, b = len(self.stream), int(self.batch_size or 1)
+        return n // b if self._drop_last else -(-n // b)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # a generator of batches, as DataLoader's iterator yields
         # one pass at a time, for the reason StreamingDataset.__iter__ gives
@@ -89,23 +137,57 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
         self.skipped = []
         dataset = self.stream
         dataset.yield_skip_markers = True
+        dataset.batched = self.columnar
+        collate: _Collate = self.collate_fn  # type: ignore[assignment]  # set in __init__
+        starting = self.num_workers > 0 and getattr(self, "_iterator", None) is None
+        if starting:  # worker processes start in this pass (else persistent ones resume)
+            self.ring = None
+            if self.columnar:
+                context = self.multiprocessing_context or torch.multiprocessing.get_context()
+                # prefetch_factor batches in flight per worker, one held by the trainer, one just handed out
+                self.ring = BatchRing(self.num_workers, (self.prefetch_factor or 2) + 2, context)
+            dataset._control = self._control
+        if self._control is not None:
+            self._control.write(dataset.epoch, dataset._resume)
+        ring = self.ring
+        collate.ring = ring
+        size = int(self.batch_size or 1)
         try:
             batches = super().__iter__()  # worker processes start here, with a copy of the dataset
+            # pin_memory=True pins only where an accelerator is present (torch decides, and warns)
+            pin = bool(getattr(batches, "_pin_memory", False))
             if self.num_workers > 0:
-                # this process's copy is not read by the loader: a direct pass over it gets no
-                # markers (the single-process iterator reads it lazily: it keeps them)
+                # this process's copy is not read by the loader: a direct pass over it gets
+                # samples and no markers (the single-process iterator reads it lazily: it keeps them)
                 dataset.yield_skip_markers = False
+                dataset.batched = False
+                dataset._control = None
+            collate.ring = None  # the workers have their copies; this process only opens batches
             for out in batches:
                 batch, steps, skipped = out
-                self.samples_seen += steps
                 if skipped:
                     self.skipped.extend((s[0], s[1], s[2]) for s in skipped)
                 if batch is None:  # every sample of this batch was skipped
+                    self.samples_seen += steps
                     continue
-                yield batch
+                if isinstance(batch, RingBatch) and ring is not None:
+                    batch = ring.open(batch, steps, skipped)
+                    if pin:  # torch's pin thread passed the slot's description through
+                        batch = batch.pin_memory()
+                elif ring is not None:
+                    ring.fallbacks += 1
+                if self.columnar and self._drop_last and steps < size:
+                    continue  # the short last batch, as DataLoader(drop_last=True) drops it
+                self.samples_seen += steps
+                yield batch.unwrap() if isinstance(batch, Batch) else batch
             dataset.end_resumed_pass()
         finally:
             dataset.yield_skip_markers = False
+            dataset.batched = False
+            dataset._control = None
+            collate.ring = None
+            if ring is not None and not self.persistent_workers:
+                ring.close()
             if self._live is token:
                 self._live = None
             if self.skipped:

@@ -37,12 +37,13 @@ from numpy.typing import NDArray
 from ..errors import CorruptIndexError, CorruptShardError, DatapipeError
 from ..format import decode_sample
 from ..format.layout import MemberTable, ShardLayout
+from .batch import Batch, Column
 
 if TYPE_CHECKING:
     from .source import ShardData
 
 __all__ = ["Skipped", "Progress", "ErrorPolicy", "ShardReader", "LaidOutShardReader", "MemberWalkReader",
-           "CheckedSampleReader", "FailedShardReader", "reader_for", "chunk_items"]
+           "CheckedSampleReader", "FailedShardReader", "reader_for", "chunk_items", "laid_out_batches"]
 
 
 class Skipped(NamedTuple):
@@ -163,32 +164,78 @@ def _with_positions(items: Iterator[dict[str, Any]], shards: Iterable[int],
         yield item
 
 
+def _chunk_rows(readers: Sequence[LaidOutShardReader], loc: NDArray[Any],
+                samples: NDArray[Any]) -> tuple[NDArray[Any], NDArray[Any]]:
+    """(layout rows, keys) of samples ``samples`` (of shard ``readers[loc[i]]`` each): each
+    reader's rows are gathered from its table in one numpy step, never the whole tables."""
+    if len(readers) == 1:
+        (r,) = readers
+        return r.layout.table[samples], r.data.key_array[samples]
+    table = np.empty((len(samples), readers[0].layout.table.shape[1]), dtype=np.int64)
+    keys = np.empty(len(samples), dtype=object)
+    for i, r in enumerate(readers):
+        mine = np.flatnonzero(loc == i)
+        if mine.size:
+            rows = samples[mine]
+            table[mine] = r.layout.table[rows]
+            keys[mine] = r.data.key_array[rows]
+    return table, keys
+
+
 def _laid_out_items(readers: Sequence[LaidOutShardReader], loc: NDArray[Any], samples: NDArray[Any],
                     steps: Iterable[int], progress: Progress, positions: bool) -> Iterator[dict[str, Any]]:
     """The items of samples ``samples`` (of shard ``readers[loc[i]]`` each), all laid out
-    with the same fields: the rows are gathered from the layout tables in one numpy step."""
+    with the same fields."""
+    table, keys = _chunk_rows(readers, loc, samples)
+    srcs: Iterable[Any]
     if len(readers) == 1:
-        (r,) = readers
-        table, key_array, rows = r.layout.table, r.data.key_array, samples
-        srcs: Iterable[Any] = repeat(r.data.src)
+        srcs = repeat(readers[0].data.src)
     else:
-        sizes = np.array([r.layout.samples for r in readers], dtype=np.int64)
-        base = np.zeros(len(readers), dtype=np.int64)
-        np.cumsum(sizes[:-1], out=base[1:])
-        rows = base[loc] + samples
-        table = np.concatenate([r.layout.table for r in readers])
-        key_array = np.concatenate([r.data.key_array for r in readers])
         by_reader = np.empty(len(readers), dtype=object)
         for i, r in enumerate(readers):  # one by one: numpy would read an mmap as an array
             by_reader[i] = r.data.src
         srcs = by_reader[loc].tolist()
     fields = readers[0].layout.fields
     loop: Callable[..., Iterator[dict[str, Any]]] = _LOOPS.get(len(fields), _items_n)
-    items = loop(srcs, fields, key_array[rows].tolist(), table[rows].T.tolist(), steps, progress)
+    items = loop(srcs, fields, keys.tolist(), table.T.tolist(), steps, progress)
     if positions:
         shard_ids = np.array([r.shard for r in readers], dtype=np.int64)
         return _with_positions(items, shard_ids[loc].tolist(), samples.tolist())
     return items
+
+
+def laid_out_batches(readers: Sequence[ShardReader], loc: NDArray[Any], samples: NDArray[Any],
+                     batch_size: int, positions: bool) -> Iterator[Batch] | None:
+    """The samples of a chunk as :class:`~.batch.Batch` es of ``batch_size`` (the last may
+    be shorter), cut from the shards' layout tables with numpy: each bytes field a
+    :class:`~.batch.Column` viewing the shard buffers, no Python work per sample. None when
+    the chunk's shards are not all laid out with the same fields (then read it sample by
+    sample)."""
+    fields = {r.layout.fields if isinstance(r, LaidOutShardReader) else None for r in readers}
+    if len(fields) != 1 or None in fields:
+        return None
+    laid = [r for r in readers if isinstance(r, LaidOutShardReader)]
+    return _cut_batches(laid, loc, samples, batch_size, positions)
+
+
+def _cut_batches(readers: list[LaidOutShardReader], loc: NDArray[Any], samples: NDArray[Any], batch_size: int,
+                 positions: bool) -> Iterator[Batch]:
+    table, keys = _chunk_rows(readers, loc, samples)
+    names = readers[0].layout.fields
+    # numpy views of the shard buffers: while a batch views one, the buffer pool cannot
+    # resize (so never refills) it
+    buffers = [np.frombuffer(r.data.src, dtype=np.uint8) for r in readers]
+    which = loc.astype(np.intp) if len(readers) > 1 else None
+    shard_ids = np.array([r.shard for r in readers], dtype=np.int64)[loc] if positions else None
+    for i in range(0, len(samples), batch_size):
+        j = min(i + batch_size, len(samples))
+        fields: dict[str, Any] = {"__key__": keys[i:j].tolist()}
+        w = None if which is None else which[i:j]
+        for k, name in enumerate(names):
+            fields[name] = Column(buffers, table[i:j, 2 * k], table[i:j, 2 * k + 1], w)
+        if shard_ids is not None:
+            fields["__shard__"], fields["__sample__"] = shard_ids[i:j], samples[i:j]
+        yield Batch(fields, j - i)
 
 
 class LaidOutShardReader(ShardReader):

@@ -1,0 +1,276 @@
+"""Columnar batches: what a batched :class:`~.dataset.StreamingDataset` yields and what a
+:class:`~.dataloader.StreamingDataLoader` hands out.
+
+A :class:`Batch` looks like the dict that torch's ``default_collate`` makes of a list of
+samples (``batch["__key__"]`` is the list of keys, ``batch["jpg"][i]`` sample ``i``'s bytes),
+without a ``bytes`` object per sample: each bytes field is a :class:`Column`, the fields'
+bytes where they lie (the shard buffers the batch was cut from, or one shared-memory slot of
+the loader's ring) plus where each sample's bytes start and end. Indexing a column gives a
+zero-copy ``memoryview``; :meth:`Column.as_tensor` gives one ``uint8`` tensor and the
+offsets; :meth:`Column.tolist` gives ``bytes``. Other fields follow ``default_collate``:
+numbers and equally shaped arrays or tensors become one tensor, anything else a list.
+
+The bytes a column views never change while it, or any view taken from it, lives: shard
+buffers and ring slots are reused only once nothing views them (:mod:`.source`,
+:mod:`.ring`). Holding a batch therefore holds the memory it views; drop it (or copy what
+you keep with :meth:`Column.tolist`) to let that memory be reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["Batch", "Column"]
+
+_BYTES = (bytes, bytearray, memoryview)
+_MISSING = object()
+
+
+class Column:
+    """One bytes field of a batch: sample ``i``'s bytes are
+    ``buffers[which[i]][starts[i]:ends[i]]`` (``which`` is None when there is one buffer).
+
+    Not a ``Sequence`` subclass on purpose: torch's ``pin_memory`` would pin it element by
+    element; it calls :meth:`pin_memory` instead.
+    """
+
+    __slots__ = ("_views", "buffers", "ends", "starts", "which")
+
+    def __init__(self, buffers: Sequence[NDArray[np.uint8]], starts: NDArray[np.int64], ends: NDArray[np.int64],
+                 which: NDArray[np.intp] | None = None) -> None:
+        self.buffers = tuple(buffers)
+        self.starts = starts
+        self.ends = ends
+        self.which = which if which is not None and len(self.buffers) > 1 else None
+        self._views: list[memoryview] | None = None
+
+    @classmethod
+    def from_bytes(cls, values: Sequence[bytes | bytearray | memoryview]) -> Column:
+        """A contiguous column holding a copy of ``values``."""
+        lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+        offsets = np.zeros(len(values) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        data = np.frombuffer(b"".join(values), dtype=np.uint8) if values else np.zeros(0, np.uint8)
+        return cls([data], offsets[:-1], offsets[1:])
+
+    # -- the sequence of samples -----------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def _buffer_views(self) -> list[memoryview]:
+        if self._views is None:
+            self._views = [memoryview(b.data).cast("B") for b in self.buffers]
+        return self._views
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            which = None if self.which is None else self.which[i]
+            return Column(self.buffers, self.starts[i], self.ends[i], which)
+        n = len(self.starts)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} of a column of {n}")
+        views = self._buffer_views()
+        buf = views[0] if self.which is None else views[int(self.which[i])]
+        return buf[int(self.starts[i]) : int(self.ends[i])]
+
+    def __iter__(self) -> Iterator[memoryview]:
+        views = self._buffer_views()
+        which = [0] * len(self) if self.which is None else self.which.tolist()
+        for w, a, b in zip(which, self.starts.tolist(), self.ends.tolist()):
+            yield views[w][a:b]
+
+    def tolist(self) -> list[bytes]:
+        """Each sample's bytes as ``bytes`` (a copy that does not hold the batch's memory)."""
+        return [bytes(v) for v in self]
+
+    def __repr__(self) -> str:
+        return f"Column({len(self)} samples, {self.nbytes} bytes, {len(self.buffers)} buffer(s))"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # pickled as its samples' bytes alone, never the whole buffers it views
+        data, offsets = self.contiguous()
+        return _contiguous_column, (data.tobytes(), offsets)
+
+    # -- as one buffer ---------------------------------------------------------------------
+    @property
+    def lengths(self) -> NDArray[np.int64]:
+        return self.ends - self.starts
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+    def is_contiguous(self) -> bool:
+        """Whether the samples' bytes lie one after the other in one buffer, from its start."""
+        if len(self.buffers) != 1 or len(self.starts) == 0:
+            return len(self.starts) == 0
+        return bool(self.starts[0] == 0 and np.array_equal(self.starts[1:], self.ends[:-1]))
+
+    def gather_into(self, out: memoryview) -> NDArray[np.int64]:
+        """Copy the samples' bytes one after the other into ``out`` (at least :attr:`nbytes`
+        long); returns the ``n + 1`` offsets of the samples in it."""
+        lengths = self.lengths
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        views = self._buffer_views()
+        if self.is_contiguous():
+            out[: int(offsets[-1])] = views[0][: int(offsets[-1])]
+            return offsets
+        which = [0] * len(self) if self.which is None else self.which.tolist()
+        for w, a, b, o, p in zip(which, self.starts.tolist(), self.ends.tolist(), offsets[:-1].tolist(),
+                                 offsets[1:].tolist()):
+            out[o:p] = views[w][a:b]
+        return offsets
+
+    def contiguous(self) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
+        """(data, offsets): every sample's bytes in one array, sample ``i`` at
+        ``data[offsets[i]:offsets[i + 1]]``; no copy when they already lie so."""
+        if self.is_contiguous() and len(self.starts):
+            end = int(self.ends[-1])
+            offsets = np.empty(len(self.starts) + 1, dtype=np.int64)
+            offsets[:-1] = self.starts
+            offsets[-1] = end
+            return self.buffers[0][:end], offsets
+        data = np.empty(self.nbytes, dtype=np.uint8)
+        offsets = self.gather_into(data.data)
+        return data, offsets
+
+    def as_tensor(self) -> tuple[Any, Any]:
+        """(``uint8`` tensor of every sample's bytes, ``int64`` tensor of the ``n + 1``
+        offsets); the data tensor views the column's memory when it is contiguous."""
+        import torch
+
+        data, offsets = self.contiguous()
+        return torch.from_numpy(data), torch.from_numpy(offsets)
+
+    def pin_memory(self, device: Any = None) -> Column:
+        """A contiguous copy in pinned (page-locked) memory, for fast copies to the GPU."""
+        import torch
+
+        data, offsets = self.contiguous()
+        tensor = torch.from_numpy(data)
+        pinned = tensor.pin_memory(device) if device is not None else tensor.pin_memory()
+        return Column([pinned.numpy()], offsets[:-1], offsets[1:])
+
+
+def _contiguous_column(data: bytes, offsets: NDArray[np.int64]) -> Column:
+    return Column([np.frombuffer(data, dtype=np.uint8)], offsets[:-1], offsets[1:])
+
+
+def _collate(values: list[Any]) -> Any:
+    """One field of a list of samples, as ``default_collate`` would, except that bytes
+    become a :class:`Column`."""
+    first = values[0]
+    if isinstance(first, _BYTES) and all(isinstance(v, _BYTES) for v in values):
+        return Column.from_bytes(values)
+    if isinstance(first, str):
+        return values
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is installed in the test environment
+        return values
+    if isinstance(first, torch.Tensor) and all(isinstance(v, torch.Tensor) and v.shape == first.shape
+                                               for v in values):
+        return torch.stack(values)
+    if isinstance(first, np.ndarray) and first.dtype.kind in "biuf" and all(
+            isinstance(v, np.ndarray) and v.shape == first.shape and v.dtype == first.dtype for v in values):
+        return torch.from_numpy(np.stack(values))
+    if isinstance(first, (bool, int, float)) and all(type(v) is type(first) for v in values):
+        return torch.tensor(values)
+    return values
+
+
+class Batch:
+    """A batch of samples by field (see the module docstring). ``len(batch)`` is the
+    number of samples; ``batch[field]``, ``field in batch``, ``batch.keys()``/``items()``
+    and iteration work as on the dict ``default_collate`` makes. ``steps`` is the number of
+    the plan's steps it covers and ``skipped`` the :class:`~.readers.Skipped` markers of
+    samples skipped among them (``on_error="skip"``)."""
+
+    __slots__ = ("__weakref__", "_fields", "form", "size", "skipped", "steps")
+
+    def __init__(self, fields: dict[str, Any], size: int, steps: int | None = None,
+                 skipped: tuple[Any, ...] = (), form: str = "dict") -> None:
+        self._fields = fields
+        self.size = size
+        self.steps = size + len(skipped) if steps is None else steps
+        self.skipped = skipped
+        #: what each sample was: "dict", "tuple" (fields "0", "1", ...) or "single" (field "0")
+        self.form = form
+
+    @classmethod
+    def from_samples(cls, samples: list[Any], skipped: tuple[Any, ...] = ()) -> Batch:
+        """A batch of ``samples``: dicts (a field that some samples lack is a list with None
+        for them), tuples of the same length (a ``map=`` returning ``(x, y)``), or single
+        values (a ``map=`` returning a tensor)."""
+        if not samples:
+            return cls({}, 0, len(skipped), skipped)
+        first = samples[0]
+        if isinstance(first, tuple) and all(isinstance(s, tuple) and len(s) == len(first) for s in samples):
+            by_position = {str(k): _collate([s[k] for s in samples]) for k in range(len(first))}
+            return cls(by_position, len(samples), None, skipped, "tuple")
+        if not all(isinstance(s, dict) for s in samples):
+            return cls({"0": _collate(samples)}, len(samples), None, skipped, "single")
+        names = list(dict.fromkeys(name for sample in samples for name in sample))
+        fields: dict[str, Any] = {}
+        for name in names:
+            values = [sample.get(name, _MISSING) for sample in samples]
+            if any(v is _MISSING for v in values):  # an optional field: None where a sample lacks it
+                fields[name] = [None if v is _MISSING else v for v in values]
+            else:
+                fields[name] = _collate(values)
+        return cls(fields, len(samples), None, skipped)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def unwrap(self) -> Any:
+        """What ``default_collate`` would have made: this batch for dict samples, a tuple of
+        the collated positions for tuple samples, the collated value for single values."""
+        if self.form == "tuple":
+            return tuple(self._fields[str(k)] for k in range(len(self._fields)))
+        if self.form == "single":
+            return self._fields["0"]
+        return self
+
+    def __getitem__(self, field: str) -> Any:
+        return self._fields[field]
+
+    def __contains__(self, field: object) -> bool:
+        return field in self._fields
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def keys(self) -> Any:
+        return self._fields.keys()
+
+    def items(self) -> Any:
+        return self._fields.items()
+
+    def values(self) -> Any:
+        return self._fields.values()
+
+    def get(self, field: str, default: Any = None) -> Any:
+        return self._fields.get(field, default)
+
+    def samples(self) -> Iterator[dict[str, Any]]:
+        """The batch as one dict per sample (bytes fields as memoryviews): for inspection."""
+        for i in range(self.size):
+            yield {k: v[i] for k, v in self._fields.items()}
+
+    def pin_memory(self, device: Any = None) -> Batch:
+        """Called by torch's DataLoader with ``pin_memory=True``: columns and tensors in
+        pinned memory."""
+        from torch.utils.data._utils.pin_memory import pin_memory as pin
+
+        out = {k: v.pin_memory(device) if isinstance(v, Column) else pin(v, device)  # type: ignore[no-untyped-call]  # torch's own helper is untyped
+               for k, v in self._fields.items()}
+        return Batch(out, self.size, self.steps, self.skipped, self.form)
+
+    def __repr__(self) -> str:
+        return f"Batch({self.size} samples: {', '.join(self._fields)})"

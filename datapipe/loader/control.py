@@ -1,0 +1,58 @@
+"""What the main process tells persistent DataLoader workers at the start of each pass.
+
+A persistent worker keeps the dataset copy it was started with, so ``set_epoch()`` and
+``load_state_dict()`` on the main process's dataset would never reach it (every epoch would
+repeat one order). The :class:`~.dataloader.StreamingDataLoader` therefore writes the
+dataset's epoch and resume state into a small shared-memory block before each pass, and
+each worker's copy reads it when its pass starts. Workers resume only after the main
+process has sent them the next pass through a pipe, so the write is complete when read.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from multiprocessing.reduction import DupFd
+from typing import Any
+
+__all__ = ["PassControl"]
+
+_SIZE = 1 << 16
+_LEN = struct.Struct("<Q")
+
+
+class PassControl:
+    """A shared block holding one JSON document: ``{"epoch": e, "resume": state or None}``."""
+
+    def __init__(self) -> None:
+        self._fd = os.memfd_create("datapipe-pass-control", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, _SIZE)
+        self._mm = mmap.mmap(self._fd, _SIZE)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # travels into spawned workers with the dataset: the descriptor is passed, not copied
+        return _attach, (DupFd(self._fd),)
+
+    def write(self, epoch: int, resume: dict[str, Any] | None) -> None:
+        doc = json.dumps({"epoch": epoch, "resume": resume}).encode()
+        if _LEN.size + len(doc) > _SIZE:
+            raise ValueError(f"resume state of {len(doc)} bytes does not fit the {_SIZE}-byte pass control block")
+        self._mm[_LEN.size : _LEN.size + len(doc)] = doc
+        self._mm[: _LEN.size] = _LEN.pack(len(doc))
+
+    def read(self) -> tuple[int, dict[str, Any] | None] | None:
+        """(epoch, resume state) last written, or None before the first write."""
+        (n,) = _LEN.unpack(self._mm[: _LEN.size])
+        if n == 0:
+            return None
+        doc = json.loads(self._mm[_LEN.size : _LEN.size + n])
+        return int(doc["epoch"]), doc["resume"]
+
+
+def _attach(fd: Any) -> PassControl:
+    control = PassControl.__new__(PassControl)
+    control._fd = fd.detach()
+    control._mm = mmap.mmap(control._fd, _SIZE)
+    return control
