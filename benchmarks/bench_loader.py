@@ -308,7 +308,8 @@ def _open(job: dict[str, Any]) -> tuple[Any, Callable[[Any], Iterable[str]], dic
         ds = StreamingDataset(d, seed=seed, decode=None)
         dl = StreamingDataLoader(ds, batch_size=bs, num_workers=workers)
         return dl, _keys_of, {"decode": None, "batch_size": bs, "num_workers": workers, "collate": "default",
-                              "window": ds.window, "prefetch_bytes": ds.prefetch_bytes}
+                              "window": ds.window, "prefetch_bytes": ds.prefetch_bytes,
+                              "persistent_workers": dl.persistent_workers}
     if system == "litdata":
         import litdata
 
@@ -316,7 +317,8 @@ def _open(job: dict[str, Any]) -> tuple[Any, Callable[[Any], Iterable[str]], dic
         if mode == "one_process":
             return ds, lambda s: (s["key"],), {"shuffle": True}
         dl = litdata.StreamingDataLoader(ds, batch_size=bs, num_workers=workers)
-        return dl, _keys_of, {"shuffle": True, "batch_size": bs, "num_workers": workers}
+        return dl, _keys_of, {"shuffle": True, "batch_size": bs, "num_workers": workers,
+                              "persistent_workers": dl.persistent_workers}
     if system == "mosaicml":
         import torch
 
@@ -331,7 +333,7 @@ def _open(job: dict[str, Any]) -> tuple[Any, Callable[[Any], Iterable[str]], dic
             return ds, lambda s: (s["key"],), {"shuffle": True, "batch_size": bs}
         dl = torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=workers)
         return dl, _keys_of, {"shuffle": True, "batch_size": bs, "num_workers": workers,
-                              "loader": "torch.utils.data.DataLoader"}
+                              "loader": "torch.utils.data.DataLoader", "persistent_workers": dl.persistent_workers}
     if system == "webdataset":
         import webdataset as wds
 
@@ -341,15 +343,42 @@ def _open(job: dict[str, Any]) -> tuple[Any, Callable[[Any], Iterable[str]], dic
             return ds, lambda s: (s["__key__"],), {"shardshuffle": len(urls), "shuffle_buffer": 1000}
         dl = wds.WebLoader(ds.batched(bs), batch_size=None, num_workers=workers)
         return dl, _keys_of, {"shardshuffle": len(urls), "shuffle_buffer": 1000, "batched": bs,
-                              "num_workers": workers, "loader": "webdataset.WebLoader"}
+                              "num_workers": workers, "loader": "webdataset.WebLoader",
+                              "persistent_workers": dl.persistent_workers}
     raise ValueError(f"unknown system {system!r}")
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _live_children_cpu_s() -> float:
+    total = 0.0
+    for pid in _children():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return total
+
+
+def _batch_bytes(batch: Any) -> int:
+    """Bytes of a batch's byte columns (with their offsets) and tensors."""
+    total = 0
+    for v in (batch.values() if hasattr(batch, "values") else ()):
+        nb = getattr(v, "nbytes", None)
+        if isinstance(nb, int):
+            total += nb + 8 * (len(v) + 1)
+    return total
+
+
 def _cpu_s() -> float:
-    """CPU seconds of this process and of its reaped children (DataLoader workers are
-    joined at the end of each epoch), at getrusage's microsecond resolution."""
+    """CPU seconds of this process, of its reaped children (workers joined at the end of an
+    epoch) and of its live children (persistent workers, read from /proc): at any instant a
+    worker is counted in exactly one of the last two."""
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime + _live_children_cpu_s()
 
 
 def _exactly_once(keys: list[str], expected: set[str]) -> dict[str, Any]:
@@ -371,6 +400,8 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         return {"unavailable": str(e)}
     out: dict[str, Any] = {"open_s": time.perf_counter() - t0, "settings": settings, "epochs": []}
     sampler = MemorySampler() if job["mode"] == "dataloader" else None
+    largest_batch = 0
+    sizing = sampler is not None and job["system"] == "datapipe"
     if sampler:
         sampler.__enter__()
     try:
@@ -380,7 +411,10 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             keys: list[str] = []
             c0, t0 = _cpu_s(), time.perf_counter()
             for item in it:
+                if not keys and sizing:  # the first batch: a full one, the size the ring's slots hold
+                    largest_batch = max(largest_batch, _batch_bytes(item))
                 keys.extend(keys_of(item))
+            item = None  # a batch held on would keep its ring slot taken
             dt, cpu = time.perf_counter() - t0, _cpu_s() - c0
             check = _exactly_once(keys, expected)
             out["epochs"].append({"seconds": dt, "cpu_s": cpu, **check})
@@ -389,10 +423,14 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
             sampler.__exit__(None, None, None)
     if sampler:
         out["memory"] = sampler.report()
-        for attr in ("ring_bytes", "ring_size", "shm_bytes"):  # the shared-memory ring's size, where exposed
-            v = getattr(it, attr, None)
-            if isinstance(v, int):
-                out["memory"]["ring_bytes"] = v
+        ring = getattr(it, "ring", None)
+        if ring is not None and largest_batch:
+            # The ring's slots are sized to the batches written into them (regrown by half when
+            # one does not fit), so at least workers x slots x the largest batch: the lower
+            # bound, which makes the memory check the stricter one.
+            out["memory"]["ring_bytes"] = job["workers"] * ring.slots_per_worker * largest_batch
+            out["memory"]["ring_estimate"] = (f"{job['workers']} workers x {ring.slots_per_worker} slots x the "
+                                              f"largest batch's bytes ({largest_batch:,})")
         if "prefetch_bytes" in settings:
             out["memory"]["prefetch_bytes"] = settings["prefetch_bytes"]
     return out
