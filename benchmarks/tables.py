@@ -120,6 +120,12 @@ def loader_md(r: dict[str, Any]) -> str:
              f"The whole run took {r.get('seconds', 0):,.0f} s.", ""]
     cells = r.get("cells", {})
     if cells:
+        persistent = {name: e["dataloader"]["settings"].get("persistent_workers")
+                      for name, e in next(iter(cells.values()))["systems"].items()
+                      if "@" not in name and "settings" in e.get("dataloader", {})}
+        if persistent:
+            lines[0] += (" Worker processes persist across epochs as each loader defaults: "
+                         + ", ".join(f"{k} {v}" for k, v in persistent.items()) + ".")
         rows = []
         for cell in cells.values():
             dp = cell["systems"].get("datapipe", {})
