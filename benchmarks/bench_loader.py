@@ -275,13 +275,15 @@ def _warm_page_cache(d: str) -> None:
 
 
 def _keys_of(batch: Any) -> list[str]:
-    """The sample keys of one batch (datapipe Batch, or a peer's dict of lists)."""
+    """The sample keys of one batch (datapipe Batch, or a peer's dict of lists), as handed
+    out: no per-sample work here, which would blur a batched reader's rate (a key that is not
+    a ``str`` fails the exactly-once check rather than being converted)."""
     for k in ("__key__", "key"):
         try:
             keys = batch[k]
         except (KeyError, TypeError):
             continue
-        return [str(x) for x in keys]
+        return keys if isinstance(keys, list) else list(keys)
     raise TypeError(f"a batch of type {type(batch).__name__} has no '__key__' or 'key' field")
 
 
@@ -344,7 +346,7 @@ def _open(job: dict[str, Any]) -> tuple[Any, Callable[[Any], Iterable[str]], dic
         dl = wds.WebLoader(ds.batched(bs), batch_size=None, num_workers=workers)
         return dl, _keys_of, {"shardshuffle": len(urls), "shuffle_buffer": 1000, "batched": bs,
                               "num_workers": workers, "loader": "webdataset.WebLoader",
-                              "persistent_workers": dl.persistent_workers}
+                              "persistent_workers": dl.pipeline[0].persistent_workers}  # its torch DataLoader
     raise ValueError(f"unknown system {system!r}")
 
 

@@ -20,7 +20,9 @@ field as undecoded bytes (datapipe with ``decode=None``; nothing is parsed as JS
 by anyone). The output's ``per_sample_work`` shows the field types each system returned
 and whether they agree, and each system's ``returns`` its first sample's types.
 
-Every figure is returned by ``run(config)`` as JSON-able data and printed as JSON.
+Every figure is returned by ``run(config)`` as JSON-able data and printed as JSON. The sweep
+over sample size x shard size, with batched mode and DataLoader workers, is
+``benchmarks.bench_loader``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ repeats samples is reported as an error rather than as a speed. No timing is ass
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -119,3 +120,19 @@ def test_target_checks_compare_with_the_faster_litdata() -> None:
     # no map and no memory figures: not measured
     assert status == ["MET", "MET", "MISSED", "MISSED", "NOT MEASURED", "NOT MEASURED"]
     assert "litdata@default 250" in checks["one2"]["figures"][0]
+
+
+def test_other_peers_read_every_sample_once(quick_run: dict) -> None:
+    """MosaicML Streaming (torch DataLoader) and WebDataset (WebLoader), at our shard size."""
+    pytest.importorskip("webdataset")
+    if importlib.util.find_spec("streaming") is None:  # importing it here would import torchvision
+        pytest.skip("mosaicml-streaming is not installed")
+    cfg = dict(quick_run["config"], parts=["sweep"], systems=["mosaicml", "webdataset"], epochs=1,
+               peer_defaults=False)
+    cell = bench_loader.run(cfg)["cells"]["q1k-256K"]
+    for name in ("mosaicml", "webdataset"):
+        for mode in ("one_process", "dataloader"):
+            r = cell["systems"][name][mode]
+            assert "error" not in r, (name, mode, r)
+            assert r["epochs"][0]["exactly_once"]
+        assert cell["systems"][name]["dataloader"]["settings"]["num_workers"] == 2
