@@ -136,6 +136,10 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         if int(concurrency) < 1:
             raise PlanError(f"concurrency={concurrency!r}: shards fetched at once must be at least 1 (default 4)")
         # idle shard buffers kept for reuse stay within the prefetch budget too
+        if storage_options is None and cache is not None:
+            # a dataset read through a cache opens its index with the cache's options: one
+            # place to give them (or set them once per URL prefix: datapipe.set_storage_options)
+            storage_options = dict(getattr(cache, "storage_options", None) or {}) or None
         self.source = ShardSource([s.url for s in self.streams],
                                   [s.storage_options or storage_options for s in self.streams],
                                   max_pooled_bytes=int(prefetch_bytes))

@@ -39,7 +39,7 @@ from ..format import (
     shard_name,
 )
 from ..format.shard import STAGING_BYTES
-from ..storage import Store, open_store
+from ..storage import MemoryStore, Store, open_store
 from .commit import check_destination, write_index
 from .journal import Journal, fingerprint
 from .lock import WriterLock
@@ -350,6 +350,10 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     # as cores overlap those waits (measured here, cold page cache: 4 workers 6.7 s vs
     # 2 workers 8.6 s for 30k samples on 2 cores; warm: 2.7 s vs 2.2 s).
     nworkers = max(1, min(workers or 2 * (os.cpu_count() or 1), len(todo) or 1))
+    if _process_memory(lock.base):
+        # worker processes would write into their own copies of this process's memory and
+        # the shards would be lost with them: pack here
+        nworkers = 1
     # fork when this process runs no other thread: no `if __name__ == "__main__"` guard is
     # needed in callers' scripts and workers start in milliseconds (filesystem objects are
     # re-created per process). A caller with threads (a trainer) gets forkserver: forking
@@ -410,6 +414,11 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
         poller.join()
         bar.close()
     return _commit(lock, work, names, done, opts["compression"], result)
+
+
+def _process_memory(store: Store) -> bool:
+    """Whether ``store`` lives in this process's memory (``memory://``, a MemoryStore)."""
+    return isinstance(store, MemoryStore) or getattr(store, "protocol", None) == "memory"
 
 
 def _worker_lost(store: Store, new_shards: int) -> PackError:
