@@ -154,7 +154,7 @@ class ImageDecoder:
             return arr
         import torch
 
-        return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+        return torch.from_numpy(arr.transpose(2, 0, 1).copy())  # a writable copy, CHW-contiguous
 
 
 class SampleDecoder:
