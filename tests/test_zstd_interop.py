@@ -54,7 +54,8 @@ def _ours(dest):
 def _pipe_commands():
     """How to decompress a shard to stdout: the zstd CLI where it is installed, and always the
     zstandard package (a dependency of datapipe) for machines without it."""
-    script = "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1], 'rb'), sys.stdout.buffer)"
+    script = ("import sys, zstandard; "
+              "zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1], 'rb'), sys.stdout.buffer)")
     python = f"{shlex.quote(sys.executable)} -c {shlex.quote(script)}"
     cli = pytest.param("zstd -dc", marks=pytest.mark.skipif(shutil.which("zstd") is None,
                                                               reason="the zstd command is not installed"))
