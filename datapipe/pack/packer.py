@@ -76,8 +76,9 @@ class PackResult:
     #: samples made of more than one file, and the files in them
     merged_samples: int = 0
     merged_files: int = 0
-    #: (key, file paths relative to the source) of the first few such samples
-    merged_examples: list[tuple[str, list[str]]] = field(default_factory=list)
+    #: (key, its first few file paths relative to the source, its number of files) of the
+    #: first few such samples
+    merged_examples: list[tuple[str, list[str], int]] = field(default_factory=list)
 
     def summary(self) -> str:
         mb = self.input_bytes / 1e6
@@ -111,7 +112,9 @@ class PackResult:
         if self.merged_samples:
             lines.append(f"  merged {self.merged_files:,} files into {self.merged_samples:,} samples of several "
                          "fields (WebDataset's rule: the key ends at the first dot of the file name)")
-            lines += [f"    e.g. {key}: {', '.join(files)}" for key, files in self.merged_examples[:3]]
+            for key, files, n in self.merged_examples[:3]:
+                more = f", ... ({n} files)" if n > len(files) else ""
+                lines.append(f"    e.g. {key}: {', '.join(files)}{more}")
             lines.append("    (--keys file makes one sample per file, its field the last extension)")
         return lines
 
@@ -130,7 +133,8 @@ def _describe_tree(result: PackResult, src: str, dropped: list[tuple[str, str]],
             result.merged_samples += 1
             result.merged_files += len(s.files)
             if len(result.merged_examples) < examples:
-                result.merged_examples.append((s.key, [os.path.relpath(p, root) for _, p, _ in s.files]))
+                shown = [os.path.relpath(p, root) for _, p, _ in s.files[:examples + 1]]
+                result.merged_examples.append((s.key, shown, len(s.files)))
 
 
 def parse_part(part: str | tuple[int, int] | None) -> tuple[int, int] | None:
