@@ -17,7 +17,7 @@
   - ``"rgb8"``: a numpy ``uint8`` array, HWC, RGB; ``"l8"``: HW, grey.
   - ``"torch"`` / ``"torchvision"`` / ``"torchrgb8"``: a ``torch.uint8`` tensor, CHW, RGB
     (what ``torchvision.io.decode_image(..., mode=RGB)`` returns). Decoded by torchvision
-    where it imports (JPEG, PNG, WEBP, GIF), else through PIL and numpy: the two agree in
+    where it imports (JPEG, PNG, WEBP), else through PIL and numpy: the two agree in
     shape and dtype, pixel values only up to the JPEG decoders' rounding. WebDataset's
     ``"torch"`` gives float32 in [0, 1]: divide by 255 for that.
 
@@ -100,8 +100,9 @@ IMAGE_SPECS: dict[str, tuple[str, str]] = {
 
 DECODER_NAMES = ("raw", "auto", *BASIC_DECODERS, *IMAGE_SPECS)
 
-# torchvision.io decodes these from a uint8 tensor (decode_image); others go through PIL
-_TORCHVISION_FORMATS = frozenset({"JPEG", "PNG", "WEBP", "GIF"})
+# torchvision.io decodes these from a uint8 tensor (decode_image); others go through PIL (a
+# GIF there would give every frame, PIL the first)
+_TORCHVISION_FORMATS = frozenset({"JPEG", "PNG", "WEBP"})
 _torchvision_io: Any = None  # the module once imported; False where it does not import
 
 
@@ -144,7 +145,10 @@ class ImageDecoder:
                 import torch
 
                 raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                return tvio.decode_image(raw, mode=tvio.ImageReadMode.RGB)
+                out = tvio.decode_image(raw, mode=tvio.ImageReadMode.RGB)
+                if out.dtype == torch.uint8 and out.ndim == 3:
+                    return out
+                # else (a 16-bit PNG decodes to uint16): PIL below gives the uint8 RGB promised
         img.load()
         out = img if img.mode == self.mode else img.convert(self.mode)
         if self.kind == "pil":
