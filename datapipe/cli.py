@@ -139,9 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how files become samples. first-dot (default, WebDataset's rule): key = the path up to "
                         "the first dot of the file name, so img1.jpg and img1.json are one sample, and names "
                         "without a dot are not packed. file: one sample per file, key = its path with the "
-                        "dots of its name written %%2E, field = its last extension in lower case (bin where it has "
-                        "none). "
-                        "The summary counts the files dropped and merged, with examples")
+                        "dots of its name written %%2E, field = its last extension in lower case (bin where it "
+                        "has none). The summary counts the files dropped and merged, with examples")
     p.add_argument("--follow-links", action="store_true",
                    help="follow symbolic links to files outside SRC too (by default they are skipped and listed)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
