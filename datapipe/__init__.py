@@ -8,6 +8,7 @@ from .cache import TieredCache
 from .checkpoint import CheckpointInfo, CheckpointWriter, SaveHandle, list_checkpoints, load_checkpoint
 from .dataset import Dataset, DatasetIndex, open_dataset, open_index
 from .pack import PackResult, ShardWriter, join_parts, pack
+from .storage import set_storage_options
 from .verify import VerifyReport, verify_dataset
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "open_dataset",
     "open_index",
     "pack",
+    "set_storage_options",
     "verify_dataset",
 ]
 

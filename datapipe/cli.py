@@ -45,7 +45,7 @@ def _cmd_pack(a: argparse.Namespace) -> int:
     r = pack(a.src, a.dest, shard_bytes=a.shard_bytes, shard_samples=a.shard_samples,
              compression=a.compression, level=a.level, workers=a.workers, part=a.part,
              overwrite=a.overwrite, skip_errors=a.skip_errors, storage_options=a.storage_options,
-             progress=not a.quiet, follow_links=a.follow_links)
+             progress=not a.quiet, follow_links=a.follow_links, keys=a.keys)
     print(r.summary())
     return 0
 
@@ -135,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pack only part I (0-based) of N, into DEST/part-I-of-N; then `datapipe join DEST`")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DEST")
     p.add_argument("--skip-errors", action="store_true", help="skip unreadable inputs and list them in the summary")
+    p.add_argument("--keys", choices=["first-dot", "file"], default="first-dot",
+                   help="how files become samples. first-dot (default, WebDataset's rule): key = the path up to "
+                        "the first dot of the file name, so img1.jpg and img1.json are one sample, and names "
+                        "without a dot are not packed. file: one sample per file, key = its path with the "
+                        "dots of its name written %%2E, field = its last extension in lower case (bin where it "
+                        "has none). The summary counts the files dropped and merged, with examples")
     p.add_argument("--follow-links", action="store_true",
                    help="follow symbolic links to files outside SRC too (by default they are skipped and listed)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from .checksum import checksum, verify
+from .decode import make_decoder
 from .errors import CorruptIndexError, CorruptShardError, DatapipeError, ObjectNotFoundError
 from .format import MANIFEST, decode_sample, parse_manifest, read_shard_table
 from .format.index import check_shard_rows, is_checksum, sample_rows
@@ -302,10 +303,12 @@ def open_index(url: str, storage_options: dict[str, Any] | None = None) -> Datas
 
 class Dataset:
     """Random access to a packed dataset: ``len(ds)``, ``ds[i]``, ``ds.get(key)``.
-    Each sample is one range read of its shard, verified against its checksum."""
+    Each sample is one range read of its shard, verified against its checksum, then decoded
+    as ``decode`` says (:mod:`datapipe.decode`; default None: bytes)."""
 
-    def __init__(self, index: DatasetIndex) -> None:
+    def __init__(self, index: DatasetIndex, decode: Any = None) -> None:
         self.index = index
+        self._decode = make_decoder(decode)
         self._key_to_pos: dict[str, int] | None = None
 
     def __len__(self) -> int:
@@ -330,7 +333,7 @@ class Dataset:
         if after[: len(keydot)] == keydot:
             raise CorruptShardError(f"{where}: the member after the sample's range has its key too: "
                                     "the index cuts the sample short")
-        return sample
+        return sample if self._decode.is_identity else self._decode(sample, info.url)
 
     def get(self, key: str) -> dict[str, Any]:
         if self._key_to_pos is None:
@@ -345,6 +348,8 @@ class Dataset:
             yield self[i]
 
 
-def open_dataset(url: str, storage_options: dict[str, Any] | None = None) -> Dataset:
-    """Open the dataset packed at ``url`` (a local path or any fsspec URL)."""
-    return Dataset(open_index(url, storage_options))
+def open_dataset(url: str, storage_options: dict[str, Any] | None = None, *, decode: Any = None) -> Dataset:
+    """Open the dataset packed at ``url`` (a local path or any fsspec URL). ``decode``: what
+    each sample's fields become, as for :class:`~datapipe.StreamingDataset` (None: bytes;
+    "auto", "pil", "torch", ...: see :mod:`datapipe.decode`)."""
+    return Dataset(open_index(url, storage_options), decode)

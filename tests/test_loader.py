@@ -46,11 +46,12 @@ def zstd_url(tmp_path_factory):
 
 
 def _ids(items):
-    return [it["cls"] for it in items]
+    """The samples' numbers: the ``cls`` field, raw (the default decode) or decoded."""
+    return [int(it["cls"]) for it in items]
 
 
 def test_every_sample_once_decoded(ds_url):
-    ds = StreamingDataset(ds_url, window=3, seed=5)
+    ds = StreamingDataset(ds_url, window=3, seed=5, decode="auto")
     items = list(ds)
     assert sorted(_ids(items)) == list(range(N))
     it = items[0]
@@ -77,7 +78,10 @@ def test_no_shuffle_is_stored_order(ds_url, zstd_url):
 def test_decode_raw_and_map(ds_url):
     raw = next(iter(StreamingDataset(ds_url, decode="raw", shuffle=False)))
     assert raw["cls"] == b"0" and raw["json"] == b'{"i": 0}'
-    mapped = next(iter(StreamingDataset(ds_url, shuffle=False, map=lambda s: (s["cls"], s["txt"]))))
+    default = next(iter(StreamingDataset(ds_url, shuffle=False)))  # raw bytes, as WebDataset's default
+    assert default.keys() == raw.keys()
+    assert all(bytes(default[k]) == raw[k] for k in raw if k != "__key__")
+    mapped = next(iter(StreamingDataset(ds_url, shuffle=False, decode="auto", map=lambda s: (s["cls"], s["txt"]))))
     assert mapped == (0, "sample 0")
     custom = next(iter(StreamingDataset(ds_url, shuffle=False, decode={"bin": len})))
     assert custom["bin"] == 1 and custom["cls"] == 0
@@ -93,11 +97,11 @@ def test_npy_fields_decode_without_pickle(tmp_path):
         buf = io.BytesIO()
         np.save(buf, np.array([{"x": 1}], dtype=object), allow_pickle=True)
         w.write({"__key__": "evil", "npy": buf.getvalue()})
-    ds = StreamingDataset(url, shuffle=False)
+    ds = StreamingDataset(url, shuffle=False, decode="npy")
     with pytest.raises(DecodeError, match="evil"):
         got = [s["npy"] for s in ds]
     with pytest.warns(RuntimeWarning, match="evil"):
-        got = [s["npy"] for s in StreamingDataset(url, shuffle=False, on_error="skip")]
+        got = [s["npy"] for s in StreamingDataset(url, shuffle=False, decode="auto", on_error="skip")]
     assert [a.tolist() for a in got] == [list(range(i + 1)) for i in range(5)]
 
 
@@ -105,7 +109,7 @@ def test_resume_in_process_continues_exactly(ds_url):
     full = _ids(StreamingDataset(ds_url, window=3, seed=2, batch_size=4))
     ds = StreamingDataset(ds_url, window=3, seed=2, batch_size=4)
     it = iter(ds)
-    first = [next(it)["cls"] for _ in range(123)]
+    first = [int(next(it)["cls"]) for _ in range(123)]
     state = ds.state_dict()
     it.close()
     again = StreamingDataset(ds_url, window=3, seed=2, batch_size=4)
@@ -125,7 +129,7 @@ def test_elastic_resume_across_ranks(ds_url):
     for r in range(3):
         ds = rank_ds(r, 3)
         it = iter(ds)
-        seen += [next(it)["cls"] for _ in range(40)]
+        seen += [int(next(it)["cls"]) for _ in range(40)]
         states.append(ds.state_dict())
         it.close()
     assert all(s == states[0] for s in states)  # lockstep ranks agree on the state

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from datapipe.decode import make_decoder
 from datapipe.errors import DecodeError
 from datapipe.format import decode_sample, encode_sample
 from datapipe.format.layout import fast_layout
-from datapipe.loader.decode import make_decoder
 
 segment = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_-", min_size=1, max_size=60)
 fields = st.dictionaries(

@@ -85,9 +85,9 @@ def test_resume_state_counts_every_item_of_a_laid_chunk(url):
 def test_decode_error_in_a_laid_chunk_names_shard_and_sample(tmp_path):
     url = _write(tmp_path / "bad", bad=(7, 150))
     with pytest.raises(DecodeError, match=r"s0007|s0150") as e:
-        list(StreamingDataset(url, window=4, seed=2))
+        list(StreamingDataset(url, window=4, seed=2, decode="auto"))
     assert ".tar" in str(e.value)
-    kw = dict(window=4, seed=2, on_error="skip", batch_size=5)
+    kw = dict(window=4, seed=2, on_error="skip", batch_size=5, decode="auto")
     with pytest.warns(RuntimeWarning, match="skipped 2 unreadable"):
         fast = StreamingDataset(url, **kw)
         got = list(fast)

@@ -27,7 +27,8 @@ def s3_ds(s3):
 
 
 def _ids(ds):
-    return [s["cls"] for s in ds]
+    """The samples' numbers (``cls`` is raw bytes under the default decode)."""
+    return [int(s["cls"]) for s in ds]
 
 
 def test_s3_through_warm_cache_twice(s3_ds, tmp_path):

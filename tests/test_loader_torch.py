@@ -30,8 +30,8 @@ def _ids(batches):
 
 
 def test_dataloader_with_workers_yields_the_rank_stream_in_order(ds_url):
-    expected = [s["cls"] for s in StreamingDataset(ds_url, window=3, seed=9, batch_size=8)]
-    ds = StreamingDataset(ds_url, window=3, seed=9)
+    expected = [s["cls"] for s in StreamingDataset(ds_url, window=3, seed=9, batch_size=8, decode="auto")]
+    ds = StreamingDataset(ds_url, window=3, seed=9, decode="auto")  # cls as int: collated into a tensor
     loader = StreamingDataLoader(ds, batch_size=8, num_workers=2)
     got = _ids(loader)
     assert got == expected

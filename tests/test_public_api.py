@@ -25,6 +25,7 @@ PUBLIC = {
     "ShardWriter": ("datapipe.pack", "class"),
     "join_parts": ("datapipe.pack", "function"),
     "pack": ("datapipe.pack", "function"),
+    "set_storage_options": ("datapipe.storage.options", "function"),
     "Stream": ("datapipe.loader", "class"),
     "StreamingDataLoader": ("datapipe.loader", "class"),
     "StreamingDataset": ("datapipe.loader", "class"),

@@ -5,8 +5,8 @@
 - ``prefetch``: fetching shards ahead of the reader within a byte budget.
 - ``readers``: one reader per kind of shard, chosen once per shard, and reading a chunk.
 - ``layouts``: the bounded cache of shard layouts, kept across epochs.
-- ``decode``, ``mixing``, ``dataloader``: decoding by extension, stream mixes, the torch
-  ``DataLoader`` subclass.
+- ``mixing``, ``dataloader``: stream mixes, the torch ``DataLoader`` subclass. Samples are
+  decoded by :mod:`datapipe.decode` (shared with ``open_dataset``).
 
 Imports ``plan``, ``format``, ``storage`` (its stores and retry policy), ``datapipe.dataset``
 and the leaves; never ``pack`` or ``checkpoint``.
@@ -14,8 +14,8 @@ and the leaves; never ``pack`` or ``checkpoint``.
 
 from typing import Any
 
+from ..decode import DEFAULT_DECODERS, make_decoder
 from .dataset import StreamingDataset, resolve_topology
-from .decode import DEFAULT_DECODERS, make_decoder
 from .mixing import Stream
 
 __all__ = ["DEFAULT_DECODERS", "Stream", "StreamingDataLoader", "StreamingDataset", "make_decoder",

@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from ..decode import make_decoder
 from ..errors import DatapipeError, PlanError, StateMismatchError, TopologyError
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
 from ..topology import Topology
 from .batch import Batch
-from .decode import make_decoder
 from .mixing import Stream, epoch_layout, stream_targets
 from .prefetch import Chunk, Prefetcher
 from .readers import ErrorPolicy, FailedShardReader, Progress, ShardReader, Skipped, chunk_items, laid_out_batches
@@ -78,7 +78,7 @@ def skip_report(skipped: Sequence[tuple[str, str | None, str]], where: str = "")
     """The warning for samples skipped in a pass: how many, the first five, ``where``."""
     shown = "; ".join(f"{u} {k!r}: {why}" for u, k, why in skipped[:5])
     more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
-    return f"StreamingDataset skipped {len(skipped)} unreadable samples: {shown}{more}{where}"
+    return f"StreamingDataset skipped {len(skipped)} unreadable or undecodable samples: {shown}{more}{where}"
 
 
 class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableDataset is generic in its item type; ours vary with decode/map
@@ -90,7 +90,16 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
     shuffle). ``drop_last``: every rank yields the same number of samples per epoch by
     dropping the last ``< world`` samples (True) or repeating as many (False).
     ``batch_size``: the DataLoader's, so that workers take whole batches in turn and the
-    loader's output is the rank's stream in order (exact resume). ``on_error``: "raise" on a
+    loader's output is the rank's stream in order (exact resume). ``decode``: what each
+    sample's fields become (the same options as :func:`~datapipe.open_dataset`; details in
+    :mod:`datapipe.decode`): ``None``/``"raw"`` (default) bytes; ``"auto"`` json, txt, cls
+    and npy fields to objects, str, int and numpy arrays; ``"json"``, ``"txt"``, ``"cls"``,
+    ``"npy"`` only those; images (jpg, jpeg, png, webp, bmp, gif, tif, ...) with ``"pil"``
+    (RGB ``PIL.Image``; ``"pilrgba"``, ``"pill"``), ``"rgb8"`` (uint8 HWC numpy) or
+    ``"torch"``/``"torchvision"`` (uint8 CHW RGB tensor; torchvision where it imports, else
+    PIL); a list combines names (``["pil", "auto"]``); a dict ``{ext: fn}`` adds to
+    ``"auto"``; a callable gets the whole sample. Images over ``PIL.Image.MAX_IMAGE_PIXELS``
+    do not decode. ``map``: a function applied to each decoded item. ``on_error``: "raise" on a
     sample that cannot be read (corrupt, or a :class:`~datapipe.errors.DecodeError`: a field
     decoder, ``decode=`` or ``map=`` function raised on it), or "skip" it and report all
     skipped at the end of the pass (a rank that skips yields fewer samples than the others
@@ -108,7 +117,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
     """
 
     def __init__(self, source: str | list[str] | list[Stream], *, cache: Any = None, shuffle: bool = True,
-                 seed: int = 0, window: int | None = 16, drop_last: bool = False, decode: Any = "auto",
+                 seed: int = 0, window: int | None = 16, drop_last: bool = False, decode: Any = None,
                  map: Callable[[dict[str, Any]], Any] | None = None, batch_size: int = 1,
                  rank: int | None = None, world_size: int | None = None,
                  storage_options: dict[str, Any] | None = None, on_error: str = "raise",
@@ -136,6 +145,10 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         if int(concurrency) < 1:
             raise PlanError(f"concurrency={concurrency!r}: shards fetched at once must be at least 1 (default 4)")
         # idle shard buffers kept for reuse stay within the prefetch budget too
+        if storage_options is None and cache is not None:
+            # a dataset read through a cache opens its index with the cache's options: one
+            # place to give them (or set them once per URL prefix: datapipe.set_storage_options)
+            storage_options = dict(getattr(cache, "storage_options", None) or {}) or None
         self.source = ShardSource([s.url for s in self.streams],
                                   [s.storage_options or storage_options for s in self.streams],
                                   max_pooled_bytes=int(prefetch_bytes))

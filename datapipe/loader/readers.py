@@ -230,9 +230,12 @@ def _cut_batches(readers: list[LaidOutShardReader], loc: NDArray[Any], samples: 
     for i in range(0, len(samples), batch_size):
         j = min(i + batch_size, len(samples))
         fields: dict[str, Any] = {"__key__": keys[i:j].tolist()}
-        w = None if which is None else which[i:j]
+        mine, w = buffers, None
+        if which is not None:  # only the buffers this batch reads: a batch held pins no others
+            used, w = np.unique(which[i:j], return_inverse=True)
+            mine = [buffers[u] for u in used.tolist()]
         for k, name in enumerate(names):
-            fields[name] = Column(buffers, table[i:j, 2 * k], table[i:j, 2 * k + 1], w)
+            fields[name] = Column(mine, table[i:j, 2 * k], table[i:j, 2 * k + 1], w)
         if shard_ids is not None:
             fields["__shard__"], fields["__sample__"] = shard_ids[i:j], samples[i:j]
         yield Batch(fields, j - i)

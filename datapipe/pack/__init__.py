@@ -11,7 +11,8 @@ one dataset). May import :mod:`datapipe.format`, :mod:`datapipe.storage`,
 
 from .join import join_parts
 from .packer import PackResult, pack, parse_part, part_dir
+from .sources import file_key
 from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardWriter
 
-__all__ = ["pack", "PackResult", "ShardWriter", "join_parts", "parse_part", "part_dir",
+__all__ = ["pack", "PackResult", "ShardWriter", "file_key", "join_parts", "parse_part", "part_dir",
            "DEFAULT_SHARD_BYTES", "DEFAULT_SHARD_SAMPLES"]

@@ -39,11 +39,19 @@ from ..format import (
     shard_name,
 )
 from ..format.shard import STAGING_BYTES
-from ..storage import Store, open_store
+from ..storage import MemoryStore, Store, open_store
 from .commit import check_destination, write_index
 from .journal import Journal, fingerprint
 from .lock import WriterLock
-from .sources import FileSample, count_table_rows, iter_table, list_directory, source_kind
+from .sources import (
+    KEY_RULES,
+    NO_EXTENSION,
+    FileSample,
+    count_table_rows,
+    iter_table,
+    list_directory,
+    source_kind,
+)
 from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits, checked_compression
 
 __all__ = ["pack", "PackResult", "parse_part", "part_dir"]
@@ -59,7 +67,18 @@ class PackResult:
     seconds: float
     resumed_shards: int = 0
     skipped: list[tuple[str, str]] = field(default_factory=list)
-    ignored: int = 0
+    #: the key rule of a directory source (see ``pack(keys=)``)
+    keys: str = "first-dot"
+    #: files of a directory source not packed, by reason (no extension, dot-file, ...)
+    dropped: dict[str, int] = field(default_factory=dict)
+    #: (path relative to the source, reason): the first few dropped, for each reason
+    dropped_examples: list[tuple[str, str]] = field(default_factory=list)
+    #: samples made of more than one file, and the files in them
+    merged_samples: int = 0
+    merged_files: int = 0
+    #: (key, its first few file paths relative to the source, its number of files) of the
+    #: first few such samples
+    merged_examples: list[tuple[str, list[str], int]] = field(default_factory=list)
 
     def summary(self) -> str:
         mb = self.input_bytes / 1e6
@@ -70,14 +89,52 @@ class PackResult:
         ]
         if self.resumed_shards:
             lines.append(f"  {self.resumed_shards} shards were already done by an earlier run")
-        if self.ignored:
-            lines.append(f"  ignored {self.ignored} files with no key.field name (dot-files, no extension)")
+        lines += self._tree_report()
         if self.skipped:
             lines.append(f"  SKIPPED {len(self.skipped)} inputs:")
             lines += [f"    {p}: {why}" for p, why in self.skipped[:50]]
             if len(self.skipped) > 50:
                 lines.append(f"    ... and {len(self.skipped) - 50} more")
         return "\n".join(lines)
+
+
+    def _tree_report(self) -> list[str]:
+        """What the key rule did to a directory tree: files dropped, files merged."""
+        lines = []
+        if self.dropped:
+            lines.append(f"  dropped {sum(self.dropped.values()):,} (not packed):")
+            for reason, n in self.dropped.items():
+                shown = [path for path, why in self.dropped_examples if why == reason]
+                more = ", ..." if n > len(shown) else ""
+                lines.append(f"    {n:,} {reason}, e.g. {', '.join(shown)}{more}")
+            if self.keys == "first-dot" and NO_EXTENSION in self.dropped:
+                lines.append("    (--keys file packs files without an extension too, as field 'bin')")
+        if self.merged_samples:
+            lines.append(f"  merged {self.merged_files:,} files into {self.merged_samples:,} samples of several "
+                         "fields (WebDataset's rule: the key ends at the first dot of the file name)")
+            for key, files, n in self.merged_examples[:3]:
+                more = f", ... ({n} files)" if n > len(files) else ""
+                lines.append(f"    e.g. {key}: {', '.join(files)}{more}")
+            lines.append("    (--keys file makes one sample per file, its field the last extension)")
+        return lines
+
+
+def _describe_tree(result: PackResult, src: str, dropped: list[tuple[str, str]], samples: list[FileSample],
+                   examples: int = 3) -> None:
+    """Fill ``result``'s counts and examples of dropped and merged files."""
+    root = os.path.abspath(src)
+    for path, reason in dropped:
+        n = result.dropped.get(reason, 0)
+        result.dropped[reason] = n + 1
+        if n < examples:
+            result.dropped_examples.append((os.path.relpath(path, root), reason))
+    for s in samples:
+        if len(s.files) > 1:
+            result.merged_samples += 1
+            result.merged_files += len(s.files)
+            if len(result.merged_examples) < examples:
+                shown = [os.path.relpath(p, root) for _, p, _ in s.files[:examples + 1]]
+                result.merged_examples.append((s.key, shown, len(s.files)))
 
 
 def parse_part(part: str | tuple[int, int] | None) -> tuple[int, int] | None:
@@ -291,11 +348,20 @@ def pack(
     storage_options: dict[str, Any] | None = None,
     progress: bool = False,
     follow_links: bool = False,
+    keys: str = "first-dot",
 ) -> PackResult:
     """Pack ``src`` (a directory of small files, a JSONL file, or a Parquet file/directory)
     into shards at ``dest`` (a local path or any fsspec URL). With ``part=(i, n)`` pack only
     the i-th of n deterministic slices, into ``dest/part-0000i-of-0000n``; `join_parts`
     makes one dataset of them.
+
+    ``keys``: how a directory's files become samples. ``"first-dot"`` (default, WebDataset's
+    rule): key = the path up to the first dot of the file name, field = the rest, so
+    ``img1.jpg`` and ``img1.json`` are one sample and a name without a dot (``copyright``)
+    is not packed. ``"file"``: one sample per file, key = its relative path with the dots
+    of its name written ``%2E``, field = the last extension in lower case (``bin`` where there is none;
+    see :func:`datapipe.pack.file_key`). Dot-files and dot-folders are never packed.
+    ``PackResult`` counts the files dropped and merged, with examples.
 
     Symbolic links in a source directory are followed only to files inside it, unless
     ``follow_links``; FIFOs, sockets and devices are never opened. What is passed over is
@@ -309,13 +375,18 @@ def pack(
     if parsed is not None:
         dest = dest.rstrip("/") + "/" + part_dir(*parsed)
     kind = source_kind(src)
+    if keys not in KEY_RULES:
+        raise PackOptionError(f"keys={keys!r}: expected one of {', '.join(KEY_RULES)}")
+    if keys != "first-dot" and kind != "directory":
+        raise PackOptionError(f"keys={keys!r} applies to a directory of files; {src} is a {kind} table "
+                              "(a row is a sample, a column a field)")
     opts = {"shard_bytes": shard_bytes, "shard_samples": shard_samples, "compression": compression,
             "level": level, "part": parsed, "kind": kind, "src": os.path.abspath(src)}
     with WriterLock(open_store(dest, storage_options)) as lock:
         store = lock.store
         check_destination(store, overwrite, resumable=True)
         if kind == "directory":
-            result = _pack_directory(src, lock, opts, workers, skip_errors, progress, overwrite, follow_links)
+            result = _pack_directory(src, lock, opts, workers, skip_errors, progress, overwrite, follow_links, keys)
         else:
             result = _pack_table(src, kind, lock, opts, progress, overwrite)
     result.dest = dest
@@ -324,13 +395,13 @@ def pack(
 
 
 def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: int | None, skip_errors: bool,
-                    progress: bool, overwrite: bool, follow_links: bool) -> PackResult:
+                    progress: bool, overwrite: bool, follow_links: bool, keys: str) -> PackResult:
     store = lock.store
     # a destination inside the source is not input: the top one, where other parts go too
     dest_dir = lock.base.local_path("")
     if dest_dir is not None and opts["part"] is not None:
         dest_dir = os.path.dirname(dest_dir.rstrip(os.sep))
-    listing = list_directory(src, skip_errors, follow_links, exclude=dest_dir)
+    listing = list_directory(src, skip_errors, follow_links, exclude=dest_dir, keys=keys)
     samples = listing.samples
     if opts["part"] is not None:
         i, n = opts["part"]
@@ -340,7 +411,8 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     with _writing(store.url("_pack")):
         work = Journal(store, fingerprint([opts, [[s.key, s.files, s.tar_bytes] for s in samples]]), overwrite)
     result = PackResult("", len(plan), 0, 0, 0, 0.0, skipped=list(listing.passed_over) + list(listing.bad),
-                        ignored=len(listing.ignored))
+                        keys=keys)
+    _describe_tree(result, src, listing.dropped, samples)
     if work.committed:
         return _finish_cleanup(store, work, result)
     done = work.done()
@@ -350,6 +422,10 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     # as cores overlap those waits (measured here, cold page cache: 4 workers 6.7 s vs
     # 2 workers 8.6 s for 30k samples on 2 cores; warm: 2.7 s vs 2.2 s).
     nworkers = max(1, min(workers or 2 * (os.cpu_count() or 1), len(todo) or 1))
+    if _process_memory(lock.base):
+        # worker processes would write into their own copies of this process's memory and
+        # the shards would be lost with them: pack here
+        nworkers = 1
     # fork when this process runs no other thread: no `if __name__ == "__main__"` guard is
     # needed in callers' scripts and workers start in milliseconds (filesystem objects are
     # re-created per process). A caller with threads (a trainer) gets forkserver: forking
@@ -410,6 +486,11 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
         poller.join()
         bar.close()
     return _commit(lock, work, names, done, opts["compression"], result)
+
+
+def _process_memory(store: Store) -> bool:
+    """Whether ``store`` lives in this process's memory (``memory://``, a MemoryStore)."""
+    return isinstance(store, MemoryStore) or getattr(store, "protocol", None) == "memory"
 
 
 def _worker_lost(store: Store, new_shards: int) -> PackError:

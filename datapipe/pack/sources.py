@@ -13,7 +13,19 @@ from typing import Any
 from ..errors import EmptyInputError, InputFileError, InvalidMemberNameError, PackError
 from ..format.tar import BLOCK, check_key, padding, split_member_name
 
-__all__ = ["FileSample", "DirectoryListing", "list_directory", "iter_table", "count_table_rows", "source_kind"]
+__all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table",
+           "count_table_rows", "source_kind"]
+
+#: how a directory's files become samples: "first-dot" (WebDataset's rule, the default: key =
+#: the path up to the first dot of the file name, field = the rest, so files sharing that
+#: key are one sample) or "file" (one sample per file: see :func:`file_key`)
+KEY_RULES = ("first-dot", "file")
+
+# reasons a file is dropped (not packed), as the pack summary counts them
+NO_EXTENSION = "files with no extension (no 'key.field' name)"
+DOT_FILE = "dot-files (hidden)"
+DOT_FOLDER = "dot-folders (hidden; not entered, their files not counted)"
+LINKED_FOLDER = "links to folders (not followed)"
 
 
 @dataclass
@@ -26,7 +38,9 @@ class FileSample:
 @dataclass
 class DirectoryListing:
     samples: list[FileSample]
-    ignored: list[str] = field(default_factory=list)  # dot-files and names with no field
+    # (path, reason): files the key rule cannot place (no extension under "first-dot",
+    # dot-files), dot-folders (not entered) and links to folders (not followed)
+    dropped: list[tuple[str, str]] = field(default_factory=list)
     bad: list[tuple[str, str]] = field(default_factory=list)  # (path, reason), skip_errors only
     # (path, reason): links not followed and files that are not regular (FIFOs, sockets,
     # devices: opening one can block forever), passed over with or without skip_errors
@@ -62,14 +76,39 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+def _escape(name: str) -> str:
+    return name.replace("%", "%25").replace(".", "%2E")
+
+
+def file_key(rel: str) -> tuple[str, str] | None:
+    """``keys="file"``: ``(key, field)`` of the file at relative path ``rel`` (one sample per
+    file), or None for a dot-file. The key is the path itself; the field is the last
+    extension in lower case (as WebDataset's reader gives it), or ``bin`` where the name has
+    none. WebDataset cuts a key at the first dot of
+    a member's file name, so the dots of the key's file name are written ``%2E`` (and ``%``
+    as ``%25``): ``RelNotes/2.0.0.txt`` -> ``("RelNotes/2%2E0%2E0%2Etxt", "txt")``,
+    ``copyright`` -> ``("copyright", "bin")``. Distinct paths give distinct keys, the path
+    comes back by undoing the two escapes, and every reader cuts the member ``key.field``
+    back to the same key and field."""
+    folder, slash, base = rel.rpartition("/")
+    if base.startswith("."):
+        return None
+    stem, dot, ext = base.rpartition(".")
+    return folder + slash + _escape(base), ext.lower() if dot and stem and ext else "bin"
+
+
 def list_directory(root: str, skip_errors: bool = False, follow_links: bool = False,
-                   exclude: str | None = None) -> DirectoryListing:
-    """Group every regular file under ``root`` into samples by WebDataset's key rule, sorted
-    by key. Dot-files and names without a field are listed as ignored. A symbolic link is
-    followed only to a file inside ``root`` (anywhere with ``follow_links``) and is read
-    at its target; anything but a regular file is passed over, never opened. ``exclude``:
-    a folder never entered (the pack's own destination, when it lies inside ``root``: its
-    lock, journal and shards are not input)."""
+                   exclude: str | None = None, keys: str = "first-dot") -> DirectoryListing:
+    """Group every regular file under ``root`` into samples by the key rule ``keys`` (see
+    :data:`KEY_RULES`), sorted by key. What the rule cannot place (dot-files; names
+    without an extension under "first-dot"), dot-folders and links to folders are listed
+    in ``dropped``. A symbolic link is followed only to a file inside ``root`` (anywhere
+    with ``follow_links``) and is read at its target; anything but a regular file is passed
+    over, never opened. ``exclude``: a folder never entered (the pack's own destination,
+    when it lies inside ``root``: its lock, journal and shards are not input)."""
+    if keys not in KEY_RULES:
+        raise PackError(f"keys={keys!r}: expected one of {', '.join(KEY_RULES)}")
+    cut_name = file_key if keys == "file" else split_member_name
     root = os.path.abspath(root)
     real_root = os.path.realpath(root)
     skip_dir = os.path.realpath(exclude) if exclude is not None else None
@@ -86,17 +125,19 @@ def list_directory(root: str, skip_errors: bool = False, follow_links: bool = Fa
         for entry in entries:
             name = entry.name
             if entry.is_dir(follow_symlinks=False):
-                if not name.startswith(".") and os.path.realpath(entry.path) != skip_dir:
+                if name.startswith("."):
+                    out.dropped.append((entry.path, DOT_FOLDER))
+                elif os.path.realpath(entry.path) != skip_dir:
                     stack.append((entry.path, prefix + name + "/"))
                 continue
             if entry.is_dir():  # a link to a directory: not followed, as os.walk does
-                out.ignored.append(entry.path)
+                out.dropped.append((entry.path, LINKED_FOLDER))
                 continue
             path = entry.path
             rel = prefix + name
-            cut = split_member_name(rel)
+            cut = cut_name(rel)
             if cut is None:
-                out.ignored.append(path)
+                out.dropped.append((path, DOT_FILE if name.startswith(".") else NO_EXTENSION))
                 continue
             try:
                 if cut[0] not in checked:
@@ -134,7 +175,8 @@ def list_directory(root: str, skip_errors: bool = False, follow_links: bool = Fa
         size = sum(_member_tar_bytes(f"{key}.{f}", s) for f, _, s in files)
         out.samples.append(FileSample(key, files, size))
     if not out.samples:
-        raise EmptyInputError(f"no sample found under {root} (files need a 'key.field' name)")
+        hint = "files need a 'key.field' name, or pass --keys file" if keys == "first-dot" else "no regular file"
+        raise EmptyInputError(f"no sample found under {root} ({hint})")
     return out
 
 

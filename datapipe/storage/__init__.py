@@ -4,7 +4,8 @@
   conditional writes, capabilities: a local path, durable folders, per-writer
   temporaries) and URL helpers;
 - memory.py, local.py, remote.py: backends (a dict, a local directory, any fsspec
-  protocol); opening.py: ``open_store(url)`` picks one;
+  protocol); opening.py: ``open_store(url)`` picks one; options.py: storage options
+  set once per URL prefix (or in ``DATAPIPE_STORAGE_OPTIONS``), merged by ``open_store``;
 - retry.py: one retry and timeout layer for cold requests;
 - lease.py: one writer per destination (a flock locally; a lease with a heartbeat and
   conditional writes on object stores);
@@ -16,6 +17,7 @@ Imports: errors and checksum only. It knows no tar, no cache, no pack or checkpo
 from .local import LocalStore
 from .memory import MemoryStore
 from .opening import open_store
+from .options import set_storage_options, storage_options_for
 from .remote import FsspecStore
 from .retry import RetryPolicy
 from .store import Store, join_url, split_url
@@ -29,4 +31,6 @@ __all__ = [
     "split_url",
     "join_url",
     "RetryPolicy",
+    "set_storage_options",
+    "storage_options_for",
 ]

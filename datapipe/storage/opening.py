@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from ..errors import StorageError
 from .local import LocalStore
+from .options import storage_options_for
 from .remote import FsspecStore
 from .store import Store, is_local_url
 
 __all__ = ["open_store"]
 
 
-def open_store(url: str, storage_options: dict[str, Any] | None = None) -> Store:
+def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Store:
     """The store rooted at ``url``: a local directory for plain paths and ``file://``,
-    fsspec for every other protocol."""
+    fsspec for every other protocol, with the options set for its prefix (see
+    :mod:`.options`) under ``storage_options``."""
+    url = os.fspath(url)
+    if "::" in url:
+        raise StorageError(
+            f"{url}: chained fsspec URLs (simplecache::, filecache::, blockcache::, ...) are not supported: "
+            "datapipe checks every byte it reads against its index and keeps its own local copies; open the "
+            f"plain URL ({url.rsplit('::', 1)[-1]}) and give StreamingDataset a "
+            "TieredCache(warm_dir=...) for a local copy")
     if is_local_url(url):
         return LocalStore(url)
-    return FsspecStore(url, storage_options)
+    return FsspecStore(url, storage_options_for(url, storage_options))

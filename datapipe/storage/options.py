@@ -1,0 +1,71 @@
+"""Storage options set once per URL prefix, for every store datapipe opens.
+
+    datapipe.set_storage_options("s3://bucket/", {"client_kwargs": {"endpoint_url": "http://minio:9000"}})
+
+Every ``open_store`` (datasets, the cache's cold reads, pack, checkpoints) merges the
+options of the longest prefix that the URL starts with under the options passed to it
+explicitly (explicit keys win; a nested dict such as ``client_kwargs`` is merged one
+level deep). The environment variable ``DATAPIPE_STORAGE_OPTIONS`` holds the same as JSON
+(``{"s3://bucket/": {...}}``) for processes that datapipe does not start itself (every
+rank of a job); options set in the process win over it. Stores carry their merged options
+into the worker processes they are pickled into.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+from ..errors import StorageError
+
+__all__ = ["set_storage_options", "storage_options_for"]
+
+ENV = "DATAPIPE_STORAGE_OPTIONS"
+_set: dict[str, dict[str, Any]] = {}
+_lock = threading.Lock()
+
+
+def set_storage_options(prefix: str, options: dict[str, Any] | None) -> None:
+    """Options for every URL that starts with ``prefix`` (``"s3://"``, ``"s3://bucket/"``);
+    ``None`` forgets the prefix."""
+    if not isinstance(prefix, str) or "://" not in prefix:
+        raise ValueError(f"a storage-options prefix is a URL prefix with a protocol, such as 's3://bucket/', "
+                         f"got {prefix!r}")
+    with _lock:
+        if options is None:
+            _set.pop(prefix, None)
+        else:
+            _set[prefix] = dict(options)
+
+
+def _from_environment() -> dict[str, dict[str, Any]]:
+    text = os.environ.get(ENV)
+    if not text:
+        return {}
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise StorageError(f"{ENV} is not JSON ({e}); it maps URL prefixes to storage options, e.g. "
+                           '{"s3://bucket/": {"client_kwargs": {"endpoint_url": "http://host:9000"}}}') from None
+    if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in doc.items()):
+        raise StorageError(f"{ENV} must map URL prefixes to dicts of storage options, got {text[:200]!r}")
+    return doc
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def storage_options_for(url: str, explicit: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The options a store for ``url`` opens with: those of the longest matching prefix
+    (set here, else from the environment) with ``explicit`` merged over them."""
+    with _lock:
+        table = {**_from_environment(), **_set}
+    matches = [p for p in table if url.startswith(p)]
+    base = table[max(matches, key=len)] if matches else {}
+    return _merged(base, dict(explicit or {}))
