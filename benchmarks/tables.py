@@ -82,8 +82,8 @@ def _fmt_setting(setting: dict[str, Any]) -> str:
     parts = []
     for k, v in setting.items():
         if k in ("shard_bytes", "chunk_bytes", "size_limit", "maxsize", "prefetch_bytes") \
-                and isinstance(v, (int, float)) and v >= 1 << 20:
-            v = f"{v / 2**20:g} MiB"
+                and isinstance(v, (int, float)):
+            v = f"{v / 2**20:g} MiB" if v >= 1 << 20 and v % (1 << 20) == 0 else f"{v:g}"
         parts.append(f"{k}={v}")
     return ", ".join(parts)
 
@@ -122,7 +122,7 @@ def loader_md(r: dict[str, Any]) -> str:
     if cells:
         persistent = {name: e["dataloader"]["settings"].get("persistent_workers")
                       for name, e in next(iter(cells.values()))["systems"].items()
-                      if "@" not in name and "settings" in e.get("dataloader", {})}
+                      if "@" not in name and "persistent_workers" in e.get("dataloader", {}).get("settings", {})}
         if persistent:
             lines[0] += (" Worker processes persist across epochs as each loader defaults: "
                          + ", ".join(f"{k} {v}" for k, v in persistent.items()) + ".")
@@ -152,11 +152,11 @@ def loader_md(r: dict[str, Any]) -> str:
             for name, e in cell["systems"].items():
                 if "same_as" in e:
                     rows.append([cid, name, _fmt_setting(e["format_settings"]), f"same format as {e['same_as']}"]
-                                + [""] * 7)
+                                + [""] * 8)
                     continue
                 if "error" in e:
                     rows.append([cid, name, _fmt_setting(e["format_settings"]), "failed: " + e["error"][:80]]
-                                + [""] * 7)
+                                + [""] * 8)
                     continue
                 mem = e.get("dataloader", {}).get("memory")
                 peak = "—" if not mem else (f"{mem['main_peak_rss_MB']:,.0f} / "
