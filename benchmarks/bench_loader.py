@@ -21,8 +21,12 @@ Systems and modes, each at ``batch_size=256`` and ``num_workers=2`` where they a
 - MosaicML Streaming: ``StreamingDataset(shuffle=True, batch_size=256)`` and torch's ``DataLoader``.
 - WebDataset: ``WebDataset(shardshuffle=..).shuffle(1000)`` and ``WebLoader`` over ``.batched(256)``.
 
-Each peer is packed twice: at the cell's shard size (the same as datapipe's) and at its own
-documented default (``PEER_DEFAULTS`` names the source of each). Prepared corpora and formats
+Each peer runs twice: at our settings (the cell's shard size, the same as datapipe's, and
+DataLoader workers that persist across epochs, as datapipe's do by default) and at its own
+documented defaults (``PEER_DEFAULTS`` names the source of each shard size; its loader's
+workers restart each epoch, torch's default). The main process takes each batch's keys and
+touches no payload byte: datapipe's stay in the shared-memory ring, the peers' have already
+been unpickled into the main process when the batch arrives. Prepared corpora and formats
 stay in ``--workdir`` and are reused by later runs (a ``.done`` marker is written after each).
 
 Every measurement runs in a fresh interpreter (``--job``), so no two systems share imports,
@@ -318,7 +322,8 @@ def _open(job: dict[str, Any]) -> tuple[Any, Callable[[Any], Iterable[str]], dic
         ds = litdata.StreamingDataset(input_dir=d, shuffle=True, seed=seed)
         if mode == "one_process":
             return ds, lambda s: (s["key"],), {"shuffle": True}
-        dl = litdata.StreamingDataLoader(ds, batch_size=bs, num_workers=workers)
+        dl = litdata.StreamingDataLoader(ds, batch_size=bs, num_workers=workers,
+                                         persistent_workers=job["persistent_workers"])
         return dl, _keys_of, {"shuffle": True, "batch_size": bs, "num_workers": workers,
                               "persistent_workers": dl.persistent_workers}
     if system == "mosaicml":
@@ -333,7 +338,8 @@ def _open(job: dict[str, Any]) -> tuple[Any, Callable[[Any], Iterable[str]], dic
         ds = streaming.StreamingDataset(local=d, shuffle=True, shuffle_seed=seed, batch_size=bs)
         if mode == "one_process":
             return ds, lambda s: (s["key"],), {"shuffle": True, "batch_size": bs}
-        dl = torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=workers)
+        dl = torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=workers,
+                                         persistent_workers=job["persistent_workers"])
         return dl, _keys_of, {"shuffle": True, "batch_size": bs, "num_workers": workers,
                               "loader": "torch.utils.data.DataLoader", "persistent_workers": dl.persistent_workers}
     if system == "webdataset":
@@ -343,7 +349,8 @@ def _open(job: dict[str, Any]) -> tuple[Any, Callable[[Any], Iterable[str]], dic
         ds = wds.WebDataset(urls, shardshuffle=len(urls), seed=seed, empty_check=False).shuffle(1000)
         if mode == "one_process":
             return ds, lambda s: (s["__key__"],), {"shardshuffle": len(urls), "shuffle_buffer": 1000}
-        dl = wds.WebLoader(ds.batched(bs), batch_size=None, num_workers=workers)
+        dl = wds.WebLoader(ds.batched(bs), batch_size=None, num_workers=workers,
+                           persistent_workers=job["persistent_workers"])
         return dl, _keys_of, {"shardshuffle": len(urls), "shuffle_buffer": 1000, "batched": bs,
                               "num_workers": workers, "loader": "webdataset.WebLoader",
                               "persistent_workers": dl.pipeline[0].persistent_workers}  # its torch DataLoader
@@ -501,9 +508,11 @@ def run_cell(cfg: dict[str, Any], cell: str, work: str, log: Callable[[str], Non
             entry: dict[str, Any] = {"format_settings": setting}
             name = system if label == "same" else f"{system}@default"
             out["systems"][name] = entry
+            modes = _modes(system)
             if label == "default" and setting == variants[0][1]:
-                entry["same_as"] = system
-                continue
+                # the same files: only the loader's own defaults differ (its persistent_workers)
+                entry["same_format_as"] = system
+                modes = ["dataloader"]
             try:
                 fmt = ensure_format(work, system, setting, c, log)
             except Exception as e:  # one peer failing must not hide the others' figures
@@ -512,9 +521,14 @@ def run_cell(cfg: dict[str, Any], cell: str, work: str, log: Callable[[str], Non
             entry["format"] = {k: fmt[k] for k in ("files", "bytes", "prepare_s", "reused")}
             if cfg.get("prepare_only"):
                 continue
-            for mode in _modes(system):
+            for mode in modes:
+                # At our settings a peer's workers persist across epochs as datapipe's do by
+                # default (each loader's epoch then costs no worker start-up); at its own
+                # defaults they do not (torch's DataLoader default, which LitData and
+                # WebDataset keep).
                 job = {"system": system, "mode": mode, "dir": fmt["dir"], "keys": c["keys"], "seed": cfg["seed"],
-                       "epochs": cfg["epochs"], "batch_size": cfg["batch_size"], "workers": cfg["workers"]}
+                       "epochs": cfg["epochs"], "batch_size": cfg["batch_size"], "workers": cfg["workers"],
+                       "persistent_workers": label == "same"}
                 raw = _spawn(job, cfg["job_timeout_s"])
                 done = "error" in raw or "unavailable" in raw
                 entry[mode] = raw if done else _summarise(raw, n, c["payload"])
@@ -592,14 +606,17 @@ def run_map_job(job: dict[str, Any]) -> dict[str, Any]:
 
         ds = StreamingDataset(job["dir"], seed=job["seed"], decode=None, map=datapipe_jpeg_map)
         it: Any = StreamingDataLoader(ds, batch_size=bs, num_workers=workers)
-        settings = {"decode": None, "map": "datapipe_jpeg_map", "batch_size": bs, "num_workers": workers}
+        settings = {"decode": None, "map": "datapipe_jpeg_map", "batch_size": bs, "num_workers": workers,
+                    "persistent_workers": it.persistent_workers}
     else:
         import litdata
 
         lds = litdata.StreamingDataset(input_dir=job["dir"], shuffle=True, seed=job["seed"],
                                        transform=litdata_jpeg_map)
-        it = litdata.StreamingDataLoader(lds, batch_size=bs, num_workers=workers)
-        settings = {"transform": "litdata_jpeg_map", "batch_size": bs, "num_workers": workers}
+        # workers persist across epochs, as datapipe's do by default
+        it = litdata.StreamingDataLoader(lds, batch_size=bs, num_workers=workers, persistent_workers=True)
+        settings = {"transform": "litdata_jpeg_map", "batch_size": bs, "num_workers": workers,
+                    "persistent_workers": True}
     eps = []
     shape = None
     for epoch in range(job["epochs"]):

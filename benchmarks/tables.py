@@ -150,10 +150,6 @@ def loader_md(r: dict[str, Any]) -> str:
         rows = []
         for cid, cell in cells.items():
             for name, e in cell["systems"].items():
-                if "same_as" in e:
-                    rows.append([cid, name, _fmt_setting(e["format_settings"]), f"same format as {e['same_as']}"]
-                                + [""] * 8)
-                    continue
                 if "error" in e:
                     rows.append([cid, name, _fmt_setting(e["format_settings"]), "failed: " + e["error"][:80]]
                                 + [""] * 8)
@@ -161,11 +157,16 @@ def loader_md(r: dict[str, Any]) -> str:
                 mem = e.get("dataloader", {}).get("memory")
                 peak = "—" if not mem else (f"{mem['main_peak_rss_MB']:,.0f} / "
                                             f"{max(mem['worker_peak_rss_MB'], default=0):,.0f}")
-                rows.append([cid, name, _fmt_setting(e["format_settings"])]
+                fmt = _fmt_setting(e["format_settings"])
+                if "same_format_as" in e:
+                    fmt += f" (the files of {e['same_format_as']})"
+                rows.append([cid, name, fmt]
                             + [_mode_cell(e, m, k) for m in ("one_process", "dataloader")
                                for k in ("samples_per_s", "median_samples_per_s", "MB_per_s", "samples_per_cpu_s")]
                             + [peak])
-        lines += ["Every system at our shard size and at its own default:", "",
+        lines += ["Every system at our settings (the cell's shard size; DataLoader workers persistent across "
+                  "epochs, as datapipe's are by default) and at its own defaults (shard size and loader, whose "
+                  "workers restart each epoch):", "",
                   _table(["cell", "system", "format", "1 proc samples/s", "median", "MB/s", "per CPU-s",
                           "DataLoader samples/s", "median", "MB/s", "per CPU-s", "peak RSS MB main / worker"], rows),
                   ""]

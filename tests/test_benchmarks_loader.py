@@ -48,6 +48,8 @@ def test_sweep_every_system_reads_every_sample_once(quick_run: dict) -> None:
             assert r["MB_per_s"] > 0 and r["samples_per_cpu_s"] > 0
         dl = e["dataloader"]
         assert dl["settings"]["num_workers"] == 2 and dl["settings"]["batch_size"] == 256
+        # workers persist across epochs at our settings (datapipe's default), not at a peer's own defaults
+        assert dl["settings"]["persistent_workers"] is ("@default" not in name)
         mem = dl["memory"]
         assert mem["main_peak_rss_MB"] > 0
         # two workers per epoch, each seen by the sampler
