@@ -122,9 +122,9 @@ def loader_md(r: dict[str, Any]) -> str:
     if cells:
         persistent = {name: e["dataloader"]["settings"].get("persistent_workers")
                       for name, e in next(iter(cells.values()))["systems"].items()
-                      if "@" not in name and "persistent_workers" in e.get("dataloader", {}).get("settings", {})}
+                      if "persistent_workers" in e.get("dataloader", {}).get("settings", {})}
         if persistent:
-            lines[0] += (" Worker processes persist across epochs as each loader defaults: "
+            lines[0] += (" DataLoader workers persist across epochs: "
                          + ", ".join(f"{k} {v}" for k, v in persistent.items()) + ".")
         rows = []
         for cell in cells.values():
