@@ -28,6 +28,7 @@ from numpy.typing import NDArray
 
 from ..errors import DatapipeError, PlanError, StateMismatchError, TopologyError
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
+from ..tarindex import resolve_source
 from ..topology import Topology
 from .decode import make_decoder
 from .mixing import Stream, epoch_layout, stream_targets
@@ -106,6 +107,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                  storage_options: dict[str, Any] | None = None, on_error: str = "raise",
                  epoch_size: int | None = None, prefetch_bytes: int = 512 << 20, concurrency: int = 4,
                  chunk_samples: int = 8192, return_position: bool = False) -> None:
+        source = resolve_source(source, storage_options, cache)  # tar shards: indexed on first use
         streams = [source] if isinstance(source, (str, Stream)) else list(source)
         if not streams:
             raise PlanError("a StreamingDataset needs at least one dataset URL")
