@@ -95,7 +95,8 @@ def scan_tar(buf: bytes | bytearray | memoryview, where: str) -> ScannedShard:
         if k in seen:
             raise CorruptShardError(
                 f"{where}: sample key {k!r} appears again at byte {header_at}, after other members: a "
-                "sample's members must be consecutive (WebDataset would read two samples with one key)"
+                "sample's members must be consecutive (WebDataset would read two samples with one key; GNU tar writes "
+                "a folder's files in directory order unless given --sort=name)"
             )
         key, start, end, sample_fields = k, header_at, member_end, {fld}
         fields.add(fld)
