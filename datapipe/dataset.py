@@ -331,9 +331,10 @@ def _no_manifest_message(url: str, store: Store) -> str:
         folder = store.local_path("")
         names = sorted(os.listdir(folder)) if folder is not None else store.list()
         tars = [k for k in names if k.endswith(".tar") and "/" not in k][:3]
+        packing = any(k == "_pack" or k.startswith("_pack/") for k in names)  # an unfinished pack's journal
     except (DatapipeError, OSError):
-        tars = []
-    if tars:
+        tars, packing = [], False
+    if tars and not packing:
         return (f"no dataset at {url}: {MANIFEST} is missing, and the folder holds tar shards ({', '.join(tars)}"
                 f"{', ...' if len(tars) == 3 else ''}). Index them where they are with `datapipe index "
                 f"{url}` (or `datapipe index {url} --index-to DEST` for a folder you may not write) and open "

@@ -276,7 +276,7 @@ def test_messages_name_datapipe_index(wds_dir):
     with pytest.raises(ObjectNotFoundError, match="datapipe index") as e:
         open_index(str(wds_dir))
     assert "datapipe pack" not in str(e.value)
-    with pytest.raises(ObjectNotFoundError, match="is a file, not a dataset folder.*datapipe index"):
+    with pytest.raises(ObjectNotFoundError, match=r"is a file, not a dataset folder.*datapipe index"):
         open_index(str(wds_dir / "shard-000000.tar"))
     with pytest.raises(ObjectNotFoundError, match="datapipe index"):
         StreamingDataset(str(wds_dir))
