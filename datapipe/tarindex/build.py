@@ -16,13 +16,14 @@ no dataset, and an index being rewritten loses its manifest first.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing as mp
 import os
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,8 +87,53 @@ class IndexResult:
         return out
 
 
-def _record_key(url: str) -> str:
-    return f"{RECORDS}/{hashlib.sha256(url.encode()).hexdigest()[:32]}.json"
+class _RecordLog:
+    """Records of finished shards, written under ``_index/`` in batches: one JSON-lines
+    file per flush (every ``FLUSH_S`` seconds, and when the run ends, however it ends), so
+    10^4 shards cost a few hundred small writes, not 10^4 synced files."""
+
+    FLUSH_S = 5.0
+
+    def __init__(self, store: Store) -> None:
+        self.store, self.token = store, uuid.uuid4().hex[:16]
+        self.pending: list[dict[str, Any]] = []
+        self.flushes, self.last = 0, time.monotonic()
+
+    def add(self, rec: dict[str, Any]) -> None:
+        self.pending.append(rec)
+        if time.monotonic() - self.last >= self.FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            body = b"".join(json.dumps(r).encode() + b"\n" for r in self.pending)
+            self.store.put(f"{RECORDS}/records-{self.token}-{self.flushes:06d}.jsonl", body)
+            self.flushes += 1
+            self.pending = []
+        self.last = time.monotonic()
+
+
+def _load_records(store: Store) -> dict[str, dict[str, Any]]:
+    """Every record earlier runs wrote (by URL; a later one of a URL wins). A file that
+    does not parse is passed over: its shards are indexed again."""
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        keys = [k for k in store.list(RECORDS + "/") if k.endswith(".jsonl")]
+    except (DatapipeError, OSError):
+        return out
+    for k in keys:
+        try:
+            lines = store.get(k).splitlines()
+        except (DatapipeError, OSError):
+            continue
+        for line in lines:
+            try:
+                doc = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and isinstance(doc.get("url"), str):
+                out[doc["url"]] = doc
+    return out
 
 
 def default_dest(urls: list[str]) -> str:
@@ -102,21 +148,32 @@ def default_dest(urls: list[str]) -> str:
 # --- worker side --------------------------------------------------------------------
 
 
-def _read_shard(ref: ShardRef, storage_options: dict[str, Any] | None) -> bytes | bytearray:
-    """The shard's bytes, all of them, as they were when it was listed (else
-    :class:`ObjectChangedError`)."""
+#: read buffers are reused from shard to shard (fresh memory costs page faults and
+#: zeroing, about as much as the read itself); one of more than this is not kept
+_KEEP_BUFFER = 1 << 30
+_buffer = bytearray()  # a worker process's
+
+
+def _read_shard(ref: ShardRef, storage_options: dict[str, Any] | None,
+                buffer: bytearray) -> tuple[bytes | memoryview, bytearray]:
+    """(the shard's bytes, all of them, as they were when it was listed (else
+    :class:`ObjectChangedError`); the buffer to reuse next). A local shard is read into
+    ``buffer`` (a larger one when it is too small): the view is good until that buffer is
+    read into again."""
     folder, key = split_url(ref.url)
     store = open_store(folder, None if is_local_url(folder) else storage_options)
     path = store.local_path(key)
     if path is None:
-        return store.get_range_at(key, 0, ref.bytes, ref.version) if ref.bytes else b""
-    buf = bytearray(ref.bytes)
+        return (store.get_range_at(key, 0, ref.bytes, ref.version) if ref.bytes else b""), buffer
+    if len(buffer) < ref.bytes:
+        buffer = bytearray(ref.bytes)
+    buf = memoryview(buffer)[: ref.bytes]
     with open(path, "rb", buffering=0) as f:
         if store.stat(key)[1] != ref.version:
             raise ObjectChangedError(f"{ref.url} changed since it was listed; run the same command again")
-        got, view = 0, memoryview(buf)
+        got = 0
         while got < ref.bytes:
-            n = f.readinto(view[got:])
+            n = f.readinto(buf[got:])
             if not n:
                 break
             got += n
@@ -124,11 +181,11 @@ def _read_shard(ref: ShardRef, storage_options: dict[str, Any] | None) -> bytes 
     if got != ref.bytes or more or store.stat(key)[1] != ref.version:
         raise ObjectChangedError(f"{ref.url} changed while it was read (listed with {ref.bytes} bytes); "
                                  "run the same command again")
-    return buf
+    return buf, (buffer if len(buffer) <= _KEEP_BUFFER else bytearray())
 
 
-def _scan_one(ref: ShardRef, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    data = _read_shard(ref, storage_options)
+def _record(ref: ShardRef, data: bytes | memoryview) -> dict[str, Any]:
+    """The record of one shard from its bytes."""
     if len(data) != ref.bytes:
         raise TruncatedReadError(f"{ref.url}: read {len(data)} bytes, listed with {ref.bytes}")
     s = scan_tar(data, ref.url)
@@ -136,16 +193,33 @@ def _scan_one(ref: ShardRef, storage_options: dict[str, Any] | None) -> dict[str
             "samples": vars(s.records), "fields": sorted(s.fields), "passed_over": s.passed_over}
 
 
+def _scan_one(ref: ShardRef, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """A worker process's task: read one shard (into its reused buffer) and scan it."""
+    global _buffer
+    data, _buffer = _read_shard(ref, storage_options, _buffer)
+    return _record(ref, data)
+
+
+def _scan_in_process(todo: list[ShardRef], storage_options: dict[str, Any] | None) -> Iterator[dict[str, Any]]:
+    """Records of ``todo`` in order, in this process: a thread reads the next shard (the
+    read releases the GIL) while this one scans the last, into two buffers in turn."""
+    buffers = [bytearray(), bytearray()]
+    with ThreadPoolExecutor(1, thread_name_prefix="datapipe-index-read") as reader:
+        ahead = [reader.submit(_read_shard, ref, storage_options, buffers[0]) for ref in todo[:1]]
+        for k, ref in enumerate(todo):
+            data, buffers[k % 2] = ahead.pop().result()
+            if k + 1 < len(todo):
+                ahead.append(reader.submit(_read_shard, todo[k + 1], storage_options, buffers[(k + 1) % 2]))
+            yield _record(ref, data)
+            del data
+
+
 # --- records ------------------------------------------------------------------------
 
 
-def _load_record(store: Store, ref: ShardRef) -> dict[str, Any] | None:
-    """The record of ``ref`` an earlier run wrote, if it describes this very shard
-    (URL, size, version) and has the shape we write; else None (it is indexed again)."""
-    try:
-        doc = json.loads(store.get(_record_key(ref.url)))
-    except (DatapipeError, OSError, ValueError):
-        return None
+def _matching(doc: dict[str, Any] | None, ref: ShardRef) -> dict[str, Any] | None:
+    """The record ``doc`` an earlier run wrote, if it describes this very shard (URL, size,
+    version) and has the shape we write; else None (the shard is indexed again)."""
     if not isinstance(doc, dict) or doc.get("url") != ref.url or doc.get("bytes") != ref.bytes \
             or doc.get("version") != ref.version or ref.version is None:
         return None
@@ -170,10 +244,20 @@ def _shard_name(url: str, root: str) -> str:
     return url
 
 
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _progress_bar(total: int, enabled: bool) -> Any:
+    if not enabled:  # no tqdm at all: its monitor thread would make the next pool forkserver's
+        return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, disable=not enabled, desc="index", smoothing=0.1)
+    return tqdm(total=total, unit="B", unit_scale=True, desc="index", smoothing=0.1)
 
 
 def _run(todo: list[ShardRef], store: Store, storage_options: dict[str, Any] | None, workers: int | None,
@@ -188,12 +272,15 @@ def _run(todo: list[ShardRef], store: Store, storage_options: dict[str, Any] | N
         # held lock into the child (as pack does)
         ctx = mp.get_context("fork" if threading.active_count() == 1 else "forkserver")
         pool = ProcessPoolExecutor(nworkers, mp_context=ctx)
+        # the workers start now, before this process starts the progress bar's thread
+        for f in [pool.submit(os.getpid) for _ in range(nworkers)]:
+            f.result()
     bar = _progress_bar(sum(r.bytes for r in todo), progress)
+    log = _RecordLog(store)
     try:
         if pool is None:
-            for ref in todo:
-                rec = _scan_one(ref, storage_options)
-                store.put(_record_key(ref.url), json.dumps(rec).encode())
+            for ref, rec in zip(todo, _scan_in_process(todo, storage_options)):
+                log.add(rec)
                 found[ref.url] = rec
                 bar.update(ref.bytes)
             return
@@ -207,11 +294,12 @@ def _run(todo: list[ShardRef], store: Store, storage_options: dict[str, Any] | N
             for fut in done:
                 ref = running.pop(fut)
                 rec = fut.result()
-                store.put(_record_key(ref.url), json.dumps(rec).encode())
+                log.add(rec)
                 found[ref.url] = rec
                 bar.update(ref.bytes)
     finally:
         bar.close()
+        log.flush()  # what is done stays done, whatever ended the run
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
@@ -236,8 +324,9 @@ def index_shards(urls: str | list[str], dest: str | None = None, *, storage_opti
     dest = os.path.abspath(dest) if is_local_url(dest) and not dest.startswith("file://") else dest.rstrip("/")
     base = open_store(dest, storage_options)
     found: dict[str, dict[str, Any]] = {}
+    earlier = _load_records(base)
     for ref in refs:
-        rec = _load_record(base, ref)
+        rec = _matching(earlier.get(ref.url), ref)
         if rec is not None:
             found[ref.url] = rec
     if parsed is not None:  # the same slices as pack's --part

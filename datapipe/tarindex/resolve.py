@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -49,8 +50,10 @@ def index_location(urls: str | list[str], storage_options: dict[str, Any] | None
     deadline = time.monotonic() + WAIT_S
     while not os.path.exists(os.path.join(dest, MANIFEST)):
         try:
+            # worker processes only where they can fork: a forkserver child would re-run a
+            # caller's script that has no `if __name__ == "__main__"` guard
             index_shards([r.url for r in refs], dest, storage_options=storage_options, shards=refs,
-                         progress=sys.stderr.isatty())
+                         workers=None if threading.active_count() == 1 else 1, progress=sys.stderr.isatty())
         except DestinationBusyError:  # another process indexes these shards now: wait for it
             if time.monotonic() > deadline:
                 raise StorageError(f"waited {WAIT_S:.0f} s for another process indexing into {dest}") from None
