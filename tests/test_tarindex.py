@@ -354,3 +354,16 @@ def test_mutated_tars_index_exactly_or_are_refused(tmp_path_factory, data):
         got = _as_dict(open_dataset(str(d / "ix")))
     assert got == _strict_reading(bytes(buf))
     assert verify_dataset(str(d / "ix")).ok
+
+
+def _keys_of(batch):
+    return [s["__key__"] for s in batch]
+
+
+def test_dataloader_workers_over_shard_urls(wds_dir):
+    from datapipe import StreamingDataLoader
+
+    ds = StreamingDataset(str(wds_dir / "shard-{000000..000005}.tar"), seed=4, batch_size=5, decode=None)
+    loader = StreamingDataLoader(ds, batch_size=5, num_workers=2, collate_fn=_keys_of)
+    got = [k for batch in loader for k in batch]
+    assert sorted(got) == sorted(f"s{i:04d}" for i in range(N))
