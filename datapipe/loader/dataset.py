@@ -107,10 +107,10 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                  storage_options: dict[str, Any] | None = None, on_error: str = "raise",
                  epoch_size: int | None = None, prefetch_bytes: int = 512 << 20, concurrency: int = 4,
                  chunk_samples: int = 8192, return_position: bool = False) -> None:
-        source = resolve_source(source, storage_options, cache)  # tar shards: indexed on first use
         streams = [source] if isinstance(source, (str, Stream)) else list(source)
         if not streams:
             raise PlanError("a StreamingDataset needs at least one dataset URL")
+        streams = resolve_source(streams, storage_options, cache)  # tar shard URLs: indexed on first use
         self.streams = [s if isinstance(s, Stream) else Stream(os.fspath(s)) for s in streams]  # type: ignore[call-overload]  # the elements of a list[str] | list[Stream]
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
