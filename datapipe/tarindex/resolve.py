@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ..dataset import Dataset, open_index
 from ..errors import DestinationBusyError, StorageError
@@ -65,10 +65,18 @@ def index_location(urls: str | list[str], storage_options: dict[str, Any] | None
     return dest
 
 
-def resolve_source(source: Any, storage_options: dict[str, Any] | None = None, cache: Any = None) -> Any:
-    """``source`` with tar shards in it replaced by the location of their index: a shard
-    URL or pattern (a str or path), a list of them (one index for the whole list), a
-    :class:`~datapipe.Stream` of them, or a list of such. Dataset URLs pass unchanged."""
+_Source = TypeVar("_Source")
+
+
+def resolve_source(source: _Source, storage_options: dict[str, Any] | None = None, cache: Any = None) -> _Source:
+    """``source`` with tar shards in it replaced by the location of their index, in the
+    same shape: a shard URL or pattern (a str or path), a list of them (one index for the
+    whole list: a list of one), a :class:`~datapipe.Stream` of them, or a list of such.
+    Dataset URLs pass unchanged."""
+    return cast(_Source, _resolve(source, storage_options, cache))
+
+
+def _resolve(source: Any, storage_options: dict[str, Any] | None, cache: Any) -> Any:
     if isinstance(source, (str, os.PathLike)):
         url = os.fspath(source)
         return index_location(url, storage_options, cache) if is_tar_source(url) else url
@@ -76,7 +84,7 @@ def resolve_source(source: Any, storage_options: dict[str, Any] | None = None, c
         items = list(source)
         if items and all(isinstance(s, (str, os.PathLike)) and is_tar_source(os.fspath(s)) for s in items):
             return [index_location([os.fspath(s) for s in items], storage_options, cache)]
-        return [resolve_source(s, storage_options, cache) for s in items]
+        return [_resolve(s, storage_options, cache) for s in items]
     url = getattr(source, "url", None)
     if dataclasses.is_dataclass(source) and isinstance(url, str) and is_tar_source(url):
         opts = getattr(source, "storage_options", None) or storage_options
