@@ -390,3 +390,17 @@ def test_unmutated_fuzz_bases_index(tmp_path, base):
     index_shards(str(shard), str(tmp_path / "ix"))
     got = _as_dict(open_dataset(str(tmp_path / "ix")))
     assert got == _strict_reading(_BASES[base]) and len(got) >= 4
+
+
+def test_read_only_source_is_indexed_elsewhere(wds_dir, tmp_path, tmpfs):
+    from datapipe.errors import StorageError
+
+    fs = tmpfs("16m")
+    for p in wds_dir.glob("*.tar"):
+        shutil.copy(p, fs.path / p.name)
+    fs.remount("ro")
+    with pytest.raises(StorageError, match=r"cannot write the index at .*--index-to DEST"):
+        index_shards(str(fs.path))
+    dest = tmp_path / "ix"
+    assert index_shards(str(fs.path), str(dest)).samples == N
+    assert _as_dict(open_dataset(str(dest))) == _reference(sorted(str(p) for p in fs.path.glob("*.tar")))

@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -341,7 +342,7 @@ def index_shards(urls: str | list[str], dest: str | None = None, *, storage_opti
         return IndexResult(dest, len(mine), sum(len(found[r.url]["samples"]["keys"]) for r in mine),
                            sum(r.bytes for r in mine), len(todo), sum(r.bytes for r in todo), reused,
                            time.perf_counter() - t0, False, sum(found[r.url]["passed_over"] for r in mine))
-    with WriterLock(_writable(base, dest)) as lock:
+    with _locked(base, dest) as lock:
         _run(todo, lock.store, storage_options, workers, progress, found)
         result = _commit(lock, refs, found, dest, storage_options)
     result.indexed_shards, result.read_bytes = len(todo), sum(r.bytes for r in todo)
@@ -349,10 +350,32 @@ def index_shards(urls: str | list[str], dest: str | None = None, *, storage_opti
     return result
 
 
+def _not_writable(dest: str, why: object) -> StorageError:
+    return StorageError(f"cannot write the index at {dest} ({why}): for shards in a place you may not write, "
+                        "pass --index-to DEST (dest=) to put the index elsewhere")
+
+
 def _writable(store: Store, dest: str) -> Store:
     if not store.supports_writes:
-        raise StorageError(f"cannot write the index at {dest}: pass --index-to DEST (dest=) for a writable place")
+        raise _not_writable(dest, "the store takes no writes")
     return store
+
+
+@contextmanager
+def _locked(store: Store, dest: str) -> Iterator[WriterLock]:
+    """The destination's writer lock (taken before any shard is read, so a destination
+    that cannot be written is known at once)."""
+    lock = WriterLock(_writable(store, dest))
+    try:
+        lock.__enter__()
+    except (OSError, StorageError) as e:
+        if isinstance(e, DatapipeError) and not isinstance(e, StorageError):
+            raise
+        raise _not_writable(dest, e) from e
+    try:
+        yield lock
+    finally:
+        lock.release()
 
 
 def _same_index(dest: str, storage_options: dict[str, Any] | None, shards: list[ShardRecord]) -> bool:
