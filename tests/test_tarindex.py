@@ -404,3 +404,15 @@ def test_read_only_source_is_indexed_elsewhere(wds_dir, tmp_path, tmpfs):
     dest = tmp_path / "ix"
     assert index_shards(str(fs.path), str(dest)).samples == N
     assert _as_dict(open_dataset(str(dest))) == _reference(sorted(str(p) for p in fs.path.glob("*.tar")))
+
+
+def test_stream_of_tar_shards_mixes_with_a_packed_dataset(wds_dir, tmp_path):
+    from datapipe import Stream
+
+    packed = str(tmp_path / "packed")
+    with datapipe.ShardWriter(packed) as w:
+        for i in range(7):
+            w.write({"__key__": f"p{i}", "txt": b"p"})
+    ds = StreamingDataset([Stream(str(wds_dir / "shard-*.tar"), repeat=1), Stream(packed, repeat=2)], decode=None)
+    keys = [s["__key__"] for s in ds]
+    assert len(keys) == N + 14 and {k for k in keys if k.startswith("s")} == {f"s{i:04d}" for i in range(N)}
