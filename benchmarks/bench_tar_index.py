@@ -103,8 +103,9 @@ def main() -> None:
         paths = _write_shards(src, a.shards, a.shard_mb, a.sample_kb)
         total = sum(os.path.getsize(p) for p in paths)
         mb = total / 1e6
-        print(f"{len(paths)} shards, {mb:,.1f} MB")
-        result: dict[str, object] = {"shards": len(paths), "bytes": total}
+        load = os.getloadavg()[0]
+        print(f"{len(paths)} shards, {mb:,.1f} MB; {os.cpu_count()} CPUs, load average {load:.1f} at the start")
+        result: dict[str, object] = {"shards": len(paths), "bytes": total, "cpus": os.cpu_count(), "load": load}
         for cache in ("warm", "cold"):
             def prepare(cache: str = cache) -> None:
                 if cache == "cold":
