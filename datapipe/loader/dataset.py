@@ -32,6 +32,7 @@ from numpy.typing import NDArray
 from ..decode import make_decoder
 from ..errors import DatapipeError, PlanError, StateMismatchError, TopologyError
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
+from ..tarindex import resolve_source
 from ..topology import Topology
 from .batch import Batch
 from .mixing import Stream, epoch_layout, stream_targets
@@ -127,6 +128,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         streams = [source] if isinstance(source, (str, Stream)) else list(source)
         if not streams:
             raise PlanError("a StreamingDataset needs at least one dataset URL")
+        streams = resolve_source(streams, storage_options, cache)  # tar shard URLs: indexed on first use
         self.streams = [s if isinstance(s, Stream) else Stream(os.fspath(s)) for s in streams]  # type: ignore[call-overload]  # the elements of a list[str] | list[Stream]
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")

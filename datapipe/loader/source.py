@@ -379,12 +379,13 @@ class ShardSource:
                 return memoryview(cache.read(info.url, checksum=info.checksum)), None, bool(info.checksum)
             except IntegrityError as e:
                 raise CorruptShardError(f"shard fails its checksum: {e}") from e
-        local = ix.store.local_path(info.name)
+        store, name = ix.shard_location(info)  # an index of existing tars names shards elsewhere
+        local = store.local_path(name)
         if local is not None:
             return self._read_local(local, info, f"shard {info.url}", ix.url)
         # Transient failures are retried; a shard shorter than the index says is not
         # (asking again cannot lengthen it) and shows as truncated samples when read.
-        data = call_with_retry(lambda: ix.store.get(info.name), info.url, self.retry)
+        data = call_with_retry(lambda: store.get(name), info.url, self.retry)
         return memoryview(data), None, bool(info.checksum) and checksum(data) == info.checksum
 
     def _read_local(self, path: str, info: Any, what: str, listed_in: str) -> tuple[memoryview, Any, bool]:
