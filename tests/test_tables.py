@@ -54,7 +54,7 @@ def test_a_hive_table_streams_every_row_once_with_its_fields(hive):
 
 def test_a_table_partitions_over_ranks_and_resumes_exactly(hive):
     full = [_ids(StreamingDataset(hive, seed=1, window=3, rank=r, world_size=3, drop_last=True)) for r in range(3)]
-    assert sorted(sum(full, [])) == list(range(N))
+    assert sorted(i for ids in full for i in ids) == list(range(N))
     ds = StreamingDataset(hive, seed=1, window=3, rank=1, world_size=3, drop_last=True)
     it = iter(ds)
     head = [int(next(it)["id"]) for _ in range(33)]
