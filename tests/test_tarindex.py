@@ -416,3 +416,21 @@ def test_stream_of_tar_shards_mixes_with_a_packed_dataset(wds_dir, tmp_path):
     ds = StreamingDataset([Stream(str(wds_dir / "shard-*.tar"), repeat=1), Stream(packed, repeat=2)], decode=None)
     keys = [s["__key__"] for s in ds]
     assert len(keys) == N + 14 and {k for k in keys if k.startswith("s")} == {f"s{i:04d}" for i in range(N)}
+
+
+def test_a_foreign_manifest_beside_the_shards_is_never_deleted(tmp_path):
+    import tarfile
+
+    import datapipe
+    from datapipe.errors import DestinationExistsError
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    src = tmp_path / "a.txt"
+    src.write_bytes(b"hello")
+    with tarfile.open(folder / "shard-000000.tar", "w", format=tarfile.USTAR_FORMAT) as t:
+        t.add(src, arcname="s0.txt")
+    (folder / "manifest.json").write_bytes(b"the user's own notes, not JSON")
+    with pytest.raises(DestinationExistsError, match="not a datapipe index"):
+        datapipe.index_shards([str(folder / "shard-000000.tar")])
+    assert (folder / "manifest.json").read_bytes() == b"the user's own notes, not JSON"

@@ -412,9 +412,9 @@ def _commit(lock: WriterLock, refs: list[ShardRef], found: dict[str, dict[str, A
             old = parse_manifest(store.get(MANIFEST), where)
         except DatapipeError:
             old = None
-        if old is not None and old.get("origin") != TAR_INDEX:
-            raise DestinationExistsError(f"{where} exists: {dest} holds a packed dataset; choose another "
-                                         "--index-to DEST")
+        if old is None or old.get("origin") != TAR_INDEX:  # never delete a file we may not have written
+            what = "a packed dataset" if old is not None else "a manifest.json that is not a datapipe index"
+            raise DestinationExistsError(f"{where} exists: {dest} holds {what}; choose another --index-to DEST")
         lock.check()
         store.delete(MANIFEST)  # the old index stops existing before its files are replaced
     fields: set[str] = set()
