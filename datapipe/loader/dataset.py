@@ -364,9 +364,13 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         shards = chunk.shards
         readers = [self._reader(pre, g) for g in shards]
         ids = np.asarray(shards, dtype=np.int64)
-        lookup = np.empty(int(ids.max()) - int(ids.min()) + 1, dtype=np.int64)
-        lookup[ids - ids.min()] = np.arange(len(ids))
-        return readers, lookup[chunk.shard - ids.min()]
+        low, span = int(ids.min()), int(ids.max()) - int(ids.min()) + 1
+        if span <= 64 * len(ids):  # a table from shard number to place: one gather
+            lookup = np.empty(span, dtype=np.int64)
+            lookup[ids - low] = np.arange(len(ids))
+            return readers, lookup[chunk.shard - low]
+        sorter = np.argsort(ids)  # shards far apart (a global shuffle): a search
+        return readers, sorter[np.searchsorted(ids, chunk.shard, sorter=sorter)]
 
     def _chunk_batches(self, pre: Prefetcher, chunk: Chunk, on_error: ErrorPolicy) -> Iterator[Batch]:
         """The chunk as batches of ``batch_size`` samples (chunks hold whole batches of the
