@@ -6,9 +6,10 @@ from typing import Any
 from ._version import __version__
 from .cache import TieredCache
 from .checkpoint import CheckpointInfo, CheckpointWriter, SaveHandle, list_checkpoints, load_checkpoint
-from .dataset import Dataset, DatasetIndex, open_dataset, open_index
+from .dataset import Dataset, DatasetIndex, open_index
 from .pack import PackResult, ShardWriter, join_parts, pack
 from .storage import set_storage_options
+from .tarindex import IndexResult, index_shards, open_dataset
 from .verify import VerifyReport, verify_dataset
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointWriter",
     "Dataset",
     "DatasetIndex",
+    "IndexResult",
     "PackResult",
     "SaveHandle",
     "ShardWriter",
@@ -25,6 +27,7 @@ __all__ = [
     "StreamingDataset",
     "TieredCache",
     "VerifyReport",
+    "index_shards",
     "join_parts",
     "list_checkpoints",
     "load_checkpoint",

@@ -1,4 +1,4 @@
-"""The `datapipe` command: pack, join, inspect, verify, cache."""
+"""The `datapipe` command: pack, index, join, inspect, verify, cache."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _cmd_pack(a: argparse.Namespace) -> int:
     r = pack(a.src, a.dest, shard_bytes=a.shard_bytes, shard_samples=a.shard_samples,
              compression=a.compression, level=a.level, workers=a.workers, part=a.part,
              overwrite=a.overwrite, skip_errors=a.skip_errors, storage_options=a.storage_options,
-             progress=not a.quiet, follow_links=a.follow_links, keys=a.keys)
+             progress=not a.quiet, follow_links=a.follow_links, keys=a.keys, tars_as_files=a.tars_as_files)
     print(r.summary())
     return 0
 
@@ -58,10 +58,26 @@ def _cmd_join(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_index(a: argparse.Namespace) -> int:
+    from .tarindex import index_shards
+
+    r = index_shards(a.urls, a.index_to, storage_options=a.storage_options, workers=a.workers, part=a.part,
+                     progress=not a.quiet)
+    print(json.dumps(r.as_dict(), indent=1) if a.json else r.summary())
+    return 0
+
+
+def _dataset_url(url: str, storage_options: dict[str, Any] | None) -> str:
+    """``url``, or for tar shards (a shard URL or pattern) the index made on first use."""
+    from .tarindex import index_location, is_tar_source
+
+    return index_location(url, storage_options) if is_tar_source(url) else url
+
+
 def _cmd_inspect(a: argparse.Namespace) -> int:
     from .dataset import open_index
 
-    ix = open_index(a.url, a.storage_options)
+    ix = open_index(_dataset_url(a.url, a.storage_options), a.storage_options)
     m = ix.manifest
     info = {
         "url": ix.url,
@@ -89,7 +105,8 @@ def _cmd_inspect(a: argparse.Namespace) -> int:
 def _cmd_verify(a: argparse.Namespace) -> int:
     from .verify import verify_dataset
 
-    r = verify_dataset(a.url, all_problems=a.all, storage_options=a.storage_options, progress=not a.quiet)
+    r = verify_dataset(_dataset_url(a.url, a.storage_options), all_problems=a.all,
+                       storage_options=a.storage_options, progress=not a.quiet)
     for p in r.problems:
         print(f"FAIL {p}", file=sys.stderr)
     if r.ok:
@@ -143,9 +160,32 @@ def build_parser() -> argparse.ArgumentParser:
                         "has none). The summary counts the files dropped and merged, with examples")
     p.add_argument("--follow-links", action="store_true",
                    help="follow symbolic links to files outside SRC too (by default they are skipped and listed)")
+    p.add_argument("--tars-as-files", action="store_true",
+                   help="pack a folder of tar files as files (by default refused: index existing shards with "
+                        "`datapipe index`)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_storage(p)
     p.set_defaults(func=_cmd_pack)
+
+    p = sub.add_parser("index", help="index existing tar shards (WebDataset, GNU tar, Ray) where they are",
+                       description="Build the datapipe index (manifest, shard and sample tables with checksums) "
+                                   "of existing uncompressed tar shards, which stay where they are: local paths or "
+                                   "any fsspec URL, brace patterns (shard-{000000..000999}.tar) and globs. The index "
+                                   "goes beside the shards, or to --index-to DEST (for a source you may not write). "
+                                   "Each shard is read once; running the same command again skips shards already "
+                                   "indexed. Whole-file compressed tars (.tar.gz, .tar.zst) are refused: no sample "
+                                   "of them can be reached by offset; decompress them first.")
+    p.add_argument("urls", nargs="+", metavar="URL", help="shard URLs, paths, brace patterns or globs")
+    p.add_argument("--index-to", default=None, metavar="DEST",
+                   help="where the index goes (default: the folder the shards share)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default: the CPU count)")
+    p.add_argument("--part", default=None, metavar="I/N",
+                   help="index only part I (0-based) of N of the shard list (records only); then run without "
+                        "--part to commit")
+    p.add_argument("--json", action="store_true", help="print the result (with timing) as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_storage(p)
+    p.set_defaults(func=_cmd_index)
 
     p = sub.add_parser("join", help="join the parts written by `pack --part I/N` into one dataset")
     p.add_argument("dest")
@@ -154,13 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_join)
 
     p = sub.add_parser("inspect", help="show a dataset's shards, samples, bytes, fields and compression")
-    p.add_argument("url")
+    p.add_argument("url", help="a dataset or index folder, or tar shards (a URL or pattern: indexed on first use)")
     p.add_argument("--json", action="store_true")
     _add_storage(p)
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("verify", help="re-read every shard and check checksums and structure")
-    p.add_argument("url")
+    p.add_argument("url", help="a dataset or index folder, or tar shards (a URL or pattern: indexed on first use)")
     p.add_argument("--all", action="store_true", help="report every problem, not only the first")
     p.add_argument("-q", "--quiet", action="store_true")
     _add_storage(p)

@@ -4,6 +4,7 @@ position or key, one range read per sample."""
 from __future__ import annotations
 
 import io
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -18,11 +19,12 @@ from .checksum import checksum, verify
 from .decode import make_decoder
 from .errors import CorruptIndexError, CorruptShardError, DatapipeError, ObjectNotFoundError
 from .format import MANIFEST, decode_sample, parse_manifest, read_shard_table
-from .format.index import check_shard_rows, is_checksum, sample_rows
+from .format.index import TAR_INDEX, check_shard_rows, is_checksum, sample_rows
 from .format.tar import BLOCK
 from .storage import Store, open_store
+from .storage.store import is_local_url, split_url
 
-__all__ = ["ShardInfo", "SampleTable", "DatasetIndex", "Dataset", "open_index", "open_dataset"]
+__all__ = ["ShardInfo", "SampleTable", "DatasetIndex", "Dataset", "open_index"]
 
 
 @dataclass(frozen=True)
@@ -149,9 +151,13 @@ class DatasetIndex:
         try:
             manifest_bytes = self.store.get(MANIFEST)
         except ObjectNotFoundError:
+            raise ObjectNotFoundError(_no_manifest_message(self.url, self.store)) from None
+        except NotADirectoryError:  # a local file given where a dataset folder belongs
             raise ObjectNotFoundError(
-                f"no dataset at {self.url}: {MANIFEST} is missing (not packed, or packing did "
-                "not finish: run the same `datapipe pack` command again)"
+                f"no dataset at {self.url}: it is a file, not a dataset folder. For tar shards, pass "
+                "the shard URLs (or a pattern such as shard-{000000..000099}.tar) to open_dataset / "
+                "StreamingDataset, which index them on first use, or run `datapipe index URL... "
+                "--index-to DEST` and open DEST"
             ) from None
         self.manifest = parse_manifest(manifest_bytes, self.store.url(MANIFEST))
         self.compression: str = self.manifest["compression"]
@@ -167,11 +173,14 @@ class DatasetIndex:
                 "names (damaged or replaced; re-run the pack that wrote it)"
             )
         records = read_shard_table(table, where, self.manifest)
+        #: an index of existing tars (`datapipe index`): shards stay where they are
+        self.tar_index = self.manifest.get("origin") == TAR_INDEX
+        self._shard_stores: dict[str, Store] = {}
         counts = np.array([r.samples for r in records], dtype=np.int64)
         self.sample_counts = counts
         self.first_samples = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)
         self.shards = [
-            ShardInfo(r.name, self.store.url(r.name), r.bytes, r.samples, r.checksum, int(f), r.tar_bytes)
+            ShardInfo(r.name, self._shard_url(r.name), r.bytes, r.samples, r.checksum, int(f), r.tar_bytes)
             for r, f in zip(records, self.first_samples)
         ]
         self.num_shards = len(self.shards)
@@ -184,9 +193,28 @@ class DatasetIndex:
         # the footer now, so that a damaged or inconsistent sample table fails at open
         self._pq: pq.ParquetFile | None = self._samples_parquet()
 
+    def _shard_url(self, name: str) -> str:
+        if self.tar_index and (name.startswith("/") or "://" in name):
+            return name  # an existing shard, where it lies
+        return self.store.url(name)
+
+    def shard_location(self, info: ShardInfo) -> tuple[Store, str]:
+        """(store, key) to read shard ``info`` from: the dataset's store, or for a shard of
+        an index of existing tars that lies elsewhere, a store of its folder (opened with
+        this index's storage options, once per folder)."""
+        if info.url == self.store.url(info.name):
+            return self.store, info.name
+        folder, key = split_url(info.url)
+        store = self._shard_stores.get(folder)
+        if store is None:
+            opts = None if is_local_url(folder) else self.storage_options
+            store = self._shard_stores[folder] = open_store(folder, opts)
+        return store, key
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_pq"], state["_groups"], state["_lock"] = None, OrderedDict(), None
+        state["_shard_stores"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -266,7 +294,7 @@ class DatasetIndex:
         if info.samples == 0:
             return SampleTable([], np.zeros(0, np.int64), np.zeros(0, np.int64), [])
         c = self._rows(info.first_sample, info.first_sample + info.samples)
-        check_shard_rows(c, i, info, self.compression, self._samples_where)
+        check_shard_rows(c, i, info, self.compression, self._samples_where, gaps=self.tar_index)
         return SampleTable(c["key"], np.asarray(c["offset"]), np.asarray(c["length"]), c["checksum"])
 
     def locate(self, i: int) -> tuple[int, str, int, int, str]:
@@ -297,6 +325,25 @@ class DatasetIndex:
         return keys
 
 
+def _no_manifest_message(url: str, store: Store) -> str:
+    """Why there is no dataset at ``url``, and what to run: `datapipe index` for a folder
+    of existing tar shards, else the pack that did not finish."""
+    try:
+        folder = store.local_path("")
+        names = sorted(os.listdir(folder)) if folder is not None else store.list()
+        tars = [k for k in names if k.endswith(".tar") and "/" not in k][:3]
+        packing = any(k == "_pack" or k.startswith("_pack/") for k in names)  # an unfinished pack's journal
+    except (DatapipeError, OSError):
+        tars, packing = [], False
+    if tars and not packing:
+        return (f"no dataset at {url}: {MANIFEST} is missing, and the folder holds tar shards ({', '.join(tars)}"
+                f"{', ...' if len(tars) == 3 else ''}). Index them where they are with `datapipe index "
+                f"{url}` (or `datapipe index {url} --index-to DEST` for a folder you may not write) and open "
+                "that index, or pass the shard URLs themselves, which are indexed on first use")
+    return (f"no dataset at {url}: {MANIFEST} is missing (not packed, or packing did not finish: run the "
+            "same `datapipe pack` command again; for existing tar shards, run `datapipe index`)")
+
+
 def open_index(url: str, storage_options: dict[str, Any] | None = None) -> DatasetIndex:
     return DatasetIndex(url, storage_options)
 
@@ -323,7 +370,8 @@ class Dataset:
         plain = self.index.compression == "none"
         # uncompressed: one more block, the header after the sample, must not continue it
         extra = BLOCK if plain and offset + length + BLOCK <= info.bytes else 0
-        data = self.index.store.get_range(info.name, offset, offset + length + extra)
+        store, name = self.index.shard_location(info)
+        data = store.get_range(name, offset, offset + length + extra)
         data, after = data[:length], bytes(data[length:])
         verify(data, expected, where)
         sample = decode_sample(data, self.index.compression, where, limit=info.tar_bytes)
@@ -346,10 +394,3 @@ class Dataset:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for i in range(len(self)):
             yield self[i]
-
-
-def open_dataset(url: str, storage_options: dict[str, Any] | None = None, *, decode: Any = None) -> Dataset:
-    """Open the dataset packed at ``url`` (a local path or any fsspec URL). ``decode``: what
-    each sample's fields become, as for :class:`~datapipe.StreamingDataset` (None: bytes;
-    "auto", "pil", "torch", ...: see :mod:`datapipe.decode`)."""
-    return Dataset(open_index(url, storage_options), decode)

@@ -44,7 +44,8 @@ class VerifyReport:
 def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
     info = ix.shards[i]
     try:
-        data = ix.store.get(info.name)
+        store, name = ix.shard_location(info)
+        data = store.get(name)
     except DatapipeError as e:
         yield Problem(info.url, None, f"cannot read: {e}")
         return
@@ -99,6 +100,8 @@ def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
         except DatapipeError as e:
             yield Problem(info.url, None, str(e))
             return
+    if ix.tar_index and len(tail) >= len(END_OF_ARCHIVE) and bytes(tail) == bytes(len(tail)):
+        return  # an existing tar: end-of-archive blocks padded with zeros to its record size
     if tail != END_OF_ARCHIVE:
         yield Problem(info.url, None, f"does not end with the tar end-of-archive blocks after byte {end}")
 

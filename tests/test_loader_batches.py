@@ -297,3 +297,18 @@ def test_pin_memory_without_an_accelerator_still_delivers(urls):
     loader = StreamingDataLoader(ds, batch_size=16, num_workers=1, pin_memory=True)
     with pytest.warns(UserWarning, match="pin"):  # torch: no accelerator, nothing pinned
         assert len(_keys(loader)) == N
+
+
+def test_chunks_over_shards_far_apart_read_the_right_samples(tmp_path):
+    """A global shuffle over many small shards: a chunk's shards lie far apart (the search
+    path of the chunk's shard lookup)."""
+    url = str(tmp_path / "many")
+    with ShardWriter(url, max_samples=2) as w:
+        for i in range(400):
+            w.write({"__key__": f"k{i:04d}", "bin": _payload(i)})
+    for batched in (False, True):
+        ds = StreamingDataset(url, window=None, seed=3, decode=None, batch_size=2, chunk_samples=2,
+                              batched=batched)
+        got = _flatten(ds) if batched else [dict(s) for s in ds]
+        assert sorted(s["__key__"] for s in got) == [f"k{i:04d}" for i in range(400)]
+        assert all(s["bin"] == _payload(int(s["__key__"][1:])) for s in got)

@@ -19,7 +19,9 @@ PUBLIC = {
     "load_checkpoint": ("datapipe.checkpoint", "function"),
     "Dataset": ("datapipe.dataset", "class"),
     "DatasetIndex": ("datapipe.dataset", "class"),
-    "open_dataset": ("datapipe.dataset", "function"),
+    "open_dataset": ("datapipe.tarindex", "function"),  # dataset URLs, index locations and tar shard URLs
+    "IndexResult": ("datapipe.tarindex", "class"),
+    "index_shards": ("datapipe.tarindex", "function"),
     "open_index": ("datapipe.dataset", "function"),
     "PackResult": ("datapipe.pack", "class"),
     "ShardWriter": ("datapipe.pack", "class"),

@@ -46,6 +46,8 @@ __all__ = [
     "check_relative_name",
     "check_shard_rows",
     "is_checksum",
+    "TAR_INDEX",
+    "check_shard_location",
 ]
 
 FORMAT_NAME = "datapipe-shards"
@@ -54,6 +56,10 @@ MANIFEST = "manifest.json"
 SHARDS_FILE = "shards.parquet"
 SAMPLES_FILE = "samples.parquet"
 SAMPLE_ROW_GROUP = 65536
+#: manifest ``origin`` of an index of existing tar shards (``datapipe index``): its shard
+#: names may be URLs or absolute paths (shards stay where they are), and its samples may
+#: leave gaps (members that name no sample) and a longer end-of-archive tail
+TAR_INDEX = "tar-index"
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -193,6 +199,21 @@ def check_relative_name(name: Any, what: str, where: str) -> str:
     return name
 
 
+_SCHEME_RE = re.compile(r"[a-z][a-z0-9+.-]*://[^\0\\]+")
+
+
+def check_shard_location(name: Any, what: str, where: str) -> str:
+    """A shard of an index of existing tars: a name relative to the index folder (as
+    :func:`check_relative_name`), an absolute local path, or a URL (``s3://b/x.tar``);
+    never a ``.`` or ``..`` component, a NUL or a backslash."""
+    if isinstance(name, str) and (name.startswith("/") or _SCHEME_RE.fullmatch(name)):
+        parts = name.split("://", 1)[-1].lstrip("/").split("/")
+        if "\0" in name or "\\" in name or any(p in ("", ".", "..") for p in parts):
+            raise CorruptIndexError(f"{where}: {what} {name!r} has an empty, '.' or '..' component; refusing it")
+        return name
+    return check_relative_name(name, what, where)
+
+
 def _int(doc: dict[str, Any], k: str, where: str, lo: int = 0, hi: int = _MAX_INT) -> int:
     v = doc.get(k)
     if type(v) is not int or not lo <= v <= hi:
@@ -239,6 +260,9 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
     _int(doc, "sample_row_group", where, 1, 1 << 31)
     if "parts" in doc:
         _int(doc, "parts", where, 1, 99999)
+    if doc.get("origin", TAR_INDEX) != TAR_INDEX or ("origin" in doc and doc["compression"] != "none"):
+        raise CorruptIndexError(f"{where}: unknown manifest origin {doc.get('origin')!r} "
+                                f"(with compression {doc['compression']!r})")
     fields = doc.get("fields", [])
     if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
         raise CorruptIndexError(f"{where}: manifest field 'fields' is not a list of names")
@@ -295,8 +319,9 @@ def read_shard_table(data: bytes, where: str, manifest: dict[str, Any] | None = 
     compression = manifest["compression"]
     suffix = ".tar.zst" if compression == "zstd" else ".tar"
     seen: set[str] = set()
+    check_name = check_shard_location if manifest.get("origin") == TAR_INDEX else check_relative_name
     for i, r in enumerate(records):
-        check_relative_name(r.name, f"shard #{i} name", where)
+        check_name(r.name, f"shard #{i} name", where)
         bad = None
         if not r.name.endswith(suffix) or r.name in seen:
             bad = f"name {r.name!r} is a duplicate or lacks the suffix {suffix!r}"
@@ -387,11 +412,17 @@ def sample_rows(table: pa.Table, where: str = "samples.parquet", num_shards: int
     return out
 
 
-def check_shard_rows(c: dict[str, Any], shard: int, record: Any, compression: str, where: str) -> None:
+def check_shard_rows(c: dict[str, Any], shard: int, record: Any, compression: str, where: str,
+                     gaps: bool = False) -> None:
     """The rows of one shard tile it: the first sample starts at byte 0, each starts where
     the one before ends, the last ends where the end-of-archive blocks (or their zstd
     frame) begin, and no key repeats. So every offset lands on the first header of a
-    sample, as the packer laid it out, and no byte of the shard is read twice."""
+    sample, as the packer laid it out, and no byte of the shard is read twice.
+
+    ``gaps`` (an index of existing tars, uncompressed): samples may be apart (members
+    that name no sample lie between them) and the end-of-archive tail longer, so the rows
+    must only be in order, block-aligned, apart and end at least two blocks before the
+    end; the whole-shard checksum still covers every byte."""
     offs, lens = np.asarray(c["offset"], np.int64), np.asarray(c["length"], np.int64)
     name = getattr(record, "name", record)
     bad = None
@@ -400,8 +431,13 @@ def check_shard_rows(c: dict[str, Any], shard: int, record: Any, compression: st
     elif len(offs):
         ends = offs + lens
         last = int(ends[-1])
-        tail_ok = last + 1024 == record.bytes if compression == "none" else last < record.bytes
-        if offs[0] != 0 or (ends[:-1] != offs[1:]).any() or not tail_ok:
+        if gaps:
+            tiled = compression == "none" and not (offs % 512).any() and bool((ends[:-1] <= offs[1:]).all()) \
+                and last + 1024 <= record.bytes
+        else:
+            tail_ok = last + 1024 == record.bytes if compression == "none" else last < record.bytes
+            tiled = offs[0] == 0 and not (ends[:-1] != offs[1:]).any() and tail_ok
+        if not tiled:
             bad = f"the byte ranges of shard #{shard} ({name}) do not tile it ({record.bytes} bytes)"
         elif len(set(c["key"])) != len(c["key"]):
             bad = f"a key repeats within shard #{shard} ({name})"

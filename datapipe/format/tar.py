@@ -180,7 +180,8 @@ def _decode_name(raw: bytes, where: str, at: int) -> str:
         raise CorruptShardError(f"{where}: member name at byte {at} is not valid UTF-8: {raw[:120]!r}") from None
 
 
-def walk_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[str, int, int, int]]:
+def walk_members(buf: bytes | memoryview, where: str = "tar",
+                 directories: bool = False) -> Iterator[tuple[str, int, int, int]]:
     """The strict tar parser, which every reader's slow path uses: yield ``(name,
     data_start, data_end, header_offset)`` of each regular-file member of a tar byte buffer,
     stopping at the end-of-archive blocks or the end of the buffer. ``where`` names the
@@ -190,7 +191,12 @@ def walk_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[
     Only what the packer writes is accepted: regular files, their PAX or GNU long-name
     headers. Links, directories, devices, and PAX records that would make another tar
     reader see other bytes (a ``size`` that differs from the header's) are errors, so that
-    no reader of the shard sees a sample this one does not."""
+    no reader of the shard sees a sample this one does not.
+
+    ``directories``: yield directory members too (their names ending in ``/``, so that no
+    key can be cut from them), as ``tar -cf shard.tar folder/`` writes them; only the
+    indexer of existing tars asks for them. A directory with data is an error either way
+    (``tarfile`` reads no data after a directory header, GNU tar skips it: they disagree)."""
     mv = memoryview(buf)
     pos, n = 0, len(mv)
     pax: dict[str, str] = {}
@@ -228,7 +234,10 @@ def walk_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[
                 raise CorruptShardError(f"{where}: two extended headers in a row at byte {at}")
             long_name = _decode_name(bytes(mv[data_start:data_end]).rstrip(b"\0"), where, at)
             continue
-        if kind not in (b"0", b"\0"):
+        is_dir = directories and kind == b"5"
+        if is_dir and size:
+            raise CorruptShardError(f"{where}: directory member at byte {at} claims {size} bytes of data")
+        if kind not in (b"0", b"\0") and not is_dir:
             raise CorruptShardError(
                 f"{where}: member at byte {at} is of tar type {kind!r} (a link, directory, device or "
                 "global header): datapipe shards hold regular files only"
@@ -247,6 +256,8 @@ def walk_members(buf: bytes | memoryview, where: str = "tar") -> Iterator[tuple[
             prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
             name = _decode_name((prefix + b"/" + raw) if prefix else raw, where, at)
         pax, long_name = {}, None
+        if is_dir and not name.endswith("/"):
+            name += "/"
         yield name, data_start, data_end, member_start
     if pax or long_name is not None:
         raise CorruptShardError(f"{where}: an extended header at byte {member_start} has no member after it")

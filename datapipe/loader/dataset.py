@@ -32,6 +32,7 @@ from numpy.typing import NDArray
 from ..decode import make_decoder
 from ..errors import DatapipeError, PlanError, StateMismatchError, TopologyError
 from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
+from ..tarindex import resolve_source
 from ..topology import Topology
 from .batch import Batch
 from .mixing import Stream, epoch_layout, stream_targets
@@ -127,6 +128,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         streams = [source] if isinstance(source, (str, Stream)) else list(source)
         if not streams:
             raise PlanError("a StreamingDataset needs at least one dataset URL")
+        streams = resolve_source(streams, storage_options, cache)  # tar shard URLs: indexed on first use
         self.streams = [s if isinstance(s, Stream) else Stream(os.fspath(s)) for s in streams]  # type: ignore[call-overload]  # the elements of a list[str] | list[Stream]
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -362,9 +364,13 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         shards = chunk.shards
         readers = [self._reader(pre, g) for g in shards]
         ids = np.asarray(shards, dtype=np.int64)
-        lookup = np.empty(int(ids.max()) - int(ids.min()) + 1, dtype=np.int64)
-        lookup[ids - ids.min()] = np.arange(len(ids))
-        return readers, lookup[chunk.shard - ids.min()]
+        low, span = int(ids.min()), int(ids.max()) - int(ids.min()) + 1
+        if span <= 64 * len(ids):  # a table from shard number to place: one gather
+            lookup = np.empty(span, dtype=np.int64)
+            lookup[ids - low] = np.arange(len(ids))
+            return readers, lookup[chunk.shard - low]
+        sorter = np.argsort(ids)  # shards far apart (a global shuffle): a search
+        return readers, sorter[np.searchsorted(ids, chunk.shard, sorter=sorter)]
 
     def _chunk_batches(self, pre: Prefetcher, chunk: Chunk, on_error: ErrorPolicy) -> Iterator[Batch]:
         """The chunk as batches of ``batch_size`` samples (chunks hold whole batches of the

@@ -37,13 +37,15 @@ from numpy.typing import NDArray
 from ..errors import CorruptIndexError, CorruptShardError, DatapipeError
 from ..format import decode_sample
 from ..format.layout import MemberTable, ShardLayout
+from ..format.rows import row_fields
 from .batch import Batch, Column
 
 if TYPE_CHECKING:
     from .source import ShardData
 
 __all__ = ["Skipped", "Progress", "ErrorPolicy", "ShardReader", "LaidOutShardReader", "MemberWalkReader",
-           "CheckedSampleReader", "FailedShardReader", "reader_for", "chunk_items", "laid_out_batches"]
+           "CheckedSampleReader", "TableRowsReader", "FailedShardReader", "reader_for", "chunk_items",
+           "laid_out_batches"]
 
 
 class Skipped(NamedTuple):
@@ -300,6 +302,24 @@ class CheckedSampleReader(ShardReader):
             except DatapipeError as e:
                 yield on_error(self.url, data.keys[j], e)
                 continue
+            if positions:
+                sample["__shard__"], sample["__sample__"] = self.shard, j
+            yield sample
+
+
+class TableRowsReader(ShardReader):
+    """A row group of a Parquet table (:mod:`datapipe.tables`): each sample a row, its
+    columns fields (:func:`~datapipe.format.rows.row_fields`)."""
+
+    def __init__(self, shard: int, url: str, table: Any, keys: list[str]) -> None:
+        self.shard, self.url, self.table, self.keys = shard, url, table, keys
+
+    def items(self, samples: NDArray[Any], steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
+              positions: bool) -> Iterator[Any]:
+        keys = self.keys
+        rows = self.table.take(samples).to_pylist()
+        for progress.steps, j, row in zip(steps, samples.tolist(), rows):
+            sample = {"__key__": keys[j], **row_fields(row)}
             if positions:
                 sample["__shard__"], sample["__sample__"] = self.shard, j
             yield sample

@@ -47,8 +47,9 @@ from ..errors import (
 )
 from ..format.layout import find_layout
 from ..storage.retry import RetryPolicy, call_with_retry
+from ..tables import ParquetTable, is_parquet_source
 from .layouts import LayoutCache
-from .readers import ShardReader, reader_for
+from .readers import ShardReader, TableRowsReader, reader_for
 
 __all__ = ["BufferPool", "ShardData", "ShardSource"]
 
@@ -118,6 +119,23 @@ class ShardData:
             closer, self._closer = self._closer, None
             if closer is not None:
                 closer()
+
+
+class TableRowGroup:
+    """One row group of a Parquet table, read (what the prefetcher holds for it)."""
+
+    def __init__(self, reader: TableRowsReader) -> None:
+        self.reader: ShardReader = reader
+
+    def close(self) -> None:
+        self.reader = TableRowsReader(-1, "", None, [])  # the rows go with the last reference
+
+
+def _open_source(url: str, storage_options: dict[str, Any] | None) -> Any:
+    """The index of a packed dataset, or a Parquet table read in place."""
+    if is_parquet_source(url, storage_options):
+        return ParquetTable(url, storage_options)
+    return _dataset.open_index(url, storage_options)
 
 
 def _has_warm_tier(cache: Any) -> bool:
@@ -279,7 +297,7 @@ class ShardSource:
         options = storage_options if isinstance(storage_options, list) else [storage_options] * len(self.urls)
         if len(options) != len(self.urls):
             raise PlanError(f"{len(self.urls)} dataset URLs but {len(options)} storage_options")
-        self.indexes = [_dataset.open_index(u, o) for u, o in zip(self.urls, options)]
+        self.indexes = [_open_source(u, o) for u, o in zip(self.urls, options)]
         self.retry = retry or RetryPolicy()
         counts = [ix.sample_counts.astype(np.int64) for ix in self.indexes]
         self.counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
@@ -323,10 +341,14 @@ class ShardSource:
     def shard_bytes(self, g: int) -> int:
         return int(self.info(g)[1].bytes)
 
-    def fetch(self, g: int, cache: Any = None) -> ShardData:
-        """Shard ``g``'s bytes and sample table (blocking; run it off the event loop)."""
+    def fetch(self, g: int, cache: Any = None) -> ShardData | TableRowGroup:
+        """Shard ``g``'s bytes and sample table (blocking; run it off the event loop); for
+        a Parquet table, its rows."""
         ix, info = self.info(g)
         local = g - int(self.shard_base[int(self.source_of[g])])
+        if isinstance(ix, ParquetTable):
+            table, keys = call_with_retry(lambda: ix.read_row_group(local), info.url, self.retry)
+            return TableRowGroup(TableRowsReader(g, info.url, table, keys))
         try:
             # the sample table is read in row groups from the store: retried like shard bytes
             table = call_with_retry(lambda: ix.shard_samples(local), f"{ix.url} sample table", self.retry)
@@ -379,12 +401,13 @@ class ShardSource:
                 return memoryview(cache.read(info.url, checksum=info.checksum)), None, bool(info.checksum)
             except IntegrityError as e:
                 raise CorruptShardError(f"shard fails its checksum: {e}") from e
-        local = ix.store.local_path(info.name)
+        store, name = ix.shard_location(info)  # an index of existing tars names shards elsewhere
+        local = store.local_path(name)
         if local is not None:
             return self._read_local(local, info, f"shard {info.url}", ix.url)
         # Transient failures are retried; a shard shorter than the index says is not
         # (asking again cannot lengthen it) and shows as truncated samples when read.
-        data = call_with_retry(lambda: ix.store.get(info.name), info.url, self.retry)
+        data = call_with_retry(lambda: store.get(name), info.url, self.retry)
         return memoryview(data), None, bool(info.checksum) and checksum(data) == info.checksum
 
     def _read_local(self, path: str, info: Any, what: str, listed_in: str) -> tuple[memoryview, Any, bool]:

@@ -349,6 +349,7 @@ def pack(
     progress: bool = False,
     follow_links: bool = False,
     keys: str = "first-dot",
+    tars_as_files: bool = False,
 ) -> PackResult:
     """Pack ``src`` (a directory of small files, a JSONL file, or a Parquet file/directory)
     into shards at ``dest`` (a local path or any fsspec URL). With ``part=(i, n)`` pack only
@@ -366,7 +367,9 @@ def pack(
     Symbolic links in a source directory are followed only to files inside it, unless
     ``follow_links``; FIFOs, sockets and devices are never opened. What is passed over is
     listed in ``PackResult.skipped``. One pack writes a destination at a time: a second
-    gets `DestinationBusyError`."""
+    gets `DestinationBusyError`. A folder of nothing but tar files (existing shards) is
+    refused, pointing at `datapipe index`, unless ``tars_as_files`` (pack each tar as one
+    sample's field)."""
     t0 = time.perf_counter()
     compression = checked_compression(compression)
     if shard_bytes <= 2048 or shard_samples <= 0:
@@ -386,7 +389,8 @@ def pack(
         store = lock.store
         check_destination(store, overwrite, resumable=True)
         if kind == "directory":
-            result = _pack_directory(src, lock, opts, workers, skip_errors, progress, overwrite, follow_links, keys)
+            result = _pack_directory(src, lock, opts, workers, skip_errors, progress, overwrite, follow_links, keys,
+                                     tars_as_files)
         else:
             result = _pack_table(src, kind, lock, opts, progress, overwrite)
     result.dest = dest
@@ -394,8 +398,24 @@ def pack(
     return result
 
 
+_TAR_FIELDS = ("tar", "tar.gz", "tgz", "tar.zst", "tar.zstd", "tar.bz2", "tar.xz")
+
+
+def _refuse_tar_shards(src: str, samples: list[FileSample]) -> None:
+    """A folder holding only tar files is a folder of existing shards: packing would store
+    each whole shard as one sample with a field named ``tar``."""
+    if samples and all(len(s.files) == 1 and s.files[0][0] in _TAR_FIELDS for s in samples):
+        raise PackError(
+            f"{src} holds only tar files ({samples[0].files[0][1]}, ...): these look like existing shards, and "
+            "packing would store each whole tar as one sample. Read them in place with `datapipe index "
+            f"{src}` (or `datapipe index {src} --index-to DEST`), or pass --tars-as-files (tars_as_files=True) "
+            "to pack each tar as a file"
+        )
+
+
 def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: int | None, skip_errors: bool,
-                    progress: bool, overwrite: bool, follow_links: bool, keys: str) -> PackResult:
+                    progress: bool, overwrite: bool, follow_links: bool, keys: str,
+                    tars_as_files: bool = False) -> PackResult:
     store = lock.store
     # a destination inside the source is not input: the top one, where other parts go too
     dest_dir = lock.base.local_path("")
@@ -403,6 +423,8 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
         dest_dir = os.path.dirname(dest_dir.rstrip(os.sep))
     listing = list_directory(src, skip_errors, follow_links, exclude=dest_dir, keys=keys)
     samples = listing.samples
+    if not tars_as_files:
+        _refuse_tar_shards(src, samples)
     if opts["part"] is not None:
         i, n = opts["part"]
         samples = samples[i * len(samples) // n : (i + 1) * len(samples) // n]

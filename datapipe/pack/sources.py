@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EmptyInputError, InputFileError, InvalidMemberNameError, PackError
+from ..format.rows import row_fields
 from ..format.tar import BLOCK, check_key, padding, split_member_name
 
 __all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table",
@@ -47,13 +48,25 @@ class DirectoryListing:
     passed_over: list[tuple[str, str]] = field(default_factory=list)
 
 
+def is_parquet_tree(src: str) -> bool:
+    """Whether the folder ``src`` is a Parquet table: every file in it and its subfolders
+    (Hive partitions, ``year=2024/``) is a ``.parquet`` file, leaving out names starting
+    with ``.`` or ``_`` (``_SUCCESS``, ``_metadata``), and there is at least one."""
+    found = False
+    for _dirpath, dirnames, names in os.walk(src):
+        dirnames[:] = [d for d in dirnames if not d.startswith((".", "_"))]
+        for n in names:
+            if n.startswith((".", "_")):
+                continue
+            if not n.endswith(".parquet"):
+                return False
+            found = True
+    return found
+
+
 def source_kind(src: str) -> str:
     if os.path.isdir(src):
-        if any(n.endswith(".parquet") for n in os.listdir(src)) and not any(
-            os.path.isdir(os.path.join(src, n)) for n in os.listdir(src)
-        ):
-            return "parquet"
-        return "directory"
+        return "parquet" if is_parquet_tree(src) else "directory"
     if not os.path.exists(src):
         raise InputFileError(f"input {src} does not exist")
     if src.endswith((".jsonl", ".json", ".ndjson")):
@@ -186,7 +199,7 @@ def count_table_rows(src: str, kind: str) -> int:
             return sum(1 for line in f if line.strip())
     import pyarrow.dataset as pads
 
-    return int(pads.dataset(src, format="parquet").count_rows())
+    return int(pads.dataset(src, format="parquet", partitioning="hive").count_rows())
 
 
 def _row_to_sample(row: dict[str, Any], index: int, where: str) -> dict[str, Any]:
@@ -195,11 +208,7 @@ def _row_to_sample(row: dict[str, Any], index: int, where: str) -> dict[str, Any
         key = f"{index:09d}"
     elif not isinstance(key, str):
         key = str(key)
-    sample: dict[str, Any] = {"__key__": key}
-    for name, value in row.items():
-        if value is None:
-            continue
-        sample[name] = value
+    sample: dict[str, Any] = {"__key__": key, **row_fields(row)}
     if len(sample) == 1:
         raise PackError(f"{where}: row {index} (key {key!r}) has no non-null field")
     return sample
@@ -228,7 +237,7 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
         return
     import pyarrow.dataset as pads
 
-    ds = pads.dataset(src, format="parquet")
+    ds = pads.dataset(src, format="parquet", partitioning="hive")  # Hive folders: their keys are columns
     i = 0
     for batch in ds.to_batches():
         n = batch.num_rows
