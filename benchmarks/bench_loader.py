@@ -77,7 +77,6 @@ QUICK_CELLS: dict[str, tuple[int, int, int]] = {
     "q16k-1M": (300, 16384, 1 * MiB),
 }
 SYSTEMS = ("datapipe", "litdata", "mosaicml", "webdataset")
-PEERS = ("litdata", "mosaicml", "webdataset")
 #: each peer's own default shard/chunk size, and where it is documented
 PEER_DEFAULTS: dict[str, dict[str, Any]] = {
     "litdata": {"settings": {"chunk_bytes": "64MB"},
@@ -88,7 +87,6 @@ PEER_DEFAULTS: dict[str, dict[str, Any]] = {
     "webdataset": {"settings": {"maxcount": 100_000, "maxsize": 3e9},
                    "source": "webdataset.ShardWriter(maxcount=100000, maxsize=3e9), the documented defaults"},
 }
-DATAPIPE_DEFAULT_SHARD_BYTES = 128 * MiB  # datapipe.pack's default, for the record
 DEFAULTS: dict[str, Any] = {
     "cells": list(CELLS), "systems": list(SYSTEMS), "parts": ["sweep", "map"], "epochs": 3, "batch_size": 256,
     "workers": 2, "seed": 0, "workdir": None, "peer_defaults": True, "job_timeout_s": 600.0,
@@ -761,6 +759,15 @@ def target_checks(result: dict[str, Any]) -> list[dict[str, Any]]:
 # -- the whole run ---------------------------------------------------------------------------
 
 
+def _datapipe_default_shard_bytes() -> int:
+    """datapipe.pack's own default shard size, read from its signature (for the record)."""
+    import inspect
+
+    import datapipe
+
+    return int(inspect.signature(datapipe.pack).parameters["shard_bytes"].default)
+
+
 def run(config: dict[str, Any] | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every figure of the sweep and the map benchmark, as JSON-able data."""
     cfg = {**DEFAULTS, **(config or {})}
@@ -776,7 +783,7 @@ def run(config: dict[str, Any] | None = None, log: Callable[[str], None] | None 
     t0 = time.perf_counter()
     result: dict[str, Any] = {"config": dict(cfg), "machine": {"cpus": os.cpu_count()},
                               "peer_defaults": PEER_DEFAULTS,
-                              "datapipe_default_shard_bytes": DATAPIPE_DEFAULT_SHARD_BYTES}
+                              "datapipe_default_shard_bytes": _datapipe_default_shard_bytes()}
     try:
         if "sweep" in cfg["parts"]:
             result["cells"] = {cell: run_cell(cfg, cell, work, say) for cell in cfg["cells"]}
