@@ -138,3 +138,28 @@ def test_other_peers_read_every_sample_once(quick_run: dict) -> None:
             assert "error" not in r, (name, mode, r)
             assert r["epochs"][0]["exactly_once"]
         assert cell["systems"][name]["dataloader"]["settings"]["num_workers"] == 2
+
+
+def test_peer_defaults_match_the_installed_libraries() -> None:
+    """The defaults the sweep packs each peer at are the ones its installed version declares
+    (LitData declares none: optimize() refuses to run without chunk_size or chunk_bytes)."""
+    import inspect
+    import subprocess
+    import sys
+
+    wds = pytest.importorskip("webdataset")
+    sig = inspect.signature(wds.ShardWriter.__init__).parameters
+    assert bench_loader.PEER_DEFAULTS["webdataset"]["settings"] == {"maxcount": sig["maxcount"].default,
+                                                                     "maxsize": sig["maxsize"].default}
+    import litdata
+
+    opt = inspect.signature(litdata.optimize).parameters
+    assert opt["chunk_bytes"].default is None and opt["chunk_size"].default is None
+    if importlib.util.find_spec("streaming") is not None:
+        # in a child process: importing streaming needs bench_read's torchvision stand-in
+        code = ("import inspect; from benchmarks.bench_read import _import_streaming; "
+                "print(inspect.signature(_import_streaming().MDSWriter.__init__).parameters['size_limit'].default)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        declared = int(out.stdout.strip().splitlines()[-1])
+        assert declared == bench_loader.PEER_DEFAULTS["mosaicml"]["settings"]["size_limit"]
