@@ -193,13 +193,15 @@ def loader_md(r: dict[str, Any]) -> str:
     if m:
         rows = []
         for name, e in m["systems"].items():
-            w = [e.get(f"workers_{k}", {}) for k in (1, 2)]
-            rows.append([name] + [(x.get("error", "")[:60] or _mb(x.get("samples_per_s"))) for x in w]
+            w = [e.get(f"workers_{k}", {}) for k in (1, 2)] + [e.get("threads_2", {})]
+            rows.append([name] + [(x.get("error", "")[:60] or ("n/a" if "unavailable" in x else "")
+                                   or _mb(x.get("samples_per_s"))) for x in w]
                         + [_f(e.get("two_over_one"), "{:.2f}x")])
         lines += [f"CPU-heavy map: {m['images']:,} JPEGs {m['side']}x{m['side']} (quality 90), {m['map']} to "
                   f"{m['out_side']}x{m['out_side']}; batch {m['batch_size']}; shards/chunks of "
                   f"{m['shard_bytes'] / 2**20:g} MiB for both.", "",
-                  _table(["system", "1 worker images/s", "2 workers images/s", "2 / 1"], rows), ""]
+                  _table(["system", "1 worker images/s", "2 workers images/s",
+                          "no workers, 2 map threads images/s", "2 workers / 1"], rows), ""]
     targets = r.get("targets", [])
     if targets:
         lines += ["Targets of issue 12 (this run):", ""]

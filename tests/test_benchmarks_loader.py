@@ -68,6 +68,9 @@ def test_map_benchmark_shape(quick_run: dict) -> None:
             assert all(ep["exactly_once"] for ep in r["epochs"])
             assert r["batch_img"][0][1:] == [side, side, 3] and r["batch_img"][1] == "torch.uint8"
         assert e["two_over_one"] == pytest.approx(e["workers_2"]["samples_per_s"] / e["workers_1"]["samples_per_s"])
+    threads = m["systems"]["datapipe"]["threads_2"]  # the map in 2 threads of the main process
+    assert "error" not in threads and all(ep["exactly_once"] for ep in threads["epochs"])
+    assert threads["settings"]["map_threads"] == 2 and threads["settings"]["num_workers"] == 0
 
 
 def test_targets_and_report_render(quick_run: dict) -> None:
