@@ -1,0 +1,218 @@
+"""Attacks on the StreamingDataLoader's shared-memory batch ring, through real DataLoader
+worker processes (fork, spawn, forkserver): bytes under a live view never change, slots
+grow and come back, odd values travel intact, resources do not leak, a killed worker does
+not hang the trainer."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+
+import pytest
+import torch
+
+from datapipe import ShardWriter
+from datapipe.loader import StreamingDataLoader, StreamingDataset
+from datapipe.loader.batch import Batch
+from datapipe.loader.control import PassControl
+
+N = 120
+BIG = 77  # the sample whose bytes are far larger than the rest (slots must grow for it)
+
+
+def _payload(i: int) -> bytes:
+    return bytes([i % 251]) * (i % 53 + 1) + i.to_bytes(4, "little")
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hostile") / "ds"
+    with ShardWriter(str(path), max_samples=23) as w:
+        for i in range(N):
+            w.write({"__key__": f"s{i:04d}", "jpg": _payload(i), "cls": str(i).encode(), "nil": b""})
+    return str(path)
+
+
+def _number(sample) -> int:
+    return int(bytes(sample["cls"]))
+
+
+def _hostile(sample):
+    """A map whose output has every kind of field: bytes of very different sizes (one far
+    larger), empty bytes, tensors of odd dtypes, 0-d and non-contiguous tensors, empty
+    tensors, strings, None and dicts."""
+    i = _number(sample)
+    big = bytes(sample["jpg"]) * (4000 if i == BIG else 1)
+    return {
+        "__key__": sample["__key__"],
+        "jpg": big,
+        "nil": bytes(sample["nil"]),
+        "i8": torch.tensor([i % 128, -(i % 128)], dtype=torch.int8),
+        "f16": torch.tensor(i / 7, dtype=torch.float16),  # 0-d per sample
+        "bf16": torch.full((2, 2), i, dtype=torch.bfloat16),
+        "c64": torch.tensor([complex(i, -i)], dtype=torch.complex64),
+        "flag": torch.tensor(i % 2 == 0),
+        "t": (torch.arange(6, dtype=torch.float32).view(2, 3) * i).T,  # non-contiguous
+        "empty": torch.zeros(0, 3, dtype=torch.int16),
+        "n": i,
+        "x": i / 3,
+        "name": f"sample {i}",
+        "none": None,
+        "meta": {"i": i, "even": i % 2 == 0},
+    }
+
+
+def _reference(sample) -> dict:
+    """What the batch must show for one sample (copies)."""
+    out = _hostile(sample)
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def _loader(url, ctx="fork", **kw):
+    ds = StreamingDataset(url, window=2, seed=3, decode=None, map=kw.pop("map", _hostile))
+    return ds, StreamingDataLoader(ds, batch_size=kw.pop("batch_size", 6), num_workers=kw.pop("num_workers", 2),
+                                   multiprocessing_context=ctx, **kw)
+
+
+def _ref_by_key(url) -> dict:
+    return {s["__key__"]: _reference(s) for s in StreamingDataset(url, decode=None, shuffle=False)}
+
+
+# -- the views of a batch never change -------------------------------------------------------
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_every_kind_of_view_outlives_its_batch_unchanged(url, ctx):
+    """Views of every kind taken from every fourth batch of the first epoch are kept (the
+    batch itself dropped) over three epochs, while the other batches' slots are reused (and
+    grown, for the big sample) all along; at the end every kept view still shows its
+    sample's bytes."""
+    ref = _ref_by_key(url)
+    ds, loader = _loader(url, ctx, prefetch_factor=6)  # 8 slots a worker: most stay in use
+    kept = []  # (keys, views) of the batches whose views are kept
+    checked = 0
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        for k, b in enumerate(loader):
+            assert isinstance(b, Batch)
+            keys = list(b["__key__"])
+            for j, key in enumerate(keys):  # the batch is right when it arrives
+                want = ref[key]
+                for name in ("i8", "f16", "bf16", "c64", "flag", "t", "empty"):
+                    assert _same(b[name][j], want[name]), (name, key)
+                assert bytes(b["jpg"][j]) == want["jpg"] and bytes(b["nil"][j]) == b""
+                assert b["name"][j] == want["name"] and b["none"][j] is None and b["meta"][j] == want["meta"]
+                assert int(b["n"][j]) == want["n"] and float(b["x"][j]) == pytest.approx(want["x"])
+                checked += 1
+            if epoch or k % 4:
+                continue
+            col = b["jpg"]
+            data, offsets = col.contiguous()
+            tdata, toffsets = col.as_tensor()
+            views = {
+                "items": [col[j] for j in range(len(col))],  # memoryviews
+                "slice": col[1:],  # a Column slice
+                "data": (data, offsets),  # numpy from contiguous()
+                "tensor": (tdata, toffsets),  # as_tensor()
+                "bf16": b["bf16"],  # tensors taken out of the batch
+                "row": b["c64"][0],  # a view of a tensor of the batch
+                "t": b["t"],
+                "flag": b["flag"],
+            }
+            kept.append((keys, views))
+        del b
+    for keys, v in kept:
+        for j, key in enumerate(keys):
+            want = ref[key]
+            assert bytes(v["items"][j]) == want["jpg"]
+            assert bytes(v["data"][0][v["data"][1][j]:v["data"][1][j + 1]]) == want["jpg"]
+            t, o = v["tensor"]
+            assert bytes(t[int(o[j]):int(o[j + 1])].numpy()) == want["jpg"]
+            assert _same(v["bf16"][j], want["bf16"]) and _same(v["t"][j], want["t"])
+            assert _same(v["flag"][j], want["flag"])
+        assert v["slice"].tolist() == [ref[key]["jpg"] for key in keys[1:]]
+        assert _same(v["row"], ref[keys[0]]["c64"])
+    assert checked == 3 * N
+    ring = loader.ring
+    # the kept batches' slots stay taken (their workers send some batches pickled); the
+    # others were reused many times over
+    assert ring is not None and ring.opened + ring.fallbacks == 3 * len(loader)
+    assert ring.opened >= 2 * len(loader), (ring.opened, ring.fallbacks)
+    assert max(generation for generation, _ in ring._maps.values()) > 0  # a slot grew for the big sample
+
+
+# -- resources -------------------------------------------------------------------------------
+
+def _open_fds() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed by now
+            pass
+    return sorted(out)
+
+
+def _plain_loader(url, ctx="fork", **kw):
+    ds = StreamingDataset(url, window=2, seed=1, decode=None)
+    return ds, StreamingDataLoader(ds, batch_size=kw.pop("batch_size", 8), num_workers=kw.pop("num_workers", 1),
+                                   multiprocessing_context=ctx, **kw)
+
+
+def test_loaders_made_and_dropped_leave_no_descriptor_behind(url):
+    """A trainer that makes a loader per epoch must not run out of file descriptors."""
+    def one_pass():
+        _, loader = _plain_loader(url)
+        assert sum(len(b) for b in loader) == N
+        del loader
+        gc.collect()
+
+    one_pass()
+    gc.collect()
+    before = _open_fds()
+    for _ in range(5):
+        one_pass()
+    gc.collect()
+    assert _open_fds() == before
+
+
+def test_many_passes_of_one_loader_leave_no_descriptor_behind(url):
+    ds, loader = _plain_loader(url, num_workers=2, prefetch_factor=1)
+
+    def passes(epochs):
+        for epoch in epochs:
+            ds.set_epoch(epoch)
+            seen = 0
+            for k, b in enumerate(loader):
+                seen += len(b)
+                if epoch % 3 == 0 and k == 1:
+                    break  # passes broken off too
+            assert seen == N or epoch % 3 == 0
+        gc.collect()
+
+    passes(range(4))  # every slot mapped once
+    before = _open_fds()
+    assert sum("datapipe-batch" in name for name in before) <= 2 * 3  # workers x slots
+    passes(range(4, 14))
+    assert _open_fds() == before
+    ds.set_epoch(99)
+    assert sum(len(b) for b in loader) == N and loader.ring.fallbacks == 0
+
+
+def test_pass_control_descriptors_close_with_it():
+    pickle.loads(pickle.dumps(PassControl()))  # starts this process's fd-sharing thread (and its socket)
+    gc.collect()
+    before = _open_fds()
+    control = PassControl()
+    control.write(3, {"epoch": 3})
+    twin = pickle.loads(pickle.dumps(control))  # as a spawned worker attaches (fd passed)
+    assert twin.read() == (3, {"epoch": 3})
+    del control, twin
+    gc.collect()
+    assert _open_fds() == before
