@@ -9,13 +9,15 @@ import gc
 import os
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
 from datapipe import ShardWriter
 from datapipe.loader import StreamingDataLoader, StreamingDataset
-from datapipe.loader.batch import Batch
+from datapipe.loader.batch import Batch, Column
 from datapipe.loader.control import PassControl
+from datapipe.loader.ring import BatchRing
 
 N = 120
 BIG = 77  # the sample whose bytes are far larger than the rest (slots must grow for it)
@@ -196,11 +198,16 @@ def test_many_passes_of_one_loader_leave_no_descriptor_behind(url):
             assert seen == N or epoch % 3 == 0
         gc.collect()
 
-    passes(range(4))  # every slot mapped once
-    before = _open_fds()
-    assert sum("datapipe-batch" in name for name in before) <= 2 * 3  # workers x slots
+    def split(names):  # the maps of ring slots, and every other descriptor
+        slots = [n for n in names if "datapipe-batch" in n]
+        return slots, [n for n in names if "datapipe-batch" not in n]
+
+    passes(range(4))
+    _, before = split(_open_fds())
     passes(range(4, 14))
-    assert _open_fds() == before
+    slots, after = split(_open_fds())
+    assert after == before
+    assert len(slots) <= 2 * 3  # one map per slot the workers made (workers x slots), at most
     ds.set_epoch(99)
     assert sum(len(b) for b in loader) == N and loader.ring.fallbacks == 0
 
@@ -216,3 +223,51 @@ def test_pass_control_descriptors_close_with_it():
     del control, twin
     gc.collect()
     assert _open_fds() == before
+
+
+# -- values the ring cannot hold travel the ordinary way -------------------------------------
+
+def _ring(slots=2):
+    import multiprocessing
+
+    return BatchRing(1, slots, multiprocessing.get_context("fork"))
+
+
+def _through(ring, rb):
+    """``rb`` as the main process gets it (pickled through a pipe), opened."""
+    return ring.open(pickle.loads(pickle.dumps(rb)))
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning",
+                            "ignore:Sparse CSR tensor support:UserWarning",
+                            "ignore:The PyTorch API of nested tensors:UserWarning",
+                            "ignore:TypedStorage is deprecated:UserWarning")
+def test_tensors_that_bytes_cannot_rebuild_do_not_go_into_a_slot():
+    """A quantized tensor (its scale lives outside its bytes; writing it raw crashed the
+    worker with SIGSEGV or arrived as garbage), a sparse CSR one and a nested one travel as
+    values; a plain tensor beside them still goes into the slot."""
+    ring = _ring()
+    q = torch.quantize_per_tensor(torch.tensor([[0.5, 1.0], [1.5, 2.0]]), 0.5, 0, torch.qint8)
+    csr = torch.eye(3).to_sparse_csr()
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.ones(3)])
+    plain = torch.arange(4, dtype=torch.float16)
+    rb = ring.write(0, Batch({"q": q, "csr": csr, "nested": nested, "plain": plain}, 2))
+    assert rb is not None and {k: v[0] for k, v in rb.fields.items()} == \
+        {"q": "value", "csr": "value", "nested": "value", "plain": "tensor"}
+    b = _through(ring, rb)
+    assert b["q"].is_quantized and torch.equal(b["q"].dequantize(), q.dequantize())
+    assert b["csr"].layout == torch.sparse_csr and torch.equal(b["csr"].to_dense(), torch.eye(3))
+    assert b["nested"].is_nested and torch.equal(b["plain"], plain)
+
+
+def test_a_write_that_fails_midway_keeps_its_slot():
+    """A batch that cannot be written (here a column claiming more bytes than its buffer
+    holds) leaves its slot free and the count intact: the batch goes pickled (where such a
+    batch raises), and the next batches still use both slots."""
+    ring = _ring()
+    bad = Batch({"a": Column([np.zeros(4, np.uint8)], np.array([0]), np.array([10]))}, 1)
+    for _ in range(3):
+        assert ring.write(0, bad) is None
+    written = [ring.write(0, Batch({"a": Column.from_bytes([b"ok"])}, 1)) for _ in range(3)]
+    assert [w is not None for w in written] == [True, True, False]  # both slots, then none free
+    assert [_through(ring, w)["a"].tolist() for w in written[:2]] == [[b"ok"], [b"ok"]]
