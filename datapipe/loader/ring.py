@@ -250,7 +250,12 @@ class BatchRing:
     def _map(self, rb: RingBatch) -> mmap.mmap:
         key = (rb.worker, rb.slot)
         if rb.fd is not None:
-            fd, rb.fd = rb.fd.detach(), None
+            try:
+                fd = rb.fd.detach()  # fetched from the worker, over a socket it serves
+            except OSError as e:
+                raise RuntimeError(f"batch ring: DataLoader worker {rb.worker} could not hand over its slot "
+                                   f"{rb.slot} ({e}); the worker process has exited (was it killed?)") from e
+            rb.fd = None
             try:
                 mm = mmap.mmap(fd, rb.size)
             finally:
