@@ -164,8 +164,9 @@ def _open_fds() -> list[str]:
 
 def _plain_loader(url, ctx="fork", **kw):
     ds = StreamingDataset(url, window=2, seed=1, decode=None)
-    return ds, StreamingDataLoader(ds, batch_size=kw.pop("batch_size", 8), num_workers=kw.pop("num_workers", 1),
-                                   multiprocessing_context=ctx, **kw)
+    workers = kw.pop("num_workers", 1)
+    return ds, StreamingDataLoader(ds, batch_size=kw.pop("batch_size", 8), num_workers=workers,
+                                   multiprocessing_context=ctx if workers else None, **kw)
 
 
 def test_loaders_made_and_dropped_leave_no_descriptor_behind(url):
@@ -304,3 +305,173 @@ def test_a_worker_killed_mid_pass_raises_and_leaves_nothing(url, ctx):
     # (spawn: torch's queues of the dead worker keep a named semaphore of multiprocessing's
     # until exit, when its resource tracker unlinks it; nothing of the ring's is there)
     assert {name for name in set(os.listdir("/dev/shm")) - shm if not name.startswith("sem.mp-")} == set()
+
+
+# -- persistent workers follow the main process's epoch and resume point ---------------------
+
+def _keys(loader) -> list[str]:
+    return [k for b in loader for k in b["__key__"]]
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_load_state_dict_mid_pass_reaches_persistent_workers(url, ctx):
+    ds, loader = _plain_loader(url, ctx, num_workers=2, batch_size=5)
+    want = {}
+    for epoch in (3, 7):
+        ds.set_epoch(epoch)
+        want[epoch] = _keys(loader)
+    assert want[3] != want[7] and sorted(want[3]) == sorted(want[7])
+    ds.set_epoch(3)
+    head = []
+    for k, b in enumerate(loader):  # broken off in epoch 3, with batches in flight
+        head += b["__key__"]
+        if k == 4:
+            break
+    state = loader.state_dict()
+    del b
+    ds.set_epoch(7)
+    assert _keys(loader) == want[7]  # the workers moved on to another epoch meanwhile
+    loader.load_state_dict(state)
+    assert head + _keys(loader) == want[3]  # and came back to the resume point
+    assert _keys(loader) == want[3]  # the pass after a resumed one starts its epoch afresh
+    assert loader.ring.fallbacks == 0
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 workers on 2 cores
+@pytest.mark.parametrize("ctx,workers,prefetch", [("fork", 1, 1), ("fork", 3, 4), ("spawn", 2, 1),
+                                                  ("forkserver", 3, 2)])
+def test_passes_broken_off_give_every_slot_back(url, ctx, workers, prefetch):
+    """Passes broken off after 0, 1 and 5 batches (their batches in flight dropped unopened),
+    then whole passes: every slot came back (no batch goes pickled) and the stream is the
+    one-process stream."""
+    ds0, plain = _plain_loader(url, num_workers=0, batch_size=4)
+    want = {}
+    for epoch in (0, 1, 2, 3):
+        ds0.set_epoch(epoch)
+        want[epoch] = _keys(plain)
+    ds, loader = _plain_loader(url, ctx, num_workers=workers, batch_size=4, prefetch_factor=prefetch)
+    for epoch, stop in ((0, 0), (1, 1), (2, 5)):
+        ds.set_epoch(epoch)
+        head = []
+        for k, b in enumerate(loader):
+            head += b["__key__"]
+            if k == stop:
+                break
+        assert head == want[epoch][: len(head)]
+    del b
+    for epoch in (3, 1):
+        ds.set_epoch(epoch)
+        assert _keys(loader) == want[epoch]
+    assert loader.ring.fallbacks == 0 and loader.ring.opened >= 2 * len(loader)
+
+
+# -- skipped samples, whole batches of them --------------------------------------------------
+
+def _fails_below_60(sample):
+    i = _number(sample)
+    if i < 60:
+        raise ValueError(f"sample {i} is unlucky")
+    return {"__key__": sample["__key__"], "x": torch.tensor([i, i], dtype=torch.int16), "jpg": bytes(sample["jpg"])}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_whose_every_sample_is_skipped(url, workers):
+    ds = StreamingDataset(url, shuffle=False, decode=None, map=_fails_below_60, on_error="skip")
+    loader = StreamingDataLoader(ds, batch_size=4, num_workers=workers)
+    for _ in range(2):  # twice: the slots of a pass with empty batches all come back
+        keys = []
+        with pytest.warns(RuntimeWarning, match="skipped 60"):
+            for b in loader:  # the first 15 batches of the plan are skipped whole
+                assert len(b) == 4 and torch.equal(b["x"][:, 0], b["x"][:, 1])
+                keys += b["__key__"]
+        assert keys == [f"s{i:04d}" for i in range(60, N)]
+        assert loader.samples_seen == N and len(loader.skipped) == 60
+    state = loader.state_dict()
+    assert state["splits"][0][3] == N  # everything consumed, the skipped batches too
+    if workers:
+        assert loader.ring.fallbacks == 0
+
+
+# -- pickling and the forms a batch unwraps to -----------------------------------------------
+
+def test_ring_batches_pickle_as_their_own_bytes(url):
+    ref = _ref_by_key(url)
+    ds, loader = _loader(url, batch_size=8)
+    copies = []
+    for b in loader:
+        copies.append(pickle.loads(pickle.dumps(b)))
+        payload = b["jpg"].nbytes + sum(v.numel() * v.element_size() for v in b.values() if isinstance(v, torch.Tensor))
+        assert len(pickle.dumps(b["jpg"][2:])) < b["jpg"].nbytes + 1000  # a slice: its samples' bytes only
+        assert len(pickle.dumps(b)) < payload + 20_000  # not the whole slot (it grew for the big sample)
+    assert loader.ring.opened == len(loader)
+    del b
+    ds.set_epoch(1)
+    assert len(_keys(loader)) == N  # the slots are rewritten; the copies hold their own bytes
+    for c in copies:
+        assert isinstance(c, Batch) and isinstance(c["jpg"], Column)
+        for j, key in enumerate(c["__key__"]):
+            assert bytes(c["jpg"][j]) == ref[key]["jpg"] and c["meta"][j] == ref[key]["meta"]
+            assert _same(c["bf16"][j], ref[key]["bf16"]) and _same(c["t"][j], ref[key]["t"])
+
+
+def _just_bytes(sample):
+    return bytes(sample["jpg"])
+
+
+def _just_tensor(sample):
+    return torch.full((3,), _number(sample), dtype=torch.int32)
+
+
+def _pair(sample):
+    return torch.tensor(_number(sample)), bytes(sample["jpg"])
+
+
+def test_each_form_unwraps_as_default_collate_would(url):
+    _, loader = _loader(url, map=_just_bytes, batch_size=8)
+    got = [bytes(v) for col in loader for v in col]  # a single bytes value per sample: a Column
+    assert sorted(got) == sorted(_payload(i) for i in range(N))
+    _, loader = _loader(url, map=_just_tensor, batch_size=8)
+    xs = [x for x in loader]  # a tensor per sample: one stacked tensor
+    assert all(isinstance(x, torch.Tensor) and x.shape[1:] == (3,) for x in xs)
+    assert sorted(int(v) for x in xs for v in x[:, 0]) == list(range(N))
+    _, loader = _loader(url, map=_pair, batch_size=8)
+    for i, jpg in loader:  # a tuple per sample: a tuple of collated positions
+        assert isinstance(jpg, Column) and i.dtype == torch.int64
+        assert [bytes(v) for v in jpg] == [_payload(int(k)) for k in i]
+    assert loader.ring.opened == len(loader)
+
+
+# -- Column.from_bytes: what counts as a sample's bytes --------------------------------------
+
+def _wide_views(sample):
+    i = _number(sample)
+    wide = np.arange(i % 5 + 1, dtype=np.int32) + i
+    return {"__key__": sample["__key__"], "wide": memoryview(wide), "strided": memoryview(bytes(sample["jpg"]))[::2]}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_memoryviews_of_any_format_and_stride_collate_to_their_bytes(url, workers):
+    """A memoryview counts as bytes: a sample's bytes are all of its bytes (not ``len``
+    items of one byte: an int32 view lost three quarters of them), strided ones included
+    (they made ``b"".join`` raise)."""
+    ds = StreamingDataset(url, window=2, seed=1, decode=None, map=_wide_views)
+    loader = StreamingDataLoader(ds, batch_size=8, num_workers=workers)
+    seen = 0
+    for b in loader:
+        for key, wide, strided in zip(b["__key__"], b["wide"], b["strided"]):
+            i = int(key[1:])
+            assert bytes(wide) == (np.arange(i % 5 + 1, dtype=np.int32) + i).tobytes()
+            assert bytes(strided) == _payload(i)[::2]
+            seen += 1
+    assert seen == N
+
+
+def test_columns_made_or_unpickled_here_are_writable_like_slot_columns():
+    """as_tensor() of a collated or unpickled column views writable memory, as one of a
+    slot does (torch warns on tensors over read-only numpy arrays)."""
+    col = Column.from_bytes([b"ab", memoryview(b"cde"), bytearray(b"")])
+    assert col.tolist() == [b"ab", b"cde", b""]
+    for c in (col, pickle.loads(pickle.dumps(col)), pickle.loads(pickle.dumps(col[1:]))):
+        data, _ = c.contiguous()
+        assert data.flags.writeable
+    assert pickle.loads(pickle.dumps(col[1:])).tolist() == [b"cde", b""]
