@@ -475,3 +475,27 @@ def test_columns_made_or_unpickled_here_are_writable_like_slot_columns():
         data, _ = c.contiguous()
         assert data.flags.writeable
     assert pickle.loads(pickle.dumps(col[1:])).tolist() == [b"cde", b""]
+
+
+# -- pinned memory (where an accelerator is present) -----------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch pins only where an accelerator is present")
+def test_pinned_batches_are_pinned_copies_and_free_their_slots(url):
+    ref = _ref_by_key(url)
+    ds, loader = _loader(url, pin_memory=True, batch_size=8)
+    kept = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        for b in loader:
+            data, offsets = b["jpg"].as_tensor()
+            assert data.is_pinned() and b["bf16"].is_pinned() and b["t"].is_pinned()
+            on_gpu = data.to("cuda", non_blocking=True)
+            bf16 = b["bf16"].to("cuda", non_blocking=True)
+            torch.cuda.synchronize()
+            for j, key in enumerate(b["__key__"]):
+                got = bytes(on_gpu[int(offsets[j]):int(offsets[j + 1])].cpu().numpy())
+                assert got == ref[key]["jpg"] and _same(bf16[j].cpu(), ref[key]["bf16"])
+            kept.append((list(b["__key__"]), b["jpg"]))  # pinned copies: they hold no slot
+    assert loader.ring.fallbacks == 0 and loader.ring.opened == 2 * len(loader)
+    for keys, col in kept:
+        assert col.tolist() == [ref[k]["jpg"] for k in keys]
