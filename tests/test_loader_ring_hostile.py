@@ -499,3 +499,84 @@ def test_pinned_batches_are_pinned_copies_and_free_their_slots(url):
     assert loader.ring.fallbacks == 0 and loader.ring.opened == 2 * len(loader)
     for keys, col in kept:
         assert col.tolist() == [ref[k]["jpg"] for k in keys]
+
+
+# -- a slot's descriptor that never reaches the main process ---------------------------------
+
+def _write_in_child(ring, conn):
+    written = ring.write(0, Batch({"a": Column.from_bytes([b"lost"])}, 1))
+    conn.send_bytes(pickle.dumps(written))  # then exit: nobody serves the descriptor any more
+
+
+def test_a_batch_whose_worker_exited_is_refused_clearly_and_dropped_quietly(monkeypatch):
+    import multiprocessing
+    import sys
+
+    ctx = multiprocessing.get_context("fork")
+    ring = BatchRing(1, 2, ctx)
+    raw = []
+    for _ in range(2):
+        ours, theirs = ctx.Pipe()
+        child = ctx.Process(target=_write_in_child, args=(ring, theirs))
+        child.start()
+        raw.append(ours.recv_bytes())
+        child.join(10)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    rb = pickle.loads(raw[0])
+    assert rb.fd is not None
+    with pytest.raises(RuntimeError, match="worker 0 could not hand over its slot 0"):
+        ring.open(rb)
+    dropped = pickle.loads(raw[1])
+    del rb, dropped  # dropped unopened: the discard finds no worker to give the slot back to
+    gc.collect()
+    assert unraisable == []
+
+
+# -- batches released from another thread ----------------------------------------------------
+
+def test_batches_released_by_another_thread_stay_intact_until_then(url):
+    """A trainer thread takes the batches, keeps the last three, and checks each one's bytes
+    only when it lets it go (so its slot's finalizer runs in that thread, while the main
+    thread opens new batches into the slots freed before)."""
+    import queue
+    import threading
+
+    ref = _ref_by_key(url)
+    ds, loader = _loader(url, batch_size=4, prefetch_factor=4)
+    handoff: queue.Queue = queue.Queue(maxsize=2)
+    bad: list[str] = []
+    checked = [0]
+
+    def trainer():
+        held = []
+        while True:
+            b = handoff.get()
+            if b is None:
+                break
+            held.append((list(b["__key__"]), b["jpg"][0], b["jpg"], b["bf16"]))
+            del b
+            while len(held) > 3 or (held and handoff.empty() and len(held) > 1):
+                keys, first, col, bf16 = held.pop(0)
+                if bytes(first) != ref[keys[0]]["jpg"] or col.tolist() != [ref[k]["jpg"] for k in keys]:
+                    bad.append(keys[0])
+                if not all(_same(bf16[j], ref[k]["bf16"]) for j, k in enumerate(keys)):
+                    bad.append(keys[0])
+                checked[0] += len(keys)
+                del first, col, bf16  # the last views: the slot is freed here, in this thread
+        for keys, _, col, _ in held:
+            checked[0] += len(keys)
+            if col.tolist() != [ref[k]["jpg"] for k in keys]:
+                bad.append(keys[0])
+
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        thread = threading.Thread(target=trainer)
+        thread.start()
+        for b in loader:
+            handoff.put(b)
+        del b
+        handoff.put(None)
+        thread.join()
+    assert bad == [] and checked[0] == 3 * N
+    assert loader.ring.opened > len(loader)
