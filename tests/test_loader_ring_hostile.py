@@ -580,3 +580,33 @@ def test_batches_released_by_another_thread_stay_intact_until_then(url):
         thread.join()
     assert bad == [] and checked[0] == 3 * N
     assert loader.ring.opened > len(loader)
+
+
+# -- slots grow for batches of very different sizes ------------------------------------------
+
+def _sized_by_batch(sample):
+    """A tensor whose size depends on the sample's batch (samples in order, 5 a batch):
+    from 1 to 200k elements, up and down."""
+    i = _number(sample)
+    n = (1, 200_000, 3, 50_000, 7)[(i // 5) % 5]
+    return torch.full((n,), i, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_tensors_of_very_different_sizes_per_batch(url, ctx):
+    ds = StreamingDataset(url, shuffle=False, decode=None, map=_sized_by_batch)
+    loader = StreamingDataLoader(ds, batch_size=5, num_workers=2, multiprocessing_context=ctx)
+    kept = []
+    for epoch in range(2):
+        for k, x in enumerate(loader):
+            first = int(x[0, 0])
+            assert x.shape == (5, (1, 200_000, 3, 50_000, 7)[(first // 5) % 5])
+            assert torch.equal(x, torch.arange(first, first + 5, dtype=torch.int32)[:, None].expand_as(x))
+            if epoch == 0 and k % 7 == 0:
+                kept.append((first, x[:, :2]))  # a view of each 7th batch's tensor, kept
+        del x
+    for first, view in kept:
+        assert torch.equal(view, torch.arange(first, first + 5, dtype=torch.int32)[:, None].expand_as(view))
+    ring = loader.ring
+    assert ring.opened + ring.fallbacks == 2 * len(loader) and ring.opened > len(loader)
+    assert max(generation for generation, _ in ring._maps.values()) > 0  # slots grew
