@@ -13,6 +13,8 @@ import signal
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from datapipe import ShardWriter
 from datapipe.loader import StreamingDataLoader, StreamingDataset
@@ -610,3 +612,88 @@ def test_tensors_of_very_different_sizes_per_batch(url, ctx):
     ring = loader.ring
     assert ring.opened + ring.fallbacks == 2 * len(loader) and ring.opened > len(loader)
     assert max(generation for generation, _ in ring._maps.values()) > 0  # slots grew
+
+
+# -- property: anything a batch holds comes out of a slot as it went in -----------------------
+
+_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+           torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
+
+
+@st.composite
+def _batches(draw):
+    n = draw(st.integers(1, 6))
+    fields = {}
+    for k in range(draw(st.integers(0, 4))):
+        kind = draw(st.sampled_from(["column", "multi", "tensor", "value"]))
+        if kind == "column":
+            fields[f"c{k}"] = Column.from_bytes(draw(st.lists(st.binary(max_size=300), min_size=n, max_size=n)))
+        elif kind == "multi":  # a column over several buffers, as cut from shards
+            bufs = [np.frombuffer(bytearray(draw(st.binary(min_size=1, max_size=200))), np.uint8) for _ in range(2)]
+            which = np.array(draw(st.lists(st.integers(0, 1), min_size=n, max_size=n)), dtype=np.intp)
+            starts, ends = [], []
+            for w in which:
+                a = draw(st.integers(0, len(bufs[w])))
+                starts.append(a)
+                ends.append(draw(st.integers(a, len(bufs[w]))))
+            fields[f"m{k}"] = Column(bufs, np.array(starts, np.int64), np.array(ends, np.int64), which)
+        elif kind == "tensor":
+            dtype = draw(st.sampled_from(_DTYPES))
+            shape = (n, *draw(st.lists(st.integers(0, 4), max_size=2)))
+            t = (torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape) * 1.7 - 3).to(dtype)
+            if len(shape) > 1 and draw(st.booleans()):
+                t = t.transpose(0, -1).contiguous().transpose(0, -1)  # non-contiguous
+            fields[f"t{k}"] = t
+        else:
+            fields[f"v{k}"] = draw(st.lists(st.one_of(st.none(), st.text(max_size=5), st.integers()),
+                                            min_size=n, max_size=n))
+    return Batch(fields, n, form=draw(st.sampled_from(["dict", "single", "tuple"])))
+
+
+def _assert_same_batch(got, batch):
+    assert len(got) == len(batch) and got.form == batch.form and list(got.keys()) == list(batch.keys())
+    for name, want in batch.items():
+        have = got[name]
+        if isinstance(want, Column):
+            assert isinstance(have, Column) and have.tolist() == want.tolist()
+        elif isinstance(want, torch.Tensor):
+            assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want)
+        else:
+            assert have == want
+
+
+@settings(deadline=None, max_examples=60)
+@given(batches=st.lists(_batches(), min_size=1, max_size=6))
+def test_any_batch_comes_out_of_a_slot_as_it_went_in(batches):
+    """Written into a ring of two slots in turn (through a real pickle, as the queue carries
+    it), each batch opens equal to what went in, while the batch before it is still held;
+    slots grow as needed and come back as batches are dropped."""
+    ring = _ring(2)
+    previous = None
+    for batch in batches:
+        rb = ring.write(0, batch)
+        assert rb is not None  # one batch held, one being written: two slots suffice
+        got = _through(ring, rb)
+        _assert_same_batch(got, batch)
+        if previous is not None:  # the batch before is intact after this one was written
+            _assert_same_batch(previous[1], previous[0])
+        previous = (batch, got)
+        del got
+    del previous
+    gc.collect()
+    assert ring.free[0].get_value() == 2  # every slot came back
+
+
+@settings(deadline=None, max_examples=200)
+@given(values=st.lists(st.binary(max_size=40), max_size=12),
+       start=st.none() | st.integers(-14, 14), stop=st.none() | st.integers(-14, 14),
+       step=st.none() | st.integers(-3, 3).filter(bool))
+def test_column_slices_behave_as_list_slices(values, start, stop, step):
+    col = Column.from_bytes(values)[start:stop:step]
+    want = values[start:stop:step]
+    assert col.tolist() == want and len(col) == len(want) and col.nbytes == sum(map(len, want))
+    data, offsets = col.contiguous()
+    assert [bytes(data[offsets[i]:offsets[i + 1]]) for i in range(len(want))] == want
+    assert pickle.loads(pickle.dumps(col)).tolist() == want
+    t, o = col.as_tensor()
+    assert bytes(t.numpy()) == b"".join(want) and o.tolist() == offsets.tolist()
