@@ -697,3 +697,24 @@ def test_column_slices_behave_as_list_slices(values, start, stop, step):
     assert pickle.loads(pickle.dumps(col)).tolist() == want
     t, o = col.as_tensor()
     assert bytes(t.numpy()) == b"".join(want) and o.tolist() == offsets.tolist()
+
+
+def _keys_of(samples):
+    return [s["__key__"] for s in samples]
+
+
+def test_set_epoch_reaches_persistent_workers_with_a_collate_fn(url):
+    want = {}
+    for epoch in (0, 5):
+        ds = StreamingDataset(url, window=2, seed=1, decode=None)
+        ds.set_epoch(epoch)
+        want[epoch] = [s["__key__"] for s in ds]
+    ds = StreamingDataset(url, window=2, seed=1, decode=None)
+    loader = StreamingDataLoader(ds, batch_size=4, num_workers=2, collate_fn=_keys_of)
+    assert loader.persistent_workers and not loader.columnar
+    for epoch in (0, 5, 0):
+        ds.set_epoch(epoch)
+        got = [k for keys in loader for k in keys]
+        assert sorted(got) == sorted(want[epoch])
+        # a plain DataLoader's batches come from the workers in turn: the order is the stream's
+        assert got == want[epoch]
