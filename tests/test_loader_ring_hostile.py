@@ -718,3 +718,15 @@ def test_set_epoch_reaches_persistent_workers_with_a_collate_fn(url):
         assert sorted(got) == sorted(want[epoch])
         # a plain DataLoader's batches come from the workers in turn: the order is the stream's
         assert got == want[epoch]
+
+
+def test_out_of_order_delivery_is_refused(url):
+    """torch's in_order=False hands out whichever worker's batch is ready first; the resume
+    point counts a prefix of the stream, so a resume after it lost 12 of 120 samples and
+    repeated 12 others (worker 0 slowed down, break after 6 batches)."""
+    from datapipe.errors import PlanError
+
+    ds = StreamingDataset(url, window=2, seed=1, decode=None)
+    with pytest.raises(PlanError, match="in_order"):
+        StreamingDataLoader(ds, batch_size=4, num_workers=2, in_order=False)
+    assert StreamingDataLoader(ds, batch_size=4, num_workers=2, in_order=True).columnar
