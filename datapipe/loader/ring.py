@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-import threading
 import weakref
 from dataclasses import dataclass
 from multiprocessing.reduction import DupFd
@@ -136,7 +135,6 @@ class BatchRing:
     def _init_local(self) -> None:
         self._slots: list[_Slot | None] = [None] * self.slots_per_worker  # worker side
         self._maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}  # main side
-        self._lock = threading.Lock()
         #: (main process) batches opened from slots, and batches that came pickled because
         #: their worker found no slot free (counted by the loader)
         self.opened = 0
