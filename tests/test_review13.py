@@ -1,0 +1,157 @@
+"""Review of #13 (existing tars indexed, Parquet read in place): each test here failed
+before the fix it names, on real tar files and pyarrow-written Parquet."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import datapipe
+from benchmarks.fuzz_reader import deadline
+from datapipe.errors import DestinationExistsError, ObjectChangedError, PackOptionError
+from datapipe.loader import StreamingDataset
+from datapipe.tables import ParquetTable
+from datapipe.tarindex import expand_braces
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DATAPIPE_CACHE_DIR", str(tmp_path / "user-cache"))
+
+
+def _shard(path: Path, keys: list[str]) -> None:
+    src = path.parent / "member.txt"
+    src.write_bytes(b"hello")
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
+        for k in keys:
+            t.add(src, arcname=f"{k}.txt")
+    src.unlink()
+
+
+# --- brace patterns: the bound is on the names a pattern expands to, not on each range --
+
+
+@pytest.mark.parametrize("pattern", ["s-{0..99999}-{0..99999}.tar", "s" + "{a,b}" * 40 + ".tar"])
+def test_a_pattern_of_too_many_names_is_refused_at_once(pattern):
+    """Each range was bounded on its own, so two ranges (or 40 two-way lists) multiplied to
+    10^10 (10^12) names, built in memory before any check."""
+    t0 = time.monotonic()
+    with deadline(10, "expand_braces"), pytest.raises(PackOptionError, match="more than"):
+        expand_braces(pattern)
+    assert time.monotonic() - t0 < 10
+
+
+# --- nothing deleted that we did not write ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["samples.parquet", "shards.parquet"])
+def test_a_users_index_named_file_beside_the_shards_is_never_overwritten(tmp_path, name):
+    """Indexing in place wrote shards.parquet and samples.parquet over files of those names
+    that the user had in the shard folder (only manifest.json was checked)."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    _shard(folder / "shard-000000.tar", ["a", "b"])
+    theirs = pq.write_table(pa.table({"caption": ["the user's table"]}), folder / name)
+    del theirs
+    before = (folder / name).read_bytes()
+    with pytest.raises(DestinationExistsError, match=name):
+        datapipe.index_shards([str(folder / "shard-000000.tar")], workers=1)
+    assert (folder / name).read_bytes() == before
+    assert not (folder / "manifest.json").exists()
+
+
+def test_an_index_over_our_own_interrupted_commit_is_finished(tmp_path):
+    """The refusal above must not refuse our own files: a commit that stopped after writing
+    samples.parquet (manifest not yet written) is finished by the same command."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    _shard(folder / "shard-000000.tar", ["a", "b"])
+    url = str(folder / "shard-000000.tar")
+    datapipe.index_shards([url], workers=1)
+    (folder / "manifest.json").unlink()  # as if killed between samples.parquet and manifest.json
+    r = datapipe.index_shards([url], workers=1)
+    assert r.committed and r.samples == 2
+    assert sorted(s["__key__"] for s in datapipe.open_dataset(str(folder))) == ["a", "b"]
+
+
+def test_a_packed_dataset_as_destination_is_refused_before_any_shard_is_read(tmp_path):
+    """A destination holding a packed dataset was refused only at the commit, after every
+    shard had been read (and records of them written into that dataset's folder)."""
+    packed = tmp_path / "packed"
+    datapipe.pack(str(_files(tmp_path)), str(packed), workers=1)
+    listing = sorted(p.name for p in packed.rglob("*"))
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    _shard(folder / "shard-000000.tar", ["a"])
+    with pytest.raises(DestinationExistsError, match="a packed dataset"):
+        datapipe.index_shards([str(folder / "shard-000000.tar")], str(packed), workers=1)
+    assert sorted(p.name for p in packed.rglob("*")) == listing
+
+
+def _files(tmp_path: Path) -> Path:
+    src = tmp_path / "files"
+    src.mkdir()
+    for i in range(3):
+        (src / f"{i}.txt").write_bytes(b"x" * i)
+    return src
+
+
+# --- Parquet: struct-of-bytes columns give the same fields in every row -----------------
+
+
+def _image_table() -> pa.Table:
+    img = pa.array([{"bytes": b"\x89PNG1", "path": "a.png"}, {"bytes": None, "path": "b.png"},
+                    {"bytes": b"\x89PNG3", "path": None}],
+                   type=pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    return pa.table({"id": [0, 1, 2], "image": img})
+
+
+def test_a_struct_of_bytes_with_a_null_child_gives_the_same_fields(tmp_path):
+    """A row whose image bytes were null became one field ``image`` holding a dict, while
+    the other rows had ``image.bytes``/``image.path``: the field names depended on values."""
+    path = tmp_path / "t.parquet"
+    pq.write_table(_image_table(), path)
+    rows = {int(s["id"]): s for s in StreamingDataset(str(path), shuffle=False, decode=None)}
+    assert "image" not in rows[1] and rows[1]["image.path"] in ("b.png", b"b.png") and "image.bytes" not in rows[1]
+    dest = str(tmp_path / "packed")
+    datapipe.pack(str(path), dest, workers=1)
+    packed = {int(s["id"]): s for s in datapipe.open_dataset(dest)}
+    assert set(packed[1]) == {"__key__", "id", "image.path"}
+    assert packed[0]["image.bytes"] == b"\x89PNG1" and packed[2]["image.bytes"] == b"\x89PNG3"
+
+
+# --- Parquet: a file replaced between the check and the read ----------------------------
+
+
+def test_a_parquet_file_replaced_after_the_check_is_not_read_silently(tmp_path, monkeypatch):
+    """The file's size and version were checked before the row group was read, and never
+    after: a file renamed over it in between (same schema, same layout, other values) was
+    read as if it were the one the plan was made from."""
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"v": pa.array(range(100), pa.int64())}), path, compression="none",
+                   write_statistics=False)
+    table = ParquetTable(str(path))
+    other = tmp_path / "other.parquet"
+    pq.write_table(pa.table({"v": pa.array(range(1000, 1100), pa.int64())}), other, compression="none",
+                   write_statistics=False)
+    assert other.stat().st_size == path.stat().st_size
+    real_stat = table.store.stat
+    swapped = []
+
+    def stat_then_swap(key: str):
+        out = real_stat(key)
+        if not swapped:  # a writer's rename lands right after our check
+            os.replace(other, path)
+            swapped.append(key)
+        return out
+
+    monkeypatch.setattr(table.store, "stat", stat_then_swap)
+    with pytest.raises(ObjectChangedError):
+        rows, _ = table.read_row_group(0)
+        assert rows.column("v").to_pylist() == list(range(100)), "the replaced file's rows were delivered"
