@@ -7,8 +7,8 @@ partitions) streamed by row group, without packing.
 Each row group is one "shard" of the plan (its row count is all the plan needs), so the
 global shuffle, the exact partition over ranks x workers and resume hold as for packed
 shards. A row is a sample: its ``__key__`` column if it has one, else ``<file>/<row>``;
-columns are fields (see :func:`datapipe.format.rows.row_fields`: a struct of bytes such as a
-Hugging Face ``Image`` column becomes ``image.bytes`` and ``image.path``); the partition
+columns are fields (see :func:`datapipe.format.rows.flatten_bytes_structs`: a struct of bytes
+such as a Hugging Face ``Image`` column becomes ``image.bytes`` and ``image.path``); the partition
 keys of Hive folders are columns too.
 
 What is trusted: Parquet files carry no checksum of ours. Each file's size and version
@@ -30,6 +30,7 @@ from numpy.typing import NDArray
 from .checksum import checksum
 from .dataset import ShardInfo
 from .errors import DatapipeError, FormatError, ObjectChangedError, ObjectNotFoundError, PlanError
+from .format.rows import flatten_bytes_structs
 from .storage import open_store
 from .storage.options import storage_options_for
 from .storage.store import is_local_url
@@ -151,6 +152,7 @@ class ParquetTable:
         if table.num_rows != info.samples:
             raise FormatError(f"{self.url}/{rel} row group {rg}: {table.num_rows} rows, the file's footer says "
                               f"{info.samples}")
+        table = flatten_bytes_structs(table)
         if "__key__" in table.column_names:
             keys = [str(k) for k in table.column("__key__").to_pylist()]
             table = table.drop_columns(["__key__"])

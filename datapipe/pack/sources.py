@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EmptyInputError, InputFileError, InvalidMemberNameError, PackError
-from ..format.rows import row_fields
+from ..format.rows import flatten_bytes_structs, row_fields
 from ..format.tar import BLOCK, check_key, padding, split_member_name
 
 __all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table",
@@ -244,7 +244,7 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
         if i + n <= start:
             i += n
             continue
-        for row in batch.to_pylist():
+        for row in flatten_bytes_structs(batch).to_pylist():
             if i >= start and (stop is None or i < stop):
                 yield _row_to_sample(row, i, src)
             i += 1
