@@ -13,8 +13,8 @@ keys of Hive folders are columns too.
 
 What is trusted: Parquet files carry no checksum of ours. Each file's size and version
 (mtime or etag) are recorded when the table is opened and the plan is made from its row
-groups; a row group is read only if its file still has that size and version (else
-:class:`~datapipe.errors.ObjectChangedError`), and pyarrow's parse errors are
+groups; a row group's rows are delivered only if its file has that size and version
+before and after they are read (else :class:`~datapipe.errors.ObjectChangedError`), and pyarrow's parse errors are
 :class:`~datapipe.errors.FormatError` naming file and row group.
 """
 
@@ -148,6 +148,9 @@ class ParquetTable:
             table = frag.split_by_row_group()[rg].to_table(schema=self.schema)
         except (OSError, ValueError) as e:
             raise FormatError(f"{self.url}/{rel} row group {rg}: cannot be read: {e}") from e
+        if self._stat(rel) != self._files[rel]:  # replaced after the check above, or while read
+            raise ObjectChangedError(f"{self.url}/{rel} changed while row group {rg} was read (its size or "
+                                     "version differs): open the dataset again for a plan of the new rows")
         info = self.shards[i]
         if table.num_rows != info.samples:
             raise FormatError(f"{self.url}/{rel} row group {rg}: {table.num_rows} rows, the file's footer says "
