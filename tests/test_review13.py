@@ -155,3 +155,18 @@ def test_a_parquet_file_replaced_after_the_check_is_not_read_silently(tmp_path, 
     with pytest.raises(ObjectChangedError):
         rows, _ = table.read_row_group(0)
         assert rows.column("v").to_pylist() == list(range(100)), "the replaced file's rows were delivered"
+
+
+# --- decode= over a Parquet table: typed values are not bytes -----------------------------
+
+
+def test_decode_auto_leaves_a_tables_typed_values_as_they_are(tmp_path):
+    """decode="auto" ran the ``id``/``cls``/``txt`` decoders on a table's int and str values:
+    ``bytes(3)`` is three zero bytes (a DecodeError), and an id of 2*10^8 first allocated
+    200 MB of zeros."""
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": [3, 200_000_000], "txt": ["a", "b"], "label.cls": [1, 2],
+                             "meta.json": [b'{"k": 1}', b'{"k": 2}']}), path)
+    rows = list(StreamingDataset(str(path), shuffle=False, decode="auto"))
+    assert [(r["id"], r["txt"], r["label.cls"], r["meta.json"]) for r in rows] == \
+        [(3, "a", 1, {"k": 1}), (200_000_000, "b", 2, {"k": 2})]
