@@ -170,3 +170,26 @@ def test_decode_auto_leaves_a_tables_typed_values_as_they_are(tmp_path):
     rows = list(StreamingDataset(str(path), shuffle=False, decode="auto"))
     assert [(r["id"], r["txt"], r["label.cls"], r["meta.json"]) for r in rows] == \
         [(3, "a", 1, {"k": 1}), (200_000_000, "b", 2, {"k": 2})]
+
+
+# --- storage options: a prefix matches at a path boundary ----------------------------------
+
+
+def test_storage_option_prefixes_match_whole_path_segments():
+    """``s3://bucket`` matched ``s3://bucket-public/...`` (another bucket got its endpoint and
+    keys), and ``s3://bucket/`` did not match the bucket's own root ``s3://bucket``."""
+    from datapipe.storage import options, set_storage_options, storage_options_for
+
+    try:
+        set_storage_options("s3://data", {"key": "data"})
+        set_storage_options("s3://logs/", {"key": "logs"})
+        set_storage_options("s3://", {"key": "any"})
+        assert storage_options_for("s3://data/x.tar") == {"key": "data"}
+        assert storage_options_for("s3://data") == {"key": "data"}
+        assert storage_options_for("s3://data-public/x.tar") == {"key": "any"}
+        assert storage_options_for("s3://logs") == {"key": "logs"}
+        assert storage_options_for("s3://logs/a/b") == {"key": "logs"}
+        assert storage_options_for("s3://logsx/a") == {"key": "any"}
+        assert storage_options_for("gs://data/x") == {}
+    finally:
+        options._set.clear()
