@@ -32,6 +32,7 @@ from .dataset import ShardInfo
 from .errors import DatapipeError, FormatError, ObjectChangedError, ObjectNotFoundError, PlanError
 from .format.rows import flatten_bytes_structs
 from .storage import open_store
+from .storage.opening import refuse_chained_url
 from .storage.options import storage_options_for
 from .storage.store import is_local_url
 
@@ -71,6 +72,7 @@ class ParquetTable:
         import pyarrow.dataset as pads
 
         self.url = os.fspath(url).rstrip("/")
+        refuse_chained_url(self.url)
         self.storage_options = storage_options
         local = is_local_url(self.url)
         path = self.url[len("file://"):] if self.url.startswith("file://") else self.url

@@ -193,3 +193,27 @@ def test_storage_option_prefixes_match_whole_path_segments():
         assert storage_options_for("gs://data/x") == {}
     finally:
         options._set.clear()
+
+
+# --- clear refusals for Parquet tables ------------------------------------------------------
+
+
+def test_a_chained_url_to_a_parquet_table_is_refused_with_the_way_out():
+    """StreamingDataset("simplecache::s3://b/t.parquet") raised fsspec's raw
+    ``ValueError: Protocol not known: simplecache::s3``."""
+    from datapipe.errors import StorageError
+
+    with pytest.raises(StorageError, match=r"chained fsspec URLs.*s3://b/t\.parquet"):
+        StreamingDataset("simplecache::s3://b/t.parquet")
+
+
+def test_open_dataset_on_a_parquet_table_says_what_reads_it(tmp_path):
+    """open_dataset on a Parquet folder said "manifest.json is missing ... run the same
+    `datapipe pack` command again; for existing tar shards, run `datapipe index`": no
+    advice for a table, which StreamingDataset reads in place."""
+    from datapipe.errors import PlanError
+
+    pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "a.parquet")
+    for url in (str(tmp_path), str(tmp_path / "a.parquet")):
+        with pytest.raises(PlanError, match=r"Parquet table.*StreamingDataset.*datapipe pack"):
+            datapipe.open_dataset(url)

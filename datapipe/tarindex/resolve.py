@@ -106,4 +106,10 @@ def open_dataset(source: Any, storage_options: dict[str, Any] | None = None, cac
             raise PlanError(f"open_dataset opens one dataset; got {len(url)} dataset URLs ({url[:3]}...): open "
                             "each on its own, or give tar shards (a list of them is indexed as one dataset)")
         url = url[0]
+    from ..tables import is_parquet_source
+
+    if is_parquet_source(url, storage_options):
+        raise PlanError(f"{url} is a Parquet table: StreamingDataset reads it in place (by row group); "
+                        f"open_dataset's random access needs it packed first: `datapipe pack {url} DEST`, "
+                        "then open_dataset(DEST)")
     return Dataset(open_index(url, storage_options), decode)
