@@ -38,16 +38,23 @@ from .storage.store import is_local_url
 
 __all__ = ["ParquetTable", "is_parquet_source"]
 
-
 def is_parquet_source(url: str, storage_options: dict[str, Any] | None = None) -> bool:
     """Whether ``url`` is a Parquet table to read in place: a ``.parquet`` file, or a folder
-    without a datapipe manifest whose files are Parquet files (Hive partitions included)."""
+    without a datapipe manifest (nor a pack's or an index's work folder) whose files are
+    Parquet files (Hive partitions included)."""
     url = os.fspath(url)
     if url.rstrip("/").endswith(".parquet"):
         return True
     if is_local_url(url):
         path = url[len("file://"):] if url.startswith("file://") else url
         if not os.path.isdir(path) or os.path.exists(os.path.join(path, "manifest.json")):
+            return False
+        from .pack.commit import WORK
+        from .tarindex.build import RECORDS
+
+        # the work folders pack and index write beside their index files: a folder holding
+        # one is a datapipe destination whose manifest is still to come, not a table
+        if any(os.path.isdir(os.path.join(path, ours)) for ours in (WORK, RECORDS)):
             return False
         from .pack.sources import is_parquet_tree
 

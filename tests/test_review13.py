@@ -217,3 +217,24 @@ def test_open_dataset_on_a_parquet_table_says_what_reads_it(tmp_path):
     for url in (str(tmp_path), str(tmp_path / "a.parquet")):
         with pytest.raises(PlanError, match=r"Parquet table.*StreamingDataset.*datapipe pack"):
             datapipe.open_dataset(url)
+
+
+# --- no partial result looks complete: an index without its manifest is not a table ---------
+
+
+def test_an_index_that_lost_its_manifest_is_not_streamed_as_a_parquet_table(tmp_path):
+    """An index written elsewhere (--index-to DEST) holds only shards.parquet, samples.parquet
+    and _index/: once its manifest is gone (a commit killed before the manifest, or a rewrite
+    under way) StreamingDataset(DEST) took it for a Parquet table and streamed the index's
+    own rows (key, shard, offset, ...) as samples."""
+    from datapipe.errors import ObjectNotFoundError
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    _shard(folder / "shard-000000.tar", ["a", "b"])
+    dest = tmp_path / "index"
+    datapipe.index_shards([str(folder / "shard-000000.tar")], str(dest), workers=1)
+    assert sorted(s["__key__"] for s in StreamingDataset(str(dest), decode=None)) == ["a", "b"]
+    (dest / "manifest.json").unlink()
+    with pytest.raises(ObjectNotFoundError, match=r"manifest\.json is missing"):
+        list(StreamingDataset(str(dest), decode=None))
