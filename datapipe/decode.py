@@ -205,7 +205,7 @@ class SampleDecoder:
                 continue
             ext = field.rpartition(".")[2].lower()
             fn = table.get(ext)
-            if fn is None or not isinstance(value, (bytes, bytearray, memoryview)):
+            if fn is None or not _is_bytes(value):
                 continue  # a value a table already typed (an int, a str) is no encoding to decode
             try:
                 sample[field] = fn(value)
@@ -216,6 +216,11 @@ class SampleDecoder:
                     f"{name!r} decoder for .{ext} ({type(e).__name__}: {e}); the bytes are as stored, "
                     "not damaged: decode=None reads them raw"
                 ) from e
+
+
+def _is_bytes(value: Any) -> bool:
+    """Whether a field holds bytes (a shard's, a table's binary column), not a typed value."""
+    return isinstance(value, (bytes, bytearray, memoryview))
 
 
 def _table(decode: Any) -> dict[str, Callable[[bytes], Any]]:
