@@ -238,3 +238,20 @@ def test_an_index_that_lost_its_manifest_is_not_streamed_as_a_parquet_table(tmp_
     (dest / "manifest.json").unlink()
     with pytest.raises(ObjectNotFoundError, match=r"manifest\.json is missing"):
         list(StreamingDataset(str(dest), decode=None))
+
+
+# --- storage options: a malformed environment value is not echoed (it holds credentials) ----
+
+
+@pytest.mark.parametrize("text", ['{"s3://b/": "secret-key-AKIA123"}', '["secret-key-AKIA123"]',
+                                  '{"s3://b/": {"key": "secret-key-AKIA123"}, "b/": {}}'])
+def test_a_malformed_environment_value_is_named_without_echoing_it(monkeypatch, text):
+    """The error quoted the first 200 characters of DATAPIPE_STORAGE_OPTIONS: keys and
+    secrets went into logs and tracebacks."""
+    from datapipe.errors import StorageError
+    from datapipe.storage import storage_options_for
+
+    monkeypatch.setenv("DATAPIPE_STORAGE_OPTIONS", text)
+    with pytest.raises(StorageError, match="DATAPIPE_STORAGE_OPTIONS") as e:
+        storage_options_for("s3://b/x")
+    assert "secret-key" not in str(e.value)

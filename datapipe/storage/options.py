@@ -51,8 +51,17 @@ def _from_environment() -> dict[str, dict[str, Any]]:
     except ValueError as e:
         raise StorageError(f"{ENV} is not JSON ({e}); it maps URL prefixes to storage options, e.g. "
                            '{"s3://bucket/": {"client_kwargs": {"endpoint_url": "http://host:9000"}}}') from None
-    if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in doc.items()):
-        raise StorageError(f"{ENV} must map URL prefixes to dicts of storage options, got {text[:200]!r}")
+    # what is wrong is named, never the value: it holds keys and secrets
+    if not isinstance(doc, dict):
+        raise StorageError(f"{ENV} must map URL prefixes to dicts of storage options, got a JSON "
+                           f"{type(doc).__name__}")
+    for prefix, options in doc.items():
+        if "://" not in prefix:
+            raise StorageError(f"{ENV}: the prefix {prefix[:100]!r} has no protocol; use a URL prefix such "
+                               "as 's3://bucket/'")
+        if not isinstance(options, dict):
+            raise StorageError(f"{ENV}: the options of {prefix[:100]!r} must be a JSON object, got a "
+                               f"{type(options).__name__}")
     return doc
 
 
