@@ -76,7 +76,9 @@ class ParquetTable:
     compression = "none"
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        import pyarrow.dataset as pads
+        import pyarrow as pa
+
+        from .pack.sources import parquet_dataset
 
         self.url = os.fspath(url).rstrip("/")
         refuse_chained_url(self.url)
@@ -91,10 +93,9 @@ class ParquetTable:
             fs = fsspec.filesystem(protocol, **storage_options_for(self.url, storage_options))
             path = rest
         try:
-            self._dataset = pads.dataset(path, format="parquet", partitioning="hive", filesystem=fs,
-                                         exclude_invalid_files=False)
+            self._dataset = parquet_dataset(path, fs)
             fragments = sorted(self._dataset.get_fragments(), key=lambda f: f.path)
-        except (OSError, ValueError) as e:  # pyarrow's errors on a missing or damaged table
+        except (OSError, pa.ArrowException) as e:  # pyarrow's errors on a missing or damaged table
             raise FormatError(f"{self.url}: not a readable Parquet table: {e}") from e
         if not fragments:
             raise PlanError(f"{self.url}: no Parquet file in this table; nothing to stream")
@@ -149,13 +150,15 @@ class ParquetTable:
     def read_row_group(self, i: int) -> tuple[Any, list[str]]:
         """(the rows of row group ``i`` as a pyarrow table with the table's schema, their keys),
         once its file is checked to be the one the plan was made from."""
+        import pyarrow as pa
+
         frag, rg, rel = self._row_groups[i]
         if self._stat(rel) != self._files[rel]:
             raise ObjectChangedError(f"{self.url}/{rel} changed since the table was opened (its size or version "
                                      "differs): open the dataset again for a plan of the new rows")
         try:
             table = frag.split_by_row_group()[rg].to_table(schema=self.schema)
-        except (OSError, ValueError) as e:
+        except (OSError, pa.ArrowException) as e:
             raise FormatError(f"{self.url}/{rel} row group {rg}: cannot be read: {e}") from e
         if self._stat(rel) != self._files[rel]:  # replaced after the check above, or while read
             raise ObjectChangedError(f"{self.url}/{rel} changed while row group {rg} was read (its size or "

@@ -255,3 +255,32 @@ def test_a_malformed_environment_value_is_named_without_echoing_it(monkeypatch, 
     with pytest.raises(StorageError, match="DATAPIPE_STORAGE_OPTIONS") as e:
         storage_options_for("s3://b/x")
     assert "secret-key" not in str(e.value)
+
+
+# --- Parquet: every file's columns, or a named refusal ---------------------------------------
+
+
+def test_files_of_a_table_with_more_columns_than_the_first_lose_none(tmp_path):
+    """pyarrow takes a dataset's schema from its first file: a column that only later files
+    have was dropped from every row, silently, in the loader and in pack alike."""
+    root = tmp_path / "t"
+    (root / "sub").mkdir(parents=True)
+    pq.write_table(pa.table({"y": ["s"]}), root / "a.parquet")
+    pq.write_table(pa.table({"x": [1], "y": ["t"]}), root / "sub" / "b.parquet")
+    rows = {s["y"]: s.get("x") for s in StreamingDataset(str(root), shuffle=False)}
+    assert rows == {"s": None, "t": 1}
+    dest = str(tmp_path / "packed")
+    datapipe.pack(str(root), dest, workers=1)
+    packed = {bytes(s["y"]): s.get("x") for s in datapipe.open_dataset(dest)}
+    assert packed == {b"s": None, b"t": b"1"}
+
+
+def test_a_column_with_two_types_in_a_table_is_a_named_format_error(tmp_path):
+    """A Hive key that is also a column of the files (int32 from the folder name, int64 in
+    the file) raised pyarrow's raw ArrowTypeError."""
+    from datapipe.errors import FormatError
+
+    (tmp_path / "t" / "x=5").mkdir(parents=True)
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "t" / "x=5" / "a.parquet")
+    with pytest.raises(FormatError, match=str(tmp_path / "t")):
+        StreamingDataset(str(tmp_path / "t"))
