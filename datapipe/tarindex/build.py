@@ -412,7 +412,7 @@ def _check_destination(store: Store, dest: str, has_records: bool) -> None:
             raise DestinationExistsError(
                 f"{store.url(name)} exists and is not part of an index we wrote (there is no manifest.json "
                 f"and no {RECORDS}/ records beside it): indexing here would overwrite it; choose another "
-                "--index-to DEST")
+                "--index-to DEST (or, if it is what is left of an index datapipe wrote, delete it yourself)")
 
 
 def _same_index(dest: str, storage_options: dict[str, Any] | None, shards: list[ShardRecord]) -> bool:
