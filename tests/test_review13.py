@@ -11,6 +11,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import datapipe
 from benchmarks.fuzz_reader import deadline
@@ -313,3 +315,17 @@ def test_a_cached_index_of_other_shards_is_not_used(tmp_path):
     with pytest.raises(CorruptIndexError, match=str(dest)):
         datapipe.open_dataset(pattern)
     assert sorted(p.name for p in Path(dest).iterdir()) == sorted(p.name for p in planted.iterdir())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ab{},.019", max_size=24))
+def test_brace_counts_match_the_expansion(pattern):
+    """The bound is checked on a count made without expanding: it must be the number of
+    names the expansion makes, for any pattern (nested, unbalanced, literal braces)."""
+    from datapipe.tarindex.urls import _count_names, _expand
+
+    try:
+        names = _expand(pattern)
+    except PackOptionError:
+        return
+    assert _count_names(pattern) == len(names)
