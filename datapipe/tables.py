@@ -6,10 +6,10 @@ partitions) streamed by row group, without packing.
 
 Each row group is one "shard" of the plan (its row count is all the plan needs), so the
 global shuffle, the exact partition over ranks x workers and resume hold as for packed
-shards. A row is a sample: its ``__key__`` column if it has one, else ``<file>/<row>``;
-columns are fields (see :func:`datapipe.format.rows.flatten_bytes_structs`: a struct of bytes
-such as a Hugging Face ``Image`` column becomes ``image.bytes`` and ``image.path``); the partition
-keys of Hive folders are columns too.
+shards. A row is a sample: its ``__key__`` column if it has one (and it is not null), else
+``<file>/<row>``; columns are fields (see :func:`datapipe.format.rows.flatten_bytes_structs`:
+a struct of bytes such as a Hugging Face ``Image`` column becomes ``image.bytes`` and
+``image.path``); the partition keys of Hive folders are columns too.
 
 What is trusted: Parquet files carry no checksum of ours. Each file's size and version
 (mtime or etag) are recorded when the table is opened and the plan is made from its row
@@ -168,10 +168,9 @@ class ParquetTable:
             raise FormatError(f"{self.url}/{rel} row group {rg}: {table.num_rows} rows, the file's footer says "
                               f"{info.samples}")
         table = flatten_bytes_structs(table)
-        if "__key__" in table.column_names:
-            keys = [str(k) for k in table.column("__key__").to_pylist()]
+        start = info.first_sample - self._file_first[rel]
+        keys = [f"{rel}/{start + j:09d}" for j in range(info.samples)]
+        if "__key__" in table.column_names:  # its values, where not null
+            keys = [k if v is None else str(v) for k, v in zip(keys, table.column("__key__").to_pylist())]
             table = table.drop_columns(["__key__"])
-        else:
-            start = info.first_sample - self._file_first[rel]
-            keys = [f"{rel}/{start + j:09d}" for j in range(info.samples)]
         return table, keys

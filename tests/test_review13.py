@@ -329,3 +329,12 @@ def test_brace_counts_match_the_expansion(pattern):
     except PackOptionError:
         return
     assert _count_names(pattern) == len(names)
+
+
+def test_a_null_key_in_a_tables_key_column_is_not_the_key_none(tmp_path):
+    """A null ``__key__`` became the key "None" (the same for every such row), where pack
+    gives such a row its position's key."""
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"__key__": ["a", None, None], "x": [1, 2, 3]}), path)
+    keys = [s["__key__"] for s in StreamingDataset(str(path), shuffle=False)]
+    assert keys[0] == "a" and "None" not in keys and len(set(keys)) == 3
