@@ -338,3 +338,18 @@ def test_a_null_key_in_a_tables_key_column_is_not_the_key_none(tmp_path):
     pq.write_table(pa.table({"__key__": ["a", None, None], "x": [1, 2, 3]}), path)
     keys = [s["__key__"] for s in StreamingDataset(str(path), shuffle=False)]
     assert keys[0] == "a" and "None" not in keys and len(set(keys)) == 3
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_a_shard_name_that_is_not_a_regular_file_is_named(tmp_path, kind):
+    """A folder named x.tar raised a raw IsADirectoryError from the read; a FIFO named x.tar
+    blocked the run forever in open()."""
+    from datapipe.errors import DatapipeError
+
+    path = tmp_path / "x.tar"
+    if kind == "folder":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
+    with deadline(10, "index a non-file"), pytest.raises(DatapipeError, match=r"x\.tar.*not a regular file"):
+        datapipe.index_shards(str(path), str(tmp_path / "index"), workers=1)

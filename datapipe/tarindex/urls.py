@@ -5,7 +5,9 @@ shard's size and version (mtime/inode locally, the ETag on S3), one stat per sha
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -134,8 +136,6 @@ def expand_urls(urls: str | list[str], storage_options: dict[str, Any] | None = 
     and folders sorted; a folder names the tar files directly inside it); local paths made
     absolute. A pattern that names nothing, a URL named twice, a
     whole-file compressed tar or a name that is not a ``.tar`` is an error."""
-    import os
-
     out: list[str] = []
     for pattern in [urls] if isinstance(urls, str) else list(urls):
         pattern = os.fspath(pattern)
@@ -178,14 +178,20 @@ def _store_of(folder: str, storage_options: dict[str, Any] | None, stores: dict[
 def stat_shards(urls: list[str], storage_options: dict[str, Any] | None = None,
                 threads: int = 32) -> list[ShardRef]:
     """Size and version of each shard (stat calls in ``threads`` threads: on object stores
-    each is a round trip). A missing shard or a folder is an error naming it."""
+    each is a round trip). A missing shard, or a local name that is not a regular file, is
+    an error naming it."""
     stores: dict[str, Store] = {}
     for u in urls:  # stores opened here, once per folder, before the threads share them
         _store_of(split_url(u)[0], storage_options, stores)
 
     def one(url: str) -> ShardRef:
         folder, key = split_url(url)
+        path = stores[folder].local_path(key)
         try:
+            # a folder, a FIFO (opening one blocks until a writer comes) or a device: never opened
+            if path is not None and os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+                raise PackOptionError(f"shard {url} is not a regular file (a folder, a FIFO or a device); "
+                                      "datapipe index reads tar files")
             size, version = stores[folder].stat(key)
         except ObjectNotFoundError:
             raise ObjectNotFoundError(f"shard {url} does not exist") from None
