@@ -384,12 +384,21 @@ class Dataset:
         return sample if self._decode.is_identity else self._decode(sample, info.url)
 
     def get(self, key: str) -> dict[str, Any]:
+        """The sample with key ``key``. Packed datasets have unique keys; an index of
+        existing tars may hold a key twice (WebDataset allows it), and such a key is
+        refused here rather than answered with one of its samples."""
         if self._key_to_pos is None:
-            self._key_to_pos = {k: i for i, k in enumerate(self.index.keys())}
-        try:
-            return self[self._key_to_pos[key]]
-        except KeyError:
-            raise KeyError(f"no sample with key {key!r} in {self.index.url}") from None
+            positions: dict[str, int] = {}
+            for i, k in enumerate(self.index.keys()):
+                positions[k] = -1 if k in positions else i  # -1: the key is held more than once
+            self._key_to_pos = positions
+        pos = self._key_to_pos.get(key)
+        if pos is None:
+            raise KeyError(f"no sample with key {key!r} in {self.index.url}")
+        if pos < 0:
+            raise KeyError(f"{self.index.url} holds more than one sample with key {key!r} (its shards repeat "
+                           "the key); read them by position (dataset[i]) or iterate")
+        return self[pos]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for i in range(len(self)):

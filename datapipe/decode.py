@@ -32,6 +32,9 @@
   overriding); a dict may also be an element of a list.
 - a callable: replaces all of the above and receives the whole sample (a dict of bytes).
 
+The decoders of a field's extension read bytes: a value that is not bytes (a column of a
+Parquet table read in place is an int, a str, ... already) is left as it is.
+
 A decoder that raises gives a :class:`~datapipe.errors.DecodeError` naming the shard URL,
 the sample key, the field and the decoder: the field's content does not decode, which is
 not corruption (the bytes passed their checksums before they were decoded).
@@ -202,8 +205,8 @@ class SampleDecoder:
                 continue
             ext = field.rpartition(".")[2].lower()
             fn = table.get(ext)
-            if fn is None:
-                continue
+            if fn is None or not _is_bytes(value):
+                continue  # a value a table already typed (an int, a str) is no encoding to decode
             try:
                 sample[field] = fn(value)
             except Exception as e:  # a decoder of user data can raise anything
@@ -213,6 +216,11 @@ class SampleDecoder:
                     f"{name!r} decoder for .{ext} ({type(e).__name__}: {e}); the bytes are as stored, "
                     "not damaged: decode=None reads them raw"
                 ) from e
+
+
+def _is_bytes(value: Any) -> bool:
+    """Whether a field holds bytes (a shard's, a table's binary column), not a typed value."""
+    return isinstance(value, (bytes, bytearray, memoryview))
 
 
 def _table(decode: Any) -> dict[str, Callable[[bytes], Any]]:

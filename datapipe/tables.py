@@ -6,15 +6,15 @@ partitions) streamed by row group, without packing.
 
 Each row group is one "shard" of the plan (its row count is all the plan needs), so the
 global shuffle, the exact partition over ranks x workers and resume hold as for packed
-shards. A row is a sample: its ``__key__`` column if it has one, else ``<file>/<row>``;
-columns are fields (see :func:`datapipe.format.rows.row_fields`: a struct of bytes such as a
-Hugging Face ``Image`` column becomes ``image.bytes`` and ``image.path``); the partition
-keys of Hive folders are columns too.
+shards. A row is a sample: its ``__key__`` column if it has one (and it is not null), else
+``<file>/<row>``; columns are fields (see :func:`datapipe.format.rows.flatten_bytes_structs`:
+a struct of bytes such as a Hugging Face ``Image`` column becomes ``image.bytes`` and
+``image.path``); the partition keys of Hive folders are columns too.
 
 What is trusted: Parquet files carry no checksum of ours. Each file's size and version
 (mtime or etag) are recorded when the table is opened and the plan is made from its row
-groups; a row group is read only if its file still has that size and version (else
-:class:`~datapipe.errors.ObjectChangedError`), and pyarrow's parse errors are
+groups; a row group's rows are delivered only if its file has that size and version
+before and after they are read (else :class:`~datapipe.errors.ObjectChangedError`), and pyarrow's parse errors are
 :class:`~datapipe.errors.FormatError` naming file and row group.
 """
 
@@ -30,22 +30,31 @@ from numpy.typing import NDArray
 from .checksum import checksum
 from .dataset import ShardInfo
 from .errors import DatapipeError, FormatError, ObjectChangedError, ObjectNotFoundError, PlanError
+from .format.rows import flatten_bytes_structs
 from .storage import open_store
+from .storage.opening import refuse_chained_url
 from .storage.options import storage_options_for
 from .storage.store import is_local_url
 
 __all__ = ["ParquetTable", "is_parquet_source"]
 
-
 def is_parquet_source(url: str, storage_options: dict[str, Any] | None = None) -> bool:
     """Whether ``url`` is a Parquet table to read in place: a ``.parquet`` file, or a folder
-    without a datapipe manifest whose files are Parquet files (Hive partitions included)."""
+    without a datapipe manifest (nor a pack's or an index's work folder) whose files are
+    Parquet files (Hive partitions included)."""
     url = os.fspath(url)
     if url.rstrip("/").endswith(".parquet"):
         return True
     if is_local_url(url):
         path = url[len("file://"):] if url.startswith("file://") else url
         if not os.path.isdir(path) or os.path.exists(os.path.join(path, "manifest.json")):
+            return False
+        from .pack.commit import WORK
+        from .tarindex.build import RECORDS
+
+        # the work folders pack and index write beside their index files: a folder holding
+        # one is a datapipe destination whose manifest is still to come, not a table
+        if any(os.path.isdir(os.path.join(path, ours)) for ours in (WORK, RECORDS)):
             return False
         from .pack.sources import is_parquet_tree
 
@@ -67,9 +76,12 @@ class ParquetTable:
     compression = "none"
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        import pyarrow.dataset as pads
+        import pyarrow as pa
+
+        from .pack.sources import parquet_dataset
 
         self.url = os.fspath(url).rstrip("/")
+        refuse_chained_url(self.url)
         self.storage_options = storage_options
         local = is_local_url(self.url)
         path = self.url[len("file://"):] if self.url.startswith("file://") else self.url
@@ -81,10 +93,9 @@ class ParquetTable:
             fs = fsspec.filesystem(protocol, **storage_options_for(self.url, storage_options))
             path = rest
         try:
-            self._dataset = pads.dataset(path, format="parquet", partitioning="hive", filesystem=fs,
-                                         exclude_invalid_files=False)
+            self._dataset = parquet_dataset(path, fs)
             fragments = sorted(self._dataset.get_fragments(), key=lambda f: f.path)
-        except (OSError, ValueError) as e:  # pyarrow's errors on a missing or damaged table
+        except (OSError, pa.ArrowException) as e:  # pyarrow's errors on a missing or damaged table
             raise FormatError(f"{self.url}: not a readable Parquet table: {e}") from e
         if not fragments:
             raise PlanError(f"{self.url}: no Parquet file in this table; nothing to stream")
@@ -139,22 +150,27 @@ class ParquetTable:
     def read_row_group(self, i: int) -> tuple[Any, list[str]]:
         """(the rows of row group ``i`` as a pyarrow table with the table's schema, their keys),
         once its file is checked to be the one the plan was made from."""
+        import pyarrow as pa
+
         frag, rg, rel = self._row_groups[i]
         if self._stat(rel) != self._files[rel]:
             raise ObjectChangedError(f"{self.url}/{rel} changed since the table was opened (its size or version "
                                      "differs): open the dataset again for a plan of the new rows")
         try:
             table = frag.split_by_row_group()[rg].to_table(schema=self.schema)
-        except (OSError, ValueError) as e:
+        except (OSError, pa.ArrowException) as e:
             raise FormatError(f"{self.url}/{rel} row group {rg}: cannot be read: {e}") from e
+        if self._stat(rel) != self._files[rel]:  # replaced after the check above, or while read
+            raise ObjectChangedError(f"{self.url}/{rel} changed while row group {rg} was read (its size or "
+                                     "version differs): open the dataset again for a plan of the new rows")
         info = self.shards[i]
         if table.num_rows != info.samples:
             raise FormatError(f"{self.url}/{rel} row group {rg}: {table.num_rows} rows, the file's footer says "
                               f"{info.samples}")
-        if "__key__" in table.column_names:
-            keys = [str(k) for k in table.column("__key__").to_pylist()]
+        table = flatten_bytes_structs(table)
+        start = info.first_sample - self._file_first[rel]
+        keys = [f"{rel}/{start + j:09d}" for j in range(info.samples)]
+        if "__key__" in table.column_names:  # its values, where not null
+            keys = [k if v is None else str(v) for k, v in zip(keys, table.column("__key__").to_pylist())]
             table = table.drop_columns(["__key__"])
-        else:
-            start = info.first_sample - self._file_first[rel]
-            keys = [f"{rel}/{start + j:09d}" for j in range(info.samples)]
         return table, keys

@@ -312,3 +312,16 @@ def test_chunks_over_shards_far_apart_read_the_right_samples(tmp_path):
         got = _flatten(ds) if batched else [dict(s) for s in ds]
         assert sorted(s["__key__"] for s in got) == [f"k{i:04d}" for i in range(400)]
         assert all(s["bin"] == _payload(int(s["__key__"][1:])) for s in got)
+
+
+def test_a_batch_of_skipped_samples_is_not_yielded_in_one_process(tmp_path):
+    def fail_some(sample):
+        if int(bytes(sample["cls"])) < 16:
+            raise ValueError("unlucky")
+        return sample
+
+    url = _write(tmp_path / "ds", n=64)
+    ds = StreamingDataset(url, shuffle=False, decode=None, map=fail_some, on_error="skip", batch_size=8, batched=True)
+    with pytest.warns(RuntimeWarning, match="skipped 16"):
+        batches = list(ds)
+    assert [len(b) for b in batches] == [8] * 6 and all("__key__" in b for b in batches)

@@ -324,3 +324,19 @@ def test_a_changed_shard_never_yields_a_changed_sample(small, tmp_path_factory, 
     keys = [s["__key__"] for s in got]
     assert len(set(keys)) == len(keys)
     assert all(s == ref[s["__key__"]] for s in got)
+
+
+def test_a_fifo_put_where_a_shard_was_is_refused_not_waited_on(tmp_path):
+    """A FIFO in place of a shard file would block open() forever: refused by name."""
+    from datapipe.errors import StorageError
+
+    url = str(tmp_path / "ds")
+    with ShardWriter(url, max_samples=5) as w:
+        for i in range(10):
+            w.write({"__key__": f"k{i}", "bin": bytes([i]) * 10})
+    ds = StreamingDataset(url, decode=None, shuffle=False)
+    path = os.path.join(url, open_index(url).shards[1].name)
+    os.remove(path)
+    os.mkfifo(path)
+    with pytest.raises(StorageError, match="not a regular file"):
+        list(ds)

@@ -434,3 +434,25 @@ def test_a_foreign_manifest_beside_the_shards_is_never_deleted(tmp_path):
     with pytest.raises(DestinationExistsError, match="not a datapipe index"):
         datapipe.index_shards([str(folder / "shard-000000.tar")])
     assert (folder / "manifest.json").read_bytes() == b"the user's own notes, not JSON"
+
+
+def test_a_key_repeated_across_tar_shards_is_refused_by_get(tmp_path):
+    import io
+    import tarfile
+
+    import datapipe
+
+    folder = tmp_path / "dup"
+    folder.mkdir()
+    for n in range(2):
+        with tarfile.open(folder / f"shard-{n:06d}.tar", "w", format=tarfile.USTAR_FORMAT) as t:
+            for key in ("same", f"only{n}"):
+                data = f"{key}-{n}".encode()
+                info = tarfile.TarInfo(f"{key}.txt")
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+    datapipe.index_shards([str(folder / "shard-000000.tar"), str(folder / "shard-000001.tar")])
+    d = datapipe.open_dataset(str(folder))
+    assert len(d) == 4 and d.get("only1")["txt"] == b"only1-1"
+    with pytest.raises(KeyError, match="more than one sample with key 'same'"):
+        d.get("same")

@@ -50,11 +50,18 @@ class Column:
 
     @classmethod
     def from_bytes(cls, values: Sequence[bytes | bytearray | memoryview]) -> Column:
-        """A contiguous column holding a copy of ``values``."""
-        lengths = np.fromiter((len(v) for v in values), dtype=np.int64, count=len(values))
+        """A contiguous column holding a copy of ``values`` (a memoryview's bytes are all of
+        its bytes, whatever its format or strides)."""
+        if any(isinstance(v, memoryview) and not v.c_contiguous for v in values):
+            values = [v.tobytes() if isinstance(v, memoryview) and not v.c_contiguous else v for v in values]
+        # len() of a memoryview counts items, not bytes
+        lengths = np.fromiter((v.nbytes if isinstance(v, memoryview) else len(v) for v in values), dtype=np.int64,
+                              count=len(values))
         offsets = np.zeros(len(values) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        data = np.frombuffer(b"".join(values), dtype=np.uint8) if values else np.zeros(0, np.uint8)
+        # joined into a bytearray: writable, as a slot's columns are (torch warns on tensors
+        # over read-only arrays)
+        data = np.frombuffer(bytearray().join(values), dtype=np.uint8) if values else np.zeros(0, np.uint8)
         return cls([data], offsets[:-1], offsets[1:])
 
     # -- the sequence of samples -----------------------------------------------------------
@@ -91,9 +98,10 @@ class Column:
         return f"Column({len(self)} samples, {self.nbytes} bytes, {len(self.buffers)} buffer(s))"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # pickled as its samples' bytes alone, never the whole buffers it views
+        # pickled as its samples' bytes alone, never the whole buffers it views (an array
+        # pickles only the bytes it spans, and unpickles writable)
         data, offsets = self.contiguous()
-        return _contiguous_column, (data.tobytes(), offsets)
+        return _contiguous_column, (data, offsets)
 
     # -- as one buffer ---------------------------------------------------------------------
     @property
@@ -157,8 +165,9 @@ class Column:
         return Column([pinned.numpy()], offsets[:-1], offsets[1:])
 
 
-def _contiguous_column(data: bytes, offsets: NDArray[np.int64]) -> Column:
-    return Column([np.frombuffer(data, dtype=np.uint8)], offsets[:-1], offsets[1:])
+def _contiguous_column(data: NDArray[np.uint8] | bytes, offsets: NDArray[np.int64]) -> Column:
+    array = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data  # bytes: an older pickle
+    return Column([array], offsets[:-1], offsets[1:])
 
 
 def _collate(values: list[Any]) -> Any:

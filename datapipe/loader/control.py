@@ -14,6 +14,7 @@ import json
 import mmap
 import os
 import struct
+import weakref
 from multiprocessing.reduction import DupFd
 from typing import Any
 
@@ -30,6 +31,7 @@ class PassControl:
         self._fd = os.memfd_create("datapipe-pass-control", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, _SIZE)
         self._mm = mmap.mmap(self._fd, _SIZE)
+        _close_with(self)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # travels into spawned workers with the dataset: the descriptor is passed, not copied
@@ -55,4 +57,11 @@ def _attach(fd: Any) -> PassControl:
     control = PassControl.__new__(PassControl)
     control._fd = fd.detach()
     control._mm = mmap.mmap(control._fd, _SIZE)
+    _close_with(control)
     return control
+
+
+def _close_with(control: PassControl) -> None:
+    # the descriptor is kept for pickling (the map holds its own): close it with the block,
+    # or every loader made and dropped (one per epoch, say) leaks one
+    weakref.finalize(control, os.close, control._fd)

@@ -90,6 +90,12 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
     def __init__(self, dataset: StreamingDataset, batch_size: int | None = 1, **kwargs: Any) -> None:
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
+        if not kwargs.get("in_order", True):
+            # samples_seen counts a prefix of the stream: batches handed out of order would
+            # make state_dict() skip some samples on resume and repeat others
+            raise PlanError("StreamingDataLoader(in_order=False): batches out of stream order break exact resume "
+                            "(state_dict() counts a prefix of the stream, so a resume would skip some samples and "
+                            "repeat others); leave in_order=True")
         # Workers that live across passes keep their shard buffers, verified-shard memo,
         # layouts and ring slots: a new worker pays for all of them again (fresh memory,
         # hashing, parsing). set_epoch()/load_state_dict() reach them through a PassControl.

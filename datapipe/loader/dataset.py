@@ -393,7 +393,8 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                 return
             samples = [x for x in group if x.__class__ is not Skipped]
             skipped = tuple(x for x in group if x.__class__ is Skipped)
-            yield Batch.from_samples(samples, skipped)
+            if samples or self.yield_skip_markers:  # a batch of skips only tells a loader about them
+                yield Batch.from_samples(samples, skipped)
 
     def _chunk_items(self, pre: Prefetcher, chunk: Chunk, on_error: ErrorPolicy) -> Iterator[Any]:
         """The items of ``chunk`` in stream order, read by its shards' readers (see

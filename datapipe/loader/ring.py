@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-import threading
 import weakref
 from dataclasses import dataclass
 from multiprocessing.reduction import DupFd
@@ -101,15 +100,22 @@ class _Slot:
 def _measure(batch: Batch) -> int:
     """Bytes the batch needs in a slot (with alignment); fields that are neither columns
     nor CPU tensors travel in the RingBatch itself."""
-    import torch
-
     need = 0
     for value in batch.values():
         if isinstance(value, Column):
             need += _aligned(value.nbytes) + _aligned(8 * (len(value) + 1))
-        elif isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.is_sparse:
+        elif _raw_tensor(value):
             need += _aligned(value.numel() * value.element_size())
     return need
+
+
+def _raw_tensor(value: Any) -> bool:
+    """Whether ``value`` is a tensor that its bytes, dtype and shape rebuild: dense (strided),
+    on the CPU, neither quantized (scale and zero point live outside the bytes) nor nested."""
+    import torch
+
+    return (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.layout == torch.strided
+            and not value.is_quantized and not value.is_nested)
 
 
 class BatchRing:
@@ -129,7 +135,6 @@ class BatchRing:
     def _init_local(self) -> None:
         self._slots: list[_Slot | None] = [None] * self.slots_per_worker  # worker side
         self._maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}  # main side
-        self._lock = threading.Lock()
         #: (main process) batches opened from slots, and batches that came pickled because
         #: their worker found no slot free (counted by the loader)
         self.opened = 0
@@ -166,7 +171,15 @@ class BatchRing:
             self._slots[i] = slot
         mm = slot.mm
         mm[0] = _BUSY
-        fields = self._fill(mm, batch)
+        try:
+            fields = self._fill(mm, batch)
+        except Exception:
+            # a value the slot cannot hold after all: the slot stays free (else its worker
+            # loses it for good) and the batch goes the ordinary way, pickled, where a value
+            # that cannot travel at all raises torch's own error
+            mm[0] = _FREE
+            self.free[worker].release()
+            return None
         out = RingBatch(worker, i, slot.generation, len(mm), fields, len(batch), form=batch.form, ring=self.id)
         if not slot.sent:
             out.fd = DupFd(slot.fd)
@@ -189,7 +202,7 @@ class BatchRing:
                     view[opos : opos + offsets.nbytes] = offsets.view(np.uint8).data
                     fields[name] = ("column", pos, nbytes, opos, len(value))
                     pos = opos + _aligned(offsets.nbytes)
-                elif isinstance(value, torch.Tensor) and value.device.type == "cpu" and not value.is_sparse:
+                elif _raw_tensor(value):
                     nbytes = value.numel() * value.element_size()
                     dst = torch.frombuffer(view[pos : pos + nbytes], dtype=value.dtype) if nbytes else None
                     if dst is not None:
@@ -235,7 +248,12 @@ class BatchRing:
     def _map(self, rb: RingBatch) -> mmap.mmap:
         key = (rb.worker, rb.slot)
         if rb.fd is not None:
-            fd, rb.fd = rb.fd.detach(), None
+            try:
+                fd = rb.fd.detach()  # fetched from the worker, over a socket it serves
+            except OSError as e:
+                raise RuntimeError(f"batch ring: DataLoader worker {rb.worker} could not hand over its slot "
+                                   f"{rb.slot} ({e}); the worker process has exited (was it killed?)") from e
+            rb.fd = None
             try:
                 mm = mmap.mmap(fd, rb.size)
             finally:

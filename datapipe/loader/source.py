@@ -22,8 +22,10 @@ file keeps the identity it had then (see :meth:`ShardSource._read_local`).
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
+import stat
 import threading
 import time
 import weakref
@@ -256,8 +258,12 @@ def _read_into(path: str, limit: int, pool: BufferPool) -> tuple[mmap.mmap | Non
     """(the first ``min(size, limit)`` bytes of ``path`` in a pooled buffer, or None when
     there are none; the file's status before and after the read). A file that shrinks while
     it is read gives a shorter buffer, never an error or a signal."""
-    with open(path, "rb", buffering=0) as f:
+    # O_NONBLOCK: a FIFO put where a shard was would block open() forever; refused below
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb", buffering=0, closefd=True) as f:
         st0 = os.fstat(f.fileno())
+        if not stat.S_ISREG(st0.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
         want = max(0, min(st0.st_size, limit))
         if want == 0:
             return None, st0, os.fstat(f.fileno())

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EmptyInputError, InputFileError, InvalidMemberNameError, PackError
-from ..format.rows import row_fields
+from ..format.rows import flatten_bytes_structs, row_fields
 from ..format.tar import BLOCK, check_key, padding, split_member_name
 
 __all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table",
@@ -62,6 +62,23 @@ def is_parquet_tree(src: str) -> bool:
                 return False
             found = True
     return found
+
+
+def parquet_dataset(path: str, filesystem: Any = None) -> Any:
+    """The pyarrow dataset of the Parquet table at ``path`` (a file or a folder, Hive keys
+    as columns) with the columns of all its files: pyarrow takes the schema from the first
+    file alone and drops columns only later files have. Columns with two types raise
+    ``pyarrow.ArrowException`` (the caller names the table)."""
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+
+    ds = pads.dataset(path, format="parquet", partitioning="hive", filesystem=filesystem,
+                      exclude_invalid_files=False)
+    fragments = list(ds.get_fragments())
+    schema = pa.unify_schemas([ds.schema, *(f.physical_schema for f in fragments)])
+    if schema.equals(ds.schema):
+        return ds
+    return pads.FileSystemDataset(fragments, schema, ds.format, filesystem=ds.filesystem)
 
 
 def source_kind(src: str) -> str:
@@ -197,9 +214,12 @@ def count_table_rows(src: str, kind: str) -> int:
     if kind == "jsonl":
         with open(src, "rb") as f:
             return sum(1 for line in f if line.strip())
-    import pyarrow.dataset as pads
+    import pyarrow as pa
 
-    return int(pads.dataset(src, format="parquet", partitioning="hive").count_rows())
+    try:
+        return int(parquet_dataset(src).count_rows())
+    except (pa.ArrowException, OSError) as e:
+        raise InputFileError(f"{src}: not a readable Parquet table: {e}") from e
 
 
 def _row_to_sample(row: dict[str, Any], index: int, where: str) -> dict[str, Any]:
@@ -235,16 +255,19 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
                 if stop is not None and i >= stop:
                     return
         return
-    import pyarrow.dataset as pads
+    import pyarrow as pa
 
-    ds = pads.dataset(src, format="parquet", partitioning="hive")  # Hive folders: their keys are columns
+    try:
+        ds = parquet_dataset(src)  # Hive folders: their keys are columns
+    except (pa.ArrowException, OSError) as e:
+        raise InputFileError(f"{src}: not a readable Parquet table: {e}") from e
     i = 0
     for batch in ds.to_batches():
         n = batch.num_rows
         if i + n <= start:
             i += n
             continue
-        for row in batch.to_pylist():
+        for row in flatten_bytes_structs(batch).to_pylist():
             if i >= start and (stop is None or i < stop):
                 yield _row_to_sample(row, i, src)
             i += 1

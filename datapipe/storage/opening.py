@@ -11,7 +11,18 @@ from .options import storage_options_for
 from .remote import FsspecStore
 from .store import Store, is_local_url
 
-__all__ = ["open_store"]
+__all__ = ["open_store", "refuse_chained_url"]
+
+
+def refuse_chained_url(url: str) -> None:
+    """:class:`StorageError` for an fsspec chained URL (``simplecache::s3://...``), naming
+    the plain URL to open instead."""
+    if "::" in url:
+        raise StorageError(
+            f"{url}: chained fsspec URLs (simplecache::, filecache::, blockcache::, ...) are not supported: "
+            "datapipe checks every byte it reads against its index and keeps its own local copies; open the "
+            f"plain URL ({url.rsplit('::', 1)[-1]}) and give StreamingDataset a "
+            "TieredCache(warm_dir=...) for a local copy")
 
 
 def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Store:
@@ -19,12 +30,7 @@ def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | No
     fsspec for every other protocol, with the options set for its prefix (see
     :mod:`.options`) under ``storage_options``."""
     url = os.fspath(url)
-    if "::" in url:
-        raise StorageError(
-            f"{url}: chained fsspec URLs (simplecache::, filecache::, blockcache::, ...) are not supported: "
-            "datapipe checks every byte it reads against its index and keeps its own local copies; open the "
-            f"plain URL ({url.rsplit('::', 1)[-1]}) and give StreamingDataset a "
-            "TieredCache(warm_dir=...) for a local copy")
+    refuse_chained_url(url)
     if is_local_url(url):
         return LocalStore(url)
     return FsspecStore(url, storage_options_for(url, storage_options))

@@ -3,9 +3,10 @@
     datapipe.set_storage_options("s3://bucket/", {"client_kwargs": {"endpoint_url": "http://minio:9000"}})
 
 Every ``open_store`` (datasets, the cache's cold reads, pack, checkpoints) merges the
-options of the longest prefix that the URL starts with under the options passed to it
-explicitly (explicit keys win; a nested dict such as ``client_kwargs`` is merged one
-level deep). The environment variable ``DATAPIPE_STORAGE_OPTIONS`` holds the same as JSON
+options of the longest prefix that covers the URL (whole path segments: ``s3://b`` covers
+``s3://b/x``, not ``s3://b-public/x``) under the options passed to it explicitly
+(explicit keys win; a nested dict such as ``client_kwargs`` is merged one level deep).
+The environment variable ``DATAPIPE_STORAGE_OPTIONS`` holds the same as JSON
 (``{"s3://bucket/": {...}}``) for processes that datapipe does not start itself (every
 rank of a job); options set in the process win over it. Stores carry their merged options
 into the worker processes they are pickled into.
@@ -28,8 +29,9 @@ _lock = threading.Lock()
 
 
 def set_storage_options(prefix: str, options: dict[str, Any] | None) -> None:
-    """Options for every URL that starts with ``prefix`` (``"s3://"``, ``"s3://bucket/"``);
-    ``None`` forgets the prefix."""
+    """Options for every URL under ``prefix`` (``"s3://"``, ``"s3://bucket/"``; cut at whole
+    path segments: ``"s3://bucket"`` is not a prefix of ``"s3://bucket-public/"``); ``None``
+    forgets the prefix."""
     if not isinstance(prefix, str) or "://" not in prefix:
         raise ValueError(f"a storage-options prefix is a URL prefix with a protocol, such as 's3://bucket/', "
                          f"got {prefix!r}")
@@ -49,8 +51,17 @@ def _from_environment() -> dict[str, dict[str, Any]]:
     except ValueError as e:
         raise StorageError(f"{ENV} is not JSON ({e}); it maps URL prefixes to storage options, e.g. "
                            '{"s3://bucket/": {"client_kwargs": {"endpoint_url": "http://host:9000"}}}') from None
-    if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in doc.items()):
-        raise StorageError(f"{ENV} must map URL prefixes to dicts of storage options, got {text[:200]!r}")
+    # what is wrong is named, never the value: it holds keys and secrets
+    if not isinstance(doc, dict):
+        raise StorageError(f"{ENV} must map URL prefixes to dicts of storage options, got a JSON "
+                           f"{type(doc).__name__}")
+    for prefix, options in doc.items():
+        if "://" not in prefix:
+            raise StorageError(f"{ENV}: the prefix {prefix[:100]!r} has no protocol; use a URL prefix such "
+                               "as 's3://bucket/'")
+        if not isinstance(options, dict):
+            raise StorageError(f"{ENV}: the options of {prefix[:100]!r} must be a JSON object, got a "
+                               f"{type(options).__name__}")
     return doc
 
 
@@ -61,11 +72,21 @@ def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _covers(prefix: str, url: str) -> bool:
+    """Whether ``prefix`` names ``url`` or a folder above it, cut at whole path segments:
+    ``s3://b`` and ``s3://b/`` cover ``s3://b`` and ``s3://b/x``, not ``s3://b-public/x``;
+    ``s3://`` covers every s3 URL."""
+    if prefix.endswith("://"):
+        return url.startswith(prefix)
+    folder = prefix.rstrip("/")
+    return url.rstrip("/") == folder or url.startswith(folder + "/")
+
+
 def storage_options_for(url: str, explicit: dict[str, Any] | None = None) -> dict[str, Any]:
     """The options a store for ``url`` opens with: those of the longest matching prefix
     (set here, else from the environment) with ``explicit`` merged over them."""
     with _lock:
         table = {**_from_environment(), **_set}
-    matches = [p for p in table if url.startswith(p)]
+    matches = [p for p in table if _covers(p, url)]
     base = table[max(matches, key=len)] if matches else {}
     return _merged(base, dict(explicit or {}))

@@ -11,7 +11,9 @@ are not read again, and neither are they when shards are added to the list later
 ``part=(i, n)`` indexes only the i-th of n slices of the shard list and writes only
 records (machines can share the work); a run without ``part`` commits. The commit writes
 both index files, then the manifest, as a pack does: a destination without a manifest is
-no dataset, and an index being rewritten loses its manifest first.
+no dataset, and an index being rewritten loses its manifest first. A destination holding
+files of those names that we did not write (a packed dataset, the user's own
+``samples.parquet``) is refused before any shard is read, and nothing in it is replaced.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ..errors import (
     TruncatedReadError,
 )
 from ..format import MANIFEST, SampleRecords, ShardRecord, parse_manifest
-from ..format.index import TAR_INDEX, check_relative_name
+from ..format.index import SAMPLES_FILE, SHARDS_FILE, TAR_INDEX, check_relative_name
 from ..format.tarscan import scan_tar
 from ..pack.commit import write_index
 from ..pack.lock import WriterLock
@@ -326,6 +328,7 @@ def index_shards(urls: str | list[str], dest: str | None = None, *, storage_opti
     base = open_store(dest, storage_options)
     found: dict[str, dict[str, Any]] = {}
     earlier = _load_records(base)
+    _check_destination(base, dest, bool(earlier))
     for ref in refs:
         rec = _matching(earlier.get(ref.url), ref)
         if rec is not None:
@@ -378,6 +381,40 @@ def _locked(store: Store, dest: str) -> Iterator[WriterLock]:
         lock.release()
 
 
+def _foreign_manifest(store: Store, dest: str) -> DestinationExistsError | None:
+    """The refusal for a ``manifest.json`` at ``dest`` that is not an index of tars we
+    wrote (a packed dataset, a file of the user's), else None."""
+    where = store.url(MANIFEST)
+    try:
+        old = parse_manifest(store.get(MANIFEST), where)
+    except DatapipeError:
+        old = None
+    if old is not None and old.get("origin") == TAR_INDEX:
+        return None
+    what = "a packed dataset" if old is not None else "a manifest.json that is not a datapipe index"
+    return DestinationExistsError(f"{where} exists: {dest} holds {what}; choose another --index-to DEST")
+
+
+def _check_destination(store: Store, dest: str, has_records: bool) -> None:
+    """Refuse, before any shard is read, a destination whose index files we may not have
+    written: a foreign manifest, or ``shards.parquet``/``samples.parquet`` without a
+    manifest and without records of an earlier run of ours (a commit that stopped before
+    its manifest leaves both: then the files are ours, and are replaced)."""
+    if store.exists(MANIFEST):
+        refusal = _foreign_manifest(store, dest)
+        if refusal is not None:
+            raise refusal
+        return
+    if has_records:
+        return
+    for name in (SHARDS_FILE, SAMPLES_FILE):
+        if store.exists(name):
+            raise DestinationExistsError(
+                f"{store.url(name)} exists and is not part of an index we wrote (there is no manifest.json "
+                f"and no {RECORDS}/ records beside it): indexing here would overwrite it; choose another "
+                "--index-to DEST (or, if it is what is left of an index datapipe wrote, delete it yourself)")
+
+
 def _same_index(dest: str, storage_options: dict[str, Any] | None, shards: list[ShardRecord]) -> bool:
     """Whether the index at ``dest`` (opened and verified as every reader opens it) lists
     exactly ``shards``: then a rerun leaves it as it is."""
@@ -405,16 +442,11 @@ def _commit(lock: WriterLock, refs: list[ShardRef], found: dict[str, dict[str, A
         raise EmptyInputError(f"the {len(shards)} shards hold no sample (members need key.field names, "
                               "WebDataset's rule); nothing to index")
     if store.exists(MANIFEST):
-        where = store.url(MANIFEST)
         if _same_index(dest, storage_options, shards):
             return result
-        try:
-            old = parse_manifest(store.get(MANIFEST), where)
-        except DatapipeError:
-            old = None
-        if old is None or old.get("origin") != TAR_INDEX:  # never delete a file we may not have written
-            what = "a packed dataset" if old is not None else "a manifest.json that is not a datapipe index"
-            raise DestinationExistsError(f"{where} exists: {dest} holds {what}; choose another --index-to DEST")
+        refusal = _foreign_manifest(store, dest)
+        if refusal is not None:  # never delete a file we may not have written
+            raise refusal
         lock.check()
         store.delete(MANIFEST)  # the old index stops existing before its files are replaced
     fields: set[str] = set()

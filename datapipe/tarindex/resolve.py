@@ -2,7 +2,8 @@
 ``datapipe inspect/verify``): indexed on first use, the index cached and reused.
 
 The cache key is a checksum of every shard's URL, size and version (mtime and inode
-locally, the ETag on S3), so a shard that changes gets a new index, never a stale one.
+locally, the ETag on S3), so a shard that changes gets a new index, never a stale one;
+an index found at that folder is used only if it lists exactly those shards.
 The index goes into ``<warm_dir>/tar-index/<key>`` when a cache with a warm tier is
 given, else into ``$DATAPIPE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/datapipe``, else
 ``~/.cache/datapipe``) ``/tar-index/<key>``. Processes that start together (ranks on one
@@ -22,10 +23,11 @@ import time
 from typing import Any, TypeVar, cast
 
 from ..dataset import Dataset, open_index
-from ..errors import DestinationBusyError, PlanError, StorageError
+from ..errors import CorruptIndexError, DestinationBusyError, PlanError, StorageError
 from ..format import MANIFEST
+from ..format.index import TAR_INDEX
 from .build import index_shards
-from .urls import expand_urls, is_tar_source, stat_shards
+from .urls import ShardRef, expand_urls, is_tar_source, stat_shards
 
 __all__ = ["index_location", "resolve_source", "open_dataset", "user_cache_dir"]
 
@@ -62,7 +64,22 @@ def index_location(urls: str | list[str], storage_options: dict[str, Any] | None
             raise StorageError(f"cannot write the index of {len(refs)} tar shards to {dest} ({e}); set "
                                "DATAPIPE_CACHE_DIR to a writable folder, or run `datapipe index` and pass the index"
                                ) from e
+    _check_lists(dest, refs)
     return dest
+
+
+def _check_lists(dest: str, refs: list[ShardRef]) -> None:
+    """:class:`CorruptIndexError` unless the index at ``dest`` is an index of tars that lists
+    exactly the shards ``refs`` (URL and size) in order: the cache folder is found by its
+    name alone, and whatever lies there (copied, planted in a shared cache dir) is not
+    trusted for it. The folder is not ours to delete: the message says what to do."""
+    ix = open_index(dest)
+    if ix.manifest.get("origin") == TAR_INDEX and \
+            [(s.url, s.bytes) for s in ix.shards] == [(r.url, r.bytes) for r in refs]:
+        return
+    raise CorruptIndexError(f"{dest}: the index cached here does not list the {len(refs)} shards asked for "
+                            f"(first: {refs[0].url}); remove this folder (or set DATAPIPE_CACHE_DIR to another "
+                            "one) and open the shards again")
 
 
 _Source = TypeVar("_Source")
@@ -106,4 +123,10 @@ def open_dataset(source: Any, storage_options: dict[str, Any] | None = None, cac
             raise PlanError(f"open_dataset opens one dataset; got {len(url)} dataset URLs ({url[:3]}...): open "
                             "each on its own, or give tar shards (a list of them is indexed as one dataset)")
         url = url[0]
+    from ..tables import is_parquet_source
+
+    if is_parquet_source(url, storage_options):
+        raise PlanError(f"{url} is a Parquet table: StreamingDataset reads it in place (by row group); "
+                        f"open_dataset's random access needs it packed first: `datapipe pack {url} DEST`, "
+                        "then open_dataset(DEST)")
     return Dataset(open_index(url, storage_options), decode)

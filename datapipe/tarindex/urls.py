@@ -5,7 +5,9 @@ shard's size and version (mtime/inode locally, the ETag on S3), one stat per sha
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -67,24 +69,48 @@ def _split_top(body: str) -> list[str]:
 def expand_braces(pattern: str) -> list[str]:
     """``'a-{000..002}.tar' -> ['a-000.tar', 'a-001.tar', 'a-002.tar']``; ``{x,y}`` lists,
     nested groups; a range keeps the width of its zero-padded ends (braceexpand's rule).
-    A ``{`` without a matching ``}`` or a range of more than 10^7 names is an error."""
+    A ``{`` without a matching ``}`` or a pattern of more than 10^7 names is an error,
+    raised before any name is made (the groups of a pattern multiply)."""
+    count = _count_names(pattern)
+    if count > _MAX_EXPANSION:
+        raise PackOptionError(f"{pattern!r} names {count:,} shards, more than {_MAX_EXPANSION:,}: give a "
+                              "narrower pattern (or several), or run `datapipe index` over parts of the list")
+    return _expand(pattern)
+
+
+def _count_names(pattern: str) -> int:
+    """How many names ``pattern`` expands to (counted, not made)."""
+    i = pattern.find("{")
+    if i < 0:
+        return 1
+    j = _close_of(pattern, i)
+    if j < 0:
+        return 1  # refused by _expand, with its own message
+    body, rest = pattern[i + 1 : j], _count_names(pattern[j + 1 :])
+    m = _RANGE.match(body)
+    if m:
+        return (abs(int(m.group(2)) - int(m.group(1))) + 1) * rest
+    if "," in body or "{" in body:
+        return sum(_count_names(part) for part in _split_top(body)) * rest
+    return rest
+
+
+def _expand(pattern: str) -> list[str]:
     i = pattern.find("{")
     if i < 0:
         return [pattern]
     j = _close_of(pattern, i)
     if j < 0:
         raise PackOptionError(f"{pattern!r}: a '{{' without its '}}'")
-    head, body, rest = pattern[:i], pattern[i + 1 : j], expand_braces(pattern[j + 1 :])
+    head, body, rest = pattern[:i], pattern[i + 1 : j], _expand(pattern[j + 1 :])
     m = _RANGE.match(body)
     if m:
         lo, hi = int(m.group(1)), int(m.group(2))
-        if abs(hi - lo) >= _MAX_EXPANSION:
-            raise PackOptionError(f"{pattern!r}: the range {{{body}}} names more than {_MAX_EXPANSION} shards")
         width = len(m.group(1)) if m.group(1).startswith("0") or m.group(2).startswith("0") else 0
         step = 1 if hi >= lo else -1
         choices = [f"{v:0{width}d}" for v in range(lo, hi + step, step)]
     elif "," in body or "{" in body:
-        choices = [c for part in _split_top(body) for c in expand_braces(part)]
+        choices = [c for part in _split_top(body) for c in _expand(part)]
     else:  # a literal {x}: braceexpand leaves it as it is
         choices = ["{" + body + "}"]
     return [head + c + r for c in choices for r in rest]
@@ -110,8 +136,6 @@ def expand_urls(urls: str | list[str], storage_options: dict[str, Any] | None = 
     and folders sorted; a folder names the tar files directly inside it); local paths made
     absolute. A pattern that names nothing, a URL named twice, a
     whole-file compressed tar or a name that is not a ``.tar`` is an error."""
-    import os
-
     out: list[str] = []
     for pattern in [urls] if isinstance(urls, str) else list(urls):
         pattern = os.fspath(pattern)
@@ -154,14 +178,20 @@ def _store_of(folder: str, storage_options: dict[str, Any] | None, stores: dict[
 def stat_shards(urls: list[str], storage_options: dict[str, Any] | None = None,
                 threads: int = 32) -> list[ShardRef]:
     """Size and version of each shard (stat calls in ``threads`` threads: on object stores
-    each is a round trip). A missing shard or a folder is an error naming it."""
+    each is a round trip). A missing shard, or a local name that is not a regular file, is
+    an error naming it."""
     stores: dict[str, Store] = {}
     for u in urls:  # stores opened here, once per folder, before the threads share them
         _store_of(split_url(u)[0], storage_options, stores)
 
     def one(url: str) -> ShardRef:
         folder, key = split_url(url)
+        path = stores[folder].local_path(key)
         try:
+            # a folder, a FIFO (opening one blocks until a writer comes) or a device: never opened
+            if path is not None and os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+                raise PackOptionError(f"shard {url} is not a regular file (a folder, a FIFO or a device); "
+                                      "datapipe index reads tar files")
             size, version = stores[folder].stat(key)
         except ObjectNotFoundError:
             raise ObjectNotFoundError(f"shard {url} does not exist") from None
