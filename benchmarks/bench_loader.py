@@ -256,7 +256,13 @@ def ensure_format(work: str, system: str, setting: dict[str, Any], corpus_info: 
     os.makedirs(os.path.dirname(d), exist_ok=True)
     log(f"prepare {name}")
     t0 = time.perf_counter()
-    prepare(system, setting, corpus_info, d)
+    # in a fresh interpreter, as every measurement: packers leave threads (tqdm's monitor),
+    # environment variables (LitData's cache folders) and imports (the torchvision stand-in
+    # MosaicML needs) behind, which must not change the process that started the sweep
+    raw = _spawn({"kind": "prepare", "system": system, "setting": setting, "corpus_dir": corpus_info["dir"],
+                  "samples": len(corpus_info["samples"]), "dir": d}, 3600.0)
+    if "error" in raw:
+        raise RuntimeError(raw["error"])
     files = [p for p in glob.glob(os.path.join(d, "**"), recursive=True) if os.path.isfile(p)]
     info = {"prepare_s": time.perf_counter() - t0, "files": len(files),
             "bytes": sum(os.path.getsize(p) for p in files)}
@@ -808,9 +814,20 @@ def run(config: dict[str, Any] | None = None, log: Callable[[str], None] | None 
     return result
 
 
+def _prepare_job(job: dict[str, Any]) -> dict[str, Any]:
+    from .bench_read import _corpus
+
+    samples = _corpus(job["corpus_dir"], job["samples"], 0, 0)  # the corpus exists: this only lists it
+    if len(samples) != job["samples"]:
+        raise RuntimeError(f"{job['corpus_dir']}: {len(samples)} samples, expected {job['samples']}")
+    prepare(job["system"], job["setting"], {"dir": job["corpus_dir"], "samples": samples}, job["dir"])
+    return {}
+
+
 def _job_main(spec: str) -> None:
     job = json.loads(spec)
-    out = run_map_job(job) if job.get("kind") == "map" else run_job(job)
+    kind = job.get("kind")
+    out = run_map_job(job) if kind == "map" else _prepare_job(job) if kind == "prepare" else run_job(job)
     sys.stdout.flush()
     print("RESULT " + json.dumps(out, default=float), flush=True)
 
