@@ -4,6 +4,13 @@
 once per measurement, so no two systems share an interpreter, imports or allocator state;
 this module prints one ``RESULT {json}`` line.
 
+Every system gets the same number of processes, ``--workers N``: datapipe's ``workers=N``,
+LitData's ``num_workers=N``, the floor reads 1/N of the files in each of N processes, and
+webdataset and MosaicML (whose writers are single-process) write N contiguous slices of the
+samples in N forked processes, as their documentation does for parallel conversion (one
+``ShardWriter`` per process with its own shard names; one ``MDSWriter`` per sub-folder, then
+``streaming.base.util.merge_index``). Each result states the processes it used.
+
 Every system's clock starts after its imports (importing ``streaming`` alone takes seconds
 because it pulls in ``transformers``) and includes finding the input files, because every
 packer has to list them. The floor lists them before its clock starts: it is the strict
@@ -22,16 +29,16 @@ from collections.abc import Callable
 from typing import Any
 
 SYSTEMS = {
+    "floor-np": "floor: read all files, N processes",
     "floor-1p": "floor: read all files, 1 process",
     "floor-1p-bytes": "floor: read() to new bytes, 1 proc",
-    "floor-2p": "floor: read all files, 2 processes",
     "datapipe": "datapipe.pack",
     "datapipe-zstd": "datapipe.pack zstd",
     "webdataset": "webdataset ShardWriter",
     "mds": "streaming MDSWriter",
     "litdata": "litdata optimize()",
 }
-FLOORS = ("floor-1p", "floor-1p-bytes", "floor-2p")
+FLOORS = ("floor-np", "floor-1p", "floor-1p-bytes")
 PEERS = ("webdataset", "mds", "litdata")
 OURS = ("datapipe", "datapipe-zstd")
 
@@ -107,27 +114,35 @@ def _read_new_bytes(paths: list[str]) -> int:
     return total
 
 
-def _floor(src: str, variant: str) -> dict[str, Any]:
+def _slices(items: list[Any], n: int) -> list[list[Any]]:
+    """``n`` contiguous slices of ``items`` of near-equal length (none empty unless items are few)."""
+    n = max(1, min(n, len(items)))
+    return [items[i * len(items) // n : (i + 1) * len(items) // n] for i in range(n)]
+
+
+def _floor(src: str, variant: str, workers: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     samples = list_samples(src)
     list_s = time.perf_counter() - t0
     paths = [p for _, files in samples for _, p in files]
+    procs = 1
     t0 = time.perf_counter()
-    if variant == "floor-2p":
+    if variant == "floor-np" and workers > 1:
         import multiprocessing as mp
 
         # fork: the children start with the list already in memory, so the clock holds
         # process start-up and reading, nothing else.
-        half = len(paths) // 2
-        with mp.get_context("fork").Pool(2) as pool:
-            nbytes = sum(pool.map(_read_into, [paths[:half], paths[half:]]))
+        parts = _slices(paths, workers)
+        procs = len(parts)
+        with mp.get_context("fork").Pool(procs) as pool:
+            nbytes = sum(pool.map(_read_into, parts))
     elif variant == "floor-1p-bytes":
         nbytes = _read_new_bytes(paths)
     else:
         nbytes = _read_into(paths)
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "list_seconds": list_s, "samples": len(samples), "files": len(paths),
-            "input_bytes": nbytes, "out_bytes": 0}
+            "input_bytes": nbytes, "out_bytes": 0, "processes": procs}
 
 
 # --- datapipe ----------------------------------------------------------------------------
@@ -140,28 +155,52 @@ def _datapipe(src: str, dest: str, shard_bytes: int, workers: int | None, compre
     res = datapipe.pack(src, dest, shard_bytes=shard_bytes, compression=compression, workers=workers,
                         progress=False)
     seconds = time.perf_counter() - t0
+    # datapipe starts min(workers, shards) processes (one shard is one task)
     return {"seconds": seconds, "samples": res.samples, "shards": res.shards, "out_bytes": res.stored_bytes,
-            "pack_reported_seconds": res.seconds}
+            "pack_reported_seconds": res.seconds, "processes": max(1, min(workers or 1, res.shards)),
+            "settings": {"workers": workers}}
 
 
 # --- webdataset ----------------------------------------------------------------------------
 
 
-def _webdataset(src: str, dest: str, shard_bytes: int) -> dict[str, Any]:
+def _in_processes(fn: Callable[[tuple[int, list[Sample]]], int], samples: list[Sample],
+                  workers: int) -> tuple[int, int]:
+    """Run ``fn((i, slice_i))`` over ``workers`` contiguous slices of ``samples`` in forked
+    processes (inline for one); returns (samples written, processes used)."""
+    parts = list(enumerate(_slices(samples, workers)))
+    if len(parts) <= 1:
+        return sum(fn(p) for p in parts), 1
+    import multiprocessing as mp
+
+    with mp.get_context("fork").Pool(len(parts)) as pool:
+        return sum(pool.map(fn, parts)), len(parts)
+
+
+_WDS: dict[str, Any] = {}  # the running webdataset measurement's dest and shard size (read by forked workers)
+
+
+def _wds_part(part: tuple[int, list[Sample]]) -> int:
     import webdataset as wds
 
-    os.makedirs(dest, exist_ok=True)
-    t0 = time.perf_counter()
-    n = 0
-    with wds.ShardWriter(os.path.join(dest, "shard-%06d.tar"), maxcount=10**9, maxsize=shard_bytes,
-                         verbose=0) as sink:
-        for key, files in list_samples(src):
+    i, samples = part
+    pattern = os.path.join(_WDS["dest"], f"shard-p{i:03d}-%06d.tar")
+    with wds.ShardWriter(pattern, maxcount=10**9, maxsize=_WDS["shard_bytes"], verbose=0) as sink:
+        for key, files in samples:
             sample: dict[str, Any] = {"__key__": key}
             sample.update(read_fields(files))
             sink.write(sample)
-            n += 1
+    return len(samples)
+
+
+def _webdataset(src: str, dest: str, shard_bytes: int, workers: int) -> dict[str, Any]:
+    os.makedirs(dest, exist_ok=True)
+    _WDS.update(dest=dest, shard_bytes=shard_bytes)
+    t0 = time.perf_counter()
+    n, procs = _in_processes(_wds_part, list_samples(src), workers)
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "samples": n, "shards": len(os.listdir(dest)), "out_bytes": _tree_bytes(dest)}
+    return {"seconds": seconds, "samples": n, "shards": len(os.listdir(dest)), "out_bytes": _tree_bytes(dest),
+            "processes": procs, "settings": {"processes": procs, "ShardWriter": f"maxsize={shard_bytes}"}}
 
 
 # --- MosaicML streaming --------------------------------------------------------------------
@@ -207,22 +246,38 @@ def _import_streaming() -> Any:
     return streaming
 
 
-def _mds(src: str, dest: str, shard_bytes: int) -> dict[str, Any]:
+# The cheapest typed mapping of our fields: jpg as raw bytes, cls as an int, the JSON caption
+# as a str (the "json" column type would parse and re-dump it); the key as a str so that MDS
+# stores what the other formats store.
+_MDS_COLUMNS = {"key": "str", "jpg": "bytes", "cls": "int", "json": "str"}
+_MDS: dict[str, Any] = {}  # the running MDS measurement's out folder and shard size (read by forked workers)
+
+
+def _mds_part(part: tuple[int, list[Sample]]) -> int:
     streaming = _import_streaming()
-    # The cheapest typed mapping of our fields: jpg as raw bytes, cls as an int, the JSON
-    # caption as a str (the "json" column type would parse and re-dump it); the key as a str
-    # so that MDS stores what the other formats store.
-    columns = {"key": "str", "jpg": "bytes", "cls": "int", "json": "str"}
-    t0 = time.perf_counter()
-    n = 0
-    with streaming.MDSWriter(out=dest, columns=columns, compression=None, size_limit=shard_bytes) as sink:
-        for key, files in list_samples(src):
+    i, samples = part
+    out = _MDS["dest"] if _MDS["workers"] <= 1 else os.path.join(_MDS["dest"], f"part-{i:03d}")
+    with streaming.MDSWriter(out=out, columns=_MDS_COLUMNS, compression=None, size_limit=_MDS["shard_bytes"]) as sink:
+        for key, files in samples:
             f = read_fields(files)
             sink.write({"key": key, "jpg": f["jpg"], "cls": int(f["cls"]), "json": f["json"].decode()})
-            n += 1
+    return len(samples)
+
+
+def _mds(src: str, dest: str, shard_bytes: int, workers: int) -> dict[str, Any]:
+    _import_streaming()
+    from streaming.base.util import merge_index
+
+    _MDS.update(dest=dest, shard_bytes=shard_bytes, workers=workers)
+    t0 = time.perf_counter()
+    n, procs = _in_processes(_mds_part, list_samples(src), workers)
+    if procs > 1:
+        merge_index(dest, keep_local=True)  # one index.json over the parts, as MosaicML's docs do
     seconds = time.perf_counter() - t0
-    shards = sum(1 for x in os.listdir(dest) if x.endswith(".mds"))
-    return {"seconds": seconds, "samples": n, "shards": shards, "out_bytes": _tree_bytes(dest)}
+    shards = sum(1 for _, _, names in os.walk(dest) for x in names if x.endswith(".mds"))
+    return {"seconds": seconds, "samples": n, "shards": shards, "out_bytes": _tree_bytes(dest), "processes": procs,
+            "settings": {"processes": procs, "MDSWriter": f"size_limit={shard_bytes}",
+                         "merge_index": procs > 1}}
 
 
 # --- LitData --------------------------------------------------------------------------------
@@ -250,22 +305,23 @@ def _litdata(src: str, dest: str, shard_bytes: int, workers: int, workdir: str) 
     shards = sum(1 for x in os.listdir(dest) if x.endswith(".bin"))
     with open(os.path.join(dest, "index.json")) as fh:
         n = sum(c.get("chunk_size", 0) for c in json.load(fh).get("chunks", []))
-    return {"seconds": seconds, "samples": n, "shards": shards, "out_bytes": _tree_bytes(dest)}
+    return {"seconds": seconds, "samples": n, "shards": shards, "out_bytes": _tree_bytes(dest), "processes": workers,
+            "settings": {"num_workers": workers, "chunk_bytes": shard_bytes}}
 
 
 # --- entry point ----------------------------------------------------------------------------
 
 
-def measure(system: str, src: str, dest: str, shard_bytes: int, workers: int | None, workdir: str) -> dict[str, Any]:
+def measure(system: str, src: str, dest: str, shard_bytes: int, workers: int, workdir: str) -> dict[str, Any]:
     runners: dict[str, Callable[[], dict[str, Any]]] = {
-        "floor-1p": lambda: _floor(src, "floor-1p"),
-        "floor-1p-bytes": lambda: _floor(src, "floor-1p-bytes"),
-        "floor-2p": lambda: _floor(src, "floor-2p"),
+        "floor-np": lambda: _floor(src, "floor-np", workers),
+        "floor-1p": lambda: _floor(src, "floor-1p", 1),
+        "floor-1p-bytes": lambda: _floor(src, "floor-1p-bytes", 1),
         "datapipe": lambda: _datapipe(src, dest, shard_bytes, workers, None),
         "datapipe-zstd": lambda: _datapipe(src, dest, shard_bytes, workers, "zstd"),
-        "webdataset": lambda: _webdataset(src, dest, shard_bytes),
-        "mds": lambda: _mds(src, dest, shard_bytes),
-        "litdata": lambda: _litdata(src, dest, shard_bytes, workers or 2, workdir),
+        "webdataset": lambda: _webdataset(src, dest, shard_bytes, workers),
+        "mds": lambda: _mds(src, dest, shard_bytes, workers),
+        "litdata": lambda: _litdata(src, dest, shard_bytes, workers, workdir),
     }
     if system not in runners:
         raise SystemExit(f"unknown system {system!r}; one of {sorted(runners)}")
@@ -299,7 +355,7 @@ def main() -> None:
     ap.add_argument("src")
     ap.add_argument("dest")
     ap.add_argument("--shard-bytes", type=int, required=True)
-    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--workers", type=int, required=True, help="processes for every system (see the module doc)")
     ap.add_argument("--workdir", required=True)
     a = ap.parse_args()
     out = measure(a.system, a.src, a.dest, a.shard_bytes, a.workers, a.workdir)

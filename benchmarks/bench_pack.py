@@ -2,6 +2,11 @@
 MosaicML's ``MDSWriter`` and LitData's ``optimize()``, and against the floor, reading every
 input file once. Target: datapipe <= 1.2x the floor and faster than every peer.
 
+Every system runs with the same number of processes N (``--workers``; default datapipe's
+own default, 2 x the cores): datapipe ``workers=N``, LitData ``num_workers=N``, webdataset and
+MosaicML writing N slices in N processes, and the floor (the ratio's base) reading 1/N of the
+files in each of N processes. A one-process floor is listed for reference.
+
     python -m benchmarks.bench_pack            # 30,000 samples x 3 files
     python -m benchmarks.bench_pack --quick    # 3,000 samples, best of 3
 
@@ -28,9 +33,8 @@ from tools.corpus import generate_corpus
 
 __all__ = ["PackBenchConfig", "run", "format_table", "main"]
 
-DEFAULT_ORDER = ("floor-1p", "floor-1p-bytes", "floor-2p", "datapipe", "datapipe-zstd", "webdataset", "mds",
-                 "litdata")
-BASE = "floor-1p"  # the ratio column divides by this one: one process reading each file once
+DEFAULT_ORDER = ("floor-np", "floor-1p", "datapipe", "datapipe-zstd", "webdataset", "mds", "litdata")
+BASE = "floor-np"  # the ratio column divides by this one: N processes reading each file once
 TARGET_RATIO = 1.2
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +43,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class PackBenchConfig:
     samples: int = 30_000
     quick: bool = False  # 3,000 samples, 8 MiB shards, best of 3
-    workers: int | None = None  # datapipe: its default; LitData: 2 when None
+    workers: int | None = None  # processes for every system; None: datapipe.pack's default, 2 x the cores
     workdir: str = "/tmp/datapipe-bench-pack"
     repeats: int | None = None  # best of; default 2, or 3 with quick
     shard_mb: float | None = None  # shard / chunk limit for every system; default 64, or 8 with quick
@@ -55,6 +59,7 @@ class PackBenchConfig:
             c.samples = 3_000
         c.repeats = c.repeats or (3 if c.quick else 2)
         c.shard_mb = c.shard_mb or (8.0 if c.quick else 64.0)
+        c.workers = c.workers or 2 * (os.cpu_count() or 1)  # datapipe.pack's own default
         c.systems = tuple(c.systems)
         unknown = [s for s in c.systems if s not in SYSTEMS]
         if unknown:
@@ -135,9 +140,7 @@ def measure_once(system: str, src: str, c: PackBenchConfig, tag: str) -> dict[st
     os.makedirs(scratch)
     cache = prepare_cache(c.cache, src)
     cmd = [sys.executable, "-m", "benchmarks._pack_peers", system, src, dest,
-           "--shard-bytes", str(int(c.shard_mb * 2**20)), "--workdir", scratch]
-    if c.workers is not None:
-        cmd += ["--workers", str(c.workers)]
+           "--shard-bytes", str(int(c.shard_mb * 2**20)), "--workdir", scratch, "--workers", str(c.workers)]
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     try:
@@ -191,7 +194,8 @@ def run(config: PackBenchConfig | dict[str, Any] | None = None, log: Any = None)
     systems: dict[str, dict[str, Any]] = {}
     for s, rs in runs.items():
         ok = [x for x in rs if "error" not in x]
-        entry: dict[str, Any] = {"label": SYSTEMS[s], "runs": rs, "errors": [x["error"] for x in rs if "error" in x]}
+        label = SYSTEMS[s].replace("N processes", f"{c.workers} processes")
+        entry: dict[str, Any] = {"label": label, "runs": rs, "errors": [x["error"] for x in rs if "error" in x]}
         if ok:
             best = min(ok, key=lambda x: x["seconds"])
             entry.update(best=best["seconds"], best_incl_sync=min(x["seconds"] + x["sync_seconds"] for x in ok),
@@ -200,6 +204,8 @@ def run(config: PackBenchConfig | dict[str, Any] | None = None, log: Any = None)
                          complete=all(x["samples"] == c.samples for x in ok))
             if "list_seconds" in best:
                 entry["list_seconds"] = min(x["list_seconds"] for x in ok)
+            entry["processes"] = best.get("processes", 1)
+            entry["settings"] = best.get("settings", {})
         systems[s] = entry
 
     floor = systems.get(BASE, {}).get("best")
@@ -209,6 +215,7 @@ def run(config: PackBenchConfig | dict[str, Any] | None = None, log: Any = None)
         row: dict[str, Any] = {"system": s, "label": e["label"], "seconds": e.get("best"),
                                "seconds_incl_sync": e.get("best_incl_sync"),
                                "runs": len(e["all_seconds"]) if "best" in e else 0,
+                               "processes": e.get("processes"), "settings": e.get("settings"),
                                "error": e["errors"][0] if e["errors"] else None}
         if "best" in e:
             row["samples_per_s"] = c.samples / e["best"]
@@ -249,12 +256,12 @@ def format_table(report: dict[str, Any]) -> str:
              if modes == ["warm"] else f"page cache: mixed {modes}")
     lines = [
         f"corpus: {c['samples']:,} samples x 3 files, {corpus['bytes'] / 1e6:,.1f} MB; shard limit "
-        f"{c['shard_mb']:g} MiB; workers {c['workers'] or 'default'}; best of {c['repeats']}",
+        f"{c['shard_mb']:g} MiB; {c['workers']} processes for every system; best of {c['repeats']}",
         f"{cache}; {report['machine']['cpus']} CPUs, shared and noisy (load avg at end "
         f"{report['machine']['loadavg_end'][0]:.2f})",
         "",
         f"{'system':38s} {'seconds':>8s} {'+sync':>7s} {'samples/s':>10s} {'MB/s':>7s} {'x floor':>8s} "
-        f"{'all runs (s)':>20s}  faster than every peer",
+        f"{'all runs (s)':>20s} {'procs':>5s}  faster than every peer",
     ]
     for r in report["rows"]:
         if r["seconds"] is None:
@@ -264,11 +271,12 @@ def format_table(report: dict[str, Any]) -> str:
         beats = {True: "yes", False: "NO"}.get(r.get("faster_than_every_peer"), "")
         flag = "" if r["complete"] else "  INCOMPLETE sample count"
         lines.append(f"{r['label']:38s} {r['seconds']:8.2f} {r['seconds_incl_sync']:7.2f} {r['samples_per_s']:10,.0f} "
-                     f"{r['mb_per_s']:7.1f} {r['ratio_to_floor']:8.2f} {runs:>20s}  {beats}{flag}")
+                     f"{r['mb_per_s']:7.1f} {r['ratio_to_floor']:8.2f} {runs:>20s} {r['processes'] or 1:5d}  "
+                     f"{beats}{flag}")
     fl = report["systems"].get(BASE, {})
     if "list_seconds" in fl:
         lines.append(f"(listing the files, not in the floor's time: {fl['list_seconds']:.2f} s; "
-                     f"x floor divides by '{SYSTEMS[BASE]}'; +sync adds the os.sync() after each run)")
+                     f"x floor divides by '{fl.get('label', BASE)}'; +sync adds the os.sync() after each run)")
     v = report["verdict"]
     if v:
         lines.append(f"datapipe.pack: {v['ratio_to_floor']:.2f}x the floor (target <= {v['target_ratio']}x: "
@@ -282,8 +290,8 @@ def main(argv: list[str] | None = None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=PackBenchConfig.samples, help="corpus size (default 30000)")
     ap.add_argument("--quick", action="store_true", help="3000 samples, 8 MiB shards, best of 3")
-    ap.add_argument("--workers", type=int, default=None, help="datapipe and LitData workers (default: datapipe's "
-                    "own default; 2 for LitData)")
+    ap.add_argument("--workers", type=int, default=None, help="processes for every system and the floor (default: "
+                    "datapipe.pack's own default, 2 x the cores)")
     ap.add_argument("--workdir", default=PackBenchConfig.workdir, help="corpus and outputs (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=None, help="best of N (default 2, 3 with --quick)")
     ap.add_argument("--shard-mb", type=float, default=None, help="shard/chunk limit, MiB (default 64, 8 with --quick)")

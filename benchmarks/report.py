@@ -1,12 +1,14 @@
 """Every benchmark in one run, side by side with the peers and the machine's floors:
 
-    python -m benchmarks.report                 # default corpus, about 10 minutes on 2 cores
+    python -m benchmarks.report                 # default corpus and the whole loader sweep
     python -m benchmarks.report --samples 5000  # smaller corpus
     python -m benchmarks.report --quick         # a smoke run of every part, a few minutes
+    python -m benchmarks.report --parts loader --workdir /tmp/dp-bench   # the issue-12 sweep alone, formats kept
 
 Writes ``benchmarks/results/``: ``results.json`` (every figure), ``REPORT.md`` (tables with
 ratios to the floors and peers), and PNG plots: pack and read throughput per system, hit
-rate and bytes from cold against cache size per policy, checkpoint stall and total time
+rate and bytes from cold against cache size per policy, the loader sweep (samples/s per cell and
+system through DataLoader workers), checkpoint stall and total time
 against state size per system. Each part runs the module of the same name
 (``benchmarks.bench_pack`` ...), which can also be run alone.
 """
@@ -26,7 +28,8 @@ from typing import Any
 
 from . import plots, tables
 
-PARTS = ("pack", "read", "cache", "checkpoint")
+PARTS = ("pack", "read", "loader", "cache", "checkpoint")
+OPTIONAL_PARTS = ("gpu",)  # only when asked (--parts ...,gpu): batches into accelerator memory
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -64,6 +67,24 @@ def run_read(samples: int, quick: bool, work: str) -> dict[str, Any]:
     return run(cfg)
 
 
+def run_loader(quick: bool, work: str, cells: list[str] | None) -> dict[str, Any]:
+    from .bench_loader import QUICK, run
+
+    cfg: dict[str, Any] = dict(QUICK) if quick else {}
+    if cells:
+        cfg["cells"] = cells
+    cfg["workdir"] = os.path.join(work, "loader")
+    return run(cfg, log=lambda s: print("  " + s, flush=True))
+
+
+def run_gpu(quick: bool, work: str) -> dict[str, Any]:
+    from .bench_gpu import QUICK, run
+
+    cfg: dict[str, Any] = dict(QUICK) if quick else {}
+    cfg["workdir"] = os.path.join(work, "gpu")
+    return run(cfg)
+
+
 def run_cache(quick: bool, work: str) -> dict[str, Any]:
     from .bench_cache import BenchConfig, run
 
@@ -90,15 +111,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=20_000, help="corpus size for pack and read (default 20000)")
     ap.add_argument("--quick", action="store_true", help="small sizes everywhere: a smoke run")
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)} "
+                    f"(default all of them), plus {','.join(OPTIONAL_PARTS)} where a CUDA device is present")
     ap.add_argument("--out", default=os.path.join(HERE, "results"),
                     help="where results go (default benchmarks/results)")
-    ap.add_argument("--workdir", default=None, help="scratch space for corpora and formats (default: a temp dir)")
+    ap.add_argument("--workdir", default=None, help="scratch space for corpora and formats (default: a temp dir; "
+                    "give one to reuse the prepared formats in later runs)")
+    ap.add_argument("--cells", default=None, help="comma-separated cells of the loader sweep (default: all; "
+                    "see python -m benchmarks.bench_loader --help)")
     a = ap.parse_args(argv)
     parts = [p.strip() for p in a.parts.split(",") if p.strip()]
-    bad = sorted(set(parts) - set(PARTS))
+    bad = sorted(set(parts) - set(PARTS) - set(OPTIONAL_PARTS))
     if bad:
-        ap.error(f"unknown parts {bad}; choose from {PARTS}")
+        ap.error(f"unknown parts {bad}; choose from {PARTS + OPTIONAL_PARTS}")
     samples = 3000 if a.quick and a.samples == 20_000 else a.samples
     work = a.workdir or tempfile.mkdtemp(prefix="datapipe-report-")
     os.makedirs(a.out, exist_ok=True)
@@ -112,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": {},
     }
     runners = {"pack": lambda: run_pack(samples, a.quick, work), "read": lambda: run_read(samples, a.quick, work),
-               "cache": lambda: run_cache(a.quick, work), "checkpoint": lambda: run_checkpoint(a.quick, work)}
+               "loader": lambda: run_loader(a.quick, work, [c for c in (a.cells or "").split(",") if c.strip()]),
+               "cache": lambda: run_cache(a.quick, work), "checkpoint": lambda: run_checkpoint(a.quick, work),
+               "gpu": lambda: run_gpu(a.quick, work)}
     for part in parts:
         print(f"== {part}", flush=True)
         t0 = time.perf_counter()

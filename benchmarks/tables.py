@@ -20,19 +20,24 @@ def pack_md(r: dict[str, Any]) -> str:
     rows = []
     for row in r["rows"]:
         if row.get("seconds") is None:
-            rows.append([row["label"], "failed: " + str(row.get("error"))[:80], "", "", "", ""])
+            rows.append([row["label"], "failed: " + str(row.get("error"))[:80], "", "", "", "", "", ""])
             continue
         faster = {True: "yes", False: "no", None: ""}[row.get("faster_than_every_peer")]
+        settings = ", ".join(f"{k}={v}" for k, v in (row.get("settings") or {}).items())
         rows.append([row["label"], _f(row["seconds"]), _f(row["samples_per_s"], "{:,.0f}"),
-                     _f(row["mb_per_s"], "{:,.1f}"), _f(row["ratio_to_floor"]), faster])
+                     _f(row["mb_per_s"], "{:,.1f}"), _f(row["ratio_to_floor"]), faster,
+                     str(row.get("processes") or 1), settings])
     v = r.get("verdict") or {}
     head = (f"{r['corpus']['files']:,} files ({c['samples']:,} samples x 3), {r['corpus']['bytes'] / 1e6:,.0f} MB; "
-            f"shard limit {c['shard_mb']:g} MiB; best of {c['repeats']}; page cache: {', '.join(r['cache_modes'])}.")
+            f"shard limit {c['shard_mb']:g} MiB; best of {c['repeats']}; page cache: {', '.join(r['cache_modes'])}; "
+            f"{c.get('workers') or 'default'} processes for every system and the floor (x floor divides by "
+            f"'{r.get('floor_system', 'floor')}').")
     verdict = ""
     if v:
         verdict = (f"\n\ndatapipe.pack: **{v['ratio_to_floor']:.2f}x** the floor (target <= {v['target_ratio']}x); "
                    f"faster than every peer: **{'yes' if v['faster_than_every_peer'] else 'no'}**.")
-    table = _table(["system", "seconds", "samples/s", "MB/s", "x floor", "faster than every peer"], rows)
+    table = _table(["system", "seconds", "samples/s", "MB/s", "x floor", "faster than every peer", "processes",
+                    "settings"], rows)
     return head + "\n\n" + table + verdict
 
 
@@ -66,6 +71,162 @@ def read_md(r: dict[str, Any]) -> str:
     if p:
         lines.append(f"An epoch plan for {p['samples']:.0e} samples in {p['shards']:.0e} shards: "
                      f"{p['seconds']:.3f} s, {p['peak_MB']:.0f} MB peak (target <= 2 s, <= 100 MB).")
+    return "\n".join(lines)
+
+
+def _mb(x: Any) -> str:
+    return _f(x, "{:,.0f}")
+
+
+def _fmt_setting(setting: dict[str, Any]) -> str:
+    parts = []
+    for k, v in setting.items():
+        if k in ("shard_bytes", "chunk_bytes", "size_limit", "maxsize", "prefetch_bytes") \
+                and isinstance(v, (int, float)):
+            v = f"{v / 2**20:g} MiB" if v >= 1 << 20 and v % (1 << 20) == 0 else f"{v:g}"
+        parts.append(f"{k}={v}")
+    return ", ".join(parts)
+
+
+def _mode_cell(e: dict[str, Any], mode: str, key: str = "samples_per_s") -> str:
+    x = e.get(mode)
+    if x is None:
+        return "—"
+    if "unavailable" in x:
+        return "n/a"
+    if "error" in x:
+        return "error"
+    return _mb(x.get(key))
+
+
+def _lit(c: dict[str, Any], mode: str) -> tuple[float | None, str]:
+    got = [(x[mode]["samples_per_s"], name) for name in ("litdata", "litdata@default")
+           if "samples_per_s" in (x := c["systems"].get(name, {})).get(mode, {})]
+    return max(got) if got else (None, "")
+
+
+def _ratio(ours: dict[str, Any] | None, lit: float | None) -> str:
+    v = (ours or {}).get("samples_per_s")
+    return "—" if v is None or not lit else f"{v / lit:.2f}x"
+
+
+def loader_md(r: dict[str, Any]) -> str:
+    """The issue-12 sweep (one process, batched, DataLoader; ratios to LitData), every
+    system at both settings, each peer's settings, the JPEG map, and the target checks."""
+    c = r["config"]
+    lines = [f"Shuffled warm reads of raw bytes (page cache warmed first), best of {c['epochs']} epochs (medians in "
+             f"results.json); DataLoaders with num_workers={c['workers']}, batch_size={c['batch_size']}; each "
+             f"measurement in a fresh interpreter; every epoch's keys checked (each sample exactly once). "
+             f"The whole run took {r.get('seconds', 0):,.0f} s.", ""]
+    cells = r.get("cells", {})
+    if cells:
+        persistent = {name: e["dataloader"]["settings"].get("persistent_workers")
+                      for name, e in next(iter(cells.values()))["systems"].items()
+                      if "persistent_workers" in e.get("dataloader", {}).get("settings", {})}
+        if persistent:
+            lines[0] += (" DataLoader workers persist across epochs: "
+                         + ", ".join(f"{k} {v}" for k, v in persistent.items()) + ".")
+        rows = []
+        for cell in cells.values():
+            dp = cell["systems"].get("datapipe", {})
+            lit1, w1 = _lit(cell, "one_process")
+            litd, wd = _lit(cell, "dataloader")
+            mos = cell["systems"].get("mosaicml", {})
+            wds = cell["systems"].get("webdataset", {})
+            size = f"{cell['samples']:,} x {cell['mean_bytes'] / 1024:g} KiB, {cell['shard_bytes'] / 2**20:g} MiB"
+            lit_d = _mb(litd) + (" (default)" if "default" in wd else "")
+            rows.append([size,
+                         _mode_cell(dp, "one_process"), _mb(lit1) + (" (default)" if "default" in w1 else ""),
+                         _ratio(dp.get("one_process"), lit1), _mode_cell(dp, "batched"),
+                         _ratio(dp.get("batched"), lit1), _mode_cell(dp, "dataloader"),
+                         _mode_cell(dp, "dataloader", "MB_per_s"), lit_d,
+                         _ratio(dp.get("dataloader"), litd), _mode_cell(mos, "dataloader"),
+                         _mode_cell(wds, "dataloader")])
+        lines += ["samples/s; LitData is the faster of its two settings (ours, or its default where marked); "
+                  "x = datapipe / that LitData figure (batched: / LitData one process).", "",
+                  _table(["samples x size, shard", "datapipe 1 proc", "LitData 1 proc", "x", "datapipe batched", "x",
+                          "datapipe DataLoader", "MB/s", "LitData DataLoader", "x", "MosaicML DataLoader",
+                          "WebDataset DataLoader"], rows), ""]
+        rows = []
+        for cid, cell in cells.items():
+            for name, e in cell["systems"].items():
+                if "error" in e:
+                    rows.append([cid, name, _fmt_setting(e["format_settings"]), "failed: " + e["error"][:80]]
+                                + [""] * 8)
+                    continue
+                mem = e.get("dataloader", {}).get("memory")
+                peak = "—" if not mem else (f"{mem['main_peak_rss_MB']:,.0f} / "
+                                            f"{max(mem['worker_peak_rss_MB'], default=0):,.0f}")
+                fmt = _fmt_setting(e["format_settings"])
+                if "same_format_as" in e:
+                    fmt += f" (the files of {e['same_format_as']})"
+                rows.append([cid, name, fmt]
+                            + [_mode_cell(e, m, k) for m in ("one_process", "dataloader")
+                               for k in ("samples_per_s", "median_samples_per_s", "MB_per_s", "samples_per_cpu_s")]
+                            + [peak])
+        lines += ["Every system at our settings (the cell's shard size; DataLoader workers persistent across "
+                  "epochs, as datapipe's are by default) and at its own defaults (shard size and loader, whose "
+                  "workers restart each epoch):", "",
+                  _table(["cell", "system", "format", "1 proc samples/s", "median", "MB/s", "per CPU-s",
+                          "DataLoader samples/s", "median", "MB/s", "per CPU-s", "peak RSS MB main / worker"], rows),
+                  ""]
+        errors = [f"- {cid} {name} {m}: {e[m].get('error') or e[m].get('unavailable')}"
+                  for cid, cell in cells.items() for name, e in cell["systems"].items()
+                  for m in ("one_process", "batched", "dataloader")
+                  if isinstance(e.get(m), dict) and ("error" in e[m] or "unavailable" in e[m])]
+        if errors:
+            lines += ["Errors and unavailable modes:", ""] + [x[:300] for x in errors] + [""]
+        settings = []
+        first = next(iter(cells.values()))
+        for name, e in first["systems"].items():
+            loader = "; ".join(f"{m}: " + _fmt_setting(e[m].get("settings", {})) for m in ("one_process", "batched",
+                               "dataloader") if isinstance(e.get(m), dict) and "settings" in e[m])
+            settings.append([name, _fmt_setting(e["format_settings"]) + (" (the cell's shard size)"
+                                                                         if "@" not in name else ""), loader])
+        lines += ["Settings (format as written for the first cell; the loaders' as passed):", "",
+                  _table(["system", "format", "loader"], settings), ""]
+        lines += [f"- {name} defaults: {d['source']}" for name, d in r.get("peer_defaults", {}).items()]
+        lines.append(f"- datapipe.pack's own default: {r.get('datapipe_default_shard_bytes', 0) / 2**20:g} MiB "
+                     "shards (the sweep packs datapipe at each cell's shard size)")
+        lines.append("")
+    m = r.get("map")
+    if m:
+        rows = []
+        for name, e in m["systems"].items():
+            w = [e.get(f"workers_{k}", {}) for k in (1, 2)] + [e.get("threads_2", {})]
+            rows.append([name] + [(x.get("error", "")[:60] or ("n/a" if "unavailable" in x else "")
+                                   or _mb(x.get("samples_per_s"))) for x in w]
+                        + [_f(e.get("two_over_one"), "{:.2f}x")])
+        lines += [f"CPU-heavy map: {m['images']:,} JPEGs {m['side']}x{m['side']} (quality 90), {m['map']} to "
+                  f"{m['out_side']}x{m['out_side']}; batch {m['batch_size']}; shards/chunks of "
+                  f"{m['shard_bytes'] / 2**20:g} MiB for both.", "",
+                  _table(["system", "1 worker images/s", "2 workers images/s",
+                          "no workers, 2 map threads images/s", "2 workers / 1"], rows), ""]
+    targets = r.get("targets", [])
+    if targets:
+        lines += ["Targets of issue 12 (this run):", ""]
+        lines += [f"- **{t['status']}** {t['target']}: " + "; ".join(t["figures"]) for t in targets]
+    return "\n".join(lines)
+
+
+def gpu_md(r: dict[str, Any]) -> str:
+    """Batches into device memory by worker count, against plain pinned copies."""
+    fl = r["floor"]
+    rows = [[w, "failed: " + str(x.get("error"))[:60], "", "", ""] if "error" in x else
+            [w, _f(x["GB_per_s"]), _mb(x["samples_per_s"]), _f(x.get("of_floor")), x.get("path", "")]
+            for w, x in r["runs"].items()]
+    c = r["config"]
+    lines = [f"{r['samples']:,} samples x {c['mean_bytes'] / 1024:g} KiB ({r['payload_MB']:,.0f} MB) on "
+             f"{r.get('device_name', r['device'])}, {r['cpus']} CPUs; "
+             f"StreamingDataLoader(batch_size={c['batch_size']}, pin_memory=True), each batch's byte fields copied "
+             f"to the device; best of {c['epochs']} epochs. Floor: plain pinned host-to-device copies of "
+             f"{fl['piece_bytes'] / 2**20:g} MiB, {fl['GB_per_s']:.2f} GB/s.", "",
+             _table(["workers", "GB/s into device memory", "samples/s", "of floor", "path"], rows)]
+    t = r.get("target")
+    if t:
+        ratio = "—" if t["eight_over_one"] is None else f"{t['eight_over_one']:.2f}x"
+        lines += ["", f"- **{t['status']}** 8 workers >= 3 GB/s and >= 3x one worker: "
+                      f"{t['eight_workers_GB_per_s']:.2f} GB/s, {ratio} one worker"]
     return "\n".join(lines)
 
 
@@ -147,7 +308,8 @@ def report_markdown(report: dict[str, Any], images: list[str]) -> str:
            f"`{report['command']}` — {report['started']}; {m['cpus']} CPUs ({m['cpu']}), {m['memory_GiB']} GiB, "
            f"Python {m['python']}; load average at start {m['loadavg_start'][0]:.1f}, at end "
            f"{m.get('loadavg_end', [float('nan')])[0]:.1f}. Seconds per part: {report['seconds']}.", ""]
-    for part, fn in (("pack", pack_md), ("read", read_md), ("cache", cache_md), ("checkpoint", checkpoint_md)):
+    for part, fn in (("pack", pack_md), ("read", read_md), ("loader", loader_md), ("gpu", gpu_md),
+                     ("cache", cache_md), ("checkpoint", checkpoint_md)):
         if part in report:
             r = report[part]
             out += [f"## {part}", "", f"{part} benchmark failed: {r['error']}" if "error" in r else fn(r), ""]

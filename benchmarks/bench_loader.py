@@ -1,0 +1,883 @@
+"""Loader sweep (issue 12): shuffled warm reads of raw bytes in one process, in datapipe's
+batched mode, and through each system's DataLoader with worker processes, over a grid of
+(samples x mean sample size, shard size) cells; plus a CPU-heavy map (decode and resize
+real JPEGs) through 1 and 2 workers.
+
+    python -m benchmarks.bench_loader --quick                      # tiny cells, a minute or so
+    python -m benchmarks.bench_loader --workdir /tmp/bl            # the whole sweep (formats kept in --workdir)
+    python -m benchmarks.bench_loader --cells 16k-16M,256k-64M     # some cells only
+    python -m benchmarks.bench_loader --parts map                  # only the JPEG map benchmark
+
+Cells (samples x mean size, shard size): 60k x 1 KiB at 16 and 64 MiB, 20k x 16 KiB at 16 and
+64 MiB, 2k x 256 KiB at 64 MiB. The corpus is bench_read's: a jpg field of random bytes of the
+mean size (lognormal), a cls and a json field, all read as undecoded bytes by everyone.
+
+Systems and modes, each at ``batch_size=256`` and ``num_workers=2`` where they apply:
+
+- datapipe: ``StreamingDataset(decode=None)`` one sample at a time ("one_process"),
+  ``StreamingDataset(batch_size=256, batched=True)`` ("batched", where available), and
+  ``StreamingDataLoader`` with its default collate ("dataloader").
+- LitData: ``litdata.StreamingDataset(shuffle=True)`` and ``litdata.StreamingDataLoader``.
+- MosaicML Streaming: ``StreamingDataset(shuffle=True, batch_size=256)`` and torch's ``DataLoader``.
+- WebDataset: ``WebDataset(shardshuffle=..).shuffle(1000)`` and ``WebLoader`` over ``.batched(256)``.
+
+Each peer runs twice: at our settings (the cell's shard size, the same as datapipe's, and
+DataLoader workers that persist across epochs, as datapipe's do by default) and at its own
+documented defaults (``PEER_DEFAULTS`` names the source of each shard size; its loader's
+workers restart each epoch, torch's default). The main process takes each batch's keys and
+touches no payload byte: datapipe's stay in the shared-memory ring, the peers' have already
+been unpickled into the main process when the batch arrives. Prepared corpora and formats
+stay in ``--workdir`` and are reused by later runs (a ``.done`` marker is written after each).
+
+Every measurement runs in a fresh interpreter (``--job``), so no two systems share imports,
+allocator state or shared memory; the page cache of the format's files is warmed first by
+an untimed read. Each mode runs ``--epochs`` epochs (3); the best and the median are reported
+as samples/s and payload MB/s, with samples per CPU-second (this process plus its reaped
+worker processes). The keys of every epoch are checked: a run that loses or repeats a sample
+is reported as an error, not as a speed. DataLoader runs also report the peak resident memory
+of the main process and of each worker (sampled from /proc by a thread, plus VmHWM).
+
+``run(config)`` returns every figure as JSON-able data; ``main`` prints it as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import io
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+
+#: cell id -> (samples, mean sample bytes, shard bytes)
+CELLS: dict[str, tuple[int, int, int]] = {
+    "1k-16M": (60_000, 1024, 16 * MiB),
+    "1k-64M": (60_000, 1024, 64 * MiB),
+    "16k-16M": (20_000, 16384, 16 * MiB),
+    "16k-64M": (20_000, 16384, 64 * MiB),
+    "256k-64M": (2_000, 262144, 64 * MiB),
+}
+#: tiny cells for --quick (and the test): several shards each, so two workers share the work
+QUICK_CELLS: dict[str, tuple[int, int, int]] = {
+    "q1k-256K": (1_500, 1024, 256 << 10),
+    "q16k-1M": (300, 16384, 1 * MiB),
+}
+SYSTEMS = ("datapipe", "litdata", "mosaicml", "webdataset")
+#: each peer's own default shard/chunk size, and where it is documented
+PEER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "litdata": {"settings": {"chunk_bytes": "64MB"},
+                "source": "litdata.optimize() has no default (it raises without chunk_size or chunk_bytes); "
+                          "LitData's README example uses chunk_bytes=\"64MB\" (64e6 bytes)"},
+    "mosaicml": {"settings": {"size_limit": 1 << 26},
+                 "source": "streaming.MDSWriter(size_limit=1 << 26), the documented default"},
+    "webdataset": {"settings": {"maxcount": 100_000, "maxsize": 3e9},
+                   "source": "webdataset.ShardWriter(maxcount=100000, maxsize=3e9), the documented defaults"},
+}
+DEFAULTS: dict[str, Any] = {
+    "cells": list(CELLS), "systems": list(SYSTEMS), "parts": ["sweep", "map"], "epochs": 3, "batch_size": 256,
+    "workers": 2, "seed": 0, "workdir": None, "peer_defaults": True, "job_timeout_s": 600.0,
+    "map_images": 2000, "map_side": 256, "map_out_side": 128, "map_batch_size": 64, "map_workers": [1, 2],
+    "map_threads": [2], "map_shard_bytes": 2 * MiB, "map_systems": ["datapipe", "litdata"], "prepare_only": False,
+}
+QUICK: dict[str, Any] = {"cells": list(QUICK_CELLS), "epochs": 2, "map_images": 200, "map_side": 64,
+                         "map_out_side": 32, "map_batch_size": 16, "map_shard_bytes": 64 << 10}
+ALL_CELLS = {**CELLS, **QUICK_CELLS}
+
+
+# -- resident memory -------------------------------------------------------------------------
+
+
+def _status_kb(pid: int | str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    out[line[:5]] = int(line.split()[1])
+    except OSError:
+        pass
+    return out
+
+
+def _children() -> list[int]:
+    pids: list[int] = []
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        try:
+            with open(path) as f:
+                pids += [int(x) for x in f.read().split()]
+        except OSError:
+            pass
+    return pids
+
+
+class MemorySampler:
+    """Peak resident memory of this process and of each child process (DataLoader workers)
+    while it runs: a thread reads VmRSS and VmHWM from /proc every ``interval`` seconds. A
+    worker's peak is the largest of its sampled VmRSS and its last VmHWM (the kernel's own
+    high-water mark up to the last sample before it exited). RSS counts shared pages (the
+    parent's copy-on-write pages, shared-memory buffers) in every process that maps them."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.main_peak_kb = 0
+        self.workers: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _sample(self) -> None:
+        self.main_peak_kb = max(self.main_peak_kb, _status_kb("self").get("VmRSS", 0))
+        for pid in _children():
+            s = _status_kb(pid)
+            if s:
+                self.workers[pid] = max(self.workers.get(pid, 0), s.get("VmRSS", 0), s.get("VmHWM", 0))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> MemorySampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def report(self) -> dict[str, Any]:
+        return {"main_peak_rss_MB": self.main_peak_kb / 1024,
+                "main_hwm_MB": _status_kb("self").get("VmHWM", 0) / 1024,
+                "worker_peak_rss_MB": [kb / 1024 for _, kb in sorted(self.workers.items())],
+                "sample_interval_s": self.interval}
+
+
+# -- corpora ---------------------------------------------------------------------------------
+
+
+def corpus(work: str, n: int, mean_bytes: int, seed: int) -> dict[str, Any]:
+    """bench_read's corpus (files under ``work``), reused when complete: its samples as
+    (key, {field: path}), the payload bytes and the path of its key list."""
+    from .bench_read import _corpus
+
+    home = os.path.join(work, f"corpus-{n}-{mean_bytes}-{seed}")
+    done = home + ".done"
+    if not os.path.exists(done):
+        shutil.rmtree(home, ignore_errors=True)
+    samples = _corpus(home, n, mean_bytes, seed)
+    if len(samples) != n:
+        raise RuntimeError(f"{home}: {len(samples)} samples, expected {n}; delete it and run again")
+    payload = sum(os.path.getsize(p) for _, files in samples for p in files.values())
+    keys_path = home + ".keys.json"
+    if not os.path.exists(done):
+        with open(keys_path, "w") as f:
+            json.dump([k for k, _ in samples], f)
+        with open(done, "w") as f:
+            json.dump({"samples": n, "payload": payload}, f)
+    return {"dir": home, "samples": samples, "payload": payload, "keys": keys_path}
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _sample_dict(item: tuple[str, dict[str, str]]) -> dict[str, Any]:
+    key, files = item
+    return {"key": key, **{f: _read(p) for f, p in sorted(files.items())}}
+
+
+def _litdata_fn(item: tuple[str, dict[str, str]]) -> dict[str, Any]:
+    return _sample_dict(item)
+
+
+def prepare(system: str, setting: dict[str, Any], corpus_info: dict[str, Any], d: str) -> None:
+    """Write ``corpus_info``'s samples in ``system``'s format at ``setting`` into ``d``."""
+    samples = corpus_info["samples"]
+    if system == "datapipe":
+        import datapipe
+
+        datapipe.pack(corpus_info["dir"], d, progress=False, **setting)
+    elif system == "litdata":
+        import litdata
+
+        cache = tempfile.mkdtemp(prefix="litdata-cache-", dir=os.path.dirname(d))
+        os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = os.path.join(cache, "chunks")
+        os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = os.path.join(cache, "data")
+        try:
+            litdata.optimize(fn=_litdata_fn, inputs=samples, output_dir=d, num_workers=2, mode="overwrite",
+                             verbose=False, **setting)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+    elif system == "mosaicml":
+        from .bench_read import _import_streaming
+
+        streaming = _import_streaming()
+        cols = {"key": "str", "cls": "bytes", "jpg": "bytes", "json": "bytes"}
+        with streaming.MDSWriter(out=d, columns=cols, **setting) as w:
+            for item in samples:
+                w.write(_sample_dict(item))
+    elif system == "webdataset":
+        import webdataset as wds
+
+        os.makedirs(d, exist_ok=True)
+        with wds.ShardWriter(os.path.join(d, "shard-%06d.tar"), verbose=0, **setting) as w:
+            for item in samples:
+                s = _sample_dict(item)
+                w.write({"__key__": s.pop("key"), **s})
+    else:
+        raise ValueError(f"unknown system {system!r}")
+
+
+def ensure_format(work: str, system: str, setting: dict[str, Any], corpus_info: dict[str, Any],
+                  log: Callable[[str], None]) -> dict[str, Any]:
+    """The format directory for (system, setting, corpus), prepared once and reused."""
+    tag = "-".join(f"{k}{v}" for k, v in sorted(setting.items())) or "defaults"
+    name = f"{system}-{tag}-{os.path.basename(corpus_info['dir'])}"
+    d = os.path.join(work, "fmt", name)
+    done = d + ".done"
+    if os.path.exists(done):
+        with open(done) as f:
+            return dict(json.load(f), dir=d, reused=True)
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(os.path.dirname(d), exist_ok=True)
+    log(f"prepare {name}")
+    t0 = time.perf_counter()
+    # in a fresh interpreter, as every measurement: packers leave threads (tqdm's monitor),
+    # environment variables (LitData's cache folders) and imports (the torchvision stand-in
+    # MosaicML needs) behind, which must not change the process that started the sweep
+    raw = _spawn({"kind": "prepare", "system": system, "setting": setting, "corpus_dir": corpus_info["dir"],
+                  "samples": len(corpus_info["samples"]), "dir": d}, 3600.0)
+    if "error" in raw:
+        raise RuntimeError(raw["error"])
+    files = [p for p in glob.glob(os.path.join(d, "**"), recursive=True) if os.path.isfile(p)]
+    info = {"prepare_s": time.perf_counter() - t0, "files": len(files),
+            "bytes": sum(os.path.getsize(p) for p in files)}
+    with open(done, "w") as f:
+        json.dump(info, f)
+    return dict(info, dir=d, reused=False)
+
+
+def _warm_page_cache(d: str) -> None:
+    for p in glob.glob(os.path.join(d, "**"), recursive=True):
+        if os.path.isfile(p):
+            with open(p, "rb", buffering=0) as f:
+                while f.read(8 * MiB):
+                    pass
+
+
+# -- one measured job (a fresh interpreter) -------------------------------------------------------
+
+
+def _keys_of(batch: Any) -> list[str]:
+    """The sample keys of one batch (datapipe Batch, or a peer's dict of lists), as handed
+    out: no per-sample work here, which would blur a batched reader's rate (a key that is not
+    a ``str`` fails the exactly-once check rather than being converted)."""
+    for k in ("__key__", "key"):
+        try:
+            keys = batch[k]
+        except (KeyError, TypeError):
+            continue
+        return keys if isinstance(keys, list) else list(keys)
+    raise TypeError(f"a batch of type {type(batch).__name__} has no '__key__' or 'key' field")
+
+
+def _key_of(sample: Any) -> str:
+    return str(sample["__key__"] if "__key__" in sample else sample["key"])
+
+
+def _open(job: dict[str, Any]) -> tuple[Any, Callable[[Any], Iterable[str]], dict[str, Any]]:
+    """(iterable for one epoch, keys of one item, settings used) for the job's system and mode."""
+    system, mode, d = job["system"], job["mode"], job["dir"]
+    bs, workers, seed = job["batch_size"], job["workers"], job["seed"]
+    if system == "datapipe":
+        from datapipe.loader import StreamingDataLoader, StreamingDataset
+
+        if mode == "one_process":
+            ds = StreamingDataset(d, seed=seed, decode=None)
+            return ds, lambda s: (s["__key__"],), {"decode": None, "window": ds.window}
+        if mode == "batched":
+            try:
+                ds = StreamingDataset(d, seed=seed, decode=None, batch_size=bs, batched=True)
+            except TypeError as e:
+                raise NotImplementedError(f"StreamingDataset(batched=True) is not available here: {e}") from e
+            return ds, _keys_of, {"decode": None, "batch_size": bs, "batched": True, "window": ds.window}
+        ds = StreamingDataset(d, seed=seed, decode=None)
+        dl = StreamingDataLoader(ds, batch_size=bs, num_workers=workers)
+        return dl, _keys_of, {"decode": None, "batch_size": bs, "num_workers": workers, "collate": "default",
+                              "window": ds.window, "prefetch_bytes": ds.prefetch_bytes,
+                              "persistent_workers": dl.persistent_workers}
+    if system == "litdata":
+        import litdata
+
+        ds = litdata.StreamingDataset(input_dir=d, shuffle=True, seed=seed)
+        if mode == "one_process":
+            return ds, lambda s: (s["key"],), {"shuffle": True}
+        dl = litdata.StreamingDataLoader(ds, batch_size=bs, num_workers=workers,
+                                         persistent_workers=job["persistent_workers"])
+        return dl, _keys_of, {"shuffle": True, "batch_size": bs, "num_workers": workers,
+                              "persistent_workers": dl.persistent_workers}
+    if system == "mosaicml":
+        import torch
+
+        from .bench_read import _import_streaming
+
+        streaming = _import_streaming()
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+        ds = streaming.StreamingDataset(local=d, shuffle=True, shuffle_seed=seed, batch_size=bs)
+        if mode == "one_process":
+            return ds, lambda s: (s["key"],), {"shuffle": True, "batch_size": bs}
+        dl = torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=workers,
+                                         persistent_workers=job["persistent_workers"])
+        return dl, _keys_of, {"shuffle": True, "batch_size": bs, "num_workers": workers,
+                              "loader": "torch.utils.data.DataLoader", "persistent_workers": dl.persistent_workers}
+    if system == "webdataset":
+        import webdataset as wds
+
+        urls = sorted(glob.glob(os.path.join(d, "*.tar")))
+        ds = wds.WebDataset(urls, shardshuffle=len(urls), seed=seed, empty_check=False).shuffle(1000)
+        if mode == "one_process":
+            return ds, lambda s: (s["__key__"],), {"shardshuffle": len(urls), "shuffle_buffer": 1000}
+        dl = wds.WebLoader(ds.batched(bs), batch_size=None, num_workers=workers,
+                           persistent_workers=job["persistent_workers"])
+        return dl, _keys_of, {"shardshuffle": len(urls), "shuffle_buffer": 1000, "batched": bs,
+                              "num_workers": workers, "loader": "webdataset.WebLoader",
+                              "persistent_workers": dl.pipeline[0].persistent_workers}  # its torch DataLoader
+    raise ValueError(f"unknown system {system!r}")
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _live_children_cpu_s() -> float:
+    total = 0.0
+    for pid in _children():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return total
+
+
+def _batch_bytes(batch: Any) -> int:
+    """Bytes of a batch's byte columns (with their offsets) and tensors."""
+    total = 0
+    for v in (batch.values() if hasattr(batch, "values") else ()):
+        nb = getattr(v, "nbytes", None)
+        if isinstance(nb, int):
+            total += nb + 8 * (len(v) + 1)
+    return total
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process, of its reaped children (workers joined at the end of an
+    epoch) and of its live children (persistent workers, read from /proc): at any instant a
+    worker is counted in exactly one of the last two."""
+    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime + _live_children_cpu_s()
+
+
+def _exactly_once(keys: list[str], expected: set[str]) -> dict[str, Any]:
+    got = set(keys)
+    return {"delivered": len(keys), "distinct": len(got), "missing": len(expected - got),
+            "repeated": len(keys) - len(got), "unexpected": len(got - expected),
+            "exactly_once": len(keys) == len(expected) and got == expected}
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """One (system, setting, mode) measurement in this process: ``epochs`` timed epochs."""
+    with open(job["keys"]) as f:
+        expected = set(json.load(f))
+    _warm_page_cache(job["dir"])
+    t0 = time.perf_counter()
+    try:
+        it, keys_of, settings = _open(job)
+    except NotImplementedError as e:  # a mode this version of the system does not offer
+        return {"unavailable": str(e)}
+    out: dict[str, Any] = {"open_s": time.perf_counter() - t0, "settings": settings, "epochs": []}
+    sampler = MemorySampler() if job["mode"] == "dataloader" else None
+    largest_batch = 0
+    sizing = sampler is not None and job["system"] == "datapipe"
+    if sampler:
+        sampler.__enter__()
+    try:
+        for epoch in range(job["epochs"]):
+            if epoch and job["system"] == "datapipe":  # the peers advance their epoch themselves
+                getattr(it, "stream", it).set_epoch(epoch)
+            keys: list[str] = []
+            c0, t0 = _cpu_s(), time.perf_counter()
+            for item in it:
+                if not keys and sizing:  # the first batch: a full one, the size the ring's slots hold
+                    largest_batch = max(largest_batch, _batch_bytes(item))
+                keys.extend(keys_of(item))
+            item = None  # a batch held on would keep its ring slot taken
+            dt, cpu = time.perf_counter() - t0, _cpu_s() - c0
+            check = _exactly_once(keys, expected)
+            out["epochs"].append({"seconds": dt, "cpu_s": cpu, **check})
+    finally:
+        if sampler:
+            sampler.__exit__(None, None, None)
+    if sampler:
+        out["memory"] = sampler.report()
+        ring = getattr(it, "ring", None)
+        if ring is not None and largest_batch:
+            # The ring's slots are sized to the batches written into them (regrown by half when
+            # one does not fit), so at least workers x slots x the largest batch: the lower
+            # bound, which makes the memory check the stricter one.
+            out["memory"]["ring_bytes"] = job["workers"] * ring.slots_per_worker * largest_batch
+            out["memory"]["ring_estimate"] = (f"{job['workers']} workers x {ring.slots_per_worker} slots x the "
+                                              f"largest batch's bytes ({largest_batch:,})")
+        if "prefetch_bytes" in settings:
+            out["memory"]["prefetch_bytes"] = settings["prefetch_bytes"]
+    return out
+
+
+def _summarise(raw: dict[str, Any], n: int, payload: int) -> dict[str, Any]:
+    """Best and median epoch of a job; an error if any epoch lost or repeated a sample."""
+    eps = raw["epochs"]
+    bad = [e for e in eps if not e["exactly_once"]]
+    res: dict[str, Any] = {"settings": raw["settings"], "open_s": raw["open_s"], "epochs": eps}
+    if "memory" in raw:
+        res["memory"] = raw["memory"]
+    if bad:
+        e = bad[0]
+        res["error"] = (f"not exactly once: delivered {e['delivered']} of {n} samples ({e['distinct']} distinct, "
+                        f"{e['missing']} missing, {e['repeated']} repeated, {e['unexpected']} unknown)")
+        return res
+    rates = [n / e["seconds"] for e in eps]
+    best = max(range(len(eps)), key=lambda i: rates[i])
+    res.update(samples_per_s=rates[best], median_samples_per_s=statistics.median(rates),
+               MB_per_s=payload / eps[best]["seconds"] / 1e6,
+               median_MB_per_s=statistics.median(payload / e["seconds"] / 1e6 for e in eps),
+               samples_per_cpu_s=n / eps[best]["cpu_s"] if eps[best]["cpu_s"] > 0 else None,
+               seconds=eps[best]["seconds"])
+    return res
+
+
+def _spawn(job: dict[str, Any], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.bench_loader", "--job", json.dumps(job)]
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    line = next((x for x in reversed(p.stdout.splitlines()) if x.startswith("RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        lines = [x.strip() for x in (p.stderr or p.stdout).splitlines() if x.strip()]
+        return {"error": f"exit {p.returncode}: " + (lines[-1] if lines else "no output")}
+    res: dict[str, Any] = json.loads(line[len("RESULT "):])
+    return res
+
+
+# -- the sweep -----------------------------------------------------------------------------------
+
+
+def _same_setting(system: str, shard_bytes: int) -> dict[str, Any]:
+    return {"datapipe": {"shard_bytes": shard_bytes}, "litdata": {"chunk_bytes": shard_bytes},
+            "mosaicml": {"size_limit": shard_bytes},
+            "webdataset": {"maxsize": shard_bytes, "maxcount": 10**9}}[system]
+
+
+def _modes(system: str) -> list[str]:
+    return ["one_process", "batched", "dataloader"] if system == "datapipe" else ["one_process", "dataloader"]
+
+
+def run_cell(cfg: dict[str, Any], cell: str, work: str, log: Callable[[str], None]) -> dict[str, Any]:
+    n, mean_bytes, shard_bytes = ALL_CELLS[cell]
+    c = corpus(work, n, mean_bytes, cfg["seed"])
+    out: dict[str, Any] = {"samples": n, "mean_bytes": mean_bytes, "shard_bytes": shard_bytes,
+                           "payload_MB": c["payload"] / 1e6, "systems": {}}
+    for system in cfg["systems"]:
+        variants = [("same", _same_setting(system, shard_bytes))]
+        if system in PEER_DEFAULTS and cfg["peer_defaults"]:
+            variants.append(("default", PEER_DEFAULTS[system]["settings"]))
+        for label, setting in variants:
+            entry: dict[str, Any] = {"format_settings": setting}
+            name = system if label == "same" else f"{system}@default"
+            out["systems"][name] = entry
+            modes = _modes(system)
+            if label == "default" and setting == variants[0][1]:
+                # the same files: only the loader's own defaults differ (its persistent_workers)
+                entry["same_format_as"] = system
+                modes = ["dataloader"]
+            try:
+                fmt = ensure_format(work, system, setting, c, log)
+            except Exception as e:  # one peer failing must not hide the others' figures
+                entry["error"] = f"prepare: {type(e).__name__}: {e}"
+                continue
+            entry["format"] = {k: fmt[k] for k in ("files", "bytes", "prepare_s", "reused")}
+            if cfg.get("prepare_only"):
+                continue
+            for mode in modes:
+                # At our settings a peer's workers persist across epochs as datapipe's do by
+                # default (each loader's epoch then costs no worker start-up); at its own
+                # defaults they do not (torch's DataLoader default, which LitData and
+                # WebDataset keep).
+                job = {"system": system, "mode": mode, "dir": fmt["dir"], "keys": c["keys"], "seed": cfg["seed"],
+                       "epochs": cfg["epochs"], "batch_size": cfg["batch_size"], "workers": cfg["workers"],
+                       "persistent_workers": label == "same"}
+                raw = _spawn(job, cfg["job_timeout_s"])
+                done = "error" in raw or "unavailable" in raw
+                entry[mode] = raw if done else _summarise(raw, n, c["payload"])
+                r = entry[mode]
+                shown = r.get("error") or r.get("unavailable") or f"{r['samples_per_s']:,.0f} samples/s"
+                log(f"{cell} {name:22s} {mode:12s} {shown}")
+    return out
+
+
+# -- the JPEG map benchmark -------------------------------------------------------------------
+
+
+def jpeg_corpus(work: str, n: int, side: int, seed: int) -> dict[str, Any]:
+    """``n`` real JPEGs (``side`` x ``side``, smooth random content: an 8x8 random image
+    scaled up bicubically, quality 90) and a cls field, as files; reused when complete."""
+    from PIL import Image
+
+    home = os.path.join(work, f"jpegs-{n}-{side}-{seed}")
+    done = home + ".done"
+    if not os.path.exists(done):
+        shutil.rmtree(home, ignore_errors=True)
+        rng = np.random.default_rng(seed)
+        for i in range(n):
+            d = os.path.join(home, f"{i // 1000:05d}")
+            os.makedirs(d, exist_ok=True)
+            small = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+            small.resize((side, side), Image.Resampling.BICUBIC).save(os.path.join(d, f"sample{i:08d}.jpg"),
+                                                                        quality=90)
+            with open(os.path.join(d, f"sample{i:08d}.cls"), "wb") as f:
+                f.write(str(i % 10).encode())
+        keys = [f"{i // 1000:05d}/sample{i:08d}" for i in range(n)]
+        with open(home + ".keys.json", "w") as f:
+            json.dump(keys, f)
+        with open(done, "w") as f:
+            json.dump({"images": n}, f)
+    from .bench_read import _corpus
+
+    samples = _corpus(home, n, 0, seed)
+    payload = sum(os.path.getsize(p) for _, files in samples for p in files.values())
+    return {"dir": home, "samples": samples, "payload": payload, "keys": home + ".keys.json"}
+
+
+#: the map's output side, set by the job before the loader starts (workers are forked)
+_MAP_SIDE = 128
+
+
+def _decode_resize(data: Any) -> Any:
+    import torch
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data)).convert("RGB").resize((_MAP_SIDE, _MAP_SIDE), Image.Resampling.BILINEAR)
+    # np.array (a writable copy, 48 KB) rather than np.asarray: torch.from_numpy warns on read-only arrays
+    return torch.from_numpy(np.array(img))
+
+
+def datapipe_jpeg_map(sample: dict[str, Any]) -> dict[str, Any]:
+    """Decode the JPEG with PIL, resize it, and return it as a uint8 HWC tensor with the key."""
+    return {"__key__": sample["__key__"], "img": _decode_resize(sample["jpg"])}
+
+
+def litdata_jpeg_map(sample: dict[str, Any]) -> dict[str, Any]:
+    """The same map for LitData's ``transform=`` (its samples carry the key as ``key``)."""
+    return {"key": sample["key"], "img": _decode_resize(sample["jpg"])}
+
+
+def run_map_job(job: dict[str, Any]) -> dict[str, Any]:
+    global _MAP_SIDE
+    _MAP_SIDE = job["side"]
+    with open(job["keys"]) as f:
+        expected = set(json.load(f))
+    _warm_page_cache(job["dir"])
+    bs, workers = job["batch_size"], job["workers"]
+    if job["system"] == "datapipe":
+        from datapipe.loader import StreamingDataLoader, StreamingDataset
+
+        extra = {"map_threads": job["threads"]} if job.get("threads") else {}
+        try:
+            ds = StreamingDataset(job["dir"], seed=job["seed"], decode=None, map=datapipe_jpeg_map, **extra)
+        except TypeError as e:
+            return {"unavailable": f"StreamingDataset({extra}) is not available here: {e}"}
+        it: Any = StreamingDataLoader(ds, batch_size=bs, num_workers=workers)
+        settings = {"decode": None, "map": "datapipe_jpeg_map", "batch_size": bs, "num_workers": workers,
+                    "persistent_workers": it.persistent_workers, **extra}
+    else:
+        import litdata
+
+        lds = litdata.StreamingDataset(input_dir=job["dir"], shuffle=True, seed=job["seed"],
+                                       transform=litdata_jpeg_map)
+        # workers persist across epochs, as datapipe's do by default
+        it = litdata.StreamingDataLoader(lds, batch_size=bs, num_workers=workers, persistent_workers=True)
+        settings = {"transform": "litdata_jpeg_map", "batch_size": bs, "num_workers": workers,
+                    "persistent_workers": True}
+    eps = []
+    shape = None
+    for epoch in range(job["epochs"]):
+        if epoch and job["system"] == "datapipe":
+            it.stream.set_epoch(epoch)
+        keys: list[str] = []
+        c0, t0 = _cpu_s(), time.perf_counter()
+        for batch in it:
+            keys.extend(_keys_of(batch))
+            shape = list(batch["img"].shape), str(batch["img"].dtype)
+        eps.append({"seconds": time.perf_counter() - t0, "cpu_s": _cpu_s() - c0, **_exactly_once(keys, expected)})
+    return {"open_s": 0.0, "settings": settings, "epochs": eps, "batch_img": shape}
+
+
+def run_map(cfg: dict[str, Any], work: str, log: Callable[[str], None]) -> dict[str, Any]:
+    n = cfg["map_images"]
+    c = jpeg_corpus(work, n, cfg["map_side"], cfg["seed"])
+    out: dict[str, Any] = {"images": n, "side": cfg["map_side"], "out_side": cfg["map_out_side"],
+                           "payload_MB": c["payload"] / 1e6, "batch_size": cfg["map_batch_size"],
+                           "shard_bytes": cfg["map_shard_bytes"],
+                           "map": "PIL decode + resize to out_side x out_side (bilinear) + torch.from_numpy, "
+                                  "uint8 HWC", "systems": {}}
+    for system in cfg["map_systems"]:
+        entry: dict[str, Any] = {}
+        out["systems"][system] = entry
+        try:
+            fmt = ensure_format(work, system, _same_setting(system, cfg["map_shard_bytes"]), c, log)
+        except Exception as e:
+            entry["error"] = f"prepare: {type(e).__name__}: {e}"
+            continue
+        # worker processes; and for datapipe, threads in the main process (map_threads=N,
+        # num_workers=0): PIL releases the GIL while it decodes and resizes
+        runs = [(f"workers_{w}", w, 0) for w in cfg["map_workers"]]
+        if system == "datapipe":
+            runs += [(f"threads_{t}", 0, t) for t in cfg["map_threads"]]
+        for label, w, t in runs:
+            job = {"kind": "map", "system": system, "dir": fmt["dir"], "keys": c["keys"], "seed": cfg["seed"],
+                   "epochs": cfg["epochs"], "batch_size": cfg["map_batch_size"], "workers": w, "threads": t,
+                   "side": cfg["map_out_side"]}
+            raw = _spawn(job, cfg["job_timeout_s"])
+            r = raw if "error" in raw or "unavailable" in raw else _summarise(raw, n, c["payload"])
+            if "batch_img" in raw:
+                r["batch_img"] = raw["batch_img"]
+            entry[label] = r
+            shown = r.get("error") or r.get("unavailable") or f"{r['samples_per_s']:,.0f} images/s"
+            log(f"map {system:10s} {label:10s} {shown}")
+        lo, hi = (entry.get(f"workers_{w}", {}) for w in (1, 2))
+        if "samples_per_s" in lo and "samples_per_s" in hi:
+            entry["two_over_one"] = hi["samples_per_s"] / lo["samples_per_s"]
+    return out
+
+
+# -- the issue's targets ---------------------------------------------------------------------------
+
+GB_PER_S_TARGET = 1000.0  # MB/s of payload through StreamingDataLoader(num_workers=2), 16 KiB and larger
+OVER_LITDATA_LOADER = 5.0
+OVER_LITDATA_ONE_PROCESS = 1.5
+BATCHED_OVER_LITDATA = 10.0
+MAP_TWO_OVER_ONE = 1.8
+MEMORY_SLACK_MB = 200.0
+
+
+def _rate(cell: dict[str, Any], system: str, mode: str, key: str = "samples_per_s") -> float | None:
+    v = cell.get("systems", {}).get(system, {}).get(mode, {}).get(key)
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def _litdata_best(cell: dict[str, Any], mode: str) -> tuple[float | None, str]:
+    """The faster of LitData at our chunk size and at its own default (the stricter bar)."""
+    got = [(r, name) for name in ("litdata", "litdata@default") if (r := _rate(cell, name, mode)) is not None]
+    return max(got) if got else (None, "")
+
+
+def _check(name: str, met: bool | None, figures: list[str]) -> dict[str, Any]:
+    return {"target": name, "status": "NOT MEASURED" if met is None else "MET" if met else "MISSED",
+            "figures": figures}
+
+
+def target_checks(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 12's targets, each MET, MISSED or NOT MEASURED, with the figures behind it,
+    computed from this run's results (LitData is taken at the faster of its two settings)."""
+    cells: dict[str, Any] = result.get("cells", {})
+    out = []
+
+    def per_cell(name: str, ratio: Callable[[dict[str, Any]], tuple[float | None, str]], bar: float,
+                 only: Callable[[dict[str, Any]], bool] = lambda c: True) -> None:
+        figs, oks = [], []
+        for cid, c in cells.items():
+            if not only(c):
+                continue
+            v, text = ratio(c)
+            figs.append(f"{cid}: {text}")
+            oks.append(None if v is None else v >= bar)
+        met = None if not oks or None in oks else all(oks)
+        out.append(_check(name, met, figs or ["not measured"]))
+
+    def loader_mb(c: dict[str, Any]) -> tuple[float | None, str]:
+        v = _rate(c, "datapipe", "dataloader", "MB_per_s")
+        return v, "not measured" if v is None else f"{v:,.0f} MB/s"
+
+    def ratio_to_lit(mode: str, lit_mode: str) -> Callable[[dict[str, Any]], tuple[float | None, str]]:
+        def f(c: dict[str, Any]) -> tuple[float | None, str]:
+            ours = _rate(c, "datapipe", mode)
+            lit, which = _litdata_best(c, lit_mode)
+            if ours is None or lit is None:
+                err = c.get("systems", {}).get("datapipe", {}).get(mode, {})
+                why = ("not available in this datapipe" if "unavailable" in err
+                       else str(err.get("error", ""))[:100] or ("LitData not measured" if ours else "not run"))
+                return None, f"not measured ({why})"
+            return ours / lit, f"{ours / lit:.2f}x ({ours:,.0f} vs {which} {lit:,.0f} samples/s)"
+        return f
+
+    per_cell(f"StreamingDataLoader(num_workers=2) >= {GB_PER_S_TARGET / 1000:g} GB/s of payload, 16 KiB and "
+             "256 KiB samples", loader_mb, GB_PER_S_TARGET, lambda c: c.get("mean_bytes", 0) >= 16384)
+    per_cell(f"StreamingDataLoader >= {OVER_LITDATA_LOADER:g}x LitData's StreamingDataLoader, every cell",
+             ratio_to_lit("dataloader", "dataloader"), OVER_LITDATA_LOADER)
+    per_cell(f"one process, per sample >= {OVER_LITDATA_ONE_PROCESS:g}x LitData, every cell",
+             ratio_to_lit("one_process", "one_process"), OVER_LITDATA_ONE_PROCESS)
+    per_cell(f"batched mode >= {BATCHED_OVER_LITDATA:g}x LitData's per-sample rate, every cell",
+             ratio_to_lit("batched", "one_process"), BATCHED_OVER_LITDATA)
+    m = result.get("map", {}).get("systems", {}).get("datapipe", {})
+    r = m.get("two_over_one")
+    if r is None:
+        out.append(_check(f"JPEG map: 2 workers >= {MAP_TWO_OVER_ONE:g}x 1 worker", None, ["not measured"]))
+    else:
+        out.append(_check(f"JPEG map: 2 workers >= {MAP_TWO_OVER_ONE:g}x 1 worker", r >= MAP_TWO_OVER_ONE,
+                          [f"{r:.2f}x ({m['workers_2']['samples_per_s']:,.0f} vs "
+                           f"{m['workers_1']['samples_per_s']:,.0f} images/s)"]))
+    figs, oks = [], []
+    for cid, c in cells.items():
+        mem = c.get("systems", {}).get("datapipe", {}).get("dataloader", {}).get("memory")
+        if not mem:
+            continue
+        ring = mem.get("ring_bytes")
+        limit = (mem.get("prefetch_bytes", 0) + (ring or 0)) / MiB + MEMORY_SLACK_MB
+        peak_w = max(mem["worker_peak_rss_MB"], default=0.0)
+        oks.append(max(mem["main_peak_rss_MB"], peak_w) <= limit)
+        figs.append(f"{cid}: main {mem['main_peak_rss_MB']:,.0f} MB, largest worker {peak_w:,.0f} MB; limit "
+                    f"{limit:,.0f} MB = prefetch_bytes {mem.get('prefetch_bytes', 0) / MiB:,.0f} MiB + ring "
+                    + ("(size not exposed: counted as 0)" if ring is None else f"{ring / MiB:,.0f} MiB")
+                    + f" + {MEMORY_SLACK_MB:g} MB")
+    out.append(_check("memory: main and each worker within prefetch_bytes + ring + 200 MB over an epoch",
+                      (all(oks) if oks else None), figs or ["not measured"]))
+    return out
+
+
+# -- the whole run ---------------------------------------------------------------------------
+
+
+def _datapipe_default_shard_bytes() -> int:
+    """datapipe.pack's own default shard size, read from its signature (for the record)."""
+    import inspect
+
+    import datapipe
+
+    return int(inspect.signature(datapipe.pack).parameters["shard_bytes"].default)
+
+
+def run(config: dict[str, Any] | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every figure of the sweep and the map benchmark, as JSON-able data."""
+    cfg = {**DEFAULTS, **(config or {})}
+    unknown = sorted(set(cfg["cells"]) - set(ALL_CELLS))
+    if unknown:
+        raise ValueError(f"unknown cells {unknown}; choose from {list(ALL_CELLS)}")
+    bad = sorted(set(cfg["systems"]) - set(SYSTEMS))
+    if bad:
+        raise ValueError(f"unknown systems {bad}; choose from {list(SYSTEMS)}")
+    say = log or (lambda s: None)
+    work = cfg["workdir"] or tempfile.mkdtemp(prefix="bench_loader-")
+    os.makedirs(work, exist_ok=True)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"config": dict(cfg), "machine": {"cpus": os.cpu_count()},
+                              "peer_defaults": PEER_DEFAULTS,
+                              "datapipe_default_shard_bytes": _datapipe_default_shard_bytes()}
+    try:
+        if "sweep" in cfg["parts"]:
+            result["cells"] = {cell: run_cell(cfg, cell, work, say) for cell in cfg["cells"]}
+        if "map" in cfg["parts"]:
+            result["map"] = run_map(cfg, work, say)
+    finally:
+        if not cfg["workdir"]:
+            shutil.rmtree(work, ignore_errors=True)
+    result["seconds"] = time.perf_counter() - t0
+    if not cfg["prepare_only"]:
+        result["targets"] = target_checks(result)
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    return result
+
+
+def _prepare_job(job: dict[str, Any]) -> dict[str, Any]:
+    from .bench_read import _corpus
+
+    samples = _corpus(job["corpus_dir"], job["samples"], 0, 0)  # the corpus exists: this only lists it
+    if len(samples) != job["samples"]:
+        raise RuntimeError(f"{job['corpus_dir']}: {len(samples)} samples, expected {job['samples']}")
+    prepare(job["system"], job["setting"], {"dir": job["corpus_dir"], "samples": samples}, job["dir"])
+    return {}
+
+
+def _job_main(spec: str) -> None:
+    job = json.loads(spec)
+    kind = job.get("kind")
+    out = run_map_job(job) if kind == "map" else _prepare_job(job) if kind == "prepare" else run_job(job)
+    sys.stdout.flush()
+    print("RESULT " + json.dumps(out, default=float), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_loader", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"tiny cells {list(QUICK_CELLS)} and a tiny JPEG corpus")
+    ap.add_argument("--cells", help=f"comma-separated cells, from {', '.join(ALL_CELLS)}")
+    ap.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)} (default all)")
+    ap.add_argument("--parts", help="comma-separated: sweep, map (default both)")
+    ap.add_argument("--epochs", type=int, help="timed epochs per measurement (default 3; best and median reported)")
+    ap.add_argument("--no-peer-defaults", action="store_true",
+                    help="measure peers only at datapipe's shard size, not also at their own defaults")
+    ap.add_argument("--workdir", help="keep corpora and prepared formats here, reused by later runs")
+    ap.add_argument("--prepare-only", action="store_true",
+                    help="only write the corpora and formats into --workdir (no measurement), for a later run")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--job", help=argparse.SUPPRESS)  # one measurement, run by the sweep in a fresh interpreter
+    a = ap.parse_args(argv)
+    if a.job:
+        _job_main(a.job)
+        return
+    cfg: dict[str, Any] = dict(QUICK) if a.quick else {}
+    if a.cells:
+        cfg["cells"] = [x.strip() for x in a.cells.split(",") if x.strip()]
+    if a.systems:
+        cfg["systems"] = [x.strip() for x in a.systems.split(",") if x.strip()]
+    if a.parts:
+        cfg["parts"] = [x.strip() for x in a.parts.split(",") if x.strip()]
+    if a.epochs:
+        cfg["epochs"] = a.epochs
+    if a.no_peer_defaults:
+        cfg["peer_defaults"] = False
+    if a.workdir:
+        cfg["workdir"] = a.workdir
+    if a.prepare_only:
+        if not a.workdir:
+            ap.error("--prepare-only needs --workdir (where the formats are kept)")
+        cfg.update(prepare_only=True, parts=["sweep"])
+    try:
+        res = run(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
+    except ValueError as e:
+        ap.error(str(e))
+    text = json.dumps(res, indent=1, default=float)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
