@@ -13,6 +13,7 @@ from .errors import DatapipeError, FormatError
 from .format import decode_sample
 from .format.sample import decompress_frame
 from .format.tar import END_OF_ARCHIVE
+from .progress import progress_iter
 
 __all__ = ["Problem", "VerifyReport", "verify_dataset"]
 
@@ -121,9 +122,7 @@ def verify_dataset(url: str, *, all_problems: bool = False, storage_options: dic
     except DatapipeError as e:
         report.problems.append(Problem(ix.store.url(ix.manifest["samples_file"]), None, str(e)))
         return report
-    from tqdm import tqdm
-
-    for i in tqdm(range(ix.num_shards), desc="verify", unit="shards", disable=not progress):
+    for i in progress_iter(range(ix.num_shards), progress, desc="verify", unit="shards"):
         for p in _check_shard(ix, i):
             report.problems.append(p)
             if not all_problems:

@@ -164,3 +164,24 @@ def test_second_shard_writer_on_one_destination_is_refused(tmp_path):
     with datapipe.ShardWriter(str(tmp_path / "other")) as c:
         c.write({"__key__": "c1", "txt": "C"})
     assert datapipe.verify_dataset(str(tmp_path / "other")).ok
+
+
+def test_pack_without_progress_leaves_no_thread_behind(tmp_path):
+    """A thread left behind (tqdm's monitor) would make the next pack pick forkserver. In a
+    fresh interpreter: a test before this one may have started tqdm's monitor here."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(20):
+        (src / f"s{i}.bin").write_bytes(b"x" * 10)
+    code = (
+        "import threading, datapipe\n"
+        f"datapipe.pack({str(src)!r}, {str(tmp_path / 'ds')!r}, workers=2)\n"
+        f"datapipe.verify_dataset({str(tmp_path / 'ds')!r})\n"
+        "print(sorted(t.name for t in threading.enumerate()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "['MainThread']"

@@ -39,6 +39,7 @@ from ..format import (
     shard_name,
 )
 from ..format.shard import STAGING_BYTES
+from ..progress import progress_bar
 from ..storage import MemoryStore, Store, open_store
 from .commit import check_destination, write_index
 from .journal import Journal, fingerprint
@@ -328,9 +329,7 @@ def _plan_shards(samples: list[FileSample], max_bytes: int, max_samples: int) ->
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="samples", unit_scale=True, disable=not enabled, desc="pack", smoothing=0.1)
+    return progress_bar(total, enabled, unit="samples", unit_scale=True, desc="pack", smoothing=0.1)
 
 
 def pack(

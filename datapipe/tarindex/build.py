@@ -44,6 +44,7 @@ from ..format.tarscan import scan_tar
 from ..pack.commit import write_index
 from ..pack.lock import WriterLock
 from ..pack.packer import parse_part
+from ..progress import progress_bar
 from ..storage import Store, open_store
 from ..storage.store import is_local_url, split_url
 from .urls import ShardRef, expand_urls, stat_shards
@@ -247,20 +248,8 @@ def _shard_name(url: str, root: str) -> str:
     return url
 
 
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _progress_bar(total: int, enabled: bool) -> Any:
-    if not enabled:  # no tqdm at all: its monitor thread would make the next pool forkserver's
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc="index", smoothing=0.1)
+    return progress_bar(total, enabled, unit="B", unit_scale=True, desc="index", smoothing=0.1)
 
 
 def _run(todo: list[ShardRef], store: Store, storage_options: dict[str, Any] | None, workers: int | None,
