@@ -27,6 +27,8 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks.output import print_json
+
 DEFAULTS: dict[str, Any] = {"samples": 40_000, "mean_bytes": 16384, "shard_bytes": 64 << 20, "workers": [0, 1, 2, 4, 8],
                             "batch_size": 256, "epochs": 2, "seed": 0, "workdir": None}
 QUICK: dict[str, Any] = {"samples": 600, "shard_bytes": 1 << 20, "workers": [0, 1], "batch_size": 64, "epochs": 1}
@@ -166,11 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg["epochs"] = a.epochs
     if a.workdir:
         cfg["workdir"] = a.workdir
-    text = json.dumps(run(cfg), indent=1, default=float)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    print_json(run(cfg), a.out)
 
 
 if __name__ == "__main__":

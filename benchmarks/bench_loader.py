@@ -60,6 +60,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.output import print_json
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 
@@ -872,11 +874,7 @@ def main(argv: list[str] | None = None) -> None:
         res = run(cfg, log=lambda s: print(s, file=sys.stderr, flush=True))
     except ValueError as e:
         ap.error(str(e))
-    text = json.dumps(res, indent=1, default=float)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    print_json(res, a.out)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.output import print_json
+
 DEFAULTS = {"samples": 30000, "mean_bytes": 16384, "shard_bytes": 16 << 20, "window": 8, "batch_size": 256,
             "seed": 0, "workdir": None, "systems": ["datapipe", "webdataset", "mosaicml", "litdata"],
             "plan_shards": 10**6, "plan_samples": 10**10, "warm_epochs": 3}
@@ -376,12 +378,7 @@ def main(argv: list[str] | None = None) -> None:
         v = getattr(a, k)
         if v is not None:
             cfg[k] = v
-    res = run(cfg)
-    text = json.dumps(res, indent=2, default=float)
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    print_json(run(cfg), a.out, indent=2)
 
 
 if __name__ == "__main__":
