@@ -192,22 +192,10 @@ def corpus(work: str, n: int, mean_bytes: int, seed: int) -> dict[str, Any]:
     return {"dir": home, "samples": samples, "payload": payload, "keys": keys_path}
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _sample_dict(item: tuple[str, dict[str, str]]) -> dict[str, Any]:
-    key, files = item
-    return {"key": key, **{f: _read(p) for f, p in sorted(files.items())}}
-
-
-def _litdata_fn(item: tuple[str, dict[str, str]]) -> dict[str, Any]:
-    return _sample_dict(item)
-
-
 def prepare(system: str, setting: dict[str, Any], corpus_info: dict[str, Any], d: str) -> None:
     """Write ``corpus_info``'s samples in ``system``'s format at ``setting`` into ``d``."""
+    from .bench_read import _litdata_fn, _sample  # one reading of a corpus sample for every system
+
     samples = corpus_info["samples"]
     if system == "datapipe":
         import datapipe
@@ -231,14 +219,14 @@ def prepare(system: str, setting: dict[str, Any], corpus_info: dict[str, Any], d
         cols = {"key": "str", "cls": "bytes", "jpg": "bytes", "json": "bytes"}
         with streaming.MDSWriter(out=d, columns=cols, **setting) as w:
             for item in samples:
-                w.write(_sample_dict(item))
+                w.write(_sample(item))
     elif system == "webdataset":
         import webdataset as wds
 
         os.makedirs(d, exist_ok=True)
         with wds.ShardWriter(os.path.join(d, "shard-%06d.tar"), verbose=0, **setting) as w:
             for item in samples:
-                s = _sample_dict(item)
+                s = _sample(item)
                 w.write({"__key__": s.pop("key"), **s})
     else:
         raise ValueError(f"unknown system {system!r}")
@@ -295,10 +283,6 @@ def _keys_of(batch: Any) -> list[str]:
             continue
         return keys if isinstance(keys, list) else list(keys)
     raise TypeError(f"a batch of type {type(batch).__name__} has no '__key__' or 'key' field")
-
-
-def _key_of(sample: Any) -> str:
-    return str(sample["__key__"] if "__key__" in sample else sample["key"])
 
 
 def _open(job: dict[str, Any]) -> tuple[Any, Callable[[Any], Iterable[str]], dict[str, Any]]:

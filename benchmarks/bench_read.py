@@ -87,8 +87,10 @@ def _read(path: str) -> bytes:
 
 
 def _sample(item: tuple[str, dict[str, str]]) -> dict[str, Any]:
+    """A corpus sample as a dict, fields in sorted order (LitData's writers infer one data
+    format from the field order and refuse chunks written in another)."""
     key, files = item
-    return {"key": key, **{f: _read(p) for f, p in files.items()}}
+    return {"key": key, **{f: _read(p) for f, p in sorted(files.items())}}
 
 
 # -- page cache ---------------------------------------------------------------------------------

@@ -165,9 +165,8 @@ class Column:
         return Column([pinned.numpy()], offsets[:-1], offsets[1:])
 
 
-def _contiguous_column(data: NDArray[np.uint8] | bytes, offsets: NDArray[np.int64]) -> Column:
-    array = np.frombuffer(data, dtype=np.uint8) if isinstance(data, bytes) else data  # bytes: an older pickle
-    return Column([array], offsets[:-1], offsets[1:])
+def _contiguous_column(data: NDArray[np.uint8], offsets: NDArray[np.int64]) -> Column:
+    return Column([data], offsets[:-1], offsets[1:])
 
 
 def _collate(values: list[Any]) -> Any:

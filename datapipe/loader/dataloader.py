@@ -31,7 +31,7 @@ from ..errors import PlanError
 from .batch import Batch
 from .control import PassControl
 from .dataset import StreamingDataset, skip_report
-from .readers import Skipped
+from .readers import Skipped, split_skipped
 from .ring import BatchRing, RingBatch
 
 __all__ = ["StreamingDataLoader"]
@@ -74,8 +74,7 @@ class _Collate:
             if isinstance(data, Skipped):
                 return _Batch(None, 1, (data,))
             return _Batch(self.collate(data), 1, ())
-        items = [x for x in data if not isinstance(x, Skipped)]
-        skipped = tuple(x for x in data if isinstance(x, Skipped))
+        items, skipped = split_skipped(data)
         return _Batch(self.collate(items) if items else None, len(data), skipped)
 
 

@@ -37,7 +37,16 @@ from ..topology import Topology
 from .batch import Batch
 from .mixing import Stream, epoch_layout, stream_targets
 from .prefetch import Chunk, Prefetcher
-from .readers import ErrorPolicy, FailedShardReader, Progress, ShardReader, Skipped, chunk_items, laid_out_batches
+from .readers import (
+    ErrorPolicy,
+    FailedShardReader,
+    Progress,
+    ShardReader,
+    Skipped,
+    chunk_items,
+    laid_out_batches,
+    split_skipped,
+)
 from .source import ShardSource
 
 try:  # torch is optional: without it the dataset is a plain iterable
@@ -391,8 +400,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
             group = list(islice(items, size))  # the readers advance progress sample by sample
             if not group:
                 return
-            samples = [x for x in group if x.__class__ is not Skipped]
-            skipped = tuple(x for x in group if x.__class__ is Skipped)
+            samples, skipped = split_skipped(group)
             if samples or self.yield_skip_markers:  # a batch of skips only tells a loader about them
                 yield Batch.from_samples(samples, skipped)
 

@@ -43,9 +43,9 @@ from .batch import Batch, Column
 if TYPE_CHECKING:
     from .source import ShardData
 
-__all__ = ["Skipped", "Progress", "ErrorPolicy", "ShardReader", "LaidOutShardReader", "MemberWalkReader",
-           "CheckedSampleReader", "TableRowsReader", "FailedShardReader", "reader_for", "chunk_items",
-           "laid_out_batches"]
+__all__ = ["Skipped", "split_skipped", "Progress", "ErrorPolicy", "ShardReader", "LaidOutShardReader",
+           "MemberWalkReader", "CheckedSampleReader", "TableRowsReader", "FailedShardReader", "reader_for",
+           "chunk_items", "laid_out_batches"]
 
 
 class Skipped(NamedTuple):
@@ -57,6 +57,15 @@ class Skipped(NamedTuple):
     url: str
     key: str | None
     why: str
+
+
+def split_skipped(items: Iterable[Any]) -> tuple[list[Any], tuple[Skipped, ...]]:
+    """(the items that are samples, the :class:`Skipped` markers among them), in order."""
+    samples: list[Any] = []
+    skipped: list[Skipped] = []
+    for x in items:
+        (skipped if x.__class__ is Skipped else samples).append(x)
+    return samples, tuple(skipped)
 
 
 class Progress:
