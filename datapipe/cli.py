@@ -69,9 +69,9 @@ def _cmd_index(a: argparse.Namespace) -> int:
 
 def _dataset_url(url: str, storage_options: dict[str, Any] | None) -> str:
     """``url``, or for tar shards (a shard URL or pattern) the index made on first use."""
-    from .tarindex import index_location, is_tar_source
+    from .tarindex import resolve_source
 
-    return index_location(url, storage_options) if is_tar_source(url) else url
+    return resolve_source(url, storage_options)
 
 
 def _cmd_inspect(a: argparse.Namespace) -> int:

@@ -202,7 +202,7 @@ class DatasetIndex:
         """(store, key) to read shard ``info`` from: the dataset's store, or for a shard of
         an index of existing tars that lies elsewhere, a store of its folder (opened with
         this index's storage options, once per folder)."""
-        if info.url == self.store.url(info.name):
+        if not self.tar_index or info.url == self.store.url(info.name):  # a packed shard: its own folder
             return self.store, info.name
         folder, key = split_url(info.url)
         store = self._shard_stores.get(folder)

@@ -157,7 +157,7 @@ class ParquetTable:
             raise ObjectChangedError(f"{self.url}/{rel} changed since the table was opened (its size or version "
                                      "differs): open the dataset again for a plan of the new rows")
         try:
-            table = frag.split_by_row_group()[rg].to_table(schema=self.schema)
+            table = frag.subset(row_group_ids=[rg]).to_table(schema=self.schema)  # that row group alone
         except (OSError, pa.ArrowException) as e:
             raise FormatError(f"{self.url}/{rel} row group {rg}: cannot be read: {e}") from e
         if self._stat(rel) != self._files[rel]:  # replaced after the check above, or while read
