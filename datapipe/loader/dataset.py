@@ -196,6 +196,16 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
 
     With a plain ``DataLoader`` and ``persistent_workers=False`` (the default), each pass
     pickles this object into the workers, so ``set_epoch`` and ``load_state_dict`` reach them.
+
+    Reading ahead across passes: shards are fetched ahead of the reader within
+    ``prefetch_bytes``, and a pass that ends (in this process, or in a worker of a
+    StreamingDataLoader, whose workers persist) leaves its prefetcher fetching the first
+    shards of the pass it guesses comes next: the next epoch if ``set_epoch`` moved this
+    one on from the last (or on the first pass), else the same epoch again. The next pass
+    uses it if it is that pass (same epoch and worker share, no ``load_state_dict`` since),
+    else closes it: a window of shards is then not read at each epoch's start while the
+    trainer waits. Those bytes stay held (within ``prefetch_bytes``) until the next pass or
+    until this object is collected.
     """
 
     def __init__(self, source: str | list[str] | list[Stream], *, cache: Any = None, shuffle: bool = True,
