@@ -23,8 +23,10 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from itertools import islice
-from typing import Any
+from functools import partial
+from itertools import chain, islice
+from multiprocessing import util as mp_util
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -91,6 +93,76 @@ def skip_report(skipped: Sequence[tuple[str, str | None, str]], where: str = "")
     return f"StreamingDataset skipped {len(skipped)} unreadable or undecodable samples: {shown}{more}{where}"
 
 
+def _epoch_chunks(plan: EpochPlan, real: NDArray[Any], rank: int, worker: int, num_workers: int,
+                  batch_size: int, chunk_samples: int, number: int, tag: int) -> Iterator[Chunk]:
+    """The worker's share of the rank's stream in ``plan``, as chunks numbered from
+    ``number``. The first chunks are small and grow to full size: the reader starts on the
+    first batch while the prefetcher still plans the rest of the window."""
+    start, stop = plan.start, plan.per_rank
+    batches = worker_batches(start, stop, batch_size, worker, num_workers)
+    per_chunk = max(1, chunk_samples // batch_size)
+    i, size = 0, 1
+    while i < len(batches):
+        steps = batch_steps(start, stop, batch_size, batches[i : i + min(size, per_chunk)])
+        # padding samples (repeats that even out the ranks) are read like any other
+        vshard, sample, _padding = plan.rank_samples(rank, steps)
+        yield Chunk.make(number, steps, real[vshard], sample, tag)
+        i, size, number = i + min(size, per_chunk), size * 4, number + 1
+
+
+class _PassKey(NamedTuple):
+    """What a pass's chunks depend on besides the dataset's fixed settings."""
+
+    epoch: int
+    rank: int
+    world: int
+    worker: int
+    num_workers: int
+    batch_size: int
+    chunk_samples: int
+
+
+def _chained_chunks(first: Iterator[Chunk], make: Callable[[int, int], tuple[EpochPlan, NDArray[Any]]],
+                    key: _PassKey, step: int) -> Iterator[Chunk]:
+    """The chunks of the pass ``key`` describes (``first``), then those of the passes that
+    follow it if each next epoch is the last plus ``step`` (0 or 1), tagged 0, 1, 2, ...:
+    the prefetcher fetches the next epoch's first shards while the consumer finishes this
+    one. It stops after a pass that has no chunks for this worker."""
+    number, tag, epoch, chunks = 0, 0, key.epoch, first
+    while True:
+        empty = True
+        for chunk in chunks:
+            empty = False
+            number = chunk.number + 1
+            yield chunk
+        if empty:
+            return
+        tag, epoch = tag + 1, epoch + step
+        plan, real = make(key.world, epoch)
+        chunks = _epoch_chunks(plan, real, key.rank, key.worker, key.num_workers, key.batch_size,
+                               key.chunk_samples, number, tag)
+
+
+class _Ahead(NamedTuple):
+    """A finished pass's prefetcher, running on into the pass ``key`` predicts: the first
+    chunk of that pass (already taken from the prefetcher) and the tag its chunks carry."""
+
+    key: _PassKey
+    pre: Prefetcher
+    pending: Chunk
+    tag: int
+    step: int
+    close: mp_util.Finalize
+
+
+def _closer(owner: object, pre: Prefetcher) -> mp_util.Finalize:
+    """Closes ``pre`` when ``owner`` is collected, and at exit before the cache's node
+    counters are written (a higher exit priority): a read ahead still running then ends
+    first, so those counters include it. A multiprocessing finalizer, as DataLoader
+    workers skip plain atexit handlers."""
+    return mp_util.Finalize(owner, pre.close, exitpriority=20)
+
+
 class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableDataset is generic in its item type; ours vary with decode/map
     """Samples of one or more packed datasets in a deterministic, resumable, shuffled order.
 
@@ -124,6 +196,16 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
 
     With a plain ``DataLoader`` and ``persistent_workers=False`` (the default), each pass
     pickles this object into the workers, so ``set_epoch`` and ``load_state_dict`` reach them.
+
+    Reading ahead across passes: shards are fetched ahead of the reader within
+    ``prefetch_bytes``, and a pass that ends (in this process, or in a worker of a
+    StreamingDataLoader, whose workers persist) leaves its prefetcher fetching the first
+    shards of the pass it guesses comes next: the next epoch if ``set_epoch`` moved this
+    one on from the last (or on the first pass), else the same epoch again. The next pass
+    uses it if it is that pass (same epoch and worker share, no ``load_state_dict`` since),
+    else closes it: a window of shards is then not read at each epoch's start while the
+    trainer waits. Those bytes stay held (within ``prefetch_bytes``) until the next pass or
+    until this object is collected.
     """
 
     def __init__(self, source: str | list[str] | list[Stream], *, cache: Any = None, shuffle: bool = True,
@@ -200,6 +282,10 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         #: yield a Skipped marker in place of each skipped sample (a StreamingDataLoader sets it:
         #: it takes the markers out of the batches and reports the skips in the main process)
         self.yield_skip_markers = False
+        #: a finished pass's prefetcher, fetching the next pass's first shards (see __iter__)
+        self._ahead: _Ahead | None = None
+        #: the epoch of the last pass started here (to guess the next pass's epoch)
+        self._last_epoch: int | None = None
         #: set by a StreamingDataLoader with persistent workers: where a worker's copy reads
         #: the epoch and resume state of each pass (see .control)
         self._control: Any = None
@@ -213,6 +299,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         state["_topology"] = self._topology or resolve_topology(self.rank, self.world_size)
         state["_plan"] = None
         state["_live"] = None  # a worker's copy runs its own pass
+        state["_ahead"] = None  # a prefetch thread: a worker runs its own
         state.pop("_pool", None)  # threads do not pickle: a worker starts its own
         return state
 
@@ -221,16 +308,30 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         return epoch_layout(self._stream_counts, self._targets, self.seed, epoch)
 
     def _make_plan(self, world: int) -> tuple[EpochPlan, NDArray[Any]]:
-        counts, real = self._layout(self.epoch)
+        if self._resume is not None and self._resume.get("epoch") == self.epoch:
+            counts, real = self._layout(self.epoch)
+            algo = "window" if self.shuffle else "none"
+            plan = EpochPlan.from_state(counts, self._resume, seed=self.seed, window=self.window if self.shuffle else 1,
+                                        algorithm=algo, world=world, drop_last=self.drop_last,
+                                        fingerprint=self.fingerprint)
+            return plan, real
+        return self._planner()(world, self.epoch)
+
+    def _planner(self) -> Callable[[int, int], tuple[EpochPlan, NDArray[Any]]]:
+        """``make(world, epoch)``: a fresh epoch's plan and its shards' global numbers. It
+        holds what the plan depends on, not this object (the prefetch thread runs it for the
+        next epoch, and must not keep the dataset alive)."""
+        counts_of = partial(epoch_layout, self._stream_counts, self._targets, self.seed)
+        seed, drop_last, fingerprint = self.seed, self.drop_last, self.fingerprint
         algo = "window" if self.shuffle else "none"
         window = self.window if self.shuffle else 1
-        if self._resume is not None and self._resume.get("epoch") == self.epoch:
-            plan = EpochPlan.from_state(counts, self._resume, seed=self.seed, window=window, algorithm=algo,
-                                        world=world, drop_last=self.drop_last, fingerprint=self.fingerprint)
-        else:
-            plan = EpochPlan(counts, seed=self.seed, epoch=self.epoch, window=window, algorithm=algo,
-                             world=world, drop_last=self.drop_last, fingerprint=self.fingerprint)
-        return plan, real
+
+        def make(world: int, epoch: int) -> tuple[EpochPlan, NDArray[Any]]:
+            counts, real = counts_of(epoch)
+            return EpochPlan(counts, seed=seed, epoch=epoch, window=window, algorithm=algo, world=world,
+                             drop_last=drop_last, fingerprint=fingerprint), real
+
+        return make
 
     def set_epoch(self, epoch: int) -> None:
         if int(epoch) < 0:
@@ -283,21 +384,6 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         self._plan = None
 
     # -- iteration ----------------------------------------------------------------------
-    def _chunks(self, plan: EpochPlan, real: NDArray[Any], rank: int, worker: int,
-                num_workers: int) -> Iterator[Chunk]:
-        start, stop = plan.start, plan.per_rank
-        batches = worker_batches(start, stop, self.batch_size, worker, num_workers)
-        per_chunk = max(1, self.chunk_samples // self.batch_size)
-        # The first chunks are small and grow to full size: the reader starts on the first
-        # batch while the prefetcher still plans the rest of the window.
-        i, size, number = 0, 1, 0
-        while i < len(batches):
-            steps = batch_steps(start, stop, self.batch_size, batches[i : i + min(size, per_chunk)])
-            # padding samples (repeats that even out the ranks) are read like any other
-            vshard, sample, _padding = plan.rank_samples(rank, steps)
-            yield Chunk.make(number, steps, real[vshard], sample)
-            i, size, number = i + min(size, per_chunk), size * 4, number + 1
-
     def __iter__(self) -> Iterator[Any]:
         # One pass at a time: the resume state (plan, samples yielded, skips) is the pass's,
         # and state_dict() must describe the pass the trainer consumes. Keeping state per
@@ -324,18 +410,15 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
             self._plan, self._progress = plan, Progress()
             self.skipped = []  # reported at the end of each pass, then started afresh
             on_error = ErrorPolicy(self.on_error == "skip", self.skipped)
-            cache = self.cache
-            source = self.source
-
-            def schedule(order: list[int]) -> None:
-                if cache is not None and hasattr(cache, "set_schedule"):
-                    cache.set_schedule([source.url(g) for g in order], lookahead=0)
-
-            pre = Prefetcher(self._chunks(plan, real, rank, worker, num_workers),
-                             lambda g: source.fetch(g, cache), source.shard_bytes,
-                             max_bytes=self.prefetch_bytes, concurrency=self.concurrency, schedule=schedule)
+            key = _PassKey(self.epoch, rank, world, worker, num_workers, self.batch_size, self.chunk_samples)
+            pre, tag, step, chunks = self._pass_prefetcher(plan, real, key)
+            ahead: _Ahead | None = None
             try:
-                for chunk in pre:
+                for chunk in chunks:
+                    if chunk.tag != tag:  # the next pass's first chunk: this pass is over
+                        nxt = key._replace(epoch=key.epoch + step)
+                        ahead = _Ahead(nxt, pre, chunk, chunk.tag, step, _closer(self, pre))
+                        break
                     if self.batched:
                         yield from self._chunk_batches(pre, chunk, on_error)
                     else:
@@ -345,7 +428,10 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                         yield from items
                     pre.done(chunk)
             finally:
-                pre.close()
+                if ahead is None:
+                    pre.close()
+                else:
+                    self._ahead = ahead
             if not self.yield_skip_markers:  # else the loader reports them, in the main process
                 self._report_skipped()
             self.end_resumed_pass()
@@ -357,6 +443,38 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         """The resumed pass is over: the next pass starts the epoch afresh (called at the end of
         each pass, and by a :class:`~datapipe.loader.StreamingDataLoader` whose workers read it)."""
         self._resume = None
+
+    def _pass_prefetcher(self, plan: EpochPlan, real: NDArray[Any],
+                         key: _PassKey) -> tuple[Prefetcher, int, int, Iterator[Chunk]]:
+        """(prefetcher, tag of this pass's chunks, epoch step of its chain, the chunks): the
+        one the last pass left running into this pass when it guessed this pass right (same
+        epoch and worker share, no resume state), else a new one. Its chunks run on into
+        the pass after this one (see :func:`_chained_chunks`)."""
+        ahead, self._ahead = self._ahead, None
+        last, self._last_epoch = self._last_epoch, key.epoch
+        if ahead is not None:
+            ahead.close.cancel()
+            if ahead.key == key and self._resume is None:
+                return ahead.pre, ahead.tag, ahead.step, chain([ahead.pending], ahead.pre)
+            ahead.pre.close()
+        # The next pass's epoch is guessed from this one: the last pass's epoch plus one
+        # when set_epoch() moved it on (or on the first pass), the same one when it did not.
+        step = 0 if last == key.epoch else 1
+        chunks = _epoch_chunks(plan, real, key.rank, key.worker, key.num_workers, key.batch_size,
+                               key.chunk_samples, 0, 0)
+        # Only where a next pass will come in this process: the main process, or a worker
+        # of a StreamingDataLoader that keeps its workers (others exit after one pass).
+        if self._control is not None or _worker_info() is None:
+            chunks = _chained_chunks(chunks, self._planner(), key, step)
+        cache, source = self.cache, self.source
+
+        def schedule(order: list[int]) -> None:
+            if cache is not None and hasattr(cache, "set_schedule"):
+                cache.set_schedule([source.url(g) for g in order], lookahead=0)
+
+        pre = Prefetcher(chunks, lambda g: source.fetch(g, cache), source.shard_bytes,
+                         max_bytes=self.prefetch_bytes, concurrency=self.concurrency, schedule=schedule)
+        return pre, 0, step, iter(pre)
 
     def _reader(self, pre: Prefetcher, g: int) -> ShardReader:
         """Shard ``g``'s reader; a fetch that raised is raised (or skipped) at each of its

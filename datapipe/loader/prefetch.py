@@ -38,11 +38,15 @@ class Chunk:
     shard: NDArray[Any]
     sample: NDArray[Any]
     shards: list[int] = field(default_factory=list)  # distinct, in order of first use
+    #: which pass of a chain of passes the chunk belongs to (see StreamingDataset's
+    #: prefetch into the next epoch); 0 for the first
+    tag: int = 0
 
     @classmethod
-    def make(cls, number: int, steps: NDArray[Any], shard: NDArray[Any], sample: NDArray[Any]) -> Chunk:
+    def make(cls, number: int, steps: NDArray[Any], shard: NDArray[Any], sample: NDArray[Any],
+             tag: int = 0) -> Chunk:
         uniq, first = np.unique(shard, return_index=True)
-        return cls(number, steps, shard, sample, uniq[np.argsort(first)].tolist())
+        return cls(number, steps, shard, sample, uniq[np.argsort(first)].tolist(), tag)
 
 
 class _Slot:

@@ -1,0 +1,126 @@
+"""A finished pass keeps its prefetcher running into the pass it guesses comes next (the
+next epoch after set_epoch moved on, else the same one): whatever the trainer then does
+(another epoch, the same one, a resume, a break), every pass yields exactly what a fresh
+dataset yields for that epoch and resume point; a guessed pass runs on the prefetcher that
+read its first shards ahead."""
+
+from __future__ import annotations
+
+from itertools import islice
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from datapipe import ShardWriter
+from datapipe.loader import StreamingDataLoader, StreamingDataset
+
+N = 240
+
+
+def _write(path):
+    with ShardWriter(str(path), max_samples=17) as w:
+        for i in range(N):
+            w.write({"__key__": f"s{i:04d}", "cls": str(i), "bin": bytes([i % 256]) * (i % 50 + 1)})
+    return str(path)
+
+
+_DS: dict[str, str] = {}
+
+
+def _url(tmp_path_factory):
+    if "url" not in _DS:
+        _DS["url"] = _write(tmp_path_factory.mktemp("ahead") / "ds")
+    return _DS["url"]
+
+
+def _keys(items):
+    return [s["__key__"] for s in items]
+
+
+def _fresh(url, epoch, state=None, **kw):
+    ds = StreamingDataset(url, **kw)
+    if state is None:
+        ds.set_epoch(epoch)
+    else:
+        ds.load_state_dict(state)
+    return _keys(ds)
+
+
+def test_the_guessed_next_epoch_is_read_ahead_and_used(tmp_path_factory):
+    url = _url(tmp_path_factory)
+    kw = dict(window=3, seed=1, chunk_samples=32)
+    ds = StreamingDataset(url, **kw)
+    ds.set_epoch(0)
+    assert _keys(ds) == _fresh(url, 0, **kw)
+    ahead = ds._ahead
+    assert ahead is not None and ahead.key.epoch == 1  # set_epoch(0) then a pass: epoch 1 next
+    for g in ahead.pending.shards:  # the next pass's first shards are being read (wait for them)
+        assert ahead.pre.shard(g).shard == g
+    ds.set_epoch(1)
+    assert _keys(ds) == _fresh(url, 1, **kw)
+    assert ds._ahead is not None and ds._ahead.pre is ahead.pre  # the pass ran on that prefetcher
+    assert ds._ahead.key.epoch == 2
+    ds.set_epoch(5)  # not the guess: a new prefetcher, the same samples as a fresh dataset
+    assert _keys(ds) == _fresh(url, 5, **kw)
+    assert ds._ahead.pre is not ahead.pre and ds._ahead.key.epoch == 6
+
+
+def test_without_set_epoch_the_same_epoch_is_guessed(tmp_path_factory):
+    url = _url(tmp_path_factory)
+    ds = StreamingDataset(url, window=3, seed=2)
+    once = _keys(ds)
+    assert _keys(ds) == once  # epoch 0 again (guessed 1 first: dropped, a new prefetcher)
+    assert ds._ahead is not None and ds._ahead.key.epoch == 0
+    assert _keys(ds) == once
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["all", "break", "resume"]),
+                          st.integers(1, N - 1)), min_size=1, max_size=6))
+def test_any_sequence_of_passes_yields_what_a_fresh_dataset_yields(tmp_path_factory, passes):
+    url = _url(tmp_path_factory)
+    kw = dict(window=4, seed=7, chunk_samples=20)
+    ds = StreamingDataset(url, **kw)
+    for epoch, how, at in passes:
+        if how == "resume":  # a state taken `at` samples into `epoch`, from another dataset
+            other = StreamingDataset(url, **kw)
+            other.set_epoch(epoch)
+            it = iter(other)
+            list(islice(it, at))
+            state = other.state_dict()
+            it.close()
+            ds.load_state_dict(state)
+            assert _keys(ds) == _fresh(url, epoch, state, **kw)
+            continue
+        ds.set_epoch(epoch)
+        expected = _fresh(url, epoch, **kw)
+        if how == "break":  # the trainer stops early: nothing is kept for a next pass
+            it = iter(ds)
+            assert _keys(islice(it, at)) == expected[:at]
+            it.close()
+            assert ds._ahead is None
+        else:
+            assert _keys(ds) == expected
+
+
+def test_persistent_dataloader_workers_read_ahead_and_stay_exact(tmp_path_factory):
+    url = _url(tmp_path_factory)
+    ds = StreamingDataset(url, window=3, seed=4, decode=None)
+    loader = StreamingDataLoader(ds, batch_size=8, num_workers=2)
+    assert loader.persistent_workers
+    for epoch in (0, 1, 1, 3):
+        ds.set_epoch(epoch)
+        got = [k for b in loader for k in b["__key__"]]
+        single = StreamingDataset(url, window=3, seed=4, decode=None, batch_size=8)
+        single.set_epoch(epoch)
+        assert sorted(got) == sorted(_keys(single)) and len(got) == N
+    # a resume between passes: the workers' read-ahead is not used, the resume is exact
+    ds.set_epoch(2)
+    it = iter(loader)
+    seen = [k for b in islice(it, 5) for k in b["__key__"]]
+    state = loader.state_dict()
+    del it
+    loader2 = StreamingDataLoader(ds, batch_size=8, num_workers=2)
+    loader2.load_state_dict(state)
+    rest = [k for b in loader2 for k in b["__key__"]]
+    assert sorted(seen + rest) == sorted(f"s{i:04d}" for i in range(N))
