@@ -152,7 +152,7 @@ def pack(
             refuse_tar_shards(src, listing.samples)
         plan = plan_shards(listing.samples, shard_bytes, shard_samples)
         ds = ray.data.from_arrow([_shard_block(group) for group in plan])
-        ds.write_datasink(sink, ray_remote_args={"max_retries": 3})
+        ds.write_datasink(sink)
     except Exception as e:
         sink.on_write_failed(e)
         cause = ray_cause(e)

@@ -219,7 +219,7 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
                        task: int) -> list[dict[str, Any]]:
         series = ShardSeries(store, self.limits, self.compression, self.level, names, journal)
         try:
-            for row in _rows(blocks):
+            for row in self.rows_of(blocks):
                 series.write(_sample(row, task))
             series.close()
         except BaseException as e:
@@ -229,6 +229,15 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
                 e.add_note(f"discarding the partial shard also failed: {cleanup!r}")
             raise
         return [dict(res, name=res["record"]["name"]) for res in series.results]
+
+    def rows_of(self, blocks: Iterable[Block]) -> Iterator[dict[str, Any]]:
+        """The rows of ``blocks`` as dicts of Python values, a batch at a time (struct
+        columns holding bytes, such as Hugging Face images, flattened as ``pack``
+        flattens them)."""
+        for block in blocks:
+            table = flatten_bytes_structs(BlockAccessor.for_block(block).to_arrow())
+            for batch in table.to_batches(max_chunksize=1024):
+                yield from batch.to_pylist()
 
     def _write_files(self, store: Store, blocks: Iterable[Block], names: Any, journal: Any) -> list[dict[str, Any]]:
         samples = []
@@ -243,15 +252,6 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
             res = pack_shard((store, name, self.compression, self.level, group, self.skip_errors))
             results.append(dict(res, name=name))
         return results
-
-
-def _rows(blocks: Iterable[Block]) -> Iterator[dict[str, Any]]:
-    """The rows of ``blocks`` as dicts of Python values, a batch at a time (struct columns
-    holding bytes, such as Hugging Face images, flattened as ``pack`` flattens them)."""
-    for block in blocks:
-        table = flatten_bytes_structs(BlockAccessor.for_block(block).to_arrow())
-        for batch in table.to_batches(max_chunksize=1024):
-            yield from batch.to_pylist()
 
 
 def _sample(row: dict[str, Any], task: int) -> dict[str, Any]:
@@ -304,14 +304,14 @@ def write(ds: Any, dest: str, *, ray_remote_args: dict[str, Any] | None = None, 
           **options: Any) -> PackResult:
     """Write the Ray Dataset ``ds`` (rows: ``__key__`` plus fields) as a datapipe dataset at
     ``dest`` through :class:`DatapipeDatasink` (``options`` are its options). A write task
-    whose worker dies is retried (``max_retries`` 3 unless ``ray_remote_args`` says
-    otherwise). Returns the :class:`~datapipe.PackResult`; a datapipe error raised in a
-    task is raised here as itself."""
+    whose worker dies is retried (Ray Data retries tasks lost to system failures, without
+    limit unless ``ray_remote_args`` sets ``max_retries``). Returns the
+    :class:`~datapipe.PackResult`; a datapipe error raised in a task is raised here as
+    itself."""
     t0 = time.perf_counter()
     sink = DatapipeDatasink(dest, **options)
     try:
-        ds.write_datasink(sink, ray_remote_args={"max_retries": 3, **(ray_remote_args or {})},
-                          concurrency=concurrency)
+        ds.write_datasink(sink, ray_remote_args=ray_remote_args, concurrency=concurrency)
     except Exception as e:
         sink.on_write_failed(e)
         cause = ray_cause(e)
