@@ -32,7 +32,7 @@ from ..pack.writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES
 from ..storage import open_store
 from .sink import FILE_COLUMNS, DatapipeDatasink, ray_cause
 
-__all__ = ["pack", "connect", "list_tree"]
+__all__ = ["pack", "connect", "list_tree", "file_block"]
 
 _MAX_DRIVER_LEVELS = 3  # the driver lists at most this many levels, until there is a folder per CPU
 
@@ -100,7 +100,9 @@ def list_tree(src: str, *, skip_errors: bool = False, follow_links: bool = False
     return total
 
 
-def _shard_block(samples: list[FileSample]) -> pa.Table:
+def file_block(samples: list[FileSample]) -> pa.Table:
+    """The Ray block of one planned shard: a row per sample, its files as lists
+    (:data:`~datapipe.ray.sink.FILE_COLUMNS`), for a sink with ``rows="files"``."""
     return pa.table({
         "__key__": pa.array([s.key for s in samples], pa.string()),
         "__fields__": pa.array([[f for f, _, _ in s.files] for s in samples], pa.list_(pa.string())),
@@ -151,7 +153,7 @@ def pack(
         if not tars_as_files:
             refuse_tar_shards(src, listing.samples)
         plan = plan_shards(listing.samples, shard_bytes, shard_samples)
-        ds = ray.data.from_arrow([_shard_block(group) for group in plan])
+        ds = ray.data.from_arrow([file_block(group) for group in plan])
         ds.write_datasink(sink)
     except Exception as e:
         sink.on_write_failed(e)
