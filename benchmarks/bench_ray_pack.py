@@ -118,9 +118,10 @@ def _phases(cfg: RayPackBenchConfig, corpus: str, dest: str) -> dict[str, Any]:
     sizes = {name: os.path.getsize(os.path.join(dest, name)) for name in ("manifest.json", "shards.parquet",
                                                                           "samples.parquet")}
     listed_json = len(json.dumps([[s.key, s.files, s.tar_bytes] for s in listing.samples]))
-    return {"list_s": t1 - t0, "listing_json_bytes": listed_json, "plan_s": t2 - t1, "write_s": t3 - t2, "merge_commit_s": timed["merge_commit_s"],
-            "returns_json_bytes": timed["returns_json_bytes"], "rows": ix.num_samples, "shards": ix.num_shards,
-            "write_tasks": len(sink.task_nodes), "index_bytes": sizes}
+    return {"list_s": t1 - t0, "listing_json_bytes": listed_json, "plan_s": t2 - t1, "write_s": t3 - t2,
+            "merge_commit_s": timed["merge_commit_s"], "returns_json_bytes": timed["returns_json_bytes"],
+            "rows": ix.num_samples, "shards": ix.num_shards, "write_tasks": len(sink.task_nodes),
+            "index_bytes": sizes}
 
 
 def _extrapolate(cfg: RayPackBenchConfig, files: int, nbytes: int, ph: dict[str, Any]) -> dict[str, Any]:
