@@ -206,3 +206,17 @@ def test_driver_removes_shards_of_failed_attempts_it_journaled(ray_local, tmp_pa
                                           "shard-000005-000009.tar"}
     assert sorted(datapipe.open_index(str(dest)).keys()) == ["k0", "k1", "k2", "k3"]
     assert json.loads((dest / MANIFEST).read_text())["num_shards"] == 2
+
+
+def test_pack_to_s3_and_read_back(ray_local, corpus, s3):
+    """Write tasks in Ray workers upload to moto's S3 on loopback (no temporaries there:
+    an upload publishes on completion); the Datasource reads it back."""
+    root, opts = s3
+    dest = f"{root}/ds"
+    r = dr.pack(corpus, dest, shard_bytes=96 * 1024, compression="zstd", storage_options=opts)
+    assert r.samples == 300 and datapipe.verify_dataset(dest, storage_options=opts).ok
+    store = open_store(dest, opts)
+    names = {s.name for s in datapipe.open_index(dest, opts).shards}
+    assert set(store.list()) == INDEX_FILES | names  # no journal, no lease left
+    rows = dr.read(dest, storage_options=opts).take_all()
+    assert {row["__key__"]: {k: v for k, v in row.items() if v is not None} for row in rows} == read_corpus(corpus)
