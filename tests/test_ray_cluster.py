@@ -45,7 +45,7 @@ def test_write_tasks_run_on_both_nodes_and_pack_matches_local(two_nodes, tmp_pat
     assert by_key == {s["__key__"]: s for s in datapipe.open_dataset(local)} == read_corpus(corpus)
     assert r.samples == 240
     # the nodes each write task ran on, as the tasks recorded them
-    sink = dr.DatapipeDatasink(str(tmp_path / "copy"), max_samples=20)
+    sink = dr.DatapipeDatasink(str(tmp_path / "copy"), max_bytes=16 * 1024)
     dr.read(on_ray).write_datasink(sink, ray_remote_args={"scheduling_strategy": "SPREAD"})
     assert len(sink.task_nodes) > 2
     assert set(sink.task_nodes.values()) == {n["NodeID"] for n in ray.nodes() if n["Alive"]}

@@ -102,6 +102,13 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
         state["_lock"] = state["_journal"] = None  # the lock stays with the driver
         return state
 
+    @property
+    def min_bytes_per_write(self) -> int | None:
+        """Rows of samples: Ray bundles input blocks up to a shard's bytes per write task,
+        so that tasks write full shards rather than one small shard per small block.
+        Rows of files: each block is one planned shard already."""
+        return self.limits.max_bytes if self.rows == "samples" else None
+
     # -- driver ------------------------------------------------------------------------
     def begin(self) -> None:
         """Take the destination's writer lock and start this write's journal (Ray calls it
