@@ -40,12 +40,36 @@ def _add_storage(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_pack(a: argparse.Namespace) -> int:
+    if a.engine == "ray":
+        return _pack_on_ray(a)
+    if a.address is not None:
+        from .errors import PackOptionError
+
+        raise PackOptionError("--address applies to --engine ray")
     from .pack import pack
 
     r = pack(a.src, a.dest, shard_bytes=a.shard_bytes, shard_samples=a.shard_samples,
              compression=a.compression, level=a.level, workers=a.workers, part=a.part,
              overwrite=a.overwrite, skip_errors=a.skip_errors, storage_options=a.storage_options,
              progress=not a.quiet, follow_links=a.follow_links, keys=a.keys, tars_as_files=a.tars_as_files)
+    print(r.summary())
+    return 0
+
+
+def _pack_on_ray(a: argparse.Namespace) -> int:
+    """``pack --engine ray``: the same packing as Ray tasks (datapipe.ray.pack)."""
+    from .errors import PackOptionError
+
+    if a.part is not None or a.workers is not None:
+        raise PackOptionError("--part and --workers apply to --engine local; Ray spreads the work over its cluster")
+    try:
+        from .ray import pack as ray_pack
+    except ImportError as e:
+        raise PackOptionError(str(e)) from None
+    r = ray_pack(a.src, a.dest, shard_bytes=a.shard_bytes, shard_samples=a.shard_samples,
+                 compression=a.compression, level=a.level, overwrite=a.overwrite, skip_errors=a.skip_errors,
+                 storage_options=a.storage_options, progress=not a.quiet, follow_links=a.follow_links, keys=a.keys,
+                 tars_as_files=a.tars_as_files, address=a.address)
     print(r.summary())
     return 0
 
@@ -163,6 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tars-as-files", action="store_true",
                    help="pack a folder of tar files as files (by default refused: index existing shards with "
                         "`datapipe index`)")
+    p.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="local (default): worker processes on this machine. ray: Ray tasks on a Ray cluster "
+                        "(pip install 'datapipe[ray]'): folders listed in parallel, one write task per shard, "
+                        "SRC and DEST reachable from every node; not resumable (a failed pack removes what it "
+                        "wrote: run it again)")
+    p.add_argument("--address", default=None, metavar="ADDR",
+                   help="with --engine ray: the Ray cluster to join (e.g. auto, or ray://host:10001); default: the "
+                        "cluster named by RAY_ADDRESS, else a local one started for this pack")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_storage(p)
     p.set_defaults(func=_cmd_pack)

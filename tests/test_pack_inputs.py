@@ -296,13 +296,13 @@ def test_damaged_journal_is_a_named_error_or_repacked(tmp_path):
     def killed(*a, **k):
         raise KeyboardInterrupt
 
-    real_commit = packer._commit
-    packer._commit = killed
+    real_commit = packer.commit_shards
+    packer.commit_shards = killed
     try:
         with pytest.raises(KeyboardInterrupt):
             datapipe.pack(str(src), str(dest), workers=1, shard_samples=2)
     finally:
-        packer._commit = real_commit
+        packer.commit_shards = real_commit
     assert sorted(os.listdir(dest / "_pack")) == ["plan.json", "shard-000000.tar.json", "shard-000001.tar.json",
                                                   "shard-000002.tar.json", "writer.lock"]
     (dest / "_pack" / "shard-000001.tar.json").write_bytes(b'{"record": ')

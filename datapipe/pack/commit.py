@@ -94,7 +94,8 @@ def check_destination(store: Store, overwrite: bool, resumable: bool = False) ->
 
 # What a pack writes, and so all that --overwrite may delete: never anything else that
 # happens to live under the destination (the source folder, say).
-_OWN = re.compile(r"^(part-\d{5}-of-\d{5}/)?(shard-\d{6}\.tar(\.zst)?|manifest\.json|shards\.parquet"
+# (shard-TTTTTT-NNNNNN: shard N of Ray write task T, see datapipe.ray)
+_OWN = re.compile(r"^(part-\d{5}-of-\d{5}/)?(shard-(\d{6,}-)?\d{6}\.tar(\.zst)?|manifest\.json|shards\.parquet"
                   r"|samples\.parquet|_pack/.*)$")
 
 

@@ -19,7 +19,7 @@ __all__ = ["WORK", "Journal", "fingerprint"]
 _NOT_RECORDS = (PLAN, LOCK, LEASE)
 
 
-_RECORD_KEYS = frozenset({"record"})  # what every record holds (see packer._run, packer._pack_table)
+_RECORD_KEYS = frozenset({"record"})  # what every record holds (see packer.pack_shard, packer._pack_table)
 
 
 def _json_object(store: Store, key: str) -> dict[str, Any] | None:

@@ -55,7 +55,7 @@ from .sources import (
 )
 from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits, checked_compression
 
-__all__ = ["pack", "PackResult", "parse_part", "part_dir"]
+__all__ = ["pack", "PackResult", "parse_part", "part_dir", "plan_shards", "pack_shard", "commit_shards"]
 
 
 @dataclass
@@ -120,7 +120,7 @@ class PackResult:
         return lines
 
 
-def _describe_tree(result: PackResult, src: str, dropped: list[tuple[str, str]], samples: list[FileSample],
+def describe_tree(result: PackResult, src: str, dropped: list[tuple[str, str]], samples: list[FileSample],
                    examples: int = 3) -> None:
     """Fill ``result``'s counts and examples of dropped and merged files."""
     root = os.path.abspath(src)
@@ -311,7 +311,9 @@ class _AllSkipped(Exception):
 # --- planning ----------------------------------------------------------------------
 
 
-def _plan_shards(samples: list[FileSample], max_bytes: int, max_samples: int) -> list[list[FileSample]]:
+def plan_shards(samples: list[FileSample], max_bytes: int, max_samples: int) -> list[list[FileSample]]:
+    """Cut listed samples, in order, into shards of at most ``max_bytes`` tar bytes and
+    ``max_samples`` samples (the files of a sample are never split)."""
     shards: list[list[FileSample]] = []
     cur: list[FileSample] = []
     cur_bytes = 0
@@ -400,7 +402,7 @@ def pack(
 _TAR_FIELDS = ("tar", "tar.gz", "tgz", "tar.zst", "tar.zstd", "tar.bz2", "tar.xz")
 
 
-def _refuse_tar_shards(src: str, samples: list[FileSample]) -> None:
+def refuse_tar_shards(src: str, samples: list[FileSample]) -> None:
     """A folder holding only tar files is a folder of existing shards: packing would store
     each whole shard as one sample with a field named ``tar``."""
     if samples and all(len(s.files) == 1 and s.files[0][0] in _TAR_FIELDS for s in samples):
@@ -423,17 +425,17 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     listing = list_directory(src, skip_errors, follow_links, exclude=dest_dir, keys=keys)
     samples = listing.samples
     if not tars_as_files:
-        _refuse_tar_shards(src, samples)
+        refuse_tar_shards(src, samples)
     if opts["part"] is not None:
         i, n = opts["part"]
         samples = samples[i * len(samples) // n : (i + 1) * len(samples) // n]
-    plan = _plan_shards(samples, opts["shard_bytes"], opts["shard_samples"])
+    plan = plan_shards(samples, opts["shard_bytes"], opts["shard_samples"])
     names = [shard_name(i, opts["compression"]) for i in range(len(plan))]
     with _writing(store.url("_pack")):
         work = Journal(store, fingerprint([opts, [[s.key, s.files, s.tar_bytes] for s in samples]]), overwrite)
     result = PackResult("", len(plan), 0, 0, 0, 0.0, skipped=list(listing.passed_over) + list(listing.bad),
                         keys=keys)
-    _describe_tree(result, src, listing.dropped, samples)
+    describe_tree(result, src, listing.dropped, samples)
     if work.committed:
         return _finish_cleanup(store, work, result)
     done = work.done()
@@ -460,7 +462,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
         pool = ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=_init_worker,
                                    initargs=(counters, os.getpid(), lock.inherited_fd()))
         try:
-            futures = {pool.submit(_run, a): a[1] for a in args}
+            futures = {pool.submit(pack_shard, a): a[1] for a in args}
         except BrokenProcessPool:  # a worker died while the work was being handed out
             pool.shutdown(wait=True, cancel_futures=True)
             raise _worker_lost(store, 0) from None
@@ -484,7 +486,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
             _init_worker(counters)
             try:
                 for a in args:
-                    _finish(work, a[1], _run(a), done)
+                    _finish(work, a[1], pack_shard(a), done)
             finally:
                 _init_worker(None)
         else:
@@ -506,7 +508,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
         stop.set()
         poller.join()
         bar.close()
-    return _commit(lock, work, names, done, opts["compression"], result)
+    return commit_shards(lock, work, names, done, opts["compression"], result)
 
 
 def _process_memory(store: Store) -> bool:
@@ -522,7 +524,10 @@ def _worker_lost(store: Store, new_shards: int) -> PackError:
     )
 
 
-def _run(args: tuple[Any, ...]) -> dict[str, Any]:
+def pack_shard(args: tuple[Any, ...]) -> dict[str, Any]:
+    """Write one planned shard of files: ``args`` = (store, name, compression, level,
+    samples, skip_errors). Returns its journal record (``record`` None when every sample
+    was skipped). Runs in a pack worker process, or in a Ray write task."""
     try:
         return _pack_files(*args)
     except _AllSkipped as e:
@@ -535,8 +540,11 @@ def _finish(work: Journal, name: str, res: dict[str, Any], done: dict[str, Any])
     done[name] = res
 
 
-def _commit(lock: WriterLock, work: Journal, names: list[str], done: dict[str, Any], compression: str,
-            result: PackResult) -> PackResult:
+def commit_shards(lock: WriterLock, work: Journal, names: list[str], done: dict[str, Any], compression: str,
+                  result: PackResult) -> PackResult:
+    """Publish the shards ``names`` (in that order) from their records in ``done``: the
+    index, then the manifest, then the journal's removal. Refuses if another writer took
+    the destination over."""
     store = lock.store
     shards, sample_recs, fields = [], [], set()
     for name in names:
@@ -634,4 +642,4 @@ def _pack_table(src: str, kind: str, lock: WriterLock, opts: dict[str, Any], pro
         bar.close()
     if not names:
         raise EmptyInputError(f"{src}: no rows to pack" + (" in this part" if opts["part"] else ""))
-    return _commit(lock, work, names, done, opts["compression"], result)
+    return commit_shards(lock, work, names, done, opts["compression"], result)

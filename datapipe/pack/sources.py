@@ -46,6 +46,10 @@ class DirectoryListing:
     # (path, reason): links not followed and files that are not regular (FIFOs, sockets,
     # devices: opening one can block forever), passed over with or without skip_errors
     passed_over: list[tuple[str, str]] = field(default_factory=list)
+    # folders (relative to the root, "/"-separated) not entered because the listing was
+    # not recursive: each can be listed on its own (``within=``), since a sample's files
+    # always share a folder
+    folders: list[str] = field(default_factory=list)
 
 
 def is_parquet_tree(src: str) -> bool:
@@ -128,14 +132,22 @@ def file_key(rel: str) -> tuple[str, str] | None:
 
 
 def list_directory(root: str, skip_errors: bool = False, follow_links: bool = False,
-                   exclude: str | None = None, keys: str = "first-dot") -> DirectoryListing:
+                   exclude: str | None = None, keys: str = "first-dot", *, within: str = "",
+                   recursive: bool = True, allow_empty: bool = False) -> DirectoryListing:
     """Group every regular file under ``root`` into samples by the key rule ``keys`` (see
     :data:`KEY_RULES`), sorted by key. What the rule cannot place (dot-files; names
     without an extension under "first-dot"), dot-folders and links to folders are listed
     in ``dropped``. A symbolic link is followed only to a file inside ``root`` (anywhere
     with ``follow_links``) and is read at its target; anything but a regular file is passed
     over, never opened. ``exclude``: a folder never entered (the pack's own destination,
-    when it lies inside ``root``: its lock, journal and shards are not input)."""
+    when it lies inside ``root``: its lock, journal and shards are not input).
+
+    Listing in pieces (a Ray pack lists folders in parallel): ``within`` lists only the
+    folder ``root/within`` (keys still relative to ``root``); without ``recursive`` the
+    subfolders are not entered but returned in ``folders``. The files of one sample share
+    a folder under both key rules, so the pieces' samples are disjoint and their union
+    is the whole listing. ``allow_empty``: no samples is not an error (a piece may hold
+    none)."""
     if keys not in KEY_RULES:
         raise PackError(f"keys={keys!r}: expected one of {', '.join(KEY_RULES)}")
     cut_name = file_key if keys == "file" else split_member_name
@@ -145,7 +157,8 @@ def list_directory(root: str, skip_errors: bool = False, follow_links: bool = Fa
     groups: dict[str, list[tuple[str, str, int]]] = {}
     out = DirectoryListing([])
     checked: set[str] = set()
-    stack = [(root, "")]
+    start = within.strip("/")
+    stack = [(os.path.join(root, *start.split("/")) if start else root, start + "/" if start else "")]
     while stack:
         dirpath, prefix = stack.pop()
         try:
@@ -157,8 +170,12 @@ def list_directory(root: str, skip_errors: bool = False, follow_links: bool = Fa
             if entry.is_dir(follow_symlinks=False):
                 if name.startswith("."):
                     out.dropped.append((entry.path, DOT_FOLDER))
-                elif os.path.realpath(entry.path) != skip_dir:
+                elif os.path.realpath(entry.path) == skip_dir:
+                    pass
+                elif recursive:
                     stack.append((entry.path, prefix + name + "/"))
+                else:
+                    out.folders.append(prefix + name)
                 continue
             if entry.is_dir():  # a link to a directory: not followed, as os.walk does
                 out.dropped.append((entry.path, LINKED_FOLDER))
@@ -204,7 +221,7 @@ def list_directory(root: str, skip_errors: bool = False, follow_links: bool = Fa
         files = sorted(groups[key])
         size = sum(_member_tar_bytes(f"{key}.{f}", s) for f, _, s in files)
         out.samples.append(FileSample(key, files, size))
-    if not out.samples:
+    if not out.samples and not allow_empty:
         hint = "files need a 'key.field' name, or pass --keys file" if keys == "first-dot" else "no regular file"
         raise EmptyInputError(f"no sample found under {root} ({hint})")
     return out
