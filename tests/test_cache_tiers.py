@@ -256,3 +256,37 @@ def test_a_lease_that_is_not_a_file_is_refused_by_name(tmp_path):
     with pytest.raises(StorageError, match="not a regular file"):
         SharedFileLease(str(tmp_path / "dir"), timeout_s=1).try_acquire()
     assert (tmp_path / "target").read_text() == "x"
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "datapipe.cli", "cache", *map(str, args)],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_cache_stats_shows_each_tier_and_cold_gets_per_object(tmp_path, s3):
+    sums = _put(s3, 4, 30_000)
+    log = tmp_path / "gets.log"
+    nodes = [_node_cache(tmp_path, i, s3, log) for i in range(2)]
+    for c in nodes:
+        for u, s in sums.items():
+            assert checksum(c.read(u)) == s
+        c.close()  # its counters land in its local dir
+    local = [tmp_path / "node0", tmp_path / "node1"]
+    report = json.loads(_cli("stats", *local, tmp_path / "shared"))
+    tiers = {t["tier"]: t for t in report["tiers"]}
+    assert tiers["local"]["fills"] == 8 and tiers["local"]["fills_from"] == {"shared": 4, "cold": 4}
+    assert tiers["local"]["budget_bytes"] == 2 * (4 << 20)
+    assert (tiers["shared"]["hits"], tiers["shared"]["misses"], tiers["shared"]["fills"]) == (4, 4, 4)
+    assert tiers["shared"]["bytes"] == sum(30_000 + i for i in range(4)) and tiers["shared"]["budget_bytes"] == 64 << 20
+    assert tiers["cold"]["gets"] == 4 and tiers["cold"]["gets_per_object"] == 1.0
+    assert tiers["cold"]["gets_per_object_max"] == 1
+    assert [d["tier"] for d in report["dirs"]] == ["local", "local", "shared"]
+    one = json.loads(_cli("stats", local[0]))  # one directory: its object as before, plus the tiers
+    assert one["counters"]["warm_fills"] == 4 and one["tiers"][1]["fills_from"] == {"shared": 0, "cold": 4}
+    table = _cli("stats", "--table", *local, tmp_path / "shared")
+    assert "shared" in table and "takeovers 0" in table
+    assert "removed 4 cached objects" in _cli("clear", tmp_path / "shared")
+    assert json.loads(_cli("stats", tmp_path / "shared"))["objects"] == 0

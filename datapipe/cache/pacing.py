@@ -41,7 +41,7 @@ import xxhash
 from ..storage import Store
 from ..storage.retry import is_throttle
 
-__all__ = ["ColdPacer", "PacedStore", "pacing_prefix", "PACING_DIR", "DEFAULT_CEILING"]
+__all__ = ["ColdPacer", "PacedStore", "pacing_prefix", "pacing_state", "PACING_DIR", "DEFAULT_CEILING"]
 
 PACING_DIR = "pacing"
 DEFAULT_CEILING = 64
@@ -166,6 +166,8 @@ class ColdPacer:
     def limits(self) -> dict[str, dict[str, Any]]:
         """Each prefix this process has paced: its current limit and the node's counts."""
         out: dict[str, dict[str, Any]] = {}
+        for prefix in [p for p, n in self._successes.items() if n]:
+            self._fold(prefix)
         with self._lock:
             for prefix in list(self._states):
                 st = self._state(prefix)
@@ -205,9 +207,15 @@ class ColdPacer:
             if now - self._folded_at.get(prefix, 0.0) < _FOLD_S:
                 return
             self._folded_at[prefix] = now
+        self._fold(prefix)
+
+    def _fold(self, prefix: str) -> None:
+        """Apply the successes counted since the last fold to the node's limit."""
         with self._update(prefix) as st:
-            with_n = self._successes.pop(prefix, 0)
-            for _ in range(with_n):
+            n = self._successes.pop(prefix, 0)
+            if not n:
+                return
+            for _ in range(n):
                 st.limit = min(float(self.ceiling), st.limit + 1.0 / max(1.0, st.limit))
             st.streak = 0
 
@@ -334,3 +342,23 @@ class PacedStore(Store):
 
     def list(self, prefix: str = "") -> list[str]:
         return self.inner.list(prefix)
+
+
+def pacing_state(root: str) -> dict[str, dict[str, Any]]:
+    """The node's pacing state in a warm directory, by prefix (read only)."""
+    folder = os.path.join(root, PACING_DIR)
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("prefix"), str):
+            st = _PrefixState(doc["prefix"], 1)
+            st.load(doc)
+            out[st.prefix] = {"limit": round(st.limit, 2), "min_limit": round(st.min_limit, 2),
+                              "throttled": st.throttled, "backoffs": st.backoffs}
+    return out
