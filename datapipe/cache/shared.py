@@ -40,7 +40,7 @@ from ..errors import DatapipeError, StorageError
 from ..storage.lease import MAX_LEASE_BYTES, SharedFileLease
 from .cold import CHANGE_RESTARTS, SizeChanged
 from .eviction import VictimChooser
-from .warm import DISK_FULL_ERRNOS, WarmDir, _check_warm_dir, _open_regular, dir_meta, url_key
+from .warm import DISK_FULL_ERRNOS, WarmDir, _check_warm_dir, _open_regular, dir_meta, url_key, valid_record
 
 __all__ = ["SharedDir", "SharedTier", "shared_dir_stats", "clear_shared_dir", "is_shared_dir", "SHARED_MARKER",
            "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SHARED_WAIT_S"]
@@ -102,10 +102,7 @@ class SharedDir(WarmDir):
             os.close(rfd)
         if not isinstance(doc, dict):
             return None
-        size, digest = doc.get("size"), doc.get("digest")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str):
-            return None
-        return size, digest
+        return valid_record(doc.get("size"), doc.get("digest"))
 
     # -- no pins, no flocks ---------------------------------------------------------------
     def _pin(self, fd: int) -> None:

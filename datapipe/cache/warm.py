@@ -75,12 +75,24 @@ def stat_signature(st: os.stat_result) -> tuple[int, int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+_DIGEST = re.compile(r"xxh3_64:[0-9a-f]{16}")
+
+
+def valid_record(size: object, digest: object) -> tuple[int, str] | None:
+    """``(size, digest)`` when both are what a filler writes (a size >= 0, a checksum in
+    datapipe's text form), else None: a record that checks nothing is no record."""
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 0 \
+            and isinstance(digest, str) and _DIGEST.fullmatch(digest):
+        return size, digest
+    return None
+
+
 def fill_record(fd: int) -> tuple[int, str] | None:
     """``(size, digest)`` a copy was filled with, or None when it has no (readable) record."""
     try:
         raw = os.getxattr(fd, FILL_XATTR).decode("ascii")
         size, digest = raw.split(" ", 1)
-        return int(size), digest
+        return valid_record(int(size), digest)
     except (OSError, ValueError, UnicodeDecodeError, AttributeError):
         return None
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
