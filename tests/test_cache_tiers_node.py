@@ -212,3 +212,20 @@ def test_reads_complete_through_503s_and_the_limit_goes_down_then_back(tmp_path,
     assert pacing["min_limit"] <= 4 and pacing["throttled"] == 6
     assert pacing["limit"] == 8  # 30 GETs answered since: back at the ceiling
     cache.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=st.binary(max_size=100) | st.dictionaries(
+    st.sampled_from(["prefix", "limit", "not_before", "streak", "min_limit", "throttled", "x"]),
+    st.none() | st.booleans() | st.integers(-10**18, 10**18) | st.floats() | st.text(max_size=5),
+    max_size=6).map(lambda d: json.dumps({**d, "prefix": "s3://b/ds"}).encode()))
+def test_a_pacing_state_file_with_garbage_never_stops_requests(tmp_path, doc):
+    """Whatever the node's state file says, a request goes out within the longest pause
+    and the limit stays within [1, ceiling]."""
+    root = tmp_path / os.urandom(6).hex()
+    pacer = ColdPacer(str(root), ceiling=4)
+    p = "s3://b/ds"
+    (root / "pacing" / (pacer._name(p) + ".json")).write_bytes(doc)
+    assert pacer.call(p, lambda: "answered") == "answered"
+    assert 1 <= pacer.limit(p) <= 4
+    pacer.close()

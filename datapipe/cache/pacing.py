@@ -65,6 +65,7 @@ class _PrefixState:
 
     def __init__(self, prefix: str, ceiling: int) -> None:
         self.prefix = prefix
+        self.ceiling = float(ceiling)
         self.limit = float(ceiling)
         self.not_before = 0.0  # wall clock (time.time): shared by the node's processes
         self.streak = 0  # throttled answers since the last success
@@ -79,10 +80,15 @@ class _PrefixState:
                 "backoffs": self.backoffs, "min_limit": self.min_limit}
 
     def load(self, doc: dict[str, Any]) -> None:
+        """Take the fields of ``doc`` that are sane (a file anyone could have written):
+        limits within [1, ceiling], a pause no longer than the longest backoff."""
         for k in ("limit", "not_before", "last_decrease", "min_limit"):
             v = doc.get(k)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 setattr(self, k, float(v))
+        self.limit = min(max(self.limit, 1.0), self.ceiling)
+        self.min_limit = min(max(self.min_limit, 1.0), self.ceiling)
+        self.not_before = min(self.not_before, time.time() + _BACKOFF_MAX_S)
         for k in ("streak", "throttled", "backoffs"):
             v = doc.get(k)
             if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
@@ -238,13 +244,15 @@ class ColdPacer:
         t0 = time.monotonic()
         pause = _SLOT_POLL_S
         held = -1
+        paused = False
         while held < 0:
             with self._lock:
                 st = self._state(prefix)
                 fds, locks = self._slots(prefix)
-                wait = st.not_before - time.time()
+                wait = min(st.not_before - time.time(), _BACKOFF_MAX_S)
                 n = max(1, min(self.ceiling, int(st.limit)))
-            if wait > 0:
+            if wait > 0 and not paused:
+                paused = True  # the prefix's pause, once per request; then slots decide
                 time.sleep(wait)
                 continue
             for i in range(n):

@@ -55,7 +55,7 @@ _MAX_RECORD_BYTES = 4096
 # a temporary file is dead once its lease's heartbeat is this many timeouts old by our
 # clock (hosts' clocks may disagree by less than that)
 _TMP_DEAD_TIMEOUTS = 4
-_POLL_MIN_S, _POLL_MAX_S = 0.005, 0.25
+_POLL_MIN_S, _POLL_MAX_S = 0.005, 0.5  # a waiter polls at most every 0.5 s: a few metadata ops
 
 
 class SharedDir(WarmDir):
@@ -103,6 +103,12 @@ class SharedDir(WarmDir):
         if not isinstance(doc, dict):
             return None
         return valid_record(doc.get("size"), doc.get("digest"))
+
+    def usage(self) -> int:
+        """Bytes held, counted without the budget lease (that lease is for reservations,
+        not for every ``stats()`` of every node): a copy published between the two scans
+        may count twice."""
+        return sum(s for _k, s, _m in self.entries()) + self._tmp_bytes()
 
     # -- no pins, no flocks ---------------------------------------------------------------
     def _pin(self, fd: int) -> None:
