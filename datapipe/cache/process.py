@@ -15,8 +15,11 @@ from typing import Any
 from ..errors import DatapipeError
 from ..storage import RetryPolicy, Store
 from .cold import ColdReader
+from .future import FutureBoard
 from .hot import HotTier, Turns
 from .node_stats import CounterFile, CounterFlusher
+from .pacing import DEFAULT_CEILING, ColdPacer
+from .shared import SharedTier
 from .warm import BROKEN_DIR_ERRNOS, WarmDir
 
 __all__ = ["ProcessState", "Stats"]
@@ -41,13 +44,18 @@ class Stats(Counter[str]):
 
 
 class ProcessState:
-    """Everything a TieredCache holds in one process: the hot tier, the warm directory
-    (None when there is none or it could not be opened), the cold reader, pins, pending
+    """Everything a TieredCache holds in one process: the hot tier, the warm directory, the
+    further node-local directories (``lower``) and the shared tier (None when there is none
+    or it could not be opened), the cold reader, pins, pending
     prefetches and their pool, the schedule-prefetch thread and its wake-up, counters."""
 
     def __init__(self, *, hot_bytes: int, warm_dir: str | None, warm_bytes: int, storage_options: dict[str, Any],
                  retry: RetryPolicy, max_inflight_bytes: int, prefetch_threads: int,
-                 cold_wrapper: Callable[[Store], Store] | None, stats_interval_s: float) -> None:
+                 cold_wrapper: Callable[[Store], Store] | None, stats_interval_s: float,
+                 shared_dir: str | None = None, shared_bytes: int = 0,
+                 lease_timeout_s: float = 30.0, shared_wait_s: float = 300.0,
+                 cold_concurrency: int = DEFAULT_CEILING,
+                 local_tiers: tuple[tuple[str, int], ...] = ()) -> None:
         self.pid = os.getpid()
         self.lock = threading.RLock()
         self.stats = Stats()
@@ -77,6 +85,33 @@ class ProcessState:
                 self.stats.update(warm_tmp_cleaned=self.warm.cleaned)
             except OSError as e:
                 self.warn("warm-init", f"warm cache {warm_dir} unusable ({e}); reading through to the cold tier")
+        try:  # node-wide when there is a warm directory to keep its state in
+            self.cold.pacer = ColdPacer(self.warm.root if self.warm is not None else None,
+                                        ceiling=cold_concurrency, count=self.stats.update)
+        except OSError as e:
+            self.warn("pacing-init", f"cold pacing cannot be kept in {warm_dir} ({e}); pacing per process")
+            self.cold.pacer = ColdPacer(None, ceiling=cold_concurrency, count=self.stats.update)
+        self.lower: list[WarmDir] = []  # further node-local directories, in order
+        for path, budget in local_tiers:
+            try:
+                self.lower.append(WarmDir(path, budget))
+            except OSError as e:
+                self.warn(f"local-init-{path}", f"node-local cache {path} unusable ({e}); skipped")
+        self.future: FutureBoard | None = None
+        if self.warm is not None:
+            try:  # this process's schedule, published for its siblings on the node
+                self.future = FutureBoard(self.warm.root)
+            except OSError as e:
+                self.warn("future-init", f"schedules cannot be shared in {warm_dir} ({e}); eviction "
+                          "there uses this process's schedule alone")
+        self.shared: SharedTier | None = None
+        if shared_dir is not None:
+            try:
+                self.shared = SharedTier(shared_dir, shared_bytes, lease_timeout_s=lease_timeout_s,
+                                         wait_s=shared_wait_s)
+                self.stats.update(shared_tmp_cleaned=self.shared.cleaned)
+            except OSError as e:
+                self.warn("shared-init", f"shared cache {shared_dir} unusable ({e}); reading through to the cold tier")
         if self.warm is not None:
             try:  # node-wide counters: this process's share, written to the warm dir
                 self.counters = CounterFlusher(self, CounterFile(self.warm.root), self.stats, stats_interval_s)
@@ -104,6 +139,22 @@ class ProcessState:
         except OSError as e2:
             repaired = f"; it cannot be re-created ({e2})"
         self.warn("warm_broken", f"warm cache {self.warm.root} failed ({e}){repaired}; "
+                  "reading through to the cold tier")
+        return True
+
+    def shared_broken(self, e: OSError) -> bool:
+        """True when ``e`` says the shared directory is gone or unwritable (unmounted,
+        read-only, stale handle): warned once, re-created if it can be; the caller reads
+        through to cold."""
+        if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS or self.shared is None:
+            return False
+        self.stats.update(shared_errors=1)
+        try:
+            self.shared.dir.repair()
+            repaired = ""
+        except OSError as e2:
+            repaired = f"; it cannot be re-created ({e2})"
+        self.warn("shared_broken", f"shared cache {self.shared.root} failed ({e}){repaired}; "
                   "reading through to the cold tier")
         return True
 
@@ -145,6 +196,8 @@ class ProcessState:
         self.cold.close()
         if self.counters is not None:
             self.counters.close()
+        if self.future is not None:
+            self.future.close()
         with self.lock:
             for fds in self.pins.values():
                 for fd in fds:
