@@ -168,6 +168,13 @@ class StagingBuffer:
                 views[i].copy_(leaves[i].obj, non_blocking=True)
         side.synchronize()
 
+    def tensor(self, end: int) -> Any:
+        """The staged bytes ``[0, end)`` as a torch uint8 tensor without a copy (what the
+        peer link sends)."""
+        if self._buf is None or end > self.total:
+            raise CheckpointError(f"staging range [0, {end}) outside the staged {self.total} bytes")
+        return self._buf[:end]
+
     def view(self, start: int, end: int) -> memoryview:
         """The staged bytes ``[start, end)`` without a copy."""
         if self._np is None or end > self.total:

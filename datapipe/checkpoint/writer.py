@@ -1,6 +1,7 @@
 """CheckpointWriter: the training loop pays for one copy into host memory, a background
 thread does the rest (chunks, checksums, optional zstd, the rank part, the commit
-manifest, ``latest``, retention).
+manifest, ``latest``, retention) for every tier due at that step (tiers.py), including
+the peer replica of a node-local tier (replicate.py).
 
 One save is in flight at a time: the staging buffer holds exactly one state, so a save
 while the previous one still writes waits for it (or is skipped, if asked) and reports
@@ -23,7 +24,8 @@ from typing import Any
 
 from ..checksum import Hasher
 from ..errors import CheckpointError, TopologyError
-from ..storage import open_store
+from ..storage import Store, open_store
+from ..storage.store import join_url
 from ..topology import Topology
 from .commit import (
     apply_retention,
@@ -44,8 +46,10 @@ from .format import (
     part_key,
 )
 from .lease import Lease
+from .replicate import PeerLink
 from .run_id import agree_run_id
 from .staging import StagingBuffer
+from .tiers import Tier, own_dir, replica_dir, resolve_ranks_per_node
 
 __all__ = ["CheckpointWriter", "SaveHandle"]
 
@@ -116,6 +120,28 @@ class _Job:
     handle: SaveHandle
     t_start: float
     order: int  # position of this save() call among the writer's calls
+    due: list[Tier]  # the tiers this save goes to, in the writer's order
+    raw_checksums: dict[int, str]  # chunk index -> checksum of its raw bytes, shared by the tiers
+
+
+@dataclass
+class _Target:
+    """One store a tier's copy is written to, with the role this process plays there:
+    a shared tier as (rank, world size) of the job, committed by rank 0; a node-local
+    tier's own or replica folder as the one rank of a one-part checkpoint, committed by
+    this process, with ``origin`` naming the job rank whose part it holds."""
+
+    tier: Tier
+    store: Store
+    rank: int
+    world_size: int
+    lease: Lease | None
+    origin: dict[str, int] | None = None
+    max_step: int = -1
+
+    @property
+    def commits(self) -> bool:
+        return self.rank == 0
 
 
 def _checksum_in_slices(data: memoryview, piece: int = 1 << 20) -> str:
@@ -140,23 +166,34 @@ def _close_at_exit(ref: Any) -> None:
 
 
 class CheckpointWriter:
-    """Nonblocking checkpoints to a local directory or any fsspec URL.
+    """Nonblocking checkpoints to a local directory or any fsspec URL, or to several tiers.
 
-    ``keep_last`` complete checkpoints are kept, plus every step divisible by
-    ``keep_every``; ``compression`` is None or ``"zstd"`` (per chunk); ``if_busy`` is
-    ``"wait"`` or ``"skip"`` for a save that finds the previous one still writing.
-    ``rank``/``world_size`` default to torch.distributed's when it is initialized.
-    Background threads run ``nice`` levels below the caller (0: same priority), so that
-    on a busy host the training threads keep the cores and the checkpoint waits.
+    ``CheckpointWriter(url, keep_last=3, keep_every=None)`` writes every save to one URL
+    (one shared tier). ``CheckpointWriter(tiers=[Tier(...), ...])`` writes a save of step
+    ``s`` to each tier with ``s % tier.every == 0``, from one staging copy; a save that no
+    tier is due for returns at once and copies nothing (``handle.skipped``,
+    ``metrics["due_tiers"] == []``). A node-local tier with ``replicate=1`` also sends this
+    rank's part to its peer ``(rank + ranks_per_node) % world_size`` over a gloo group of
+    the writer's own and keeps the part of ``(rank - ranks_per_node) % world_size``
+    (``ranks_per_node``: given, else ``LOCAL_WORLD_SIZE``); every rank must then save the
+    same steps, so ``if_busy="skip"`` is refused, and the process group must stay
+    initialised while the writer is open.
+
+    ``compression`` is None or ``"zstd"`` (per chunk); ``if_busy`` is ``"wait"`` or
+    ``"skip"`` for a save that finds the previous one still writing. ``rank``/``world_size``
+    default to torch.distributed's when it is initialized. Background threads run ``nice``
+    levels below the caller (0: same priority), so that on a busy host the training
+    threads keep the cores and the checkpoint waits.
     """
 
-    def __init__(self, url: str, *, keep_last: int = 3, keep_every: int | None = None,
+    def __init__(self, url: str | None = None, *, keep_last: int = 3, keep_every: int | None = None,
                  compression: str | None = None, max_staging_bytes: int | None = None,
                  storage_options: dict[str, Any] | None = None, rank: int | None = None,
                  world_size: int | None = None, run_id: str | None = None,
                  chunk_bytes: int = 64 << 20, io_threads: int = 4, if_busy: str = "wait",
                  commit_timeout: float = 600.0, zstd_level: int = 3, nice: int = 10,
-                 lease_ttl: float = 60.0, lease_wait: float = 0.0) -> None:
+                 lease_ttl: float = 60.0, lease_wait: float = 0.0, tiers: list[Tier] | None = None,
+                 ranks_per_node: int | None = None) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointError(
                 f"keep_last must be an int >= 1 (the last good checkpoint is always kept), got {keep_last!r}"
@@ -171,12 +208,33 @@ class CheckpointWriter:
             raise CheckpointError(f"io_threads must be an int >= 1, got {io_threads!r}")
         if if_busy not in ("wait", "skip"):
             raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
-        self.url = url
-        self.store = open_store(url, storage_options)
+        if tiers is None:
+            if url is None:
+                raise CheckpointError("CheckpointWriter needs a url or tiers=[Tier(...), ...]")
+            tiers = [Tier(url, every=1, keep_last=keep_last, keep_every=keep_every,
+                          storage_options=storage_options)]
+        else:
+            if url is not None:
+                raise CheckpointError("CheckpointWriter takes a url or tiers=, not both: a url is one Tier(url)")
+            tiers = list(tiers)
+            if not tiers or not all(isinstance(t, Tier) for t in tiers):
+                raise CheckpointError(f"tiers must be a non-empty list of Tier, got {tiers!r:.200}")
+            if len({t.url for t in tiers}) != len(tiers):
+                raise CheckpointError(f"two tiers share a URL: {[t.url for t in tiers]}")
+        self.tiers: list[Tier] = tiers
+        self.url = tiers[0].url
         try:
             self.rank, self.world_size = Topology.resolve(rank, world_size, environment=False)
         except TopologyError as e:
-            raise CheckpointError(f"CheckpointWriter({url!r}): {e}") from None
+            raise CheckpointError(f"CheckpointWriter({self.url!r}): {e}") from None
+        replicated = [t for t in tiers if t.replicate]
+        if replicated and if_busy != "wait":
+            raise CheckpointError(
+                "if_busy must be 'wait' with replicate=1: every rank sends its part to its peer at the "
+                "same steps, and a rank that skipped a save would leave its peer waiting"
+            )
+        self.ranks_per_node = (resolve_ranks_per_node(ranks_per_node, self.world_size, f"Tier({replicated[0].url!r})")
+                               if replicated else ranks_per_node)
         self.run_id = agree_run_id(self.world_size, run_id)
         self._saved_at: dict[tuple[int, int], int] = {}  # (step, n) of each attempt -> its save's number
         self._calls = 0
@@ -195,21 +253,60 @@ class CheckpointWriter:
         self._tls = threading.local()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self.io_threads, self.nice = io_threads, nice
-        # One writer per URL: rank 0 (the one that commits and deletes) holds the lease.
-        self._lease = Lease(self.store, self.run_id, lease_ttl, lease_wait).acquire() if self.rank == 0 else None
+        # The stores of each tier, with one writer per store: whoever commits there (rank 0
+        # of a shared tier, every rank in its node-local folders) holds that store's lease.
+        self._targets: dict[str, list[_Target]] = {}
+        self._link: PeerLink | None = None
         try:
-            # the highest complete step already there: a save below it is loaded by nobody
-            self._max_step = max((s for s, keys in scan_steps(self.store).items()
-                                  if manifest_key(s) in keys), default=-1) if self.rank == 0 else -1
+            for t in tiers:
+                self._targets[t.url] = self._open_targets(t, lease_ttl, lease_wait)
+            if replicated:
+                self._link = PeerLink(self.rank, self.world_size, self.ranks_per_node,  # type: ignore[arg-type]
+                                      commit_timeout)
         except BaseException:
-            if self._lease is not None:
-                self._lease.release()
+            self._release_leases()
             raise
+        self.store = self._targets[self.url][0].store  # the first tier's store (this rank's folder if node-local)
         self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
         self._thread.start()
         # Flush at exit before daemon threads stop: threading's exit hooks run before
         # atexit's, while the writer thread still runs (the hook concurrent.futures uses).
         getattr(threading, "_register_atexit", atexit.register)(_close_at_exit, weakref.ref(self))
+
+    def _open_targets(self, tier: Tier, lease_ttl: float, lease_wait: float) -> list[_Target]:
+        """The stores of one tier, their leases taken, in the order a save writes them."""
+        out: list[_Target] = []
+        if not tier.node_local:
+            store = open_store(tier.url, tier.storage_options)
+            out.append(_Target(tier, store, self.rank, self.world_size, None))
+        else:
+            origin = {"rank": self.rank, "world_size": self.world_size}
+            store = open_store(join_url(tier.url, own_dir(self.rank)), tier.storage_options)
+            out.append(_Target(tier, store, 0, 1, None, origin))
+            if tier.replicate:
+                src = (self.rank - self.ranks_per_node) % self.world_size  # type: ignore[operator]
+                store = open_store(join_url(tier.url, replica_dir(src)), tier.storage_options)
+                out.append(_Target(tier, store, 0, 1, None, {"rank": src, "world_size": self.world_size}))
+        try:
+            for tg in out:
+                if tg.commits:
+                    tg.lease = Lease(tg.store, self.run_id, lease_ttl, lease_wait).acquire()
+                    # the highest complete step already there: a save below it is loaded by nobody
+                    tg.max_step = max((s for s, keys in scan_steps(tg.store).items()
+                                       if manifest_key(s) in keys), default=-1)
+        except BaseException:
+            for tg in out:
+                if tg.lease is not None:
+                    tg.lease.release()
+            raise
+        return out
+
+    def _release_leases(self) -> None:
+        for targets in self._targets.values():
+            for tg in targets:
+                if tg.lease is not None:
+                    tg.lease.release()
+                    tg.lease = None
 
     # -- training side -------------------------------------------------------------------
     def _enter(self, what: str) -> None:
@@ -251,10 +348,12 @@ class CheckpointWriter:
     def save(self, step: int, state: Any, *, if_busy: str | None = None) -> SaveHandle:
         """Copy ``state`` into host staging and return; the rest happens in the background.
 
-        If an earlier save failed and its error was not yet seen (through its handle), this
-        call raises that error and saves nothing; the next call saves again. One thread
-        saves at a time: a call while another thread is inside save() raises
-        :class:`CheckpointError` (sharing the staging buffer would mix the two states)."""
+        A step that no tier is due for returns a finished handle at once (``skipped``,
+        ``metrics["due_tiers"] == []``) without looking at the state. If an earlier save
+        failed and its error was not yet seen (through its handle), this call raises that
+        error and saves nothing; the next call saves again. One thread saves at a time: a
+        call while another thread is inside save() raises :class:`CheckpointError`
+        (sharing the staging buffer would mix the two states)."""
         self._enter("save")
         try:
             return self._save(step, state, if_busy)
@@ -270,15 +369,26 @@ class CheckpointWriter:
         mode = if_busy or self.if_busy
         if mode not in ("wait", "skip"):
             raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {mode!r}")
+        if mode == "skip" and self._link is not None:
+            raise CheckpointError("if_busy='skip' is refused with replicate=1: every rank must save the same steps")
+        due = [t for t in self.tiers if t.due(step)]
+        if not due:  # nothing to write: no flatten, no copy, no wait
+            h = SaveHandle(step, self._reported)
+            h.skipped = True
+            h.metrics.update(skipped=True, due_tiers=[], stall_s=time.perf_counter() - t0, waited_s=0.0)
+            h._finish()
+            return h
         tree, leaves = flatten(state)  # unsupported objects fail here, before any write
-        if step < self._max_step:
-            warnings.warn(
-                f"saving step {step} to {self.url}, below step {self._max_step} saved there before: "
-                f"load_checkpoint() loads the highest complete step ({self._max_step}), not this one. "
-                "Delete the higher steps, or save to a new URL, if training restarted from an earlier step",
-                stacklevel=3,
-            )
-        self._max_step = max(self._max_step, step)
+        for t in due:
+            for tg in self._targets[t.url]:
+                if step < tg.max_step:
+                    warnings.warn(
+                        f"saving step {step} to {tg.store.root}, below step {tg.max_step} saved there before: "
+                        f"load_checkpoint() loads the highest complete step ({tg.max_step}), not this one. "
+                        "Delete the higher steps, or save to a new URL, if training restarted from an earlier step",
+                        stacklevel=3,
+                    )
+                tg.max_step = max(tg.max_step, step)
         waited = 0.0
         prev = self._current
         if prev is not None and not prev.done():
@@ -303,12 +413,12 @@ class CheckpointWriter:
         self._calls += 1
         self._saved_at[(step, n)] = self._calls
         h = SaveHandle(step, self._reported)
-        h.metrics.update(bytes=total, waited_s=waited, staging_s=staging_s,
+        h.metrics.update(bytes=total, waited_s=waited, staging_s=staging_s, due_tiers=[t.url for t in due],
                          staging_allocated=self._staging.allocations > allocations,
                          staging_gbps=total / staging_s / 1e9 if staging_s > 0 else float("inf"))
         self._current = h
         self._queue.put(_Job(step, f"{self.run_id}-{n}", tree, leaves, list(self._staging.offsets),
-                             total, h, t0, self._calls))
+                             total, h, t0, self._calls, due, {}))
         h.metrics["stall_s"] = time.perf_counter() - t0
         return h
 
@@ -321,8 +431,8 @@ class CheckpointWriter:
     flush = wait
 
     def close(self) -> None:
-        """Flush the last save, stop the background thread, release the URL's lease,
-        raise any unreported error."""
+        """Flush the last save, stop the background thread, release the leases, raise any
+        unreported error."""
         self._enter("close")
         try:
             if self._closed:
@@ -335,8 +445,7 @@ class CheckpointWriter:
                 self._closed = True
                 self._queue.put(None)
                 self._thread.join()
-                if self._lease is not None:
-                    self._lease.release()
+                self._release_leases()
             self._raise_failed()
         finally:
             self._api_lock.release()
@@ -407,74 +516,153 @@ class CheckpointWriter:
                 job.leaves = []  # drop references to the caller's tensors
 
     def _persist(self, job: _Job) -> None:
+        """Every due tier in order; a tier that fails does not stop the others, and the
+        save then raises naming each failed tier. Metrics of the first due tier are the
+        save's top-level ones (as for a single-URL writer); each tier's are in
+        ``metrics["tiers"][url]``."""
+        m = job.handle.metrics
+        specs = [leaf.spec(off) for leaf, off in zip(job.leaves, job.offsets)]
+        m["tiers"] = {}
+        errors: list[tuple[str, BaseException]] = []
+        for tier in job.due:
+            tm: dict[str, Any] = {}
+            m["tiers"][tier.url] = tm
+            try:
+                self._persist_tier(job, tier, specs, tm)
+            except BaseException as e:
+                errors.append((tier.url, e))
+                tm["error"] = f"{type(e).__name__}: {e}"
+            if tier is job.due[0]:
+                m.update({k: v for k, v in tm.items() if k not in ("durable_s", "error", "replica")})
+        # save() to durable in every due tier (replicas included); retention not counted
+        ends = [tm["durable_s"] for tm in m["tiers"].values() if "durable_s" in tm]
+        ends += [tm["replica"]["durable_s"] for tm in m["tiers"].values() if "durable_s" in tm.get("replica", {})]
+        m["total_s"] = max(ends, default=time.perf_counter() - job.t_start)
+        if len(errors) == 1 and len(job.due) == 1:
+            raise errors[0][1]
+        if errors:
+            raise CheckpointError(
+                f"saving step {job.step} failed in {len(errors)} of {len(job.due)} tiers: "
+                + "; ".join(f"{url}: {type(e).__name__}: {e}" for url, e in errors)
+            ) from errors[0][1]
+
+    def _persist_tier(self, job: _Job, tier: Tier, specs: list[dict[str, Any]], tm: dict[str, Any]) -> None:
+        own, *replica = self._targets[tier.url]
+        staged = self._staging.view
+        received: tuple[dict[str, Any], memoryview] | None = None
+        link_error: BaseException | None = None
+        if replica and self._link is not None:
+            # The peer waits for our bytes: exchange before writing our own copy.
+            cb = self.chunk_bytes
+            ranges = [(a, min(a + cb, job.total)) for a in range(0, job.total, cb)]
+            for i, (a, b) in enumerate(ranges):
+                if i not in job.raw_checksums:
+                    job.raw_checksums[i] = _checksum_in_slices(staged(a, b))
+            header = {"step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world_size,
+                      "total": job.total, "chunk_bytes": cb, "tree": job.tree, "leaves": specs,
+                      "raw_checksums": [job.raw_checksums[i] for i in range(len(ranges))]}
+            t0 = time.perf_counter()
+            try:
+                received = self._link.exchange(header, self._staging.tensor(job.total))
+                tm["exchange_s"] = time.perf_counter() - t0
+            except BaseException as e:
+                link_error = e
+        self._persist_to(own, job, job.step, job.attempt, staged, job.total, self.chunk_bytes, job.tree,
+                         specs, job.raw_checksums, False, tm)
+        tm["durable_s"] = time.perf_counter() - job.t_start
+        if link_error is not None:
+            raise link_error
+        if received is not None:
+            rtg = replica[0]
+            hdr, data = received
+            src = rtg.origin["rank"] if rtg.origin else -1
+            ok = (hdr.get("step"), hdr.get("attempt"), hdr.get("rank"), hdr.get("world_size")) == (
+                job.step, job.attempt, src, self.world_size)
+            if not ok or not isinstance(hdr.get("raw_checksums"), list) or hdr.get("total") != len(data):
+                raise CheckpointError(
+                    f"rank {self.rank}: the replica received from rank {src} is of step {hdr.get('step')!r:.40} "
+                    f"attempt {hdr.get('attempt')!r:.80} rank {hdr.get('rank')!r:.20}, not of this save "
+                    f"(step {job.step}, attempt {job.attempt}): the ranks are not saving the same steps"
+                )
+            rm: dict[str, Any] = {}
+            known = dict(enumerate(hdr["raw_checksums"]))
+            self._persist_to(rtg, job, job.step, job.attempt, lambda a, b: data[a:b], len(data),
+                             int(hdr["chunk_bytes"]), hdr["tree"], hdr["leaves"], known, True, rm)
+            tm["replica"] = {"of_rank": src, "bytes": len(data), **rm}
+
+    def _persist_to(self, tg: _Target, job: _Job, step: int, attempt: str, view: Any, total: int, cb: int,
+                    tree: Any, specs: list[dict[str, Any]], known: dict[int, str], verify: bool,
+                    m: dict[str, Any]) -> None:
+        """Write one copy (chunks, part; commit if this process commits there) to one store.
+        ``known``: raw chunk checksums already computed (reused), or, with ``verify``,
+        those a peer sent (each chunk is hashed again and must match)."""
         t0 = time.perf_counter()
-        cb = self.chunk_bytes
-        chunks = self._write_chunks(job, [(a, min(a + cb, job.total)) for a in range(0, job.total, cb)])
+        ranges = [(a, min(a + cb, total)) for a in range(0, total, cb)]
+        chunks = self._write_chunks(tg, step, attempt, view, ranges, known, verify)
         if chunks:
-            sync_dirs(self.store, chunks[0]["key"])
+            sync_dirs(tg.store, chunks[0]["key"])
         doc = {
-            "step": job.step, "attempt": job.attempt, "rank": self.rank,
-            "world_size": self.world_size, "compression": self.compression,
-            "chunk_bytes": cb, "data_bytes": job.total,
+            "step": step, "attempt": attempt, "rank": tg.rank,
+            "world_size": tg.world_size, "compression": self.compression,
+            "chunk_bytes": cb, "data_bytes": total,
             "stored_bytes": sum(c["stored_bytes"] for c in chunks),
-            "chunks": chunks, "tree": job.tree,
-            "leaves": [leaf.spec(off) for leaf, off in zip(job.leaves, job.offsets)],
+            "chunks": chunks, "tree": tree, "leaves": specs,
         }
-        pkey = part_key(job.step, job.attempt, self.rank)
+        pkey = part_key(step, attempt, tg.rank)
         body = encode_doc(doc, "part")
         if len(body) > MAX_PART_BYTES:
             raise CheckpointError(
-                f"step {job.step}: the part document of rank {self.rank} would be {len(body)} bytes, "
+                f"step {step}: the part document of rank {tg.rank} would be {len(body)} bytes, "
                 f"more than readers accept ({MAX_PART_BYTES}); the state has too many leaves"
             )
-        self.store.put(pkey, body)
+        tg.store.put(pkey, body)
         if not chunks:
-            sync_dirs(self.store, pkey)  # an empty state: the part created the directories
+            sync_dirs(tg.store, pkey)  # an empty state: the part created the directories
         t1 = time.perf_counter()
-        m = job.handle.metrics
-        m.update(write_s=t1 - t0, write_gbps=job.total / (t1 - t0) / 1e9 if t1 > t0 else float("inf"),
+        m.update(write_s=t1 - t0, write_gbps=total / (t1 - t0) / 1e9 if t1 > t0 else float("inf"),
                  stored_bytes=doc["stored_bytes"])
-        if self.rank == 0:
-            parts = await_parts(self.store, job.step, job.attempt, self.world_size, self.commit_timeout)
-            self._lease.check(f"committing step {job.step}")  # type: ignore[union-attr]
-            write_manifest(self.store, job.step, job.attempt, self.world_size, parts)
+        if tg.commits:
+            parts = await_parts(tg.store, step, attempt, tg.world_size, self.commit_timeout)
+            tg.lease.check(f"committing step {step}")  # type: ignore[union-attr]
+            write_manifest(tg.store, step, attempt, tg.world_size, parts, tg.origin)
             m["committed"] = True
             try:
-                write_latest(self.store, job.step, job.attempt)
+                write_latest(tg.store, step, attempt)
             except Exception as e:
                 # The manifest is the commit and readers scan manifests: the save succeeded.
                 # Retention below keeps the step `latest` still names.
                 m["latest_error"] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"step {job.step} is committed at {self.url}, but updating `latest` "
+                warnings.warn(f"step {step} is committed at {tg.store.root}, but updating `latest` "
                               f"failed ({type(e).__name__}: {e}); it names an older step until "
                               "a later save updates it", stacklevel=1)
         t2 = time.perf_counter()
         # total_s: until durable (rank 0: committed); retention is reported on its own
-        m.update(commit_s=t2 - t1, total_s=t2 - job.t_start)
-        if self.rank == 0:
+        m.update(commit_s=t2 - t1, total_s=t2 - job.t_start, durable_s=t2 - job.t_start)
+        if tg.commits:
             run_id = self.run_id
 
-            def in_flight(step: int, attempt: str) -> bool:
+            def in_flight(s: int, a: str) -> bool:
                 # An attempt of this job that rank 0 had not saved before this one: another
                 # rank, which may be ahead of rank 0, may still be writing it. Attempts rank 0
                 # saved earlier are finished on every rank (each rank saves in call order and
                 # every part of this step exists).
-                pa = parse_attempt(attempt)
+                pa = parse_attempt(a)
                 return (pa is not None and pa[0] == run_id
-                        and self._saved_at.get((step, pa[1]), job.order + 1) > job.order)
+                        and self._saved_at.get((s, pa[1]), job.order + 1) > job.order)
 
             try:
-                self._lease.check("deleting old checkpoints")  # type: ignore[union-attr]
-                m["deleted_steps"] = apply_retention(self.store, job.step, job.attempt,
-                                                     self.keep_last, self.keep_every, in_flight)
+                tg.lease.check("deleting old checkpoints")  # type: ignore[union-attr]
+                m["deleted_steps"] = apply_retention(tg.store, step, attempt, tg.tier.keep_last,
+                                                     tg.tier.keep_every, in_flight)
             except Exception as e:
                 raise CheckpointError(
-                    f"step {job.step} is committed at {self.url}, but deleting old checkpoints "
+                    f"step {step} is committed at {tg.store.root}, but deleting old checkpoints "
                     f"failed ({type(e).__name__}: {e}); they are retried after the next commit"
                 ) from e
             m["retention_s"] = time.perf_counter() - t2
 
-    def _write_chunks(self, job: _Job, ranges: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    def _write_chunks(self, tg: _Target, step: int, attempt: str, view: Any, ranges: list[tuple[int, int]],
+                      known: dict[int, str], verify: bool) -> list[dict[str, Any]]:
         """Write the chunks on ``io_threads`` threads of this save. Own threads, not a pool:
         a pool refuses work once the interpreter starts to exit, and a flush at exit must
         still write. Returns only when every thread is done, failed or not: the staging
@@ -492,7 +680,7 @@ class CheckpointWriter:
                 if i is None:
                     return
                 try:
-                    results[i] = self._write_chunk(job, i, *ranges[i])
+                    results[i] = self._write_chunk(tg, step, attempt, view, i, *ranges[i], known, verify)
                 except BaseException as e:
                     errors.append(e)
 
@@ -506,10 +694,21 @@ class CheckpointWriter:
             raise errors[0]
         return results
 
-    def _write_chunk(self, job: _Job, index: int, start: int, end: int) -> dict[str, Any]:
-        data = self._staging.view(start, end)
-        raw_ck = _checksum_in_slices(data)
-        rec: dict[str, Any] = {"key": chunk_key(job.step, job.attempt, self.rank, index),
+    def _write_chunk(self, tg: _Target, step: int, attempt: str, view: Any, index: int, start: int, end: int,
+                     known: dict[int, str], verify: bool) -> dict[str, Any]:
+        data = view(start, end)
+        raw_ck = known.get(index) if not verify else None
+        if raw_ck is None:
+            raw_ck = _checksum_in_slices(data)
+            if verify:
+                if known.get(index) != raw_ck:
+                    raise CheckpointError(
+                        f"step {step}: chunk {index} of the replica for {tg.store.root} does not match "
+                        f"the checksum its rank sent ({known.get(index)!r:.40}, got {raw_ck}): not written"
+                    )
+            else:
+                known[index] = raw_ck  # the next tier reuses it (one thread per index: no race)
+        rec: dict[str, Any] = {"key": chunk_key(step, attempt, tg.rank, index),
                                "offset": start, "bytes": end - start}
         if self.compression == "zstd":
             cctx = getattr(self._tls, "cctx", None)
@@ -523,5 +722,5 @@ class CheckpointWriter:
             stored = data
             rec["checksum"] = raw_ck
         rec["stored_bytes"] = len(stored)
-        self.store.put(rec["key"], stored)
+        tg.store.put(rec["key"], stored)
         return rec
