@@ -63,7 +63,7 @@ class PeerLink:
             hdr = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
             sizes = torch.tensor([hdr.numel(), data.numel()], dtype=torch.int64)
             g, peer, src = self.group, self.peer, self.source
-            reqs = [dist.isend(sizes, peer, group=g), dist.isend(hdr, peer, group=g)]
+            reqs: list[Any] = [dist.isend(sizes, peer, group=g), dist.isend(hdr, peer, group=g)]
             if data.numel():
                 reqs.append(dist.isend(data, peer, group=g))
             in_sizes = torch.empty(2, dtype=torch.int64)
