@@ -94,6 +94,8 @@ def test_remote_tier_on_s3(tmp_path, s3):
 
 def _damage(path, how: str, pos: int, value: int) -> None:
     data = bytearray(path.read_bytes())
+    if not data:  # truncated to nothing before
+        return
     if how == "flip":
         data[pos % len(data)] ^= value or 1
     elif how == "truncate":
