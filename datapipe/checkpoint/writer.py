@@ -19,51 +19,20 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
-from ..checksum import Hasher
 from ..errors import CheckpointError, TopologyError
-from ..storage import Store, open_store
-from ..storage.store import join_url
+from ..storage import open_store
 from ..topology import Topology
-from .commit import (
-    apply_retention,
-    await_parts,
-    scan_steps,
-    sync_dirs,
-    write_latest,
-    write_manifest,
-)
-from .flatten import Leaf, flatten
-from .format import (
-    MAX_CHUNK_BYTES,
-    MAX_PART_BYTES,
-    chunk_key,
-    encode_doc,
-    manifest_key,
-    parse_attempt,
-    part_key,
-)
-from .lease import Lease
-from .replicate import PeerLink
+from .flatten import flatten
+from .format import MAX_CHUNK_BYTES
+from .persist import Persister, PersistJob, lower_thread_priority
 from .run_id import agree_run_id
 from .staging import StagingBuffer
-from .tiers import Tier, own_dir, replica_dir, resolve_ranks_per_node
+from .tiers import Tier, resolve_ranks_per_node
 
 __all__ = ["CheckpointWriter", "SaveHandle"]
 
-
-def lower_thread_priority(increment: int = 10) -> None:
-    """Raise the nice value of the calling thread only (Linux treats a thread id as a
-    process id here), so that the training threads win the cores from checkpoint I/O."""
-    if increment <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
-    except OSError:
-        pass  # not permitted or not supported: the thread runs at normal priority, which is only slower
 
 class SaveHandle:
     """The future of one save. ``metrics`` fills in as the save progresses: ``stall_s``,
@@ -109,51 +78,6 @@ class SaveHandle:
         return f"SaveHandle(step={self.step}, {state})"
 
 
-@dataclass
-class _Job:
-    step: int
-    attempt: str
-    tree: Any
-    leaves: list[Leaf]
-    offsets: list[int]
-    total: int
-    handle: SaveHandle
-    t_start: float
-    order: int  # position of this save() call among the writer's calls
-    due: list[Tier]  # the tiers this save goes to, in the writer's order
-    raw_checksums: dict[int, str]  # chunk index -> checksum of its raw bytes, shared by the tiers
-
-
-@dataclass
-class _Target:
-    """One store a tier's copy is written to, with the role this process plays there:
-    a shared tier as (rank, world size) of the job, committed by rank 0; a node-local
-    tier's own or replica folder as the one rank of a one-part checkpoint, committed by
-    this process, with ``origin`` naming the job rank whose part it holds."""
-
-    tier: Tier
-    store: Store
-    rank: int
-    world_size: int
-    lease: Lease | None
-    origin: dict[str, int] | None = None
-    max_step: int = -1
-
-    @property
-    def commits(self) -> bool:
-        return self.rank == 0
-
-
-def _checksum_in_slices(data: memoryview, piece: int = 1 << 20) -> str:
-    """The checksum of ``data`` (the same digest as one call), hashed 1 MiB at a time:
-    xxhash holds the GIL while it hashes, and a background thread at a lower priority
-    must not hold it for long, or the training thread waits behind it."""
-    h = Hasher()
-    for i in range(0, len(data), piece):
-        h.update(data[i : i + piece])
-    return h.hexdigest()
-
-
 def _close_at_exit(ref: Any) -> None:
     w = ref()
     # Not in a forked child (a DataLoader worker): the writer thread and the lease are the
@@ -193,7 +117,7 @@ class CheckpointWriter:
                  chunk_bytes: int = 64 << 20, io_threads: int = 4, if_busy: str = "wait",
                  commit_timeout: float = 600.0, zstd_level: int = 3, nice: int = 10,
                  lease_ttl: float = 60.0, lease_wait: float = 0.0, tiers: list[Tier] | None = None,
-                 ranks_per_node: int | None = None) -> None:
+                 ranks_per_node: int | None = None, background: str = "thread") -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointError(
                 f"keep_last must be an int >= 1 (the last good checkpoint is always kept), got {keep_last!r}"
@@ -208,6 +132,8 @@ class CheckpointWriter:
             raise CheckpointError(f"io_threads must be an int >= 1, got {io_threads!r}")
         if if_busy not in ("wait", "skip"):
             raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+        if background not in ("thread", "process"):
+            raise CheckpointError(f"background must be 'thread' or 'process', got {background!r}")
         if tiers is None:
             if url is None:
                 raise CheckpointError("CheckpointWriter needs a url or tiers=[Tier(...), ...]")
@@ -235,78 +161,58 @@ class CheckpointWriter:
             )
         self.ranks_per_node = (resolve_ranks_per_node(ranks_per_node, self.world_size, f"Tier({replicated[0].url!r})")
                                if replicated else ranks_per_node)
+        if replicated and background == "process":
+            raise CheckpointError(
+                "background='process' does not send peer replicas yet: use background='thread' (the default) "
+                "with replicate=1"
+            )
         self.run_id = agree_run_id(self.world_size, run_id)
-        self._saved_at: dict[tuple[int, int], int] = {}  # (step, n) of each attempt -> its save's number
+        self.background = background
         self._calls = 0
         self._pid = os.getpid()
         self._api_lock = threading.Lock()  # one thread at a time in save/prepare/close
         self.keep_last, self.keep_every = keep_last, keep_every
         self.compression, self.zstd_level = compression, zstd_level
         self.chunk_bytes, self.if_busy, self.commit_timeout = chunk_bytes, if_busy, commit_timeout
-        self._staging = StagingBuffer(max_staging_bytes)
+        self._staging = StagingBuffer(max_staging_bytes, shared=background == "process")
         self._attempts: dict[int, int] = {}
         self._current: SaveHandle | None = None
         self._failed: SaveHandle | None = None  # a failed save nobody has been told about yet
         self._prepare_thread: threading.Thread | None = None
         self._prepare_error: BaseException | None = None
         self._closed = False
-        self._tls = threading.local()
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[PersistJob, SaveHandle] | None] = queue.Queue()
         self.io_threads, self.nice = io_threads, nice
+        self._replicated = bool(replicated)
         # The stores of each tier, with one writer per store: whoever commits there (rank 0
-        # of a shared tier, every rank in its node-local folders) holds that store's lease.
-        self._targets: dict[str, list[_Target]] = {}
-        self._link: PeerLink | None = None
-        try:
-            for t in tiers:
-                self._targets[t.url] = self._open_targets(t, lease_ttl, lease_wait)
-            if replicated:
-                self._link = PeerLink(self.rank, self.world_size, self.ranks_per_node,  # type: ignore[arg-type]
-                                      commit_timeout)
-        except BaseException:
-            self._release_leases()
-            raise
-        self.store = self._targets[self.url][0].store  # the first tier's store (this rank's folder if node-local)
-        self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
-        self._thread.start()
+        # of a shared tier, every rank in its node-local folders) holds that store's lease,
+        # in the process that does the background work.
+        self._persister: Persister | None = None
+        self._process: Any = None  # process.WriterProcess
+        self._thread: threading.Thread | None = None
+        self._in_flight: dict[int, SaveHandle] = {}  # order -> handle, for the writer process's replies
+        config: dict[str, Any] = dict(
+            tiers=tiers, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
+            ranks_per_node=self.ranks_per_node, compression=compression, zstd_level=zstd_level,
+            chunk_bytes=chunk_bytes, io_threads=io_threads, commit_timeout=commit_timeout, nice=nice,
+            lease_ttl=lease_ttl, lease_wait=lease_wait)
+        if background == "thread":
+            self._persister = Persister(**config)
+            self._max_steps = self._persister.max_steps()
+            self._roots = {t.url: self._persister.roots(t.url) for t in tiers}
+            self.store = self._persister.store  # the first tier's store (this rank's folder if node-local)
+            self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
+            self._thread.start()
+        else:
+            from .process import WriterProcess
+
+            self._process = WriterProcess(config, self._on_process_done)
+            self._max_steps = dict(self._process.max_steps)
+            self._roots = self._process.roots
+            self.store = open_store(self._roots[self.url][0], tiers[0].storage_options)
         # Flush at exit before daemon threads stop: threading's exit hooks run before
         # atexit's, while the writer thread still runs (the hook concurrent.futures uses).
         getattr(threading, "_register_atexit", atexit.register)(_close_at_exit, weakref.ref(self))
-
-    def _open_targets(self, tier: Tier, lease_ttl: float, lease_wait: float) -> list[_Target]:
-        """The stores of one tier, their leases taken, in the order a save writes them."""
-        out: list[_Target] = []
-        if not tier.node_local:
-            store = open_store(tier.url, tier.storage_options)
-            out.append(_Target(tier, store, self.rank, self.world_size, None))
-        else:
-            origin = {"rank": self.rank, "world_size": self.world_size}
-            store = open_store(join_url(tier.url, own_dir(self.rank)), tier.storage_options)
-            out.append(_Target(tier, store, 0, 1, None, origin))
-            if tier.replicate:
-                src = (self.rank - self.ranks_per_node) % self.world_size  # type: ignore[operator]
-                store = open_store(join_url(tier.url, replica_dir(src)), tier.storage_options)
-                out.append(_Target(tier, store, 0, 1, None, {"rank": src, "world_size": self.world_size}))
-        try:
-            for tg in out:
-                if tg.commits:
-                    tg.lease = Lease(tg.store, self.run_id, lease_ttl, lease_wait).acquire()
-                    # the highest complete step already there: a save below it is loaded by nobody
-                    tg.max_step = max((s for s, keys in scan_steps(tg.store).items()
-                                       if manifest_key(s) in keys), default=-1)
-        except BaseException:
-            for tg in out:
-                if tg.lease is not None:
-                    tg.lease.release()
-            raise
-        return out
-
-    def _release_leases(self) -> None:
-        for targets in self._targets.values():
-            for tg in targets:
-                if tg.lease is not None:
-                    tg.lease.release()
-                    tg.lease = None
 
     # -- training side -------------------------------------------------------------------
     def _enter(self, what: str) -> None:
@@ -369,7 +275,7 @@ class CheckpointWriter:
         mode = if_busy or self.if_busy
         if mode not in ("wait", "skip"):
             raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {mode!r}")
-        if mode == "skip" and self._link is not None:
+        if mode == "skip" and self._replicated:
             raise CheckpointError("if_busy='skip' is refused with replicate=1: every rank must save the same steps")
         due = [t for t in self.tiers if t.due(step)]
         if not due:  # nothing to write: no flatten, no copy, no wait
@@ -380,15 +286,16 @@ class CheckpointWriter:
             return h
         tree, leaves = flatten(state)  # unsupported objects fail here, before any write
         for t in due:
-            for tg in self._targets[t.url]:
-                if step < tg.max_step:
+            for root in self._roots[t.url]:
+                top = self._max_steps.get(root, -1)
+                if step < top:
                     warnings.warn(
-                        f"saving step {step} to {tg.store.root}, below step {tg.max_step} saved there before: "
-                        f"load_checkpoint() loads the highest complete step ({tg.max_step}), not this one. "
+                        f"saving step {step} to {root}, below step {top} saved there before: "
+                        f"load_checkpoint() loads the highest complete step ({top}), not this one. "
                         "Delete the higher steps, or save to a new URL, if training restarted from an earlier step",
                         stacklevel=3,
                     )
-                tg.max_step = max(tg.max_step, step)
+                self._max_steps[root] = max(top, step)
         waited = 0.0
         prev = self._current
         if prev is not None and not prev.done():
@@ -411,16 +318,47 @@ class CheckpointWriter:
         n = self._attempts.get(step, 0)
         self._attempts[step] = n + 1
         self._calls += 1
-        self._saved_at[(step, n)] = self._calls
         h = SaveHandle(step, self._reported)
         h.metrics.update(bytes=total, waited_s=waited, staging_s=staging_s, due_tiers=[t.url for t in due],
                          staging_allocated=self._staging.allocations > allocations,
                          staging_gbps=total / staging_s / 1e9 if staging_s > 0 else float("inf"))
         self._current = h
-        self._queue.put(_Job(step, f"{self.run_id}-{n}", tree, leaves, list(self._staging.offsets),
-                             total, h, t0, self._calls, due, {}))
+        job = PersistJob(step, f"{self.run_id}-{n}", tree,
+                         [leaf.spec(off) for leaf, off in zip(leaves, self._staging.offsets)], total, due,
+                         time.monotonic() - (time.perf_counter() - t0), self._calls)
+        del leaves  # no reference to the caller's tensors beyond this call
+        if self._persister is not None:
+            self._persister.saved_at[(step, n)] = self._calls
+            self._queue.put((job, h))
+        else:
+            self._in_flight[job.order] = h
+            try:
+                self._process.submit(
+                    {"step": job.step, "attempt": job.attempt, "tree": job.tree, "specs": job.specs,
+                     "total": job.total, "due": [t.url for t in due], "t_start": job.t_start, "order": job.order,
+                     "saved_at": [[step, n, self._calls]]},
+                    self._staging.buffer_id, self._staging.fd, self._staging.capacity)
+            except BaseException:
+                self._in_flight.pop(job.order, None)
+                self._current = None
+                raise
         h.metrics["stall_s"] = time.perf_counter() - t0
         return h
+
+    def _on_process_done(self, order: int, metrics: dict[str, Any], error: str | None) -> None:
+        """A reply of the writer process (its reader thread): finish that save's handle.
+        ``order == -1``: the process is gone; every save in flight fails."""
+        handles = list(self._in_flight.values()) if order == -1 else [self._in_flight.get(order)]
+        for h in handles:
+            if h is None:
+                continue
+            self._in_flight.pop(next(k for k, v in self._in_flight.items() if v is h), None)
+            h.metrics.update(metrics)
+            if error is not None:
+                self._failed = h  # before the event, so a waiter sees it
+                h._finish(CheckpointError(error))
+            else:
+                h._finish()
 
     def wait(self) -> None:
         """Block until the last save is done; raise any unreported background error."""
@@ -443,9 +381,13 @@ class CheckpointWriter:
                 if self._current is not None:
                     self._current._event.wait()
                 self._closed = True
-                self._queue.put(None)
-                self._thread.join()
-                self._release_leases()
+                if self._thread is not None and self._persister is not None:
+                    self._queue.put(None)
+                    self._thread.join()
+                    self._persister.release()
+                if self._process is not None:
+                    self._process.close(self.commit_timeout)
+                self._staging.close()
             self._raise_failed()
         finally:
             self._api_lock.release()
@@ -494,12 +436,16 @@ class CheckpointWriter:
     # -- background side -----------------------------------------------------------------
     def _run(self) -> None:
         lower_thread_priority(self.nice)
+        persister = self._persister
+        if persister is None:
+            return
         while True:
-            job = self._queue.get()
-            if job is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            job, handle = item
             try:
-                self._persist(job)
+                persister.persist(job, self._staging.view, self._staging.tensor, handle.metrics)
             except BaseException as e:
                 err = e
                 if not isinstance(e, CheckpointError):
@@ -508,219 +454,8 @@ class CheckpointWriter:
                         "the previous complete checkpoint is untouched"
                     )
                     err.__cause__ = e
-                self._failed = job.handle  # before the event, so a waiter sees it
-                job.handle._finish(err)
+                self._failed = handle  # before the event, so a waiter sees it
+                handle._finish(err)
             else:
-                job.handle._finish()
-            finally:
-                job.leaves = []  # drop references to the caller's tensors
+                handle._finish()
 
-    def _persist(self, job: _Job) -> None:
-        """Every due tier in order; a tier that fails does not stop the others, and the
-        save then raises naming each failed tier. Metrics of the first due tier are the
-        save's top-level ones (as for a single-URL writer); each tier's are in
-        ``metrics["tiers"][url]``."""
-        m = job.handle.metrics
-        specs = [leaf.spec(off) for leaf, off in zip(job.leaves, job.offsets)]
-        m["tiers"] = {}
-        errors: list[tuple[str, BaseException]] = []
-        for tier in job.due:
-            tm: dict[str, Any] = {}
-            m["tiers"][tier.url] = tm
-            try:
-                self._persist_tier(job, tier, specs, tm)
-            except BaseException as e:
-                errors.append((tier.url, e))
-                tm["error"] = f"{type(e).__name__}: {e}"
-            if tier is job.due[0]:
-                m.update({k: v for k, v in tm.items() if k not in ("durable_s", "error", "replica")})
-        # save() to durable in every due tier (replicas included); retention not counted
-        ends = [tm["durable_s"] for tm in m["tiers"].values() if "durable_s" in tm]
-        ends += [tm["replica"]["durable_s"] for tm in m["tiers"].values() if "durable_s" in tm.get("replica", {})]
-        m["total_s"] = max(ends, default=time.perf_counter() - job.t_start)
-        if len(errors) == 1 and len(job.due) == 1:
-            raise errors[0][1]
-        if errors:
-            raise CheckpointError(
-                f"saving step {job.step} failed in {len(errors)} of {len(job.due)} tiers: "
-                + "; ".join(f"{url}: {type(e).__name__}: {e}" for url, e in errors)
-            ) from errors[0][1]
-
-    def _persist_tier(self, job: _Job, tier: Tier, specs: list[dict[str, Any]], tm: dict[str, Any]) -> None:
-        own, *replica = self._targets[tier.url]
-        staged = self._staging.view
-        received: tuple[dict[str, Any], memoryview] | None = None
-        link_error: BaseException | None = None
-        if replica and self._link is not None:
-            # The peer waits for our bytes: exchange before writing our own copy.
-            cb = self.chunk_bytes
-            ranges = [(a, min(a + cb, job.total)) for a in range(0, job.total, cb)]
-            for i, (a, b) in enumerate(ranges):
-                if i not in job.raw_checksums:
-                    job.raw_checksums[i] = _checksum_in_slices(staged(a, b))
-            header = {"step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world_size,
-                      "total": job.total, "chunk_bytes": cb, "tree": job.tree, "leaves": specs,
-                      "raw_checksums": [job.raw_checksums[i] for i in range(len(ranges))]}
-            t0 = time.perf_counter()
-            try:
-                received = self._link.exchange(header, self._staging.tensor(job.total))
-                tm["exchange_s"] = time.perf_counter() - t0
-            except BaseException as e:
-                link_error = e
-        self._persist_to(own, job, job.step, job.attempt, staged, job.total, self.chunk_bytes, job.tree,
-                         specs, job.raw_checksums, False, tm)
-        tm["durable_s"] = time.perf_counter() - job.t_start
-        if link_error is not None:
-            raise link_error
-        if received is not None:
-            rtg = replica[0]
-            hdr, data = received
-            src = rtg.origin["rank"] if rtg.origin else -1
-            ok = (hdr.get("step"), hdr.get("attempt"), hdr.get("rank"), hdr.get("world_size")) == (
-                job.step, job.attempt, src, self.world_size)
-            if not ok or not isinstance(hdr.get("raw_checksums"), list) or hdr.get("total") != len(data):
-                raise CheckpointError(
-                    f"rank {self.rank}: the replica received from rank {src} is of step {hdr.get('step')!r:.40} "
-                    f"attempt {hdr.get('attempt')!r:.80} rank {hdr.get('rank')!r:.20}, not of this save "
-                    f"(step {job.step}, attempt {job.attempt}): the ranks are not saving the same steps"
-                )
-            rm: dict[str, Any] = {}
-            known = dict(enumerate(hdr["raw_checksums"]))
-            self._persist_to(rtg, job, job.step, job.attempt, lambda a, b: data[a:b], len(data),
-                             int(hdr["chunk_bytes"]), hdr["tree"], hdr["leaves"], known, True, rm)
-            tm["replica"] = {"of_rank": src, "bytes": len(data), **rm}
-
-    def _persist_to(self, tg: _Target, job: _Job, step: int, attempt: str, view: Any, total: int, cb: int,
-                    tree: Any, specs: list[dict[str, Any]], known: dict[int, str], verify: bool,
-                    m: dict[str, Any]) -> None:
-        """Write one copy (chunks, part; commit if this process commits there) to one store.
-        ``known``: raw chunk checksums already computed (reused), or, with ``verify``,
-        those a peer sent (each chunk is hashed again and must match)."""
-        t0 = time.perf_counter()
-        ranges = [(a, min(a + cb, total)) for a in range(0, total, cb)]
-        chunks = self._write_chunks(tg, step, attempt, view, ranges, known, verify)
-        if chunks:
-            sync_dirs(tg.store, chunks[0]["key"])
-        doc = {
-            "step": step, "attempt": attempt, "rank": tg.rank,
-            "world_size": tg.world_size, "compression": self.compression,
-            "chunk_bytes": cb, "data_bytes": total,
-            "stored_bytes": sum(c["stored_bytes"] for c in chunks),
-            "chunks": chunks, "tree": tree, "leaves": specs,
-        }
-        pkey = part_key(step, attempt, tg.rank)
-        body = encode_doc(doc, "part")
-        if len(body) > MAX_PART_BYTES:
-            raise CheckpointError(
-                f"step {step}: the part document of rank {tg.rank} would be {len(body)} bytes, "
-                f"more than readers accept ({MAX_PART_BYTES}); the state has too many leaves"
-            )
-        tg.store.put(pkey, body)
-        if not chunks:
-            sync_dirs(tg.store, pkey)  # an empty state: the part created the directories
-        t1 = time.perf_counter()
-        m.update(write_s=t1 - t0, write_gbps=total / (t1 - t0) / 1e9 if t1 > t0 else float("inf"),
-                 stored_bytes=doc["stored_bytes"])
-        if tg.commits:
-            parts = await_parts(tg.store, step, attempt, tg.world_size, self.commit_timeout)
-            tg.lease.check(f"committing step {step}")  # type: ignore[union-attr]
-            write_manifest(tg.store, step, attempt, tg.world_size, parts, tg.origin)
-            m["committed"] = True
-            try:
-                write_latest(tg.store, step, attempt)
-            except Exception as e:
-                # The manifest is the commit and readers scan manifests: the save succeeded.
-                # Retention below keeps the step `latest` still names.
-                m["latest_error"] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"step {step} is committed at {tg.store.root}, but updating `latest` "
-                              f"failed ({type(e).__name__}: {e}); it names an older step until "
-                              "a later save updates it", stacklevel=1)
-        t2 = time.perf_counter()
-        # total_s: until durable (rank 0: committed); retention is reported on its own
-        m.update(commit_s=t2 - t1, total_s=t2 - job.t_start, durable_s=t2 - job.t_start)
-        if tg.commits:
-            run_id = self.run_id
-
-            def in_flight(s: int, a: str) -> bool:
-                # An attempt of this job that rank 0 had not saved before this one: another
-                # rank, which may be ahead of rank 0, may still be writing it. Attempts rank 0
-                # saved earlier are finished on every rank (each rank saves in call order and
-                # every part of this step exists).
-                pa = parse_attempt(a)
-                return (pa is not None and pa[0] == run_id
-                        and self._saved_at.get((s, pa[1]), job.order + 1) > job.order)
-
-            try:
-                tg.lease.check("deleting old checkpoints")  # type: ignore[union-attr]
-                m["deleted_steps"] = apply_retention(tg.store, step, attempt, tg.tier.keep_last,
-                                                     tg.tier.keep_every, in_flight)
-            except Exception as e:
-                raise CheckpointError(
-                    f"step {step} is committed at {tg.store.root}, but deleting old checkpoints "
-                    f"failed ({type(e).__name__}: {e}); they are retried after the next commit"
-                ) from e
-            m["retention_s"] = time.perf_counter() - t2
-
-    def _write_chunks(self, tg: _Target, step: int, attempt: str, view: Any, ranges: list[tuple[int, int]],
-                      known: dict[int, str], verify: bool) -> list[dict[str, Any]]:
-        """Write the chunks on ``io_threads`` threads of this save. Own threads, not a pool:
-        a pool refuses work once the interpreter starts to exit, and a flush at exit must
-        still write. Returns only when every thread is done, failed or not: the staging
-        buffer is reused only after that."""
-        results: list[Any] = [None] * len(ranges)
-        errors: list[BaseException] = []
-        next_index = iter(range(len(ranges)))
-        lock = threading.Lock()
-
-        def worker() -> None:
-            lower_thread_priority(self.nice)
-            while not errors:
-                with lock:
-                    i = next(next_index, None)
-                if i is None:
-                    return
-                try:
-                    results[i] = self._write_chunk(tg, step, attempt, view, i, *ranges[i], known, verify)
-                except BaseException as e:
-                    errors.append(e)
-
-        threads = [threading.Thread(target=worker, name="datapipe-ckpt-io", daemon=True)
-                   for _ in range(min(self.io_threads, len(ranges)))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return results
-
-    def _write_chunk(self, tg: _Target, step: int, attempt: str, view: Any, index: int, start: int, end: int,
-                     known: dict[int, str], verify: bool) -> dict[str, Any]:
-        data = view(start, end)
-        raw_ck = known.get(index) if not verify else None
-        if raw_ck is None:
-            raw_ck = _checksum_in_slices(data)
-            if verify:
-                if known.get(index) != raw_ck:
-                    raise CheckpointError(
-                        f"step {step}: chunk {index} of the replica for {tg.store.root} does not match "
-                        f"the checksum its rank sent ({known.get(index)!r:.40}, got {raw_ck}): not written"
-                    )
-            else:
-                known[index] = raw_ck  # the next tier reuses it (one thread per index: no race)
-        rec: dict[str, Any] = {"key": chunk_key(step, attempt, tg.rank, index),
-                               "offset": start, "bytes": end - start}
-        if self.compression == "zstd":
-            cctx = getattr(self._tls, "cctx", None)
-            if cctx is None:
-                import zstandard
-
-                cctx = self._tls.cctx = zstandard.ZstdCompressor(level=self.zstd_level)
-            stored: Any = cctx.compress(data)
-            rec.update(checksum=_checksum_in_slices(memoryview(stored)), raw_checksum=raw_ck)
-        else:
-            stored = data
-            rec["checksum"] = raw_ck
-        rec["stored_bytes"] = len(stored)
-        tg.store.put(rec["key"], stored)
-        return rec
