@@ -69,7 +69,7 @@ def test_writer_process_killed_fails_the_save_in_flight(tmp_path):
     os.kill(w._process.pid, signal.SIGSTOP)  # hold it inside nothing: the next save waits
     h = w.save(2, {"x": torch.ones(1 << 20) * 2})
     os.kill(w._process.pid, signal.SIGKILL)
-    with pytest.raises(CheckpointError, match="writer process .* exited"):
+    with pytest.raises(CheckpointError, match=r"writer process .* exited"):
         h.wait(timeout=60)
     with pytest.raises(CheckpointError, match="exited"):
         w.save(3, {"x": torch.ones(3)})

@@ -1,7 +1,7 @@
 """CheckpointWriter: the training loop pays for one copy into host memory, a background
-thread does the rest (chunks, checksums, optional zstd, the rank part, the commit
-manifest, ``latest``, retention) for every tier due at that step (tiers.py), including
-the peer replica of a node-local tier (replicate.py).
+thread or a writer process does the rest (persist.py: chunks, checksums, optional zstd,
+the rank part, the commit manifest, ``latest``, retention) for every tier due at that step
+(tiers.py), including the peer replica of a node-local tier (replicate.py).
 
 One save is in flight at a time: the staging buffer holds exactly one state, so a save
 while the previous one still writes waits for it (or is skipped, if asked) and reports
@@ -102,6 +102,12 @@ class CheckpointWriter:
     (``ranks_per_node``: given, else ``LOCAL_WORLD_SIZE``); every rank must then save the
     same steps, so ``if_busy="skip"`` is refused, and the process group must stay
     initialised while the writer is open.
+
+    ``background="thread"`` (default) does the background work (checksums, compression,
+    writes, commit, retention) in threads of this process; ``background="process"`` does
+    it in a writer process of its own that reads the staging buffer from shared memory (a
+    memfd, reused across saves), so it never takes this process's GIL (process.py; not
+    with ``replicate=1`` yet, and its staging buffer is not pinned on GPU hosts).
 
     ``compression`` is None or ``"zstd"`` (per chunk); ``if_busy`` is ``"wait"`` or
     ``"skip"`` for a save that finds the previous one still writing. ``rank``/``world_size``
