@@ -280,12 +280,18 @@ def bench_busy_trainer(work: str, mb: int, saves: int, background: str = "thread
     for p in spinners:
         p.start()
     time.sleep(0.5)  # the spinners are running
-    try:
-        base: list[float] = []
-        for _ in range(30):
+    base: list[float] = []
+
+    def no_save_window(steps: int = 100) -> None:
+        for _ in range(steps):
             t0 = time.perf_counter()
             _python_step()
             base.append(time.perf_counter() - t0)
+
+    try:
+        no_save_window(30)
+        base.clear()  # warm-up: the first steps run while the spinners start
+        no_save_window()
         during: list[float] = []
         busy: list[float] = []
         stalls: list[float] = []
@@ -299,6 +305,7 @@ def bench_busy_trainer(work: str, mb: int, saves: int, background: str = "thread
                 _python_step()
                 during.append(time.perf_counter() - t0)
             busy.append(h.wait()["tiers"][url]["durable_s"])
+        no_save_window()  # steps without a save on both sides of the saves: the load moves
     finally:
         stop.set()
         for p in spinners:
