@@ -97,6 +97,8 @@ def test_trainer_killed_writer_process_exits_and_frees_the_url(tmp_path):
     assert _alive(writer_pid)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
+    p.stdin.close()
+    p.stdout.close()
     deadline = time.monotonic() + 30
     while _alive(writer_pid) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -109,11 +109,13 @@ class WriterProcess:
             _send(ours, config)
             reply, _ = _recv(ours)
         except (EOFError, OSError) as e:
+            ours.close()
             self.proc.kill()
             self.proc.wait()
             raise CheckpointError(f"the checkpoint writer process did not start ({e}; exit code "
                                   f"{self.proc.returncode})") from None
         if reply.get("op") != "ready":
+            ours.close()
             self.proc.wait()
             raise CheckpointError(str(reply.get("error", reply)))
         self.max_steps: dict[str, int] = {k: int(v) for k, v in reply["max_steps"].items()}
