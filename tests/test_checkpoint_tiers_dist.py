@@ -44,14 +44,15 @@ def _flip(path: str) -> None:
     open(path, "wb").write(bytes(data))
 
 
-def _worker(rank: int, port: int, root: str) -> None:
+def _worker(rank: int, port: int, root: str, background: str) -> None:
     from datapipe.checkpoint import CheckpointWriter, restore_checkpoint
     from datapipe.checkpoint.format import encode_doc
     from datapipe.errors import NoCheckpointError
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     tiers = _tiers(root, rank)
-    w = CheckpointWriter(tiers=tiers, ranks_per_node=RPN, chunk_bytes=4096, commit_timeout=60)
+    w = CheckpointWriter(tiers=tiers, ranks_per_node=RPN, chunk_bytes=4096, commit_timeout=60,
+                         background=background)
     for step in range(1, 7):
         m = w.save(step, _state(rank, step)).wait()
         local = m["tiers"][tiers[0].url]
@@ -70,6 +71,9 @@ def _worker(rank: int, port: int, root: str) -> None:
     assert r.source == ("peer replica" if rank >= RPN else "local")
     assert r.bytes > 300 * 7 * 4
     dist.barrier()
+    if background == "process":  # the rest is the restore's, the same for both writers
+        dist.destroy_process_group()
+        return
 
     # #5281: a `latest` naming a partial step 7 on node 0, and rank 2's replica of step 6 corrupt
     node0 = os.path.join(root, "node0")
@@ -124,4 +128,11 @@ def _worker(rank: int, port: int, root: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_peer_replica_restore_and_corrupt_copies(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), "thread"), nprocs=WORLD, join=True)
+
+
+@pytest.mark.timeout(180)
+def test_peer_replica_from_writer_processes(tmp_path):
+    """The same saves with background="process": the exchange runs in the training
+    process, the writer process persists the received part from shared memory."""
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), "process"), nprocs=WORLD, join=True)

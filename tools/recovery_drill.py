@@ -110,7 +110,8 @@ def run_rank(a: argparse.Namespace) -> None:
     # replaced by this run's saves, and the writer's "below a step saved before" warning
     # says what this drill knows.
     warnings.filterwarnings("ignore", message="saving step")
-    writer = CheckpointWriter(tiers=tiers, ranks_per_node=RANKS_PER_NODE, commit_timeout=60, chunk_bytes=1 << 20)
+    writer = CheckpointWriter(tiers=tiers, ranks_per_node=RANKS_PER_NODE, commit_timeout=60, chunk_bytes=1 << 20,
+                              background=a.background)
     log = open(os.path.join(a.work, "log", f"{a.phase}-rank-{rank}.jsonl"), "a")
     ds.set_epoch(0)
     for x, y, keys in loader:
@@ -145,7 +146,7 @@ def _launch(a: argparse.Namespace, work: str, phase: str, port: int) -> list[sub
         cmd = [sys.executable, "-m", "tools.recovery_drill", "--worker", "--rank", str(rank), "--port", str(port),
                "--work", work, "--phase", phase, "--batch", str(a.batch), "--local-every", str(a.local_every),
                "--remote-every", str(a.remote_every), "--step-sleep", str(a.step_sleep),
-               "--extra-mb", str(a.extra_mb)]
+               "--extra-mb", str(a.extra_mb), "--background", a.background]
         # each rank's output in its own file: the killed run's survivors end with gloo errors
         with open(os.path.join(work, "log", f"{phase}-rank-{rank}.out"), "wb") as out:
             procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
@@ -185,7 +186,7 @@ def drill(a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     print(f"drill: {a.samples} samples in {packed.shards} shards; {NODES} nodes x {RANKS_PER_NODE} ranks (gloo); "
           f"{steps_per_epoch} steps; local tier every {a.local_every} steps with replicate=1, remote every "
-          f"{a.remote_every}; node 1 is killed at step {kill_at}")
+          f"{a.remote_every}; writer background: {a.background}; node 1 is killed at step {kill_at}")
 
     procs = _launch(a, work, "train", _free_port())
     node1 = [r for r in range(WORLD) if r // RANKS_PER_NODE == 1]
@@ -264,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--extra-mb", type=int, default=16, help="MiB of extra state per rank (default 16)")
     p.add_argument("--step-sleep", type=float, default=0.05, help="seconds per step spent 'on the accelerator'")
     p.add_argument("--timeout", type=float, default=240.0, help="give up after this many seconds per phase")
+    p.add_argument("--background", choices=["thread", "process"], default="thread",
+                   help="the checkpoint writer's background work: threads or a writer process (default thread)")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
     # one rank of the drill (started by the drill itself)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

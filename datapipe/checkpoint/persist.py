@@ -57,6 +57,9 @@ class PersistJob:
     t_start: float  # time.monotonic() at save(): comparable across processes (CLOCK_MONOTONIC)
     order: int  # position of this save() call among the writer's calls
     raw_checksums: dict[int, str] = field(default_factory=dict)  # chunk -> raw checksum, shared by tiers
+    # a writer process's replica, exchanged in the training process: (header, bytes), or why not
+    received: tuple[dict[str, Any], memoryview] | None = None
+    link_error: str | None = None
 
 
 @dataclass
@@ -211,6 +214,10 @@ class Persister:
                 tm["exchange_s"] = time.perf_counter() - t0
             except BaseException as e:
                 link_error = e
+        elif replica and job.link_error is not None:
+            link_error = CheckpointError(job.link_error)
+        elif replica and job.received is not None:
+            received = job.received
         self._persist_to(own, job, job.step, job.attempt, staged, job.total, self.chunk_bytes, job.tree,
                          specs, job.raw_checksums, False, tm)
         tm["durable_s"] = time.monotonic() - job.t_start
@@ -222,16 +229,17 @@ class Persister:
             src = rtg.origin["rank"] if rtg.origin else -1
             ok = (hdr.get("step"), hdr.get("attempt"), hdr.get("rank"), hdr.get("world_size")) == (
                 job.step, job.attempt, src, self.world_size)
-            if not ok or not isinstance(hdr.get("raw_checksums"), list) or hdr.get("total") != len(data):
+            sent = hdr.get("raw_checksums")
+            if not ok or not (sent is None or isinstance(sent, list)) or hdr.get("total") != len(data):
                 raise CheckpointError(
                     f"rank {self.rank}: the replica received from rank {src} is of step {hdr.get('step')!r:.40} "
                     f"attempt {hdr.get('attempt')!r:.80} rank {hdr.get('rank')!r:.20}, not of this save "
                     f"(step {job.step}, attempt {job.attempt}): the ranks are not saving the same steps"
                 )
             rm: dict[str, Any] = {}
-            known = dict(enumerate(hdr["raw_checksums"]))
+            known = dict(enumerate(sent)) if sent is not None else {}
             self._persist_to(rtg, job, job.step, job.attempt, lambda a, b: data[a:b], len(data),
-                             int(hdr["chunk_bytes"]), hdr["tree"], hdr["leaves"], known, True, rm)
+                             int(hdr["chunk_bytes"]), hdr["tree"], hdr["leaves"], known, sent is not None, rm)
             tm["replica"] = {"of_rank": src, "bytes": len(data), **rm}
 
     def _persist_to(self, tg: _Target, job: PersistJob, step: int, attempt: str, view: Any, total: int, cb: int,

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 
-__all__ = ["WriterProcess", "main"]
+__all__ = ["WriterProcess", "SharedBytes", "main"]
 
 _PREFIX = struct.Struct("<Q")
 MAX_FRAME = 1 << 31  # a part document is at most 256 MiB; a tree travels once per save
@@ -87,6 +87,43 @@ def _tier_doc(t: Any) -> dict[str, Any]:
     return d
 
 
+class SharedBytes:
+    """A byte buffer in a memfd mapping, reused and regrown only for more bytes: where the
+    training process receives a peer's part for the writer process to persist."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.buffer_id = 0
+        self.capacity = 0
+        self._tensor: Any = None
+
+    def ensure(self, n: int) -> Any:
+        """A torch uint8 tensor over the first ``n`` bytes (a larger buffer if needed)."""
+        import torch
+
+        if self._tensor is None or self.capacity < n:
+            self._tensor = None
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+            fd = os.memfd_create("datapipe-ckpt-replica", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, max(n, 1))
+                self._tensor = torch.frombuffer(mmap.mmap(fd, max(n, 1)), dtype=torch.uint8)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd, self.capacity = fd, max(n, 1)
+            self.buffer_id += 1
+        return self._tensor[:n]
+
+    def close(self) -> None:
+        self._tensor = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class WriterProcess:
     """The training process's end: start the writer process, send it jobs, hand each
     reply to ``on_done(order, metrics, error)`` from a reader thread (blocked in recv,
@@ -104,7 +141,7 @@ class WriterProcess:
         self.sock = ours
         self._on_done = on_done
         self._send_lock = threading.Lock()
-        self._sent_buffer: int | None = None  # id of the staging mapping the writer process has
+        self._sent: dict[str, int] = {}  # name -> id of the mapping the writer process has
         try:
             _send(ours, config)
             reply, _ = _recv(ours)
@@ -125,17 +162,17 @@ class WriterProcess:
         self._reader = threading.Thread(target=self._read, name="datapipe-ckpt-replies", daemon=True)
         self._reader.start()
 
-    def submit(self, job: dict[str, Any], buffer_id: int, buffer_fd: int, buffer_bytes: int) -> None:
-        """Send one job; the staging mapping goes along the first time it is used."""
+    def submit(self, job: dict[str, Any], buffers: dict[str, tuple[int, int, int]]) -> None:
+        """Send one job; ``buffers``: name -> (id, fd, bytes) of the shared mappings it
+        reads (``staging``, ``replica``), each sent along the first time it is used."""
         if self.error is not None:
             raise CheckpointError(self.error)
         with self._send_lock:
-            fds = None
-            if buffer_id != self._sent_buffer:
-                job = dict(job, buffer_bytes=buffer_bytes)
-                fds = [buffer_fd]
-            _send(self.sock, dict(job, op="job"), fds)
-            self._sent_buffer = buffer_id
+            new = {name: b for name, b in buffers.items() if self._sent.get(name) != b[0]}
+            job = dict(job, op="job", mappings=[[name, b[2]] for name, b in new.items()])
+            _send(self.sock, job, [b[1] for b in new.values()] or None)
+            for name, b in new.items():
+                self._sent[name] = b[0]
 
     def _read(self) -> None:
         while True:
@@ -189,7 +226,7 @@ def main() -> None:
         _send(sock, {"op": "error", "error": f"{e}" if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"})
         return
     _send(sock, {"op": "ready", "max_steps": p.max_steps(), "roots": {t.url: p.roots(t.url) for t in tiers}})
-    mapped: Any = None
+    mapped: dict[str, Any] = {}
     by_url = {t.url: t for t in tiers}
 
     def no_tensor(end: int) -> Any:
@@ -203,12 +240,12 @@ def main() -> None:
                 return  # the training process is gone
             if msg["op"] == "close":
                 return
-            if fds:
-                mapped = None  # the old mapping goes when nothing views it any more
-                mapped = mmap.mmap(fds[0], max(1, msg["buffer_bytes"]), prot=mmap.PROT_READ)
-                for fd in fds:
-                    os.close(fd)
-            buf = memoryview(mapped) if mapped is not None else memoryview(b"")
+            for (name, size), fd in zip(msg["mappings"], fds):
+                mapped.pop(name, None)  # the old mapping goes when nothing views it any more
+                mapped[name] = mmap.mmap(fd, max(1, size), prot=mmap.PROT_READ)
+            for fd in fds:
+                os.close(fd)
+            buf = memoryview(mapped["staging"]) if "staging" in mapped else memoryview(b"")
 
             def view(a: int, b: int, v: memoryview = buf) -> memoryview:
                 return v[a:b]
@@ -217,6 +254,10 @@ def main() -> None:
                              [by_url[u] for u in msg["due"]], msg["t_start"], msg["order"])
             for step, n, order in msg["saved_at"]:
                 p.saved_at[(step, n)] = order
+            if msg.get("received") is not None:
+                rbytes = msg["received"]["bytes"]
+                job.received = (msg["received"]["header"], memoryview(mapped["replica"])[:rbytes])
+            job.link_error = msg.get("link_error")
             m: dict[str, Any] = {}
             error = None
             try:
@@ -226,6 +267,7 @@ def main() -> None:
                     f"saving step {job.step} failed ({type(e).__name__}: {e}); the previous complete "
                     "checkpoint is untouched")
             del buf, view
+            job.received = None
             _send(sock, {"order": job.order, "metrics": m, "error": error})
     finally:
         p.release()

@@ -11,9 +11,14 @@ the writers' background threads use it, never the training group.
 
 Messages (each rank sends to ``peer_of(rank)`` and receives from ``source_of(rank)``, in
 the same order on every rank): sizes ``int64[2] = (header bytes, data bytes)``, the
-header (JSON: step, attempt, rank, world size, tree, leaves, chunk size and the raw
-checksum of every chunk), then the data. The receiver checks the header names the save
-it is making and every chunk against the sender's checksum before it writes the replica.
+header (JSON: step, attempt, rank, world size, tree, leaves, chunk size and, from a
+thread writer, the raw checksum of every chunk), then the data. The receiver checks the
+header names the save it is making and every chunk against the sender's checksum (when
+sent) before it writes the replica. A writer process (process.py) runs the exchange in a
+thread of the training process (gloo's send and receive run without the GIL) into a
+shared receive buffer, and sends no checksums: hashing there would take the GIL the
+writer process exists to leave alone; TCP's own checksums cover the transfer, and the
+writer process hashes what it writes.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ MAX_REPLICA_BYTES = 1 << 44  # a bound on what a header may announce, so a bad o
 class PeerLink:
     """This rank's end of the replica exchange. Create on every rank at once (a collective)."""
 
-    def __init__(self, rank: int, world_size: int, ranks_per_node: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, world_size: int, ranks_per_node: int, timeout_s: float,
+                 recv_alloc: Any = None) -> None:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -47,6 +53,9 @@ class PeerLink:
         self.source = source_of(rank, world_size, ranks_per_node)
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._recv_buf: Any = None  # reused across saves, grown only for a larger part
+        # where received parts go instead: a function of the byte count returning a uint8
+        # tensor at least that long (the writer process's shared receive buffer)
+        self._recv_alloc = recv_alloc
         self.broken: str | None = None  # set when an exchange failed half way: the stream is out of step
 
     def exchange(self, header: dict[str, Any], data: Any) -> tuple[dict[str, Any], memoryview]:
@@ -73,7 +82,9 @@ class PeerLink:
                 raise CheckpointError(f"rank {src} announced a replica of {nh} header and {nd} data bytes")
             in_hdr = torch.empty(nh, dtype=torch.uint8)
             dist.recv(in_hdr, src, group=g)
-            if self._recv_buf is None or self._recv_buf.numel() < nd:
+            if self._recv_alloc is not None:
+                self._recv_buf = self._recv_alloc(nd)
+            elif self._recv_buf is None or self._recv_buf.numel() < nd:
                 self._recv_buf = None
                 self._recv_buf = torch.empty(max(nd, 1), dtype=torch.uint8)
             if nd:

@@ -167,11 +167,6 @@ class CheckpointWriter:
             )
         self.ranks_per_node = (resolve_ranks_per_node(ranks_per_node, self.world_size, f"Tier({replicated[0].url!r})")
                                if replicated else ranks_per_node)
-        if replicated and background == "process":
-            raise CheckpointError(
-                "background='process' does not send peer replicas yet: use background='thread' (the default) "
-                "with replicate=1"
-            )
         self.run_id = agree_run_id(self.world_size, run_id)
         self.background = background
         self._calls = 0
@@ -196,7 +191,9 @@ class CheckpointWriter:
         self._persister: Persister | None = None
         self._process: Any = None  # process.WriterProcess
         self._thread: threading.Thread | None = None
+        self._link: Any = None  # the writer process's peer link (thread mode: inside the Persister)
         self._in_flight: dict[int, SaveHandle] = {}  # order -> handle, for the writer process's replies
+        self._link_msgs: dict[int, dict[str, Any]] = {}  # order -> job message waiting for the peer exchange
         config: dict[str, Any] = dict(
             tiers=tiers, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
             ranks_per_node=self.ranks_per_node, compression=compression, zstd_level=zstd_level,
@@ -210,12 +207,27 @@ class CheckpointWriter:
             self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
             self._thread.start()
         else:
-            from .process import WriterProcess
+            from .process import SharedBytes, WriterProcess
 
             self._process = WriterProcess(config, self._on_process_done)
             self._max_steps = dict(self._process.max_steps)
             self._roots = self._process.roots
             self.store = open_store(self._roots[self.url][0], tiers[0].storage_options)
+            if replicated:
+                # The exchange with the peer stays in this process (the gloo group is this
+                # process's); it runs in a thread that waits in gloo without the GIL and
+                # receives into shared memory the writer process maps.
+                from .replicate import PeerLink
+
+                self._replica_bytes = SharedBytes()
+                try:
+                    self._link = PeerLink(self.rank, self.world_size, self.ranks_per_node,  # type: ignore[arg-type]
+                                          commit_timeout, recv_alloc=self._replica_bytes.ensure)
+                except BaseException:
+                    self._process.close()
+                    raise
+                self._thread = threading.Thread(target=self._run_link, name="datapipe-ckpt-link", daemon=True)
+                self._thread.start()
         # Flush at exit before daemon threads stop: threading's exit hooks run before
         # atexit's, while the writer thread still runs (the hook concurrent.futures uses).
         getattr(threading, "_register_atexit", atexit.register)(_close_at_exit, weakref.ref(self))
@@ -338,18 +350,53 @@ class CheckpointWriter:
             self._queue.put((job, h))
         else:
             self._in_flight[job.order] = h
-            try:
-                self._process.submit(
-                    {"step": job.step, "attempt": job.attempt, "tree": job.tree, "specs": job.specs,
-                     "total": job.total, "due": [t.url for t in due], "t_start": job.t_start, "order": job.order,
-                     "saved_at": [[step, n, self._calls]]},
-                    self._staging.buffer_id, self._staging.fd, self._staging.capacity)
-            except BaseException:
-                self._in_flight.pop(job.order, None)
-                self._current = None
-                raise
+            msg = {"step": job.step, "attempt": job.attempt, "tree": job.tree, "specs": job.specs,
+                   "total": job.total, "due": [t.url for t in due], "t_start": job.t_start, "order": job.order,
+                   "saved_at": [[step, n, self._calls]]}
+            if self._link is not None and any(t.replicate for t in due):
+                self._queue.put((job, h))  # the link thread exchanges with the peer, then submits
+                self._link_msgs[job.order] = msg
+            else:
+                try:
+                    self._submit(msg, with_replica=False)
+                except BaseException:
+                    self._in_flight.pop(job.order, None)
+                    self._current = None
+                    raise
         h.metrics["stall_s"] = time.perf_counter() - t0
         return h
+
+    def _submit(self, msg: dict[str, Any], with_replica: bool) -> None:
+        st = self._staging
+        buffers = {"staging": (st.buffer_id, st.fd, st.capacity)}
+        if with_replica:
+            rb = self._replica_bytes
+            buffers["replica"] = (rb.buffer_id, rb.fd, rb.capacity)
+        self._process.submit(msg, buffers)
+
+    def _run_link(self) -> None:
+        """Writer process with replicate=1: exchange each due save with the peer here, then
+        hand the job (and the received part, in shared memory) to the writer process."""
+        link = self._link
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, handle = item
+            msg = self._link_msgs.pop(job.order)
+            header = {"step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world_size,
+                      "total": job.total, "chunk_bytes": self.chunk_bytes, "tree": job.tree, "leaves": job.specs}
+            t0 = time.perf_counter()
+            try:
+                hdr, data = link.exchange(header, self._staging.tensor(job.total))
+                msg["received"] = {"header": hdr, "bytes": len(data)}
+                handle.metrics["exchange_s"] = time.perf_counter() - t0
+            except BaseException as e:
+                msg["link_error"] = str(e)
+            try:
+                self._submit(msg, with_replica="received" in msg)
+            except BaseException as e:
+                self._on_process_done(job.order, {}, f"handing step {job.step} to the writer process failed: {e}")
 
     def _on_process_done(self, order: int, metrics: dict[str, Any], error: str | None) -> None:
         """A reply of the writer process (its reader thread): finish that save's handle.
@@ -392,6 +439,10 @@ class CheckpointWriter:
                     self._thread.join()
                     self._persister.release()
                 if self._process is not None:
+                    if self._thread is not None:
+                        self._queue.put(None)
+                        self._thread.join()
+                        self._replica_bytes.close()
                     self._process.close(self.commit_timeout)
                 self._staging.close()
             self._raise_failed()
