@@ -106,8 +106,9 @@ class CheckpointWriter:
     ``background="thread"`` (default) does the background work (checksums, compression,
     writes, commit, retention) in threads of this process; ``background="process"`` does
     it in a writer process of its own that reads the staging buffer from shared memory (a
-    memfd, reused across saves), so it never takes this process's GIL (process.py; not
-    with ``replicate=1`` yet, and its staging buffer is not pinned on GPU hosts).
+    memfd, reused across saves), so it never takes this process's GIL (process.py; with
+    ``replicate=1`` the peer exchange stays in a thread of this process that waits in gloo
+    without the GIL; the shared staging buffer is not pinned on GPU hosts).
 
     ``compression`` is None or ``"zstd"`` (per chunk); ``if_busy`` is ``"wait"`` or
     ``"skip"`` for a save that finds the previous one still writing. ``rank``/``world_size``
