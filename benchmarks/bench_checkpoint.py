@@ -4,6 +4,9 @@ sequential write of the same bytes), plus training step time while a save persis
 
     python -m benchmarks.bench_checkpoint            # ~0.75 GiB model + Adam state
     python -m benchmarks.bench_checkpoint --quick    # small state, seconds
+    python -m benchmarks.bench_checkpoint --tiers --busy-mb 64 --rss-mb 50 --rss-saves 30
+        # local tier: save() to durable with a busy vs an idle trainer, step time with
+        # saves vs without on a busy host, resident memory over many saves (issue 15)
     from benchmarks.bench_checkpoint import run; run({"layers": 8})   # -> dict of figures
 """
 
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from datapipe.checkpoint import CheckpointWriter
+from datapipe.checkpoint import CheckpointWriter, Tier
 
 DEFAULTS: dict[str, Any] = {
     "layers": 64, "width": 1024, "saves": 3, "dir": None, "batch": 8,
@@ -240,6 +243,152 @@ def bench_training(model, opt, state_fn, work: str, batch: int, width: int, step
             "persist_s": persist, "base_steps": base, "during_steps": during}
 
 
+def _spin(stop: Any) -> None:
+    """A busy core: pure Python arithmetic until told to stop."""
+    x = 0
+    while not stop.is_set():
+        for _ in range(10_000):
+            x += 1
+
+
+def _python_step(n: int = 20_000) -> int:
+    """One 'training step' that holds the GIL the whole time, as a Python-heavy loop does."""
+    return sum(i * i for i in range(n))
+
+
+def _flat_state(mb: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(mb << 18, generator=g), "b": torch.randn(1 << 16, generator=g), "step": 0}
+
+
+def bench_busy_trainer(work: str, mb: int, saves: int, background: str = "thread", nice: int = 10) -> dict[str, Any]:
+    """Save() to durable in a node-local tier with an idle trainer (the caller waits), then
+    with a trainer that keeps both cores busy: this thread runs GIL-holding Python steps
+    and calls save() every few steps, and spinning processes take the other cores. Step
+    time is compared between steps that overlap a save in flight and steps that do not
+    (the save's own stall is reported on its own)."""
+    import multiprocessing as mp
+
+    state = _flat_state(mb)
+    url = os.path.join(work, "busy-local")
+    w = CheckpointWriter(tiers=[Tier(url, every=1, keep_last=1, node_local=True)], background=background, nice=nice)
+    w.save(0, state).wait()  # the staging buffer is taken once: measure the steady state
+    idle = [w.save(i, state).wait()["tiers"][url]["durable_s"] for i in range(1, saves + 1)]
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    spinners = [ctx.Process(target=_spin, args=(stop,), daemon=True) for _ in range(max(1, (os.cpu_count() or 2) - 1))]
+    for p in spinners:
+        p.start()
+    time.sleep(0.5)  # the spinners are running
+    base: list[float] = []
+
+    def no_save_window(steps: int = 100) -> None:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            _python_step()
+            base.append(time.perf_counter() - t0)
+
+    try:
+        no_save_window(30)
+        base.clear()  # warm-up: the first steps run while the spinners start
+        no_save_window()
+        during: list[float] = []
+        busy: list[float] = []
+        stalls: list[float] = []
+        step = saves + 1
+        for _ in range(saves):
+            h = w.save(step, state)
+            stalls.append(h.metrics["stall_s"])
+            step += 1
+            while not h.done():
+                t0 = time.perf_counter()
+                _python_step()
+                during.append(time.perf_counter() - t0)
+            busy.append(h.wait()["tiers"][url]["durable_s"])
+        no_save_window()  # steps without a save on both sides of the saves: the load moves
+    finally:
+        stop.set()
+        for p in spinners:
+            p.join()
+        w.close()
+        shutil.rmtree(url, ignore_errors=True)
+    b, d = statistics.median(base), statistics.median(during) if during else float("nan")
+    return {"bytes": mb << 20, "idle_durable_s": statistics.median(idle), "busy_durable_s": statistics.median(busy),
+            "busy_vs_idle": statistics.median(busy) / statistics.median(idle), "step_s": b,
+            "step_during_save_s": d, "step_ratio": d / b, "steps_overlapped": len(during),
+            "stall_s": statistics.median(stalls), "spinners": len(spinners), "idle_runs": idle, "busy_runs": busy}
+
+
+def _rss_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def bench_rss(work: str, mb: int, saves: int, background: str = "thread") -> dict[str, Any]:
+    """Resident memory over ``saves`` saves in a row of an ``mb`` MiB state to a node-local
+    tier: the trainer's (this process) and, with ``background="process"``, the writer
+    process's (with threads, the writer is the trainer's process). Growth is measured from the 5th save (the staging
+    buffer and the I/O threads' buffers exist by then) to the largest value after it."""
+    state = _flat_state(mb)
+    url = os.path.join(work, "rss-local")
+    rss, wrss = [], []
+    with CheckpointWriter(tiers=[Tier(url, every=1, keep_last=1, node_local=True)], background=background) as w:
+        for i in range(saves):
+            state["step"] = i
+            w.save(i, state).wait()
+            rss.append(_rss_bytes())
+            if w._process is not None:
+                wrss.append(_rss_bytes(w._process.pid))
+    shutil.rmtree(url, ignore_errors=True)
+
+    def growth(xs: list[int]) -> dict[str, Any]:
+        ref = xs[min(4, len(xs) - 1)]
+        return {"ref": ref, "max_after": max(xs[4:] or xs), "growth": max(xs[4:] or xs) / ref - 1.0, "series": xs}
+
+    return {"state_bytes": mb << 20, "saves": saves, "background": background, "trainer": growth(rss),
+            "writer": growth(wrss) if wrss else None}
+
+
+def run_tiers(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The issue-15 rows on their own: busy vs idle trainer, and resident memory."""
+    work = tempfile.mkdtemp(prefix="bench-ckpt-tiers-", dir=cfg.get("dir"))
+    try:
+        out: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()}
+        bg = cfg.get("background") or "thread"
+        nice = 10 if cfg.get("nice") is None else cfg["nice"]
+        out["background"], out["nice"] = bg, nice
+        out["busy"] = bench_busy_trainer(work, cfg.get("busy_mb") or 64, cfg.get("saves") or 3, bg, nice)
+        out["rss"] = bench_rss(work, cfg.get("rss_mb") or 200, cfg.get("rss_saves") or 100, bg)
+        out["loadavg_after"] = os.getloadavg()
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def tiers_table(out: dict[str, Any]) -> str:
+    b, r = out["busy"], out["rss"]
+
+    def mem(who: str, g: dict[str, Any]) -> str:
+        return (f"{who} {g['ref'] / 2**20:.0f} MiB at save 5, at most {g['max_after'] / 2**20:.0f} MiB after: "
+                f"{g['growth'] * 100:+.1f}% (within 5%: {'met' if abs(g['growth']) <= 0.05 else 'MISSED'})")
+
+    writer = ("the writer is threads of the trainer's process" if r["writer"] is None
+              else mem("writer process", r["writer"]))
+    return "\n".join([
+        f"background work: {out['background']}, nice {out['nice']}",
+        f"machine: {out['cpus']} cpus, load average {out['loadavg_before'][0]:.1f} before, "
+        f"{out['loadavg_after'][0]:.1f} after (other processes share these cores)",
+        f"local tier, {b['bytes'] / 2**20:.0f} MiB state: save() to durable {b['idle_durable_s']:.3f} s with an idle "
+        f"trainer, {b['busy_durable_s']:.3f} s with a busy one (1 GIL-holding thread + {b['spinners']} spinning "
+        f"process(es)): {b['busy_vs_idle']:.2f}x (target <= 2: {'met' if b['busy_vs_idle'] <= 2 else 'MISSED'})",
+        f"busy trainer step {b['step_s'] * 1e3:.2f} ms; while a save persists {b['step_during_save_s'] * 1e3:.2f} ms "
+        f"({b['step_ratio']:.2f}x over {b['steps_overlapped']} steps; target <= 1.1: "
+        f"{'met' if b['step_ratio'] <= 1.1 else 'MISSED'}); stall per save {b['stall_s'] * 1e3:.1f} ms",
+        f"resident memory over {r['saves']} saves of {r['state_bytes'] / 2**20:.0f} MiB: "
+        + mem("trainer", r["trainer"]) + "; " + writer,
+    ])
+
+
 def run(config: dict[str, Any] | None = None) -> dict[str, Any]:
     cfg = dict(DEFAULTS)
     if config and config.get("quick"):
@@ -331,9 +480,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-dcp", dest="dcp", action="store_false", default=None)
     p.add_argument("--no-torch-save", dest="torch_save", action="store_false", default=None)
     p.add_argument("--json", help="also write the figures to this file")
+    p.add_argument("--tiers", action="store_true", help="only the local-tier rows: busy vs idle trainer, memory")
+    p.add_argument("--busy-mb", type=int, help="state size for the busy/idle trainer rows (default 64 MiB)")
+    p.add_argument("--rss-mb", type=int, help="state size for the memory row (default 200 MiB)")
+    p.add_argument("--rss-saves", type=int, help="saves in a row for the memory row (default 100)")
+    p.add_argument("--background", choices=["thread", "process"], help="the writer's background work (default thread)")
+    p.add_argument("--nice", type=int, help="the writer's nice increment for the busy/idle rows (default 10)")
     a = p.parse_args(argv)
-    out = run({k: v for k, v in vars(a).items() if k != "json"})
-    print(table(out))
+    if a.tiers:
+        out = run_tiers(vars(a))
+        print(tiers_table(out))
+    else:
+        out = run({k: v for k, v in vars(a).items()
+                   if k not in ("json", "tiers", "busy_mb", "rss_mb", "rss_saves", "background", "nice")})
+        print(table(out))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)

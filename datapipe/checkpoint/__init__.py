@@ -6,12 +6,19 @@ Holds: ``writer`` (``CheckpointWriter``, ``SaveHandle``), ``staging`` (the reuse
 buffer), ``flatten`` (state <-> leaves and JSON tree), ``format`` (key names, documents,
 limits), ``commit`` (parts, manifest, ``latest``, retention), ``lease`` (one writer per URL),
 ``run_id`` (the id all ranks agree on), ``loader`` (``load_checkpoint``,
-``list_checkpoints``). May import :mod:`datapipe.storage`, :mod:`datapipe.topology`,
+``list_checkpoints``), ``tiers`` (``Tier``: cadence, retention, node-local folders),
+``replicate`` (the peer link that copies a node-local part to the next node),
+``restore`` (``restore_checkpoint``: the newest step every rank can load, from the best
+place). May import :mod:`datapipe.storage`, :mod:`datapipe.topology`,
 :mod:`datapipe.errors` and :mod:`datapipe.checksum`; it sees the data loader only through
 ``state_dict()``/``load_state_dict()``.
 """
 
 from .loader import CheckpointInfo, list_checkpoints, load_checkpoint
+from .restore import RestoreResult, restore_checkpoint
+from .tiers import Tier
 from .writer import CheckpointWriter, SaveHandle
 
-__all__ = ["CheckpointWriter", "SaveHandle", "CheckpointInfo", "load_checkpoint", "list_checkpoints"]
+__all__ = ["CheckpointWriter", "SaveHandle", "CheckpointInfo", "load_checkpoint", "list_checkpoints",
+           # tiers, peer replica, restore from the best place (issue 15)
+           "Tier", "restore_checkpoint", "RestoreResult"]

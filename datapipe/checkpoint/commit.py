@@ -83,8 +83,10 @@ def await_parts(store: Store, step: int, attempt: str, world_size: int, timeout:
 
 
 def write_manifest(store: Store, step: int, attempt: str, world_size: int,
-                   parts: list[dict[str, Any]]) -> None:
-    doc = {
+                   parts: list[dict[str, Any]], origin: dict[str, int] | None = None) -> None:
+    """``origin``: in a node-local tier, the job rank and world size whose one part this
+    one-part checkpoint holds (docs/CHECKPOINT_FORMAT.md, "Tiers")."""
+    doc: dict[str, Any] = {
         "step": step,
         "attempt": attempt,
         "world_size": world_size,
@@ -93,6 +95,8 @@ def write_manifest(store: Store, step: int, attempt: str, world_size: int,
         "data_bytes": sum(p["data_bytes"] for p in parts),
         "stored_bytes": sum(p["stored_bytes"] for p in parts),
     }
+    if origin is not None:
+        doc["origin"] = origin
     # The step directory and its entry in the root are durable already (the chunks'
     # sync_dirs); publishing fsyncs the step directory with the manifest's entry.
     store.put(manifest_key(step), encode_doc(doc, "manifest"))

@@ -363,8 +363,9 @@ def _load_step(store: Store, step: int, rank: int | None, map_location: Any) -> 
     return unflatten(part["tree"], leaves, where)
 
 
-def load_checkpoint(url: str, step: int | None = None, map_location: Any = None,
-                    storage_options: dict[str, Any] | None = None, rank: int | None = None) -> Any:
+def load_checkpoint(url: str | None = None, step: int | None = None, map_location: Any = None,
+                    storage_options: dict[str, Any] | None = None, rank: int | None = None, *,
+                    tiers: list[Any] | None = None, ranks_per_node: int | None = None) -> Any:
     """The state of the newest complete checkpoint under ``url`` (or of ``step``).
 
     Every chunk is checked against its checksum. With ``step=None`` a checkpoint that is
@@ -372,7 +373,22 @@ def load_checkpoint(url: str, step: int | None = None, map_location: Any = None,
     older one is tried; with an explicit ``step`` the error is raised. ``map_location``
     is a device (``"cpu"``, ``"cuda:0"``) for every tensor; ``rank`` picks a part of a
     multi-rank checkpoint (default: this torch.distributed rank).
+
+    ``tiers=[Tier(...), ...]`` (instead of ``url``): the newest step every rank can load
+    from any tier, each rank's part from its own node-local copy, else its peer's
+    replica, else a shared tier (:func:`datapipe.checkpoint.restore_checkpoint`, which
+    also says where each part came from).
     """
+    if tiers is not None:
+        if url is not None or step is not None or storage_options is not None:
+            raise CheckpointError("load_checkpoint(tiers=...) takes no url, step or storage_options "
+                                  "(each Tier has its own)")
+        from .restore import restore_checkpoint
+
+        return restore_checkpoint(tiers, rank=rank, ranks_per_node=ranks_per_node,
+                                  map_location=map_location).state
+    if url is None:
+        raise CheckpointError("load_checkpoint needs a url or tiers=[Tier(...), ...]")
     store = open_store(url, storage_options)
     if step is not None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:

@@ -12,6 +12,8 @@ padding bytes are zero so the stored bytes depend only on the state.
 
 from __future__ import annotations
 
+import mmap
+import os
 import threading
 import time
 from typing import Any
@@ -44,10 +46,14 @@ class StagingBuffer:
     """The reused host buffer of one writer. Not thread-safe: the writer guarantees that
     a copy-in never overlaps the background thread reading the previous contents."""
 
-    def __init__(self, max_bytes: int | None = None) -> None:
+    def __init__(self, max_bytes: int | None = None, shared: bool = False) -> None:
         if max_bytes is not None and max_bytes <= 0:
             raise CheckpointError(f"max_staging_bytes must be positive, got {max_bytes}")
         self.max_bytes = max_bytes
+        # shared: the buffer is a memfd mapping a writer process maps too (fd, buffer_id)
+        self.shared = shared
+        self.fd: int | None = None
+        self.buffer_id = 0
         self._buf: Any = None  # torch uint8 tensor
         self._np: np.ndarray[Any, np.dtype[np.uint8]] | None = None  # the same bytes, as numpy
         self.pinned = False
@@ -76,10 +82,26 @@ class StagingBuffer:
             return
         self._buf = self._np = None  # free the old buffer before taking the new one
         self._key, self._views = None, []
-        # Plain (not MAP_POPULATE'd) memory: on a first save the copy's page faults are
-        # taken by all of torch's copy threads at once, which measured faster here than
-        # the kernel populating the mapping on one thread.
-        buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pinned)
+        if self.shared:
+            # A memfd, not named shared memory: nothing in /dev/shm outlives a crash, and
+            # the writer process gets the mapping by its fd. Not pinned (see the docs).
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+            fd = os.memfd_create("datapipe-ckpt-staging", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, max(total, 1))
+                buf = torch.frombuffer(mmap.mmap(fd, max(total, 1)), dtype=torch.uint8)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd, pinned = fd, False
+            self.buffer_id += 1
+        else:
+            # Plain (not MAP_POPULATE'd) memory: on a first save the copy's page faults are
+            # taken by all of torch's copy threads at once, which measured faster here than
+            # the kernel populating the mapping on one thread.
+            buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pinned)
         if touch:
             buf.zero_()  # fault every page in now, not during a save
         self._buf, self.pinned = buf, pinned
@@ -167,6 +189,22 @@ class StagingBuffer:
             for i in idx:
                 views[i].copy_(leaves[i].obj, non_blocking=True)
         side.synchronize()
+
+    def close(self) -> None:
+        """Drop the buffer (and its memfd)."""
+        with self._lock:
+            self._buf = self._np = None
+            self._key, self._views = None, []
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+
+    def tensor(self, end: int) -> Any:
+        """The staged bytes ``[0, end)`` as a torch uint8 tensor without a copy (what the
+        peer link sends)."""
+        if self._buf is None or end > self.total:
+            raise CheckpointError(f"staging range [0, {end}) outside the staged {self.total} bytes")
+        return self._buf[:end]
 
     def view(self, start: int, end: int) -> memoryview:
         """The staged bytes ``[start, end)`` without a copy."""

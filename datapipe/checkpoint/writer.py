@@ -1,6 +1,7 @@
 """CheckpointWriter: the training loop pays for one copy into host memory, a background
-thread does the rest (chunks, checksums, optional zstd, the rank part, the commit
-manifest, ``latest``, retention).
+thread or a writer process does the rest (persist.py: chunks, checksums, optional zstd,
+the rank part, the commit manifest, ``latest``, retention) for every tier due at that step
+(tiers.py), including the peer replica of a node-local tier (replicate.py).
 
 One save is in flight at a time: the staging buffer holds exactly one state, so a save
 while the previous one still writes waits for it (or is skipped, if asked) and reports
@@ -18,48 +19,20 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
-from ..checksum import Hasher
 from ..errors import CheckpointError, TopologyError
 from ..storage import open_store
 from ..topology import Topology
-from .commit import (
-    apply_retention,
-    await_parts,
-    scan_steps,
-    sync_dirs,
-    write_latest,
-    write_manifest,
-)
-from .flatten import Leaf, flatten
-from .format import (
-    MAX_CHUNK_BYTES,
-    MAX_PART_BYTES,
-    chunk_key,
-    encode_doc,
-    manifest_key,
-    parse_attempt,
-    part_key,
-)
-from .lease import Lease
+from .flatten import flatten
+from .format import MAX_CHUNK_BYTES
+from .persist import Persister, PersistJob, lower_thread_priority
 from .run_id import agree_run_id
 from .staging import StagingBuffer
+from .tiers import Tier, resolve_ranks_per_node
 
 __all__ = ["CheckpointWriter", "SaveHandle"]
 
-
-def lower_thread_priority(increment: int = 10) -> None:
-    """Raise the nice value of the calling thread only (Linux treats a thread id as a
-    process id here), so that the training threads win the cores from checkpoint I/O."""
-    if increment <= 0 or not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
-    except OSError:
-        pass  # not permitted or not supported: the thread runs at normal priority, which is only slower
 
 class SaveHandle:
     """The future of one save. ``metrics`` fills in as the save progresses: ``stall_s``,
@@ -105,29 +78,6 @@ class SaveHandle:
         return f"SaveHandle(step={self.step}, {state})"
 
 
-@dataclass
-class _Job:
-    step: int
-    attempt: str
-    tree: Any
-    leaves: list[Leaf]
-    offsets: list[int]
-    total: int
-    handle: SaveHandle
-    t_start: float
-    order: int  # position of this save() call among the writer's calls
-
-
-def _checksum_in_slices(data: memoryview, piece: int = 1 << 20) -> str:
-    """The checksum of ``data`` (the same digest as one call), hashed 1 MiB at a time:
-    xxhash holds the GIL while it hashes, and a background thread at a lower priority
-    must not hold it for long, or the training thread waits behind it."""
-    h = Hasher()
-    for i in range(0, len(data), piece):
-        h.update(data[i : i + piece])
-    return h.hexdigest()
-
-
 def _close_at_exit(ref: Any) -> None:
     w = ref()
     # Not in a forked child (a DataLoader worker): the writer thread and the lease are the
@@ -140,23 +90,41 @@ def _close_at_exit(ref: Any) -> None:
 
 
 class CheckpointWriter:
-    """Nonblocking checkpoints to a local directory or any fsspec URL.
+    """Nonblocking checkpoints to a local directory or any fsspec URL, or to several tiers.
 
-    ``keep_last`` complete checkpoints are kept, plus every step divisible by
-    ``keep_every``; ``compression`` is None or ``"zstd"`` (per chunk); ``if_busy`` is
-    ``"wait"`` or ``"skip"`` for a save that finds the previous one still writing.
-    ``rank``/``world_size`` default to torch.distributed's when it is initialized.
-    Background threads run ``nice`` levels below the caller (0: same priority), so that
-    on a busy host the training threads keep the cores and the checkpoint waits.
+    ``CheckpointWriter(url, keep_last=3, keep_every=None)`` writes every save to one URL
+    (one shared tier). ``CheckpointWriter(tiers=[Tier(...), ...])`` writes a save of step
+    ``s`` to each tier with ``s % tier.every == 0``, from one staging copy; a save that no
+    tier is due for returns at once and copies nothing (``handle.skipped``,
+    ``metrics["due_tiers"] == []``). A node-local tier with ``replicate=1`` also sends this
+    rank's part to its peer ``(rank + ranks_per_node) % world_size`` over a gloo group of
+    the writer's own and keeps the part of ``(rank - ranks_per_node) % world_size``
+    (``ranks_per_node``: given, else ``LOCAL_WORLD_SIZE``); every rank must then save the
+    same steps, so ``if_busy="skip"`` is refused, and the process group must stay
+    initialised while the writer is open.
+
+    ``background="thread"`` (default) does the background work (checksums, compression,
+    writes, commit, retention) in threads of this process; ``background="process"`` does
+    it in a writer process of its own that reads the staging buffer from shared memory (a
+    memfd, reused across saves), so it never takes this process's GIL (process.py; with
+    ``replicate=1`` the peer exchange stays in a thread of this process that waits in gloo
+    without the GIL; the shared staging buffer is not pinned on GPU hosts).
+
+    ``compression`` is None or ``"zstd"`` (per chunk); ``if_busy`` is ``"wait"`` or
+    ``"skip"`` for a save that finds the previous one still writing. ``rank``/``world_size``
+    default to torch.distributed's when it is initialized. Background threads run ``nice``
+    levels below the caller (0: same priority), so that on a busy host the training
+    threads keep the cores and the checkpoint waits.
     """
 
-    def __init__(self, url: str, *, keep_last: int = 3, keep_every: int | None = None,
+    def __init__(self, url: str | None = None, *, keep_last: int = 3, keep_every: int | None = None,
                  compression: str | None = None, max_staging_bytes: int | None = None,
                  storage_options: dict[str, Any] | None = None, rank: int | None = None,
                  world_size: int | None = None, run_id: str | None = None,
                  chunk_bytes: int = 64 << 20, io_threads: int = 4, if_busy: str = "wait",
                  commit_timeout: float = 600.0, zstd_level: int = 3, nice: int = 10,
-                 lease_ttl: float = 60.0, lease_wait: float = 0.0) -> None:
+                 lease_ttl: float = 60.0, lease_wait: float = 0.0, tiers: list[Tier] | None = None,
+                 ranks_per_node: int | None = None, background: str = "thread") -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointError(
                 f"keep_last must be an int >= 1 (the last good checkpoint is always kept), got {keep_last!r}"
@@ -171,42 +139,96 @@ class CheckpointWriter:
             raise CheckpointError(f"io_threads must be an int >= 1, got {io_threads!r}")
         if if_busy not in ("wait", "skip"):
             raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
-        self.url = url
-        self.store = open_store(url, storage_options)
+        if background not in ("thread", "process"):
+            raise CheckpointError(f"background must be 'thread' or 'process', got {background!r}")
+        if tiers is None:
+            if url is None:
+                raise CheckpointError("CheckpointWriter needs a url or tiers=[Tier(...), ...]")
+            tiers = [Tier(url, every=1, keep_last=keep_last, keep_every=keep_every,
+                          storage_options=storage_options)]
+        else:
+            if url is not None:
+                raise CheckpointError("CheckpointWriter takes a url or tiers=, not both: a url is one Tier(url)")
+            tiers = list(tiers)
+            if not tiers or not all(isinstance(t, Tier) for t in tiers):
+                raise CheckpointError(f"tiers must be a non-empty list of Tier, got {tiers!r:.200}")
+            if len({t.url for t in tiers}) != len(tiers):
+                raise CheckpointError(f"two tiers share a URL: {[t.url for t in tiers]}")
+        self.tiers: list[Tier] = tiers
+        self.url = tiers[0].url
         try:
             self.rank, self.world_size = Topology.resolve(rank, world_size, environment=False)
         except TopologyError as e:
-            raise CheckpointError(f"CheckpointWriter({url!r}): {e}") from None
+            raise CheckpointError(f"CheckpointWriter({self.url!r}): {e}") from None
+        replicated = [t for t in tiers if t.replicate]
+        if replicated and if_busy != "wait":
+            raise CheckpointError(
+                "if_busy must be 'wait' with replicate=1: every rank sends its part to its peer at the "
+                "same steps, and a rank that skipped a save would leave its peer waiting"
+            )
+        self.ranks_per_node = (resolve_ranks_per_node(ranks_per_node, self.world_size, f"Tier({replicated[0].url!r})")
+                               if replicated else ranks_per_node)
         self.run_id = agree_run_id(self.world_size, run_id)
-        self._saved_at: dict[tuple[int, int], int] = {}  # (step, n) of each attempt -> its save's number
+        self.background = background
         self._calls = 0
         self._pid = os.getpid()
         self._api_lock = threading.Lock()  # one thread at a time in save/prepare/close
         self.keep_last, self.keep_every = keep_last, keep_every
         self.compression, self.zstd_level = compression, zstd_level
         self.chunk_bytes, self.if_busy, self.commit_timeout = chunk_bytes, if_busy, commit_timeout
-        self._staging = StagingBuffer(max_staging_bytes)
+        self._staging = StagingBuffer(max_staging_bytes, shared=background == "process")
         self._attempts: dict[int, int] = {}
         self._current: SaveHandle | None = None
         self._failed: SaveHandle | None = None  # a failed save nobody has been told about yet
         self._prepare_thread: threading.Thread | None = None
         self._prepare_error: BaseException | None = None
         self._closed = False
-        self._tls = threading.local()
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[PersistJob, SaveHandle] | None] = queue.Queue()
         self.io_threads, self.nice = io_threads, nice
-        # One writer per URL: rank 0 (the one that commits and deletes) holds the lease.
-        self._lease = Lease(self.store, self.run_id, lease_ttl, lease_wait).acquire() if self.rank == 0 else None
-        try:
-            # the highest complete step already there: a save below it is loaded by nobody
-            self._max_step = max((s for s, keys in scan_steps(self.store).items()
-                                  if manifest_key(s) in keys), default=-1) if self.rank == 0 else -1
-        except BaseException:
-            if self._lease is not None:
-                self._lease.release()
-            raise
-        self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
-        self._thread.start()
+        self._replicated = bool(replicated)
+        # The stores of each tier, with one writer per store: whoever commits there (rank 0
+        # of a shared tier, every rank in its node-local folders) holds that store's lease,
+        # in the process that does the background work.
+        self._persister: Persister | None = None
+        self._process: Any = None  # process.WriterProcess
+        self._thread: threading.Thread | None = None
+        self._link: Any = None  # the writer process's peer link (thread mode: inside the Persister)
+        self._in_flight: dict[int, SaveHandle] = {}  # order -> handle, for the writer process's replies
+        self._link_msgs: dict[int, dict[str, Any]] = {}  # order -> job message waiting for the peer exchange
+        config: dict[str, Any] = dict(
+            tiers=tiers, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
+            ranks_per_node=self.ranks_per_node, compression=compression, zstd_level=zstd_level,
+            chunk_bytes=chunk_bytes, io_threads=io_threads, commit_timeout=commit_timeout, nice=nice,
+            lease_ttl=lease_ttl, lease_wait=lease_wait)
+        if background == "thread":
+            self._persister = Persister(**config)
+            self._max_steps = self._persister.max_steps()
+            self._roots = {t.url: self._persister.roots(t.url) for t in tiers}
+            self.store = self._persister.store  # the first tier's store (this rank's folder if node-local)
+            self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
+            self._thread.start()
+        else:
+            from .process import SharedBytes, WriterProcess
+
+            self._process = WriterProcess(config, self._on_process_done)
+            self._max_steps = dict(self._process.max_steps)
+            self._roots = self._process.roots
+            self.store = open_store(self._roots[self.url][0], tiers[0].storage_options)
+            if replicated:
+                # The exchange with the peer stays in this process (the gloo group is this
+                # process's); it runs in a thread that waits in gloo without the GIL and
+                # receives into shared memory the writer process maps.
+                from .replicate import PeerLink
+
+                self._replica_bytes = SharedBytes()
+                try:
+                    self._link = PeerLink(self.rank, self.world_size, self.ranks_per_node,  # type: ignore[arg-type]
+                                          commit_timeout, recv_alloc=self._replica_bytes.ensure)
+                except BaseException:
+                    self._process.close()
+                    raise
+                self._thread = threading.Thread(target=self._run_link, name="datapipe-ckpt-link", daemon=True)
+                self._thread.start()
         # Flush at exit before daemon threads stop: threading's exit hooks run before
         # atexit's, while the writer thread still runs (the hook concurrent.futures uses).
         getattr(threading, "_register_atexit", atexit.register)(_close_at_exit, weakref.ref(self))
@@ -251,10 +273,12 @@ class CheckpointWriter:
     def save(self, step: int, state: Any, *, if_busy: str | None = None) -> SaveHandle:
         """Copy ``state`` into host staging and return; the rest happens in the background.
 
-        If an earlier save failed and its error was not yet seen (through its handle), this
-        call raises that error and saves nothing; the next call saves again. One thread
-        saves at a time: a call while another thread is inside save() raises
-        :class:`CheckpointError` (sharing the staging buffer would mix the two states)."""
+        A step that no tier is due for returns a finished handle at once (``skipped``,
+        ``metrics["due_tiers"] == []``) without looking at the state. If an earlier save
+        failed and its error was not yet seen (through its handle), this call raises that
+        error and saves nothing; the next call saves again. One thread saves at a time: a
+        call while another thread is inside save() raises :class:`CheckpointError`
+        (sharing the staging buffer would mix the two states)."""
         self._enter("save")
         try:
             return self._save(step, state, if_busy)
@@ -270,15 +294,27 @@ class CheckpointWriter:
         mode = if_busy or self.if_busy
         if mode not in ("wait", "skip"):
             raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {mode!r}")
+        if mode == "skip" and self._replicated:
+            raise CheckpointError("if_busy='skip' is refused with replicate=1: every rank must save the same steps")
+        due = [t for t in self.tiers if t.due(step)]
+        if not due:  # nothing to write: no flatten, no copy, no wait
+            h = SaveHandle(step, self._reported)
+            h.skipped = True
+            h.metrics.update(skipped=True, due_tiers=[], stall_s=time.perf_counter() - t0, waited_s=0.0)
+            h._finish()
+            return h
         tree, leaves = flatten(state)  # unsupported objects fail here, before any write
-        if step < self._max_step:
-            warnings.warn(
-                f"saving step {step} to {self.url}, below step {self._max_step} saved there before: "
-                f"load_checkpoint() loads the highest complete step ({self._max_step}), not this one. "
-                "Delete the higher steps, or save to a new URL, if training restarted from an earlier step",
-                stacklevel=3,
-            )
-        self._max_step = max(self._max_step, step)
+        for t in due:
+            for root in self._roots[t.url]:
+                top = self._max_steps.get(root, -1)
+                if step < top:
+                    warnings.warn(
+                        f"saving step {step} to {root}, below step {top} saved there before: "
+                        f"load_checkpoint() loads the highest complete step ({top}), not this one. "
+                        "Delete the higher steps, or save to a new URL, if training restarted from an earlier step",
+                        stacklevel=3,
+                    )
+                self._max_steps[root] = max(top, step)
         waited = 0.0
         prev = self._current
         if prev is not None and not prev.done():
@@ -301,16 +337,82 @@ class CheckpointWriter:
         n = self._attempts.get(step, 0)
         self._attempts[step] = n + 1
         self._calls += 1
-        self._saved_at[(step, n)] = self._calls
         h = SaveHandle(step, self._reported)
-        h.metrics.update(bytes=total, waited_s=waited, staging_s=staging_s,
+        h.metrics.update(bytes=total, waited_s=waited, staging_s=staging_s, due_tiers=[t.url for t in due],
                          staging_allocated=self._staging.allocations > allocations,
                          staging_gbps=total / staging_s / 1e9 if staging_s > 0 else float("inf"))
         self._current = h
-        self._queue.put(_Job(step, f"{self.run_id}-{n}", tree, leaves, list(self._staging.offsets),
-                             total, h, t0, self._calls))
+        job = PersistJob(step, f"{self.run_id}-{n}", tree,
+                         [leaf.spec(off) for leaf, off in zip(leaves, self._staging.offsets)], total, due,
+                         time.monotonic() - (time.perf_counter() - t0), self._calls)
+        del leaves  # no reference to the caller's tensors beyond this call
+        if self._persister is not None:
+            self._persister.saved_at[(step, n)] = self._calls
+            self._queue.put((job, h))
+        else:
+            self._in_flight[job.order] = h
+            msg = {"step": job.step, "attempt": job.attempt, "tree": job.tree, "specs": job.specs,
+                   "total": job.total, "due": [t.url for t in due], "t_start": job.t_start, "order": job.order,
+                   "saved_at": [[step, n, self._calls]]}
+            if self._link is not None and any(t.replicate for t in due):
+                self._queue.put((job, h))  # the link thread exchanges with the peer, then submits
+                self._link_msgs[job.order] = msg
+            else:
+                try:
+                    self._submit(msg, with_replica=False)
+                except BaseException:
+                    self._in_flight.pop(job.order, None)
+                    self._current = None
+                    raise
         h.metrics["stall_s"] = time.perf_counter() - t0
         return h
+
+    def _submit(self, msg: dict[str, Any], with_replica: bool) -> None:
+        st = self._staging
+        buffers = {"staging": (st.buffer_id, st.fd, st.capacity)}
+        if with_replica:
+            rb = self._replica_bytes
+            buffers["replica"] = (rb.buffer_id, rb.fd, rb.capacity)
+        self._process.submit(msg, buffers)
+
+    def _run_link(self) -> None:
+        """Writer process with replicate=1: exchange each due save with the peer here, then
+        hand the job (and the received part, in shared memory) to the writer process."""
+        link = self._link
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, handle = item
+            msg = self._link_msgs.pop(job.order)
+            header = {"step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world_size,
+                      "total": job.total, "chunk_bytes": self.chunk_bytes, "tree": job.tree, "leaves": job.specs}
+            t0 = time.perf_counter()
+            try:
+                hdr, data = link.exchange(header, self._staging.tensor(job.total))
+                msg["received"] = {"header": hdr, "bytes": len(data)}
+                handle.metrics["exchange_s"] = time.perf_counter() - t0
+            except BaseException as e:
+                msg["link_error"] = str(e)
+            try:
+                self._submit(msg, with_replica="received" in msg)
+            except BaseException as e:
+                self._on_process_done(job.order, {}, f"handing step {job.step} to the writer process failed: {e}")
+
+    def _on_process_done(self, order: int, metrics: dict[str, Any], error: str | None) -> None:
+        """A reply of the writer process (its reader thread): finish that save's handle.
+        ``order == -1``: the process is gone; every save in flight fails."""
+        handles = list(self._in_flight.values()) if order == -1 else [self._in_flight.get(order)]
+        for h in handles:
+            if h is None:
+                continue
+            self._in_flight.pop(next(k for k, v in self._in_flight.items() if v is h), None)
+            h.metrics.update(metrics)
+            if error is not None:
+                self._failed = h  # before the event, so a waiter sees it
+                h._finish(CheckpointError(error))
+            else:
+                h._finish()
 
     def wait(self) -> None:
         """Block until the last save is done; raise any unreported background error."""
@@ -321,8 +423,8 @@ class CheckpointWriter:
     flush = wait
 
     def close(self) -> None:
-        """Flush the last save, stop the background thread, release the URL's lease,
-        raise any unreported error."""
+        """Flush the last save, stop the background thread, release the leases, raise any
+        unreported error."""
         self._enter("close")
         try:
             if self._closed:
@@ -333,10 +435,17 @@ class CheckpointWriter:
                 if self._current is not None:
                     self._current._event.wait()
                 self._closed = True
-                self._queue.put(None)
-                self._thread.join()
-                if self._lease is not None:
-                    self._lease.release()
+                if self._thread is not None and self._persister is not None:
+                    self._queue.put(None)
+                    self._thread.join()
+                    self._persister.release()
+                if self._process is not None:
+                    if self._thread is not None:
+                        self._queue.put(None)
+                        self._thread.join()
+                        self._replica_bytes.close()
+                    self._process.close(self.commit_timeout)
+                self._staging.close()
             self._raise_failed()
         finally:
             self._api_lock.release()
@@ -385,12 +494,16 @@ class CheckpointWriter:
     # -- background side -----------------------------------------------------------------
     def _run(self) -> None:
         lower_thread_priority(self.nice)
+        persister = self._persister
+        if persister is None:
+            return
         while True:
-            job = self._queue.get()
-            if job is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            job, handle = item
             try:
-                self._persist(job)
+                persister.persist(job, self._staging.view, self._staging.tensor, handle.metrics)
             except BaseException as e:
                 err = e
                 if not isinstance(e, CheckpointError):
@@ -399,129 +512,8 @@ class CheckpointWriter:
                         "the previous complete checkpoint is untouched"
                     )
                     err.__cause__ = e
-                self._failed = job.handle  # before the event, so a waiter sees it
-                job.handle._finish(err)
+                self._failed = handle  # before the event, so a waiter sees it
+                handle._finish(err)
             else:
-                job.handle._finish()
-            finally:
-                job.leaves = []  # drop references to the caller's tensors
+                handle._finish()
 
-    def _persist(self, job: _Job) -> None:
-        t0 = time.perf_counter()
-        cb = self.chunk_bytes
-        chunks = self._write_chunks(job, [(a, min(a + cb, job.total)) for a in range(0, job.total, cb)])
-        if chunks:
-            sync_dirs(self.store, chunks[0]["key"])
-        doc = {
-            "step": job.step, "attempt": job.attempt, "rank": self.rank,
-            "world_size": self.world_size, "compression": self.compression,
-            "chunk_bytes": cb, "data_bytes": job.total,
-            "stored_bytes": sum(c["stored_bytes"] for c in chunks),
-            "chunks": chunks, "tree": job.tree,
-            "leaves": [leaf.spec(off) for leaf, off in zip(job.leaves, job.offsets)],
-        }
-        pkey = part_key(job.step, job.attempt, self.rank)
-        body = encode_doc(doc, "part")
-        if len(body) > MAX_PART_BYTES:
-            raise CheckpointError(
-                f"step {job.step}: the part document of rank {self.rank} would be {len(body)} bytes, "
-                f"more than readers accept ({MAX_PART_BYTES}); the state has too many leaves"
-            )
-        self.store.put(pkey, body)
-        if not chunks:
-            sync_dirs(self.store, pkey)  # an empty state: the part created the directories
-        t1 = time.perf_counter()
-        m = job.handle.metrics
-        m.update(write_s=t1 - t0, write_gbps=job.total / (t1 - t0) / 1e9 if t1 > t0 else float("inf"),
-                 stored_bytes=doc["stored_bytes"])
-        if self.rank == 0:
-            parts = await_parts(self.store, job.step, job.attempt, self.world_size, self.commit_timeout)
-            self._lease.check(f"committing step {job.step}")  # type: ignore[union-attr]
-            write_manifest(self.store, job.step, job.attempt, self.world_size, parts)
-            m["committed"] = True
-            try:
-                write_latest(self.store, job.step, job.attempt)
-            except Exception as e:
-                # The manifest is the commit and readers scan manifests: the save succeeded.
-                # Retention below keeps the step `latest` still names.
-                m["latest_error"] = f"{type(e).__name__}: {e}"
-                warnings.warn(f"step {job.step} is committed at {self.url}, but updating `latest` "
-                              f"failed ({type(e).__name__}: {e}); it names an older step until "
-                              "a later save updates it", stacklevel=1)
-        t2 = time.perf_counter()
-        # total_s: until durable (rank 0: committed); retention is reported on its own
-        m.update(commit_s=t2 - t1, total_s=t2 - job.t_start)
-        if self.rank == 0:
-            run_id = self.run_id
-
-            def in_flight(step: int, attempt: str) -> bool:
-                # An attempt of this job that rank 0 had not saved before this one: another
-                # rank, which may be ahead of rank 0, may still be writing it. Attempts rank 0
-                # saved earlier are finished on every rank (each rank saves in call order and
-                # every part of this step exists).
-                pa = parse_attempt(attempt)
-                return (pa is not None and pa[0] == run_id
-                        and self._saved_at.get((step, pa[1]), job.order + 1) > job.order)
-
-            try:
-                self._lease.check("deleting old checkpoints")  # type: ignore[union-attr]
-                m["deleted_steps"] = apply_retention(self.store, job.step, job.attempt,
-                                                     self.keep_last, self.keep_every, in_flight)
-            except Exception as e:
-                raise CheckpointError(
-                    f"step {job.step} is committed at {self.url}, but deleting old checkpoints "
-                    f"failed ({type(e).__name__}: {e}); they are retried after the next commit"
-                ) from e
-            m["retention_s"] = time.perf_counter() - t2
-
-    def _write_chunks(self, job: _Job, ranges: list[tuple[int, int]]) -> list[dict[str, Any]]:
-        """Write the chunks on ``io_threads`` threads of this save. Own threads, not a pool:
-        a pool refuses work once the interpreter starts to exit, and a flush at exit must
-        still write. Returns only when every thread is done, failed or not: the staging
-        buffer is reused only after that."""
-        results: list[Any] = [None] * len(ranges)
-        errors: list[BaseException] = []
-        next_index = iter(range(len(ranges)))
-        lock = threading.Lock()
-
-        def worker() -> None:
-            lower_thread_priority(self.nice)
-            while not errors:
-                with lock:
-                    i = next(next_index, None)
-                if i is None:
-                    return
-                try:
-                    results[i] = self._write_chunk(job, i, *ranges[i])
-                except BaseException as e:
-                    errors.append(e)
-
-        threads = [threading.Thread(target=worker, name="datapipe-ckpt-io", daemon=True)
-                   for _ in range(min(self.io_threads, len(ranges)))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return results
-
-    def _write_chunk(self, job: _Job, index: int, start: int, end: int) -> dict[str, Any]:
-        data = self._staging.view(start, end)
-        raw_ck = _checksum_in_slices(data)
-        rec: dict[str, Any] = {"key": chunk_key(job.step, job.attempt, self.rank, index),
-                               "offset": start, "bytes": end - start}
-        if self.compression == "zstd":
-            cctx = getattr(self._tls, "cctx", None)
-            if cctx is None:
-                import zstandard
-
-                cctx = self._tls.cctx = zstandard.ZstdCompressor(level=self.zstd_level)
-            stored: Any = cctx.compress(data)
-            rec.update(checksum=_checksum_in_slices(memoryview(stored)), raw_checksum=raw_ck)
-        else:
-            stored = data
-            rec["checksum"] = raw_ck
-        rec["stored_bytes"] = len(stored)
-        self.store.put(rec["key"], stored)
-        return rec

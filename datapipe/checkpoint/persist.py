@@ -1,0 +1,379 @@
+"""The background half of a checkpoint writer: for one staged save, every due tier's
+chunks (checksums, optional zstd, writes on ``io_threads`` threads), the rank's part, the
+commit where this process commits (manifest, ``latest``, retention), and the peer replica
+of a node-local tier. It runs in a thread of the training process or, with
+``CheckpointWriter(background="process")``, in a writer process of its own
+(process.py) that reads the staging buffer from shared memory; the code is the same.
+
+It sees the staged bytes only through ``view(start, end) -> memoryview`` (and, for the
+peer link, ``tensor(end)``), so it never imports torch itself unless a replica is sent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..checksum import Hasher
+from ..errors import CheckpointError
+from ..storage import Store, open_store
+from ..storage.store import join_url
+from .commit import apply_retention, await_parts, scan_steps, sync_dirs, write_latest, write_manifest
+from .format import MAX_PART_BYTES, chunk_key, encode_doc, manifest_key, parse_attempt, part_key
+from .lease import Lease
+from .replicate import PeerLink
+from .tiers import Tier, own_dir, replica_dir
+
+__all__ = ["Persister", "PersistJob", "lower_thread_priority"]
+
+
+def lower_thread_priority(increment: int = 10) -> None:
+    """Raise the nice value of the calling thread only (Linux treats a thread id as a
+    process id here), so that the training threads win the cores from checkpoint I/O."""
+    if increment <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except OSError:
+        pass  # not permitted or not supported: the thread runs at normal priority, which is only slower
+
+
+@dataclass
+class PersistJob:
+    """One staged save as the background sees it: no tensors, only the layout."""
+
+    step: int
+    attempt: str
+    tree: Any
+    specs: list[dict[str, Any]]  # the leaves' records of the part document
+    total: int
+    due: list[Tier]  # the tiers this save goes to, in the writer's order
+    t_start: float  # time.monotonic() at save(): comparable across processes (CLOCK_MONOTONIC)
+    order: int  # position of this save() call among the writer's calls
+    raw_checksums: dict[int, str] = field(default_factory=dict)  # chunk -> raw checksum, shared by tiers
+    # a writer process's replica, exchanged in the training process: (header, bytes), or why not
+    received: tuple[dict[str, Any], memoryview] | None = None
+    link_error: str | None = None
+
+
+@dataclass
+class _Target:
+    """One store a tier's copy is written to, with the role this process plays there:
+    a shared tier as (rank, world size) of the job, committed by rank 0; a node-local
+    tier's own or replica folder as the one rank of a one-part checkpoint, committed by
+    this process, with ``origin`` naming the job rank whose part it holds."""
+
+    tier: Tier
+    store: Store
+    rank: int
+    world_size: int
+    lease: Lease | None
+    origin: dict[str, int] | None = None
+    max_step: int = -1
+
+    @property
+    def commits(self) -> bool:
+        return self.rank == 0
+
+
+def _checksum_in_slices(data: memoryview, piece: int = 1 << 20) -> str:
+    """The checksum of ``data`` (the same digest as one call), hashed 1 MiB at a time:
+    xxhash holds the GIL while it hashes, and a background thread at a lower priority
+    must not hold it for long, or the training thread waits behind it."""
+    h = Hasher()
+    for i in range(0, len(data), piece):
+        h.update(data[i : i + piece])
+    return h.hexdigest()
+
+
+
+class Persister:
+    """The stores of every tier (leases taken where this process commits) and the work of
+    one save. ``saved_at[(step, n)]`` is the ``order`` of the save that made attempt
+    ``n`` of ``step`` (retention keeps attempts of saves after the one it commits)."""
+
+    def __init__(self, tiers: list[Tier], rank: int, world_size: int, run_id: str,
+                 ranks_per_node: int | None, *, compression: str | None, zstd_level: int, chunk_bytes: int,
+                 io_threads: int, commit_timeout: float, nice: int, lease_ttl: float, lease_wait: float,
+                 link: bool = True) -> None:
+        self.tiers, self.rank, self.world_size, self.run_id = tiers, rank, world_size, run_id
+        self.ranks_per_node = ranks_per_node
+        self.compression, self.zstd_level, self.chunk_bytes = compression, zstd_level, chunk_bytes
+        self.io_threads, self.commit_timeout, self.nice = io_threads, commit_timeout, nice
+        self.saved_at: dict[tuple[int, int], int] = {}
+        self._tls = threading.local()
+        self._targets: dict[str, list[_Target]] = {}
+        self._link: PeerLink | None = None
+        try:
+            for t in tiers:
+                self._targets[t.url] = self._open_targets(t, lease_ttl, lease_wait)
+            if link and any(t.replicate for t in tiers):
+                self._link = PeerLink(rank, world_size, ranks_per_node, commit_timeout)  # type: ignore[arg-type]
+        except BaseException:
+            self.release()
+            raise
+        self.store = self._targets[tiers[0].url][0].store
+
+    def max_steps(self) -> dict[str, int]:
+        """The highest complete step found in each store this process commits to, by its root."""
+        return {tg.store.root: tg.max_step for ts in self._targets.values() for tg in ts if tg.commits}
+
+    def roots(self, url: str) -> list[str]:
+        return [tg.store.root for tg in self._targets[url]]
+
+    def _open_targets(self, tier: Tier, lease_ttl: float, lease_wait: float) -> list[_Target]:
+        """The stores of one tier, their leases taken, in the order a save writes them."""
+        out: list[_Target] = []
+        if not tier.node_local:
+            store = open_store(tier.url, tier.storage_options)
+            out.append(_Target(tier, store, self.rank, self.world_size, None))
+        else:
+            origin = {"rank": self.rank, "world_size": self.world_size}
+            store = open_store(join_url(tier.url, own_dir(self.rank)), tier.storage_options)
+            out.append(_Target(tier, store, 0, 1, None, origin))
+            if tier.replicate:
+                src = (self.rank - self.ranks_per_node) % self.world_size  # type: ignore[operator]
+                store = open_store(join_url(tier.url, replica_dir(src)), tier.storage_options)
+                out.append(_Target(tier, store, 0, 1, None, {"rank": src, "world_size": self.world_size}))
+        try:
+            for tg in out:
+                if tg.commits:
+                    tg.lease = Lease(tg.store, self.run_id, lease_ttl, lease_wait).acquire()
+                    # the highest complete step already there: a save below it is loaded by nobody
+                    tg.max_step = max((s for s, keys in scan_steps(tg.store).items()
+                                       if manifest_key(s) in keys), default=-1)
+        except BaseException:
+            for tg in out:
+                if tg.lease is not None:
+                    tg.lease.release()
+            raise
+        return out
+
+    def release(self) -> None:
+        for targets in self._targets.values():
+            for tg in targets:
+                if tg.lease is not None:
+                    tg.lease.release()
+                    tg.lease = None
+
+    def persist(self, job: PersistJob, view: Callable[[int, int], memoryview], tensor: Callable[[int], Any],
+                m: dict[str, Any]) -> None:
+        """Every due tier in order; a tier that fails does not stop the others, and the
+        save then raises naming each failed tier. Metrics of the first due tier are the
+        save's top-level ones (as for a single-URL writer); each tier's are in
+        ``metrics["tiers"][url]``."""
+        specs = job.specs
+        m["tiers"] = {}
+        errors: list[tuple[str, BaseException]] = []
+        for tier in job.due:
+            tm: dict[str, Any] = {}
+            m["tiers"][tier.url] = tm
+            try:
+                self._persist_tier(job, tier, specs, tm, view, tensor)
+            except BaseException as e:
+                errors.append((tier.url, e))
+                tm["error"] = f"{type(e).__name__}: {e}"
+            if tier is job.due[0]:
+                m.update({k: v for k, v in tm.items() if k not in ("durable_s", "error", "replica")})
+        # save() to durable in every due tier (replicas included); retention not counted
+        ends = [tm["durable_s"] for tm in m["tiers"].values() if "durable_s" in tm]
+        ends += [tm["replica"]["durable_s"] for tm in m["tiers"].values() if "durable_s" in tm.get("replica", {})]
+        m["total_s"] = max(ends, default=time.monotonic() - job.t_start)
+        if len(errors) == 1 and len(job.due) == 1:
+            raise errors[0][1]
+        if errors:
+            raise CheckpointError(
+                f"saving step {job.step} failed in {len(errors)} of {len(job.due)} tiers: "
+                + "; ".join(f"{url}: {type(e).__name__}: {e}" for url, e in errors)
+            ) from errors[0][1]
+
+    def _persist_tier(self, job: PersistJob, tier: Tier, specs: list[dict[str, Any]], tm: dict[str, Any],
+                      staged: Callable[[int, int], memoryview], tensor: Callable[[int], Any]) -> None:
+        own, *replica = self._targets[tier.url]
+        received: tuple[dict[str, Any], memoryview] | None = None
+        link_error: BaseException | None = None
+        if replica and self._link is not None:
+            # The peer waits for our bytes: exchange before writing our own copy.
+            cb = self.chunk_bytes
+            ranges = [(a, min(a + cb, job.total)) for a in range(0, job.total, cb)]
+            for i, (a, b) in enumerate(ranges):
+                if i not in job.raw_checksums:
+                    job.raw_checksums[i] = _checksum_in_slices(staged(a, b))
+            header = {"step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world_size,
+                      "total": job.total, "chunk_bytes": cb, "tree": job.tree, "leaves": specs,
+                      "raw_checksums": [job.raw_checksums[i] for i in range(len(ranges))]}
+            t0 = time.perf_counter()
+            try:
+                received = self._link.exchange(header, tensor(job.total))
+                tm["exchange_s"] = time.perf_counter() - t0
+            except BaseException as e:
+                link_error = e
+        elif replica and job.link_error is not None:
+            link_error = CheckpointError(job.link_error)
+        elif replica and job.received is not None:
+            received = job.received
+        self._persist_to(own, job, job.step, job.attempt, staged, job.total, self.chunk_bytes, job.tree,
+                         specs, job.raw_checksums, False, tm)
+        tm["durable_s"] = time.monotonic() - job.t_start
+        if link_error is not None:
+            raise link_error
+        if received is not None:
+            rtg = replica[0]
+            hdr, data = received
+            src = rtg.origin["rank"] if rtg.origin else -1
+            ok = (hdr.get("step"), hdr.get("attempt"), hdr.get("rank"), hdr.get("world_size")) == (
+                job.step, job.attempt, src, self.world_size)
+            sent = hdr.get("raw_checksums")
+            if not ok or not (sent is None or isinstance(sent, list)) or hdr.get("total") != len(data):
+                raise CheckpointError(
+                    f"rank {self.rank}: the replica received from rank {src} is of step {hdr.get('step')!r:.40} "
+                    f"attempt {hdr.get('attempt')!r:.80} rank {hdr.get('rank')!r:.20}, not of this save "
+                    f"(step {job.step}, attempt {job.attempt}): the ranks are not saving the same steps"
+                )
+            rm: dict[str, Any] = {}
+            known = dict(enumerate(sent)) if sent is not None else {}
+            self._persist_to(rtg, job, job.step, job.attempt, lambda a, b: data[a:b], len(data),
+                             int(hdr["chunk_bytes"]), hdr["tree"], hdr["leaves"], known, sent is not None, rm)
+            tm["replica"] = {"of_rank": src, "bytes": len(data), **rm}
+
+    def _persist_to(self, tg: _Target, job: PersistJob, step: int, attempt: str, view: Any, total: int, cb: int,
+                    tree: Any, specs: list[dict[str, Any]], known: dict[int, str], verify: bool,
+                    m: dict[str, Any]) -> None:
+        """Write one copy (chunks, part; commit if this process commits there) to one store.
+        ``known``: raw chunk checksums already computed (reused), or, with ``verify``,
+        those a peer sent (each chunk is hashed again and must match)."""
+        t0 = time.perf_counter()
+        ranges = [(a, min(a + cb, total)) for a in range(0, total, cb)]
+        chunks = self._write_chunks(tg, step, attempt, view, ranges, known, verify)
+        if chunks:
+            sync_dirs(tg.store, chunks[0]["key"])
+        doc = {
+            "step": step, "attempt": attempt, "rank": tg.rank,
+            "world_size": tg.world_size, "compression": self.compression,
+            "chunk_bytes": cb, "data_bytes": total,
+            "stored_bytes": sum(c["stored_bytes"] for c in chunks),
+            "chunks": chunks, "tree": tree, "leaves": specs,
+        }
+        pkey = part_key(step, attempt, tg.rank)
+        body = encode_doc(doc, "part")
+        if len(body) > MAX_PART_BYTES:
+            raise CheckpointError(
+                f"step {step}: the part document of rank {tg.rank} would be {len(body)} bytes, "
+                f"more than readers accept ({MAX_PART_BYTES}); the state has too many leaves"
+            )
+        tg.store.put(pkey, body)
+        if not chunks:
+            sync_dirs(tg.store, pkey)  # an empty state: the part created the directories
+        t1 = time.perf_counter()
+        m.update(write_s=t1 - t0, write_gbps=total / (t1 - t0) / 1e9 if t1 > t0 else float("inf"),
+                 stored_bytes=doc["stored_bytes"])
+        if tg.commits:
+            parts = await_parts(tg.store, step, attempt, tg.world_size, self.commit_timeout)
+            tg.lease.check(f"committing step {step}")  # type: ignore[union-attr]
+            write_manifest(tg.store, step, attempt, tg.world_size, parts, tg.origin)
+            m["committed"] = True
+            try:
+                write_latest(tg.store, step, attempt)
+            except Exception as e:
+                # The manifest is the commit and readers scan manifests: the save succeeded.
+                # Retention below keeps the step `latest` still names.
+                m["latest_error"] = f"{type(e).__name__}: {e}"
+                warnings.warn(f"step {step} is committed at {tg.store.root}, but updating `latest` "
+                              f"failed ({type(e).__name__}: {e}); it names an older step until "
+                              "a later save updates it", stacklevel=1)
+        t2 = time.perf_counter()
+        # total_s: until durable (rank 0: committed); retention is reported on its own
+        done = time.monotonic() - job.t_start
+        m.update(commit_s=t2 - t1, total_s=done, durable_s=done)
+        if tg.commits:
+            run_id = self.run_id
+
+            def in_flight(s: int, a: str) -> bool:
+                # An attempt of this job that rank 0 had not saved before this one: another
+                # rank, which may be ahead of rank 0, may still be writing it. Attempts rank 0
+                # saved earlier are finished on every rank (each rank saves in call order and
+                # every part of this step exists).
+                pa = parse_attempt(a)
+                return (pa is not None and pa[0] == run_id
+                        and self.saved_at.get((s, pa[1]), job.order + 1) > job.order)
+
+            try:
+                tg.lease.check("deleting old checkpoints")  # type: ignore[union-attr]
+                m["deleted_steps"] = apply_retention(tg.store, step, attempt, tg.tier.keep_last,
+                                                     tg.tier.keep_every, in_flight)
+            except Exception as e:
+                raise CheckpointError(
+                    f"step {step} is committed at {tg.store.root}, but deleting old checkpoints "
+                    f"failed ({type(e).__name__}: {e}); they are retried after the next commit"
+                ) from e
+            m["retention_s"] = time.perf_counter() - t2
+
+    def _write_chunks(self, tg: _Target, step: int, attempt: str, view: Any, ranges: list[tuple[int, int]],
+                      known: dict[int, str], verify: bool) -> list[dict[str, Any]]:
+        """Write the chunks on ``io_threads`` threads of this save. Own threads, not a pool:
+        a pool refuses work once the interpreter starts to exit, and a flush at exit must
+        still write. Returns only when every thread is done, failed or not: the staging
+        buffer is reused only after that."""
+        results: list[Any] = [None] * len(ranges)
+        errors: list[BaseException] = []
+        next_index = iter(range(len(ranges)))
+        lock = threading.Lock()
+
+        def worker() -> None:
+            lower_thread_priority(self.nice)
+            while not errors:
+                with lock:
+                    i = next(next_index, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = self._write_chunk(tg, step, attempt, view, i, *ranges[i], known, verify)
+                except BaseException as e:
+                    errors.append(e)
+
+        threads = [threading.Thread(target=worker, name="datapipe-ckpt-io", daemon=True)
+                   for _ in range(min(self.io_threads, len(ranges)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+    def _write_chunk(self, tg: _Target, step: int, attempt: str, view: Any, index: int, start: int, end: int,
+                     known: dict[int, str], verify: bool) -> dict[str, Any]:
+        data = view(start, end)
+        raw_ck = known.get(index) if not verify else None
+        if raw_ck is None:
+            raw_ck = _checksum_in_slices(data)
+            if verify:
+                if known.get(index) != raw_ck:
+                    raise CheckpointError(
+                        f"step {step}: chunk {index} of the replica for {tg.store.root} does not match "
+                        f"the checksum its rank sent ({known.get(index)!r:.40}, got {raw_ck}): not written"
+                    )
+            else:
+                known[index] = raw_ck  # the next tier reuses it (one thread per index: no race)
+        rec: dict[str, Any] = {"key": chunk_key(step, attempt, tg.rank, index),
+                               "offset": start, "bytes": end - start}
+        if self.compression == "zstd":
+            cctx = getattr(self._tls, "cctx", None)
+            if cctx is None:
+                import zstandard
+
+                cctx = self._tls.cctx = zstandard.ZstdCompressor(level=self.zstd_level)
+            stored: Any = cctx.compress(data)
+            rec.update(checksum=_checksum_in_slices(memoryview(stored)), raw_checksum=raw_ck)
+        else:
+            stored = data
+            rec["checksum"] = raw_ck
+        rec["stored_bytes"] = len(stored)
+        tg.store.put(rec["key"], stored)
+        return rec

@@ -1,0 +1,277 @@
+"""The writer process: ``CheckpointWriter(background="process")`` runs the background half
+of every save (persist.py: checksums, compression, writes, commits, retention) in a
+process of its own, so it never takes the training process's GIL. Staging stays in the
+training process and stays the only stall; the staging buffer is a memfd mapping shared
+with the writer process (sent once per buffer, reused across saves).
+
+The two processes talk over a socketpair in length-prefixed JSON frames (never pickle),
+with the memfd passed as ancillary data (SCM_RIGHTS) when the buffer is new. The writer
+process is started with ``subprocess`` (no fork of a training process, no multiprocessing
+start method to agree on), takes the leases of the stores it commits to, and exits when
+told to or when the training process's end of the socket closes (it died): leases on a
+local disk die with it (flock); the save it was writing finishes or leaves an incomplete
+step, as for a thread writer.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from ..errors import CheckpointError
+
+__all__ = ["WriterProcess", "SharedBytes", "main"]
+
+_PREFIX = struct.Struct("<Q")
+MAX_FRAME = 1 << 31  # a part document is at most 256 MiB; a tree travels once per save
+
+
+def _send(sock: socket.socket, obj: Any, fds: list[int] | None = None) -> None:
+    payload = json.dumps(obj, allow_nan=True).encode()
+    prefix = _PREFIX.pack(len(payload))
+    if fds:
+        sent = socket.send_fds(sock, [prefix], fds)
+        if sent < len(prefix):
+            sock.sendall(prefix[sent:])
+    else:
+        sock.sendall(prefix)
+    sock.sendall(payload)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError("the other end closed the writer socket")
+        got += k
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
+    head, fds = b"", []
+    while len(head) < _PREFIX.size:
+        msg, got, _flags, _addr = socket.recv_fds(sock, _PREFIX.size - len(head), 4)
+        if not msg:
+            for fd in got:
+                os.close(fd)
+            raise EOFError("the other end closed the writer socket")
+        head += msg
+        fds += got
+    (n,) = _PREFIX.unpack(head)
+    if n > MAX_FRAME:
+        raise CheckpointError(f"writer process protocol: a frame of {n} bytes")
+    return json.loads(_recv_exactly(sock, n)), fds
+
+
+def _tier_doc(t: Any) -> dict[str, Any]:
+    d = asdict(t)
+    try:
+        json.dumps(d)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"Tier({t.url!r}): background='process' sends the tier to the writer process as JSON, and its "
+            f"storage_options are not JSON ({e}); pass plain options or use background='thread'"
+        ) from None
+    return d
+
+
+class SharedBytes:
+    """A byte buffer in a memfd mapping, reused and regrown only for more bytes: where the
+    training process receives a peer's part for the writer process to persist."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.buffer_id = 0
+        self.capacity = 0
+        self._tensor: Any = None
+
+    def ensure(self, n: int) -> Any:
+        """A torch uint8 tensor over the first ``n`` bytes (a larger buffer if needed)."""
+        import torch
+
+        if self._tensor is None or self.capacity < n:
+            self._tensor = None
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+            fd = os.memfd_create("datapipe-ckpt-replica", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, max(n, 1))
+                self._tensor = torch.frombuffer(mmap.mmap(fd, max(n, 1)), dtype=torch.uint8)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fd, self.capacity = fd, max(n, 1)
+            self.buffer_id += 1
+        return self._tensor[:n]
+
+    def close(self) -> None:
+        self._tensor = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class WriterProcess:
+    """The training process's end: start the writer process, send it jobs, hand each
+    reply to ``on_done(order, metrics, error)`` from a reader thread (blocked in recv,
+    it holds no GIL while it waits)."""
+
+    def __init__(self, config: dict[str, Any], on_done: Callable[[int, dict[str, Any], str | None], None]) -> None:
+        config = dict(config, tiers=[_tier_doc(t) for t in config["tiers"]])
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "datapipe.checkpoint.process", str(theirs.fileno())],
+                                         pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        finally:
+            theirs.close()
+        self.sock = ours
+        self._on_done = on_done
+        self._send_lock = threading.Lock()
+        self._sent: dict[str, int] = {}  # name -> id of the mapping the writer process has
+        try:
+            _send(ours, config)
+            reply, _ = _recv(ours)
+        except (EOFError, OSError) as e:
+            ours.close()
+            self.proc.kill()
+            self.proc.wait()
+            raise CheckpointError(f"the checkpoint writer process did not start ({e}; exit code "
+                                  f"{self.proc.returncode})") from None
+        if reply.get("op") != "ready":
+            ours.close()
+            self.proc.wait()
+            raise CheckpointError(str(reply.get("error", reply)))
+        self.max_steps: dict[str, int] = {k: int(v) for k, v in reply["max_steps"].items()}
+        self.roots: dict[str, list[str]] = reply["roots"]
+        self.pid = int(self.proc.pid)
+        self.error: str | None = None
+        self._reader = threading.Thread(target=self._read, name="datapipe-ckpt-replies", daemon=True)
+        self._reader.start()
+
+    def submit(self, job: dict[str, Any], buffers: dict[str, tuple[int, int, int]]) -> None:
+        """Send one job; ``buffers``: name -> (id, fd, bytes) of the shared mappings it
+        reads (``staging``, ``replica``), each sent along the first time it is used."""
+        if self.error is not None:
+            raise CheckpointError(self.error)
+        with self._send_lock:
+            new = {name: b for name, b in buffers.items() if self._sent.get(name) != b[0]}
+            job = dict(job, op="job", mappings=[[name, b[2]] for name, b in new.items()])
+            _send(self.sock, job, [b[1] for b in new.values()] or None)
+            for name, b in new.items():
+                self._sent[name] = b[0]
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg, fds = _recv(self.sock)
+            except (EOFError, OSError):
+                code = self.proc.wait()
+                self.error = (f"the checkpoint writer process (pid {self.pid}) exited with code {code}; "
+                              "the save in flight is not committed")
+                self._on_done(-1, {}, self.error)
+                return
+            for fd in fds:
+                os.close(fd)
+            self._on_done(int(msg["order"]), msg.get("metrics") or {}, msg.get("error"))
+
+    def close(self, timeout: float = 600.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                with self._send_lock:
+                    _send(self.sock, {"op": "close"})
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(timeout=10)
+        self.sock.close()
+
+
+def main() -> None:
+    """The writer process: config, then jobs until ``close`` or the socket closes."""
+    from .persist import Persister, PersistJob
+    from .tiers import Tier
+
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    cfg, _ = _recv(sock)
+    if cfg["nice"] > 0 and hasattr(os, "setpriority"):
+        try:  # the whole process: the trainer keeps the cores when they are scarce
+            os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + cfg["nice"]))
+        except OSError:
+            pass
+    tiers = [Tier(**t) for t in cfg["tiers"]]
+    try:
+        p = Persister(tiers, cfg["rank"], cfg["world_size"], cfg["run_id"], cfg["ranks_per_node"],
+                      compression=cfg["compression"], zstd_level=cfg["zstd_level"], chunk_bytes=cfg["chunk_bytes"],
+                      io_threads=cfg["io_threads"], commit_timeout=cfg["commit_timeout"], nice=0,
+                      lease_ttl=cfg["lease_ttl"], lease_wait=cfg["lease_wait"], link=False)
+    except BaseException as e:
+        _send(sock, {"op": "error", "error": f"{e}" if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"})
+        return
+    _send(sock, {"op": "ready", "max_steps": p.max_steps(), "roots": {t.url: p.roots(t.url) for t in tiers}})
+    mapped: dict[str, Any] = {}
+    by_url = {t.url: t for t in tiers}
+
+    def no_tensor(end: int) -> Any:
+        raise CheckpointError("the writer process does not send replicas")
+
+    try:
+        while True:
+            try:
+                msg, fds = _recv(sock)
+            except EOFError:
+                return  # the training process is gone
+            if msg["op"] == "close":
+                return
+            for (name, size), fd in zip(msg["mappings"], fds):
+                mapped.pop(name, None)  # the old mapping goes when nothing views it any more
+                mapped[name] = mmap.mmap(fd, max(1, size), prot=mmap.PROT_READ)
+            for fd in fds:
+                os.close(fd)
+            buf = memoryview(mapped["staging"]) if "staging" in mapped else memoryview(b"")
+
+            def view(a: int, b: int, v: memoryview = buf) -> memoryview:
+                return v[a:b]
+
+            job = PersistJob(msg["step"], msg["attempt"], msg["tree"], msg["specs"], msg["total"],
+                             [by_url[u] for u in msg["due"]], msg["t_start"], msg["order"])
+            for step, n, order in msg["saved_at"]:
+                p.saved_at[(step, n)] = order
+            if msg.get("received") is not None:
+                rbytes = msg["received"]["bytes"]
+                job.received = (msg["received"]["header"], memoryview(mapped["replica"])[:rbytes])
+            job.link_error = msg.get("link_error")
+            m: dict[str, Any] = {}
+            error = None
+            try:
+                p.persist(job, view, no_tensor, m)
+            except BaseException as e:
+                error = str(e) if isinstance(e, CheckpointError) else (
+                    f"saving step {job.step} failed ({type(e).__name__}: {e}); the previous complete "
+                    "checkpoint is untouched")
+            del buf, view
+            job.received = None
+            _send(sock, {"order": job.order, "metrics": m, "error": error})
+    finally:
+        p.release()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,353 @@
+"""Restore from the best place: the newest step that every rank can load, each rank's part
+from its own node-local tier, else from its peer's replica, else from a shared (remote)
+tier, every byte verified against the manifest checksums before it is used.
+
+How the ranks agree (one collective round per attempt, over a gloo group made for the
+restore): each rank lists the complete steps it holds (its own folder and the replica it
+keeps in each node-local tier; rank 0 also the shared tiers) and the lists are gathered
+on every rank, so every rank computes the same plan. A rank whose part comes from the
+peer replica gets it from the rank that holds it: the holder reads the stored files
+(manifest, part, chunks) and sends them as they are; the receiver verifies all of them
+exactly as a load from storage does. A copy that fails (missing, incomplete, corrupt) is
+named in a warning on every rank and never tried again; the plan is made again without
+it. Each round removes at least one copy from a finite set, so a restore ends: with a
+state, or with :class:`NoCheckpointError` naming what was skipped (the endless restart
+loop of a ``latest`` pointing at a partial folder plus a corrupt replica cannot happen:
+``latest`` is never read).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointError, NoCheckpointError, StorageError
+from ..storage import Store, open_store
+from ..storage.memory import MemoryStore
+from ..storage.store import join_url
+from ..topology import Topology
+from .commit import scan_steps
+from .format import MAX_PART_BYTES, manifest_key
+from .loader import _check_part, _load_step, _probe_chunk, _read_doc, _read_manifest
+from .tiers import Tier, own_dir, peer_of, replica_dir, resolve_ranks_per_node, source_of
+
+__all__ = ["RestoreResult", "restore_checkpoint", "LOCAL", "PEER_REPLICA", "REMOTE"]
+
+LOCAL, PEER_REPLICA, REMOTE = "local", "peer replica", "remote"
+_PREFERENCE = {LOCAL: 0, PEER_REPLICA: 1, REMOTE: 2}
+
+
+@dataclass
+class RestoreResult:
+    """What :func:`restore_checkpoint` loaded: this rank's ``state`` of ``step``, where it
+    came from (``source``: ``"local"``, ``"peer replica"`` or ``"remote"``; ``url``: the
+    folder it was read from, on the holder's node for a replica), every rank's source in
+    rank order (``sources``), the copies skipped on the way (``skipped``), the seconds this
+    rank spent reading and verifying its part (``read_s``) and the bytes it restored."""
+
+    state: Any
+    step: int
+    source: str
+    url: str
+    sources: list[str]
+    skipped: list[str] = field(default_factory=list)
+    read_s: float = 0.0
+    bytes: int = 0
+    seconds: float = 0.0  # the whole restore, agreement rounds included
+
+
+# A copy: (source kind, tier index, job rank whose part it is). Its step/attempt is the plan's.
+_Copy = tuple[str, int, int]
+
+
+def _complete(store: Store, origin: tuple[int, int] | None, world_size: int,
+              skipped: list[str]) -> list[list[Any]]:
+    """``[[step, attempt], ...]`` of the steps in ``store`` whose manifest verifies (and,
+    in a node-local folder, names the expected job rank and world size)."""
+    out: list[list[Any]] = []
+    try:
+        by_step = scan_steps(store)
+    except StorageError as e:
+        skipped.append(f"{store.root}: cannot list ({type(e).__name__}: {e})")
+        return out
+    for s, keys in sorted(by_step.items(), reverse=True):
+        if manifest_key(s) not in keys:
+            continue  # never committed: a killed save; loaders skip it without a word
+        try:
+            doc = _read_manifest(store, s)
+        except (CheckpointError, StorageError) as e:
+            skipped.append(f"{store.url(manifest_key(s))}: {e}")
+            continue
+        if origin is not None:
+            got = doc.get("origin")
+            if not (isinstance(got, dict) and (got.get("rank"), got.get("world_size")) == origin
+                    and doc["world_size"] == 1):
+                skipped.append(f"{store.url(manifest_key(s))}: holds the part of {got!r:.80}, "
+                               f"not of rank {origin[0]} of {origin[1]}")
+                continue
+        elif doc["world_size"] != world_size:
+            skipped.append(f"{store.url(manifest_key(s))}: saved by {doc['world_size']} ranks, "
+                           f"this job has {world_size}")
+            continue
+        out.append([s, doc["attempt"]])
+    return out
+
+
+class _Group:
+    """The collective side of a restore: a gloo group of its own, or one process."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.group: Any = None
+        if world_size > 1:
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo")
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (JSON-able), in rank order. JSON, not pickle: a peer's
+        message is data."""
+        if self.world_size == 1:
+            return [obj]
+        import torch
+        import torch.distributed as dist
+
+        data = json.dumps(obj).encode()
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, n, group=self.group)
+        top = max(int(s) for s in sizes)
+        mine = torch.zeros(top, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        bufs = [torch.empty(top, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(bufs, mine, group=self.group)
+        return [json.loads(bytes(b[: int(s)].numpy())) for b, s in zip(bufs, sizes)]
+
+
+def _send_files(group: _Group, dst: int, files: list[tuple[str, bytes]] | None, error: str | None) -> list[Any]:
+    """Start sending a replica's stored files (or the reason there are none) to ``dst``:
+    sizes, a JSON header naming each file, then each file's bytes as they are (no copy)."""
+    import torch
+    import torch.distributed as dist
+
+    header = json.dumps({"files": [[k, len(b)] for k, b in files or []], "error": error}).encode()
+    body = sum(len(b) for _k, b in files or [])
+    h = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    sizes = torch.tensor([len(header), body], dtype=torch.int64)
+    reqs = [dist.isend(sizes, dst, group=group.group), dist.isend(h, dst, group=group.group)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "buffer is not writable": gloo only reads what it sends
+        for _k, b in files or []:
+            if b:
+                reqs.append(dist.isend(torch.frombuffer(b, dtype=torch.uint8), dst, group=group.group))
+    return reqs
+
+
+def _recv_files(group: _Group, src: int, limit: int) -> tuple[list[tuple[str, bytes]], str | None]:
+    import torch
+    import torch.distributed as dist
+
+    sizes = torch.empty(2, dtype=torch.int64)
+    dist.recv(sizes, src, group=group.group)
+    nh, nb = int(sizes[0]), int(sizes[1])
+    if not (0 < nh <= MAX_PART_BYTES and 0 <= nb <= limit):
+        raise CheckpointError(f"rank {src} announced {nh} header and {nb} data bytes for a replica")
+    h = torch.empty(nh, dtype=torch.uint8)
+    dist.recv(h, src, group=group.group)
+    header = json.loads(bytes(h.numpy()))
+    files, pos = [], 0
+    for key, n in header["files"]:
+        n = int(n)
+        if not 0 <= n <= nb - pos:
+            raise CheckpointError(f"rank {src} sent a file list that does not add up to {nb} bytes")
+        buf = torch.empty(n, dtype=torch.uint8)
+        if n:
+            dist.recv(buf, src, group=group.group)
+        files.append((str(key), buf.numpy().tobytes()))
+        pos += n
+    if pos != nb:
+        raise CheckpointError(f"rank {src} sent {pos} of the {nb} bytes it announced")
+    return files, header.get("error")
+
+
+def _replica_files(store: Store, step: int, attempt: str) -> list[tuple[str, bytes]]:
+    """The stored files of a one-part checkpoint in a replica folder, read as they are
+    (their checksums are checked by the receiving rank). The small documents are checked
+    here first, so a holder never reads or sends more than the part's chunks hold."""
+    doc = _read_manifest(store, step)
+    if doc["attempt"] != attempt:
+        raise CheckpointError(f"{store.url(manifest_key(step))}: attempt {doc['attempt']}, not {attempt}")
+    mdata = store.get(manifest_key(step))
+    entry = doc["parts"][0]
+    pdata, part = _read_doc(store, entry["key"], "part", MAX_PART_BYTES)
+    where = f"replica of step {step} at {store.root}"
+    _check_part(part, entry, step, attempt, 0, 1, where)
+    files = [(manifest_key(step), mdata), (entry["key"], pdata)]
+    for c in part["chunks"]:
+        _probe_chunk(store, c, part.get("compression") == "zstd", where)
+        files.append((c["key"], store.get_range(c["key"], 0, c["stored_bytes"])))
+    return files
+
+
+def _check_attempt(store: Store, step: int, attempt: str) -> None:
+    doc = _read_manifest(store, step)
+    if doc["attempt"] != attempt:
+        raise CheckpointError(f"{store.url(manifest_key(step))}: attempt {doc['attempt']}, not {attempt}: "
+                              "another save of this step replaced it")
+
+
+def restore_checkpoint(tiers: list[Tier], *, rank: int | None = None, world_size: int | None = None,
+                       ranks_per_node: int | None = None, map_location: Any = None) -> RestoreResult:
+    """Load this rank's part of the newest step every rank can load from ``tiers`` (the
+    writer's list; node-local tier URLs are this node's). With more than one rank every
+    rank must call it at once (torch.distributed initialised): the ranks agree on the step
+    and trade peer replicas over a gloo group. See the module docstring."""
+    t_start = time.perf_counter()
+    if not tiers or not all(isinstance(t, Tier) for t in tiers):
+        raise CheckpointError(f"tiers must be a non-empty list of Tier, got {tiers!r:.200}")
+    try:
+        rank, world = Topology.resolve(rank, world_size, environment=False)
+    except Exception as e:
+        raise CheckpointError(f"restore_checkpoint: {e}") from None
+    live = Topology.distributed()
+    if world > 1 and (live is None or live != (rank, world)):
+        raise CheckpointError(
+            f"restoring rank {rank} of {world} from tiers needs every rank at once over torch.distributed "
+            f"(initialised: {live}); to read one rank's part of a shared tier use load_checkpoint(url, rank=)"
+        )
+    rpn = (resolve_ranks_per_node(ranks_per_node, world, f"Tier({tiers[0].url!r})")
+           if any(t.replicate for t in tiers) else None)
+    own: dict[int, Store] = {}
+    held: dict[int, Store] = {}
+    shared: dict[int, Store] = {}
+    for i, t in enumerate(tiers):
+        if t.node_local:
+            own[i] = open_store(join_url(t.url, own_dir(rank)), t.storage_options)
+            if t.replicate and rpn is not None:
+                held[i] = open_store(join_url(t.url, replica_dir(source_of(rank, world, rpn))), t.storage_options)
+        else:
+            shared[i] = open_store(t.url, t.storage_options)
+    skipped: list[str] = []
+    mine = {
+        "own": {str(i): _complete(s, (rank, world), world, skipped) for i, s in own.items()},
+        "held": {str(i): _complete(s, (source_of(rank, world, rpn), world), world, skipped)  # type: ignore[arg-type]
+                 for i, s in held.items()},
+        "shared": ({str(i): _complete(s, None, world, skipped) for i, s in shared.items()} if rank == 0 else {}),
+        "skipped": skipped,
+    }
+    group = _Group(rank, world)
+    infos = group.all_gather_json(mine)
+    notes = [s for info in infos for s in info["skipped"]]
+    for note in skipped:
+        warnings.warn(f"restore: skipping {note}", stacklevel=2)
+
+    # (kind, tier, rank) -> set of (step, attempt) it holds
+    have: dict[_Copy, set[tuple[int, str]]] = {}
+    for r, info in enumerate(infos):
+        for i, steps in info["own"].items():
+            have[(LOCAL, int(i), r)] = {(int(s), str(a)) for s, a in steps}
+        if rpn is not None:
+            for i, steps in info["held"].items():
+                have[(PEER_REPLICA, int(i), source_of(r, world, rpn))] = {(int(s), str(a)) for s, a in steps}
+    for i, steps in infos[0]["shared"].items():
+        for r in range(world):
+            have[(REMOTE, int(i), r)] = {(int(s), str(a)) for s, a in steps}
+    bad: set[tuple[str, int, int, int, str]] = set()
+    candidates = sorted({sa for v in have.values() for sa in v}, reverse=True)
+
+    def source(r: int, s: int, a: str) -> _Copy | None:
+        best = [c for c, v in have.items() if c[2] == r and (s, a) in v and (c[0], c[1], r, s, a) not in bad]
+        return min(best, key=lambda c: (_PREFERENCE[c[0]], c[1])) if best else None
+
+    while True:
+        plan = None
+        for s, a in candidates:
+            srcs = [source(r, s, a) for r in range(world)]
+            if all(c is not None for c in srcs):
+                plan = (s, a, srcs)
+                break
+        if plan is None:
+            raise NoCheckpointError(
+                f"no step is complete and verified for all {world} ranks in tiers "
+                f"{[t.url for t in tiers]} (steps seen: {sorted({s for s, _a in candidates})}; "
+                f"skipped: {'; '.join(notes) or 'none'})"
+            )
+        s, a, srcs = plan
+        failure: str | None = None
+        state: Any = None
+        read_s = 0.0
+        nbytes = 0
+        reqs: list[Any] = []
+        # 1. as a holder: read the replicas of the ranks that need them and start sending
+        if rpn is not None:
+            src_rank = source_of(rank, world, rpn)
+            c = srcs[src_rank]
+            if c is not None and c[0] == PEER_REPLICA:
+                try:
+                    files: list[tuple[str, bytes]] | None = _replica_files(held[c[1]], s, a)
+                    err = None
+                except (CheckpointError, StorageError) as e:
+                    files, err = None, f"{held[c[1]].root}: {e}"
+                reqs = _send_files(group, src_rank, files, err)
+        # 2. this rank's own part
+        mine_c = srcs[rank]
+        if mine_c is None:  # unreachable: a plan holds a source for every rank
+            raise CheckpointError(f"restore plan for step {s} has no source for rank {rank}")
+        kind, ti = mine_c[0], mine_c[1]
+        where = ""
+        t0 = time.perf_counter()
+        try:
+            if kind == LOCAL:
+                where = own[ti].root
+                _check_attempt(own[ti], s, a)
+                state = _load_step(own[ti], s, 0, map_location)
+                nbytes = _manifest_bytes(own[ti], s)
+            elif kind == REMOTE:
+                where = shared[ti].root
+                _check_attempt(shared[ti], s, a)
+                state = _load_step(shared[ti], s, rank, map_location)
+                nbytes = _manifest_bytes(shared[ti], s, rank)
+            else:
+                holder = peer_of(rank, world, rpn)  # type: ignore[arg-type]
+                where = f"{join_url(tiers[ti].url, replica_dir(rank))} on rank {holder}"
+                got, err = _recv_files(group, holder, 1 << 44)
+                if err is not None:
+                    raise CheckpointError(err)
+                mem = MemoryStore(f"replica-of-rank-{rank}://")
+                for key, data in got:
+                    mem.put(key, data)
+                _check_attempt(mem, s, a)
+                _check_origin(mem, s, rank, world)
+                state = _load_step(mem, s, 0, map_location)
+                nbytes = _manifest_bytes(mem, s)
+        except (CheckpointError, StorageError) as e:
+            failure = f"{kind} copy of rank {rank}'s part of step {s} at {where}: {e}"
+        read_s = time.perf_counter() - t0
+        for q in reqs:
+            q.wait()
+        # 3. agree: a copy that failed anywhere is skipped everywhere
+        results = group.all_gather_json(failure)
+        failed = [(r, f) for r, f in enumerate(results) if f is not None]
+        if not failed:
+            return RestoreResult(state, s, kind, where, [c[0] for c in srcs if c is not None], notes,
+                                 read_s, nbytes, time.perf_counter() - t_start)
+        for r, f in failed:
+            cr = srcs[r]
+            if cr is not None:
+                bad.add((cr[0], cr[1], r, s, a))
+            notes.append(f)
+            warnings.warn(f"restore: skipping the {f}", stacklevel=2)
+
+
+def _check_origin(store: Store, step: int, rank: int, world: int) -> None:
+    doc = _read_manifest(store, step)
+    got = doc.get("origin")
+    if not (isinstance(got, dict) and (got.get("rank"), got.get("world_size")) == (rank, world)):
+        raise CheckpointError(f"the replica names origin {got!r:.80}, not rank {rank} of {world}")
+
+
+def _manifest_bytes(store: Store, step: int, rank: int = 0) -> int:
+    return int(_read_manifest(store, step)["parts"][rank]["data_bytes"])

@@ -1,0 +1,112 @@
+"""Checkpoint tiers: where a save goes, how often, and how much history each place keeps.
+
+A :class:`Tier` is a URL with its own cadence (``every``) and retention (``keep_last``,
+``keep_every``). A tier is either *shared* (every rank sees the same URL: an object store,
+a parallel filesystem; rank 0 commits one manifest for all ranks, the version-1 layout) or
+*node-local* (each node has its own disk at that URL: every rank commits its own part as a
+one-part checkpoint in ``rank-RRRRR/`` of the tier, and with ``replicate=1`` also keeps a
+copy of one peer rank's part in ``replica-of-rank-QQQQQ/``; docs/CHECKPOINT_FORMAT.md,
+"Tiers"). The peer of rank ``r`` is ``(r + ranks_per_node) % world_size``: the same local
+rank on the next node, so the copy lives in another failure domain.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointError
+
+__all__ = ["Tier", "own_dir", "replica_dir", "peer_of", "source_of", "resolve_ranks_per_node"]
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One place checkpoints go.
+
+    ``every``: a save of step ``s`` reaches this tier when ``s % every == 0``.
+    ``keep_last``/``keep_every``: retention, as for a single-URL writer. ``replicate``: 0,
+    or 1 to also write each rank's part to its peer on the next node (node-local tiers
+    only). ``node_local``: each node has its own storage at ``url`` (default: True when
+    ``replicate`` is set, else False). ``storage_options``: for fsspec URLs.
+    """
+
+    url: str
+    every: int = 1
+    keep_last: int = 3
+    keep_every: int | None = None
+    replicate: int = 0
+    node_local: bool | None = None
+    storage_options: dict[str, Any] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url:
+            raise CheckpointError(f"Tier url must be a non-empty string, got {self.url!r}")
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise CheckpointError(f"Tier({self.url!r}): every must be an int >= 1, got {self.every!r}")
+        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1:
+            raise CheckpointError(
+                f"Tier({self.url!r}): keep_last must be an int >= 1 (the last good checkpoint is always "
+                f"kept), got {self.keep_last!r}"
+            )
+        if self.keep_every is not None and (isinstance(self.keep_every, bool)
+                                            or not isinstance(self.keep_every, int) or self.keep_every < 1):
+            raise CheckpointError(f"Tier({self.url!r}): keep_every must be None or an int >= 1, "
+                                  f"got {self.keep_every!r}")
+        if self.replicate not in (0, 1) or isinstance(self.replicate, bool):
+            raise CheckpointError(f"Tier({self.url!r}): replicate must be 0 or 1, got {self.replicate!r}")
+        if self.node_local is None:
+            object.__setattr__(self, "node_local", self.replicate > 0)
+        if self.replicate and not self.node_local:
+            raise CheckpointError(
+                f"Tier({self.url!r}): replicate=1 copies a node's part to another node's local tier; "
+                "a shared tier (node_local=False) is one copy already seen by every rank"
+            )
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+
+def own_dir(rank: int) -> str:
+    """The folder of a node-local tier holding ``rank``'s own parts (a one-part checkpoint URL)."""
+    return f"rank-{rank:05d}"
+
+
+def replica_dir(rank: int) -> str:
+    """The folder of a node-local tier holding the copy of ``rank``'s parts kept for it by its peer."""
+    return f"replica-of-rank-{rank:05d}"
+
+
+def peer_of(rank: int, world_size: int, ranks_per_node: int) -> int:
+    """The rank that keeps ``rank``'s replica: the same local rank on the next node."""
+    return (rank + ranks_per_node) % world_size
+
+
+def source_of(rank: int, world_size: int, ranks_per_node: int) -> int:
+    """The rank whose replica ``rank`` keeps (the inverse of :func:`peer_of`)."""
+    return (rank - ranks_per_node) % world_size
+
+
+def resolve_ranks_per_node(ranks_per_node: int | None, world_size: int, where: str) -> int:
+    """``ranks_per_node`` if given, else ``LOCAL_WORLD_SIZE`` (torchrun, Slurm wrappers),
+    checked to divide ``world_size`` into at least two nodes (a replica on the same node
+    would die with it)."""
+    if ranks_per_node is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if env is None:
+            raise CheckpointError(
+                f"{where}: replicate=1 needs the number of ranks per node: pass ranks_per_node= "
+                "or set LOCAL_WORLD_SIZE (torchrun sets it)"
+            )
+        try:
+            ranks_per_node = int(env)
+        except ValueError:
+            raise CheckpointError(f"{where}: LOCAL_WORLD_SIZE={env!r} is not an integer") from None
+    if (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+            or world_size % ranks_per_node != 0 or world_size // ranks_per_node < 2):
+        raise CheckpointError(
+            f"{where}: replicate=1 needs at least two nodes of equal size: ranks_per_node="
+            f"{ranks_per_node!r} does not split world_size={world_size} into two or more nodes"
+        )
+    return ranks_per_node

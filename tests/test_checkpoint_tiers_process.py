@@ -1,0 +1,108 @@
+"""The writer process (background="process"): real processes, the staging buffer shared
+by memfd, SIGKILL of either side."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+
+from datapipe.checkpoint import CheckpointWriter, Tier, list_checkpoints, load_checkpoint, restore_checkpoint
+from datapipe.errors import CheckpointError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie counts as gone
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_process_writer_tiers_round_trip(tmp_path):
+    local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
+    tiers = [Tier(local, every=1, keep_last=2, node_local=True), Tier(remote, every=2, keep_last=1)]
+    with CheckpointWriter(tiers=tiers, background="process", chunk_bytes=4096, compression="zstd") as w:
+        pid = w._process.pid
+        assert pid != os.getpid() and _alive(pid)
+        for step in range(1, 6):
+            n = 1000 * step  # the state grows: the shared buffer is replaced and sent again
+            m = w.save(step, {"x": torch.arange(n), "step": step}).wait()
+            assert m["committed"] and m["due_tiers"] == [t.url for t in tiers if step % t.every == 0]
+            assert m["tiers"][local]["durable_s"] <= m["total_s"]
+        assert w._staging.buffer_id >= 2 and w._staging.fd is not None
+    assert not _alive(pid)  # close() ends it
+    assert [c.step for c in list_checkpoints(local + "/rank-00000")] == [4, 5]
+    assert [c.step for c in list_checkpoints(remote)] == [4]
+    r = restore_checkpoint(tiers)
+    assert r.step == 5 and torch.equal(r.state["x"], torch.arange(5000))
+
+
+def test_process_writer_errors_come_back(tmp_path):
+    url = str(tmp_path / "ckpt")
+    w = CheckpointWriter(url, background="process", world_size=2, rank=0, run_id="job1", commit_timeout=0.5)
+    h = w.save(1, {"x": torch.ones(3)})  # rank 1 never writes its part
+    with pytest.raises(CheckpointError, match=r"ranks \[1\] did not publish"):
+        h.wait()
+    # the writer keeps working, and the lease is held by the writer process
+    with pytest.raises(CheckpointError, match="another checkpoint writer holds this URL"):
+        CheckpointWriter(url, background="process")
+    w.close()
+    with pytest.raises(CheckpointError, match="background must be"):
+        CheckpointWriter(url, background="fork")
+
+
+def test_writer_process_killed_fails_the_save_in_flight(tmp_path):
+    url = str(tmp_path / "ckpt")
+    w = CheckpointWriter(url, background="process", chunk_bytes=4096)
+    w.save(1, {"x": torch.ones(1 << 20)}).wait()
+    os.kill(w._process.pid, signal.SIGSTOP)  # hold it inside nothing: the next save waits
+    h = w.save(2, {"x": torch.ones(1 << 20) * 2})
+    os.kill(w._process.pid, signal.SIGKILL)
+    with pytest.raises(CheckpointError, match=r"writer process .* exited"):
+        h.wait(timeout=60)
+    with pytest.raises(CheckpointError, match="exited"):
+        w.save(3, {"x": torch.ones(3)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w.close()
+        assert torch.equal(load_checkpoint(url)["x"], torch.ones(1 << 20))
+
+
+TRAINER = r"""
+import sys, torch
+from datapipe.checkpoint import CheckpointWriter
+w = CheckpointWriter(sys.argv[1], background="process")
+w.save(1, {"x": torch.ones(1000)}).wait()
+print(w._process.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_trainer_killed_writer_process_exits_and_frees_the_url(tmp_path):
+    url = str(tmp_path / "ckpt")
+    p = subprocess.Popen([sys.executable, "-c", TRAINER, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         env=dict(os.environ, PYTHONPATH=ROOT), text=True)
+    writer_pid = int(p.stdout.readline())
+    assert _alive(writer_pid)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    p.stdin.close()
+    p.stdout.close()
+    deadline = time.monotonic() + 30
+    while _alive(writer_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(writer_pid)
+    with CheckpointWriter(url) as w:  # the lease died with it
+        w.save(2, {"x": torch.ones(3)}).wait()
+    assert [c.step for c in list_checkpoints(url)] == [1, 2]
