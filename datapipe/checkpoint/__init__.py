@@ -6,12 +6,15 @@ Holds: ``writer`` (``CheckpointWriter``, ``SaveHandle``), ``staging`` (the reuse
 buffer), ``flatten`` (state <-> leaves and JSON tree), ``format`` (key names, documents,
 limits), ``commit`` (parts, manifest, ``latest``, retention), ``lease`` (one writer per URL),
 ``run_id`` (the id all ranks agree on), ``loader`` (``load_checkpoint``,
-``list_checkpoints``). May import :mod:`datapipe.storage`, :mod:`datapipe.topology`,
+``list_checkpoints``), ``dtensor`` (pieces of global tensors: DTensor, ``LocalShard``,
+``Replicated``), ``reshard`` (reading them onto any world size or mesh by overlap). May import :mod:`datapipe.storage`, :mod:`datapipe.topology`,
 :mod:`datapipe.errors` and :mod:`datapipe.checksum`; it sees the data loader only through
 ``state_dict()``/``load_state_dict()``.
 """
 
+from .dtensor import LocalShard, Replicated
 from .loader import CheckpointInfo, list_checkpoints, load_checkpoint
 from .writer import CheckpointWriter, SaveHandle
 
-__all__ = ["CheckpointWriter", "SaveHandle", "CheckpointInfo", "load_checkpoint", "list_checkpoints"]
+__all__ = ["CheckpointWriter", "SaveHandle", "CheckpointInfo", "load_checkpoint", "list_checkpoints",
+           "LocalShard", "Replicated"]

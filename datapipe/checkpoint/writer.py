@@ -37,6 +37,7 @@ from .flatten import Leaf, flatten
 from .format import (
     MAX_CHUNK_BYTES,
     MAX_PART_BYTES,
+    chunk_checksums,
     chunk_key,
     encode_doc,
     manifest_key,
@@ -231,7 +232,7 @@ class CheckpointWriter:
 
     def _prepare(self, state_or_layout: Any, block: bool) -> None:
         self._check_open()
-        _tree, leaves = flatten(state_or_layout, allow_meta=True)
+        _tree, leaves = flatten(state_or_layout, allow_meta=True, rank=self.rank)
         self._join_prepare()
         prev = self._current
 
@@ -270,7 +271,7 @@ class CheckpointWriter:
         mode = if_busy or self.if_busy
         if mode not in ("wait", "skip"):
             raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {mode!r}")
-        tree, leaves = flatten(state)  # unsupported objects fail here, before any write
+        tree, leaves = flatten(state, rank=self.rank)  # unsupported objects fail here, before any write
         if step < self._max_step:
             warnings.warn(
                 f"saving step {step} to {self.url}, below step {self._max_step} saved there before: "
@@ -508,7 +509,7 @@ class CheckpointWriter:
 
     def _write_chunk(self, job: _Job, index: int, start: int, end: int) -> dict[str, Any]:
         data = self._staging.view(start, end)
-        raw_ck = _checksum_in_slices(data)
+        raw_ck, blocks = chunk_checksums(data)
         rec: dict[str, Any] = {"key": chunk_key(job.step, job.attempt, self.rank, index),
                                "offset": start, "bytes": end - start}
         if self.compression == "zstd":
@@ -522,6 +523,7 @@ class CheckpointWriter:
         else:
             stored = data
             rec["checksum"] = raw_ck
+            rec["blocks"] = blocks  # range reads check only the blocks they touch (reshard.py)
         rec["stored_bytes"] = len(stored)
         self.store.put(rec["key"], stored)
         return rec
