@@ -85,7 +85,7 @@ class GlobalTensor:
     where: str = ""  # the part file that first named it
 
 
-def _tiles(gt: GlobalTensor) -> str | None:
+def _tiles(gt: GlobalTensor, urls: list[str]) -> str | None:
     """Why the stored pieces do not tile the global tensor exactly, or None. Volumes must
     sum to the tensor's, and no two non-empty pieces may overlap (a sweep along the
     dimension with the most distinct starts keeps the comparisons near-linear for the
@@ -93,7 +93,9 @@ def _tiles(gt: GlobalTensor) -> str | None:
     pieces = [p for p in gt.pieces if all(n > 0 for n in p.shape)]
     total = math.prod(gt.shape)
     if sum(math.prod(p.shape) for p in pieces) != total:
-        return f"its stored pieces hold {sum(math.prod(p.shape) for p in pieces)} of {total} elements"
+        holders = sorted({p.rank for p in gt.pieces})
+        return (f"its stored pieces hold {sum(math.prod(p.shape) for p in pieces)} of {total} elements "
+                f"(pieces in {', '.join(urls[r] for r in holders[:8])}{' ...' if len(holders) > 8 else ''})")
     if len(gt.shape) == 0 or len(pieces) < 2:
         return None
     d = max(range(len(gt.shape)), key=lambda i: len({p.start[i] for p in pieces}))
@@ -104,8 +106,8 @@ def _tiles(gt: GlobalTensor) -> str | None:
         for q in active:
             if all(max(p.start[i], q.start[i]) < min(p.start[i] + p.shape[i], q.start[i] + q.shape[i])
                    for i in range(len(gt.shape))):
-                return (f"pieces of ranks {q.rank} and {p.rank} overlap (at {list(q.start)} and "
-                        f"{list(p.start)})")
+                return (f"the pieces in {urls[q.rank]} (at {list(q.start)}) and {urls[p.rank]} "
+                        f"(at {list(p.start)}) overlap")
         active.append(p)
     return None
 
@@ -128,10 +130,15 @@ class SavedStep:
         self.per_rank: dict[tuple[int, str], int] = {}  # (rank, path) -> leaf index
         for r in range(ws):
             self._index_part(r)
+        for (r, path) in self.per_rank:
+            gt = self.tensors.get(path)
+            if gt is not None:
+                raise CorruptCheckpointError(
+                    f"{self.part_urls[r]}: {path!r:.100} is a per-rank array here, a global tensor in {gt.where}")
         for gt in self.tensors.values():
-            why = _tiles(gt)
+            why = _tiles(gt, self.part_urls)
             if why is not None:
-                raise CorruptCheckpointError(f"{gt.where}: global tensor {gt.path!r:.100}: {why}")
+                raise CorruptCheckpointError(f"{self.where}: global tensor {gt.path!r:.100}: {why}")
 
     def _read_part(self, manifest: dict[str, Any], r: int) -> dict[str, Any]:
         entry = manifest["parts"][r]
