@@ -7,8 +7,9 @@ buffer), ``flatten`` (state <-> leaves and JSON tree), ``format`` (key names, do
 limits), ``commit`` (parts, manifest, ``latest``, retention), ``lease`` (one writer per URL),
 ``run_id`` (the id all ranks agree on), ``loader`` (``load_checkpoint``,
 ``list_checkpoints``), ``dtensor`` (pieces of global tensors: DTensor, ``LocalShard``,
-``Replicated``), ``reshard`` (reading them onto any world size or mesh by overlap). May import :mod:`datapipe.storage`, :mod:`datapipe.topology`,
-:mod:`datapipe.errors` and :mod:`datapipe.checksum`; it sees the data loader only through
+``Replicated``), ``reshard`` (reading them onto any world size or mesh by overlap).
+May import :mod:`datapipe.storage`, :mod:`datapipe.topology`, :mod:`datapipe.errors`
+and :mod:`datapipe.checksum`; it sees the data loader only through
 ``state_dict()``/``load_state_dict()``.
 """
 

@@ -56,7 +56,7 @@ class LocalShard:
     of ``global_shape``. ``replica=True`` says that another, lower rank holds and stores the
     same box (this rank stores nothing for it). In ``into=`` of a load, it asks for that box."""
 
-    __slots__ = ("tensor", "global_shape", "offset", "replica")
+    __slots__ = ("global_shape", "offset", "replica", "tensor")
 
     def __init__(self, tensor: Any, global_shape: tuple[int, ...] | list[int],
                  offset: tuple[int, ...] | list[int], *, replica: bool = False) -> None:

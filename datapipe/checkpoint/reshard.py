@@ -164,7 +164,8 @@ class SavedStep:
             if not (_is_int(off) and _is_int(nbytes) and off + nbytes <= data_bytes):
                 raise CorruptCheckpointError(f"{url}: leaf {path!r:.100} lies outside the rank's data")
             if math.prod(shape) * itemsize != nbytes:
-                raise CorruptCheckpointError(f"{url}: leaf {path!r:.100}: shape {shape} of {dtype} is not {nbytes} bytes")
+                raise CorruptCheckpointError(
+                    f"{url}: leaf {path!r:.100}: shape {shape} of {dtype} is not {nbytes} bytes")
             g = spec.get("global")
             if g is None and (self.world_size > 1 or kind == "npscalar"):
                 self.per_rank[(r, path)] = i
@@ -364,7 +365,7 @@ def plan_copies(gt: GlobalTensor, dst: np.ndarray[Any, Any], t_start: tuple[int,
         for a in range(0, outer[0], rows):
             n = min(rows, outer[0] - a)
             out.append(_Copy(p, src_first + a * sst[0], sst, dst, dst_first + a * dstr[0], dstr,
-                             (n,) + outer[1:], run))
+                             (n, *outer[1:]), run))
     return out
 
 
@@ -375,9 +376,9 @@ def _run_copy(saved: SavedStep, c: _Copy) -> int:
     if not c.outer:
         c.dst[c.dst_first : c.dst_first + c.run] = src[: c.run]
     else:
-        shape = c.outer + (c.run,)
-        sv = as_strided(src, shape=shape, strides=c.src_strides + (1,), writeable=False)
-        dv = as_strided(c.dst[c.dst_first :], shape=shape, strides=c.dst_strides + (1,))
+        shape = (*c.outer, c.run)
+        sv = as_strided(src, shape=shape, strides=(*c.src_strides, 1), writeable=False)
+        dv = as_strided(c.dst[c.dst_first :], shape=shape, strides=(*c.dst_strides, 1))
         np.copyto(dv, sv)
     return c.span()
 
@@ -389,7 +390,8 @@ def run_copies(saved: SavedStep, copies: list[_Copy]) -> int:
         return 0
     # the largest first: the pool stays busy to the end
     copies = sorted(copies, key=lambda c: -c.span())
-    with cf.ThreadPoolExecutor(max(1, min(saved.threads, len(copies))), thread_name_prefix="datapipe-ckpt-load") as pool:
+    threads = max(1, min(saved.threads, len(copies)))
+    with cf.ThreadPoolExecutor(threads, thread_name_prefix="datapipe-ckpt-load") as pool:
         futs = [pool.submit(_run_copy, saved, c) for c in copies]
         total = 0
         try:
@@ -422,8 +424,8 @@ def _flat_bytes(local: Any, path: str) -> tuple[np.ndarray[Any, Any], Callable[[
     if isinstance(local, np.ndarray):
         if local.flags.c_contiguous and local.flags.writeable:
             return local.reshape(-1).view(np.uint8), None
-        tmp = np.empty(local.shape, local.dtype)
-        return tmp.reshape(-1).view(np.uint8), lambda: np.copyto(local, tmp)
+        host: np.ndarray[Any, Any] = np.empty(local.shape, local.dtype)
+        return host.reshape(-1).view(np.uint8), lambda: np.copyto(local, host)
     import torch
 
     from .flatten import torch_copyable
@@ -445,7 +447,7 @@ def _flat_bytes(local: Any, path: str) -> tuple[np.ndarray[Any, Any], Callable[[
 def _target(x: Any, path: str) -> _Target | None:
     dt = _dtensor_type()
     if dt is not None and isinstance(x, dt):
-        gshape, start, shape, _replica = dtensor_box(x, path)
+        _gshape, start, shape, _replica = dtensor_box(x, path)
         return _Target(path, x, x.to_local(), start, shape)
     if isinstance(x, LocalShard):
         return _Target(path, x, x.tensor, x.offset, tuple(int(d) for d in x.tensor.shape))
@@ -463,7 +465,7 @@ def _target_global_shape(t: _Target) -> tuple[int, ...]:
 
 def _dtype_name(local: Any) -> str:
     if isinstance(local, np.ndarray):
-        return local.dtype.str
+        return str(local.dtype.str)
     return str(local.dtype).removeprefix("torch.")
 
 
@@ -589,7 +591,8 @@ class _Loader:
             raise CheckpointError(f"into: {path!r} is {_dtype_name(t.local)}, the checkpoint holds {gt.dtype}")
         if _target_global_shape(t) != gt.shape:
             raise CheckpointError(
-                f"into: {path!r} has global shape {list(_target_global_shape(t))}, the checkpoint's is {list(gt.shape)}")
+                f"into: {path!r} has global shape {list(_target_global_shape(t))}, "
+                f"the checkpoint's is {list(gt.shape)}")
         start = t.start if t.start is not None else (0,) * len(gt.shape)
         if len(start) != len(gt.shape) or any(s + n > g for s, n, g in zip(start, t.shape, gt.shape)):
             raise CheckpointError(f"into: {path!r}: box {list(start)} + {list(t.shape)} lies outside {list(gt.shape)}")
