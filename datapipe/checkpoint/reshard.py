@@ -283,6 +283,39 @@ class SavedStep:
                 raise CorruptCheckpointError(
                     f"checksum mismatch in chunk {url} of {self.where}, bytes [{j * n}, {j * n + b - a})")
 
+    def read_into(self, r: int, start: int, end: int, dst: np.ndarray[Any, Any]) -> None:
+        """Bytes ``[start, end)`` of rank ``r``'s data into ``dst``, checked. Blocks that lie
+        wholly inside the range are read straight into ``dst`` and checked there; only a
+        block cut by an end of the range (or a chunk without blocks, or compressed) goes
+        through a buffer of its own."""
+        part = self.parts[r]
+        chunks = part["chunks"]
+        i = bisect.bisect_right(self.chunk_starts[r], start) - 1
+        whole = part.get("compression") is not None
+        while i < len(chunks) and chunks[i]["offset"] < end:
+            c = chunks[i]
+            c0, cb = c["offset"], c["bytes"]
+            lo, hi = max(start - c0, 0), min(end - c0, cb)
+            blocks = None if whole else self._blocks(r, i)
+            n = blocks[0] if blocks is not None else cb
+            j = lo // n
+            while j * n < hi:
+                b0, b1 = j * n, min((j + 1) * n, cb)
+                if blocks is not None and b0 >= lo and b1 <= hi:
+                    k = j  # a run of whole blocks: one read, straight into dst
+                    while (k + 1) * n < hi and min((k + 2) * n, cb) <= hi:
+                        k += 1
+                    b1 = min((k + 1) * n, cb)
+                    self._fill(r, i, b0, b1, dst[c0 + b0 - start : c0 + b1 - start])
+                    j = k + 1
+                    continue
+                tmp = np.empty(b1 - b0, np.uint8)
+                self._fill(r, i, b0, b1, tmp)
+                a, z = max(lo, b0), min(hi, b1)
+                dst[c0 + a - start : c0 + z - start] = tmp[a - b0 : z - b0]
+                j += 1
+            i += 1
+
     def read_range(self, r: int, start: int, end: int) -> tuple[np.ndarray[Any, Any], int]:
         """``(buf, base)``: checked bytes of rank ``r``'s data covering ``[start, end)``;
         ``buf[k]`` is byte ``base + k`` (whole blocks or chunks around the range)."""
@@ -371,11 +404,11 @@ def plan_copies(gt: GlobalTensor, dst: np.ndarray[Any, Any], t_start: tuple[int,
 
 def _run_copy(saved: SavedStep, c: _Copy) -> int:
     start = c.piece.data_offset + c.src_first
-    buf, base = saved.read_range(c.piece.rank, start, start + c.span())
-    src = buf[start - base :]
-    if not c.outer:
-        c.dst[c.dst_first : c.dst_first + c.run] = src[: c.run]
+    if not c.outer:  # one run: read into the target itself
+        saved.read_into(c.piece.rank, start, start + c.run, c.dst[c.dst_first : c.dst_first + c.run])
     else:
+        buf, base = saved.read_range(c.piece.rank, start, start + c.span())
+        src = buf[start - base :]
         shape = (*c.outer, c.run)
         sv = as_strided(src, shape=shape, strides=(*c.src_strides, 1), writeable=False)
         dv = as_strided(c.dst[c.dst_first :], shape=shape, strides=(*c.dst_strides, 1))

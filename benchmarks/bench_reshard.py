@@ -1,0 +1,164 @@
+"""Sharded save and resharding load: datapipe vs torch.distributed.checkpoint (DCP), same
+state, same run, 4 gloo ranks on this machine.
+
+The state is HSDP-style: float32 DTensors on a 2x2 CPU mesh with placements
+(Replicate(), Shard(0)), so every box is held by two ranks and must be written once.
+The load fills DTensors on another mesh (1-D, Shard(0) over the 4 ranks), so both systems
+reshard. Each round saves and loads with both systems (alternating which goes first);
+a time is the slowest rank's, from a barrier before to a barrier after (for datapipe:
+save() until the step is durable and committed). Both write with fsync (datapipe's local
+store, DCP's sync_files=True); the loads read what the saves just wrote (page cache for
+both). datapipe's writer runs here at normal priority (nice=0), as DCP does.
+
+    python -m benchmarks.bench_reshard                 # ~384 MiB of unique state
+    python -m benchmarks.bench_reshard --mib 64 --rounds 1   # quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks.output import print_json
+
+ROWS = 4096  # rows of each tensor; columns follow from the size asked for
+TENSORS = 12
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _full(i: int, cols: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(ROWS, cols, generator=g)
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _timed(fn: Any) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _worker(rank: int, world: int, port: int, root: str, cols: int, rounds: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Replicate as Rep
+
+    from datapipe.checkpoint import CheckpointWriter, load_checkpoint
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    mesh2 = init_device_mesh("cpu", (2, 2))
+    mesh1 = init_device_mesh("cpu", (world,))
+
+    def saved_state() -> dict[str, Any]:
+        half = ROWS // 2
+        c = mesh2.get_coordinate()[1]  # the Shard(0) coordinate; the Replicate one does not matter
+        return {"model": {f"layer{i}.weight": DTensor.from_local(
+            _full(i, cols)[c * half : (c + 1) * half].clone(), mesh2, [Rep(), Shard(0)], run_check=False)
+            for i in range(TENSORS)}}
+
+    def target_state() -> dict[str, Any]:
+        return {"model": {f"layer{i}.weight": DTensor.from_local(
+            torch.zeros(ROWS // world, cols), mesh1, [Shard(0)], run_check=False) for i in range(TENSORS)}}
+
+    state = saved_state()
+    rows: dict[str, dict[str, list[float]]] = {"datapipe": {"save_s": [], "load_s": []},
+                                               "dcp": {"save_s": [], "load_s": []}}
+    written: dict[str, int] = {}
+    ours_dir, dcp_dir = os.path.join(root, "datapipe"), os.path.join(root, "dcp")
+    writer = CheckpointWriter(ours_dir, keep_last=1, commit_timeout=600, nice=0)
+    for rnd in range(rounds):
+        order = ["datapipe", "dcp"] if rnd % 2 == 0 else ["dcp", "datapipe"]
+        for system in order:
+            if system == "datapipe":
+                rows[system]["save_s"].append(_timed(lambda: writer.save(rnd + 1, state).wait()))
+                if rank == 0:
+                    written[system] = _dir_bytes(os.path.join(ours_dir, f"step-{rnd + 1:012d}"))
+                target = target_state()
+                rows[system]["load_s"].append(_timed(lambda: load_checkpoint(ours_dir, into=target)))
+            else:
+                step_dir = os.path.join(dcp_dir, f"step-{rnd + 1}")
+                rows[system]["save_s"].append(_timed(lambda: dcp.save(state, checkpoint_id=step_dir)))
+                if rank == 0:
+                    written[system] = _dir_bytes(step_dir)
+                target = target_state()
+                rows[system]["load_s"].append(_timed(lambda: dcp.load(target, checkpoint_id=step_dir)))
+            # outside the timing: the loaded boxes are the saved tensors' rows
+            for i in range(TENSORS):
+                t = target["model"][f"layer{i}.weight"]
+                lo = ROWS // world * rank
+                if not torch.equal(t.to_local(), _full(i, cols)[lo : lo + t.to_local().shape[0]]):
+                    raise AssertionError(f"{system}: layer{i} differs after load on rank {rank}")
+            del target
+    writer.close()
+    if rank == 0:
+        import json
+
+        with open(out, "w") as f:
+            json.dump({"times": rows, "written_bytes": written}, f)
+    dist.destroy_process_group()
+
+
+def run(mib: int = 384, rounds: int = 2, directory: str | None = None) -> dict[str, Any]:
+    cols = max(1, mib * (1 << 20) // (4 * ROWS * TENSORS))
+    root = tempfile.mkdtemp(prefix="bench-reshard-", dir=directory)
+    try:
+        out = os.path.join(root, "result.json")
+        mp.spawn(_worker, args=(4, _free_port(), root, cols, rounds, out), nprocs=4, join=True)
+        import json
+
+        with open(out) as f:
+            res = json.load(f)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    unique = ROWS * cols * 4 * TENSORS
+    times = res["times"]
+    best = {s: {k: min(v) for k, v in t.items()} for s, t in times.items()}
+    med = {s: {k: statistics.median(v) for k, v in t.items()} for s, t in times.items()}
+    return {
+        "ranks": 4, "mesh_saved": "2x2 (Replicate, Shard(0))", "mesh_loaded": "4 (Shard(0))",
+        "unique_bytes": unique, "written_bytes": res["written_bytes"], "rounds": rounds,
+        "times_s": times, "median_s": med,
+        "ratio_save": med["datapipe"]["save_s"] / med["dcp"]["save_s"],
+        "ratio_load": med["datapipe"]["load_s"] / med["dcp"]["load_s"],
+        "best_ratio_save": best["datapipe"]["save_s"] / best["dcp"]["save_s"],
+        "best_ratio_load": best["datapipe"]["load_s"] / best["dcp"]["load_s"],
+        "target": "ratio <= 0.7 for save and load (datapipe time / DCP time, medians)",
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mib", type=int, default=384, help="unique state size in MiB (default 384)")
+    p.add_argument("--rounds", type=int, default=2, help="save+load rounds per system (default 2)")
+    p.add_argument("--dir", help="where to write (default: a temporary directory)")
+    p.add_argument("--out", help="also write the figures to this JSON file")
+    a = p.parse_args(argv)
+    print_json(run(a.mib, a.rounds, a.dir), a.out)
+
+
+if __name__ == "__main__":
+    main()
