@@ -88,13 +88,18 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, rounds: int,
     rows: dict[str, dict[str, list[float]]] = {"datapipe": {"save_s": [], "load_s": []},
                                                "dcp": {"save_s": [], "load_s": []}}
     written: dict[str, int] = {}
+    stages: list[Any] = []  # datapipe's phases per save and rank: staging, write (+fsync), commit
     ours_dir, dcp_dir = os.path.join(root, "datapipe"), os.path.join(root, "dcp")
     writer = CheckpointWriter(ours_dir, keep_last=1, commit_timeout=600, nice=0)
     for rnd in range(rounds):
         order = ["datapipe", "dcp"] if rnd % 2 == 0 else ["dcp", "datapipe"]
         for system in order:
             if system == "datapipe":
-                rows[system]["save_s"].append(_timed(lambda: writer.save(rnd + 1, state).wait()))
+                metrics: dict[str, Any] = {}
+                rows[system]["save_s"].append(_timed(lambda: metrics.update(writer.save(rnd + 1, state).wait())))
+                phases = [None] * world
+                dist.all_gather_object(phases, {k: metrics.get(k) for k in ("staging_s", "write_s", "commit_s")})
+                stages.append(phases)
                 if rank == 0:
                     written[system] = _dir_bytes(os.path.join(ours_dir, f"step-{rnd + 1:012d}"))
                 target = target_state()
@@ -118,7 +123,7 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, rounds: int,
         import json
 
         with open(out, "w") as f:
-            json.dump({"times": rows, "written_bytes": written}, f)
+            json.dump({"times": rows, "written_bytes": written, "datapipe_phases_s": stages}, f)
     dist.destroy_process_group()
 
 
@@ -141,7 +146,7 @@ def run(mib: int = 384, rounds: int = 2, directory: str | None = None) -> dict[s
     return {
         "ranks": 4, "mesh_saved": "2x2 (Replicate, Shard(0))", "mesh_loaded": "4 (Shard(0))",
         "unique_bytes": unique, "written_bytes": res["written_bytes"], "rounds": rounds,
-        "times_s": times, "median_s": med,
+        "times_s": times, "median_s": med, "datapipe_phases_s": res["datapipe_phases_s"],
         "ratio_save": med["datapipe"]["save_s"] / med["dcp"]["save_s"],
         "ratio_load": med["datapipe"]["load_s"] / med["dcp"]["load_s"],
         "best_ratio_save": best["datapipe"]["save_s"] / best["dcp"]["save_s"],

@@ -167,8 +167,12 @@ box = st.lists(st.integers(-1, 14), min_size=0, max_size=3)
 def edits(draw):
     rank = draw(st.integers(0, 1))
     leaf = draw(st.sampled_from(["w", "c", "r"]))
-    field = draw(st.sampled_from(["shape", "offset", "region", "replica", "global", "kind", "dtype"]))
-    if field in ("shape", "offset", "region"):
+    field = draw(st.sampled_from(["shape", "offset", "region", "replica", "global", "kind", "dtype", "blocks"]))
+    if field == "blocks":  # the block checksums of the rank's first chunk
+        record = st.fixed_dictionaries({"bytes": st.one_of(junk, st.integers(1, 1 << 21)),
+                                        "checksums": st.one_of(junk, st.lists(st.text(max_size=4)))})
+        value = draw(st.one_of(junk, record))
+    elif field in ("shape", "offset", "region"):
         value = draw(st.one_of(box, junk))
     elif field == "replica":
         value = draw(st.one_of(st.booleans(), junk))
@@ -189,7 +193,9 @@ def test_hostile_global_records_raise_corrupt_naming_the_part(pristine, tmp_path
     spec = next((s for s in part["leaves"] if s["path"] == name), None)
     if spec is None or "global" not in spec:
         return  # rank 1 stores no piece of "r": nothing to edit
-    if field in ("global", "kind", "dtype"):
+    if field == "blocks":
+        part["chunks"][0]["blocks"] = value
+    elif field in ("global", "kind", "dtype"):
         spec[field] = value
     else:
         spec["global"][field] = value
@@ -210,7 +216,8 @@ def test_hostile_global_records_raise_corrupt_naming_the_part(pristine, tmp_path
                 else:
                     out = load_checkpoint(url, step=1, rank=0)
         except CorruptCheckpointError as e:
-            assert store.url(key) in str(e), (edit, str(e))
+            # the part file named, or (a block checksum that does not match) the rank's chunk
+            assert store.url(key) in str(e) or f"rank-{rank:05d}/chunk-000000.bin" in str(e), (edit, str(e))
             continue
         except CheckpointError as e:
             # an edit that leaves the documents consistent but changes a shape or dtype the
