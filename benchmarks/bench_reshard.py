@@ -23,6 +23,7 @@ import socket
 import statistics
 import tempfile
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -91,33 +92,37 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, rounds: int,
     stages: list[Any] = []  # datapipe's phases per save and rank: staging, write (+fsync), commit
     ours_dir, dcp_dir = os.path.join(root, "datapipe"), os.path.join(root, "dcp")
     writer = CheckpointWriter(ours_dir, keep_last=1, commit_timeout=600, nice=0)
+    last: dict[str, Any] = {}
+
+    def save_ours(step: int) -> None:
+        last.update(writer.save(step, state).wait())
+
     for rnd in range(rounds):
         order = ["datapipe", "dcp"] if rnd % 2 == 0 else ["dcp", "datapipe"]
         for system in order:
+            target = target_state()
             if system == "datapipe":
-                metrics: dict[str, Any] = {}
-                rows[system]["save_s"].append(_timed(lambda: metrics.update(writer.save(rnd + 1, state).wait())))
-                phases = [None] * world
-                dist.all_gather_object(phases, {k: metrics.get(k) for k in ("staging_s", "write_s", "commit_s")})
-                stages.append(phases)
-                if rank == 0:
-                    written[system] = _dir_bytes(os.path.join(ours_dir, f"step-{rnd + 1:012d}"))
-                target = target_state()
-                rows[system]["load_s"].append(_timed(lambda: load_checkpoint(ours_dir, into=target)))
+                step_dir = os.path.join(ours_dir, f"step-{rnd + 1:012d}")
+                save = partial(save_ours, rnd + 1)
+                load = partial(load_checkpoint, ours_dir, into=target)
             else:
                 step_dir = os.path.join(dcp_dir, f"step-{rnd + 1}")
-                rows[system]["save_s"].append(_timed(lambda: dcp.save(state, checkpoint_id=step_dir)))
-                if rank == 0:
-                    written[system] = _dir_bytes(step_dir)
-                target = target_state()
-                rows[system]["load_s"].append(_timed(lambda: dcp.load(target, checkpoint_id=step_dir)))
+                save = partial(dcp.save, state, checkpoint_id=step_dir)
+                load = partial(dcp.load, target, checkpoint_id=step_dir)
+            rows[system]["save_s"].append(_timed(save))
+            if system == "datapipe":
+                phases: list[Any] = [None] * world
+                dist.all_gather_object(phases, {k: last.get(k) for k in ("staging_s", "write_s", "commit_s")})
+                stages.append(phases)
+            if rank == 0:
+                written[system] = _dir_bytes(step_dir)
+            rows[system]["load_s"].append(_timed(load))
             # outside the timing: the loaded boxes are the saved tensors' rows
             for i in range(TENSORS):
-                t = target["model"][f"layer{i}.weight"]
+                t = target["model"][f"layer{i}.weight"].to_local()
                 lo = ROWS // world * rank
-                if not torch.equal(t.to_local(), _full(i, cols)[lo : lo + t.to_local().shape[0]]):
+                if not torch.equal(t, _full(i, cols)[lo : lo + t.shape[0]]):
                     raise AssertionError(f"{system}: layer{i} differs after load on rank {rank}")
-            del target
     writer.close()
     if rank == 0:
         import json
