@@ -72,6 +72,7 @@ def test_two_writers_reshard_by_overlap(tmp_path):
         load_checkpoint(url, into={"per": torch.zeros(3, dtype=torch.int64)}, rank=3)
     out = load_checkpoint(url, into={"per": torch.zeros(3, dtype=torch.int64)}, rank=1)
     assert torch.equal(out["per"], torch.full((3,), 1))
+    assert set(out) == {"per", "loader"}  # saved arrays `into` does not ask for are not read
     with pytest.raises(CheckpointError, match="global shape"):
         load_checkpoint(url, into={"w": torch.zeros(12, 8)})
     with pytest.raises(CheckpointError, match="float64"):

@@ -388,9 +388,9 @@ def load_checkpoint(url: str, step: int | None = None, map_location: Any = None,
     ``LocalShard``s and plain tensors/arrays (= the whole tensor) is filled in place with
     the bytes of the saved global tensor at the same path that overlap it (only those
     are read, checked block by block); the result has ``into``'s structure, with every
-    value that is not a tensor (and every saved key ``into`` lacks) taken from rank 0's
-    part (else from the lowest rank's that has it). A plain tensor saved per rank loads
-    into the same rank only.
+    value that is not a tensor (and every saved key ``into`` lacks that holds no array)
+    taken from rank 0's part (else from the lowest rank's that has it). A plain tensor
+    saved per rank loads into the same rank only.
     """
     store = open_store(url, storage_options)
     if step is not None:

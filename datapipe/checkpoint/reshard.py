@@ -448,7 +448,6 @@ class _Target:
     local: Any  # the array to fill (a DTensor's local tensor, a LocalShard's tensor, itself)
     start: tuple[int, ...] | None  # None: the whole tensor
     shape: tuple[int, ...]
-    finish: Callable[[], None] | None = None
 
 
 def _flat_bytes(local: Any, path: str) -> tuple[np.ndarray[Any, Any], Callable[[], None] | None]:
@@ -504,19 +503,6 @@ def _dtype_name(local: Any) -> str:
 
 # -- the saved trees: values that are not tensors ---------------------------------------------
 
-def _child(node: Any, key: Any) -> tuple[bool, Any]:
-    """The JSON tree node under ``key`` (dict key or list index) of a saved tree node."""
-    if isinstance(node, dict) and len(node) == 1:
-        (tag, val), = node.items()
-        if tag in ("dict", "odict") and isinstance(val, list):
-            for item in val:
-                if isinstance(item, list) and len(item) == 2 and item[0] == key and type(item[0]) is type(key):
-                    return True, item[1]
-        elif tag in ("list", "tuple") and isinstance(val, list) and isinstance(key, int) and 0 <= key < len(val):
-            return True, val[key]
-    return False, None
-
-
 def _path(parent: str, key: Any) -> str:
     return f"{parent}.{key}" if parent else str(key)
 
@@ -528,6 +514,7 @@ class _Loader:
         self.saved, self.rank, self.map_location = saved, rank, map_location
         self.copies: list[_Copy] = []
         self.finish: list[Callable[[], None]] = []
+        self._index: dict[int, dict[Any, Any] | list[Any] | None] = {}
 
     # a saved leaf, whole, as a new object (values of `into` that are not arrays)
     def materialize(self, r: int, index: int) -> Any:
@@ -563,18 +550,46 @@ class _Loader:
             out = out.to(self.map_location)
         return out
 
-    def saved_value(self, nodes: list[tuple[int, Any]], path: str) -> Any:
-        """The value at a position of the saved trees: rank 0's, else the lowest rank's
-        that has one."""
-        r, node = nodes[0]
-        where = self.saved.part_urls[r]
-        return _rebuild(node, lambda i: self.materialize(r, i), where)
+    def _children(self, node: Any) -> dict[Any, Any] | list[Any] | None:
+        """A saved container node's children, indexed once (dict lookups, not scans)."""
+        key = id(node)
+        if key not in self._index:
+            kids: dict[Any, Any] | list[Any] | None = None
+            if isinstance(node, dict) and len(node) == 1:
+                (tag, val), = node.items()
+                if tag in ("dict", "odict") and isinstance(val, list):
+                    kids = {item[0]: item[1] for item in val
+                            if isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))}
+                elif tag in ("list", "tuple") and isinstance(val, list):
+                    kids = val
+            self._index[key] = kids
+        return self._index[key]
 
-    def fill(self, x: Any, nodes: list[tuple[int, Any]], path: str) -> Any:
-        """The result for ``x`` of ``into`` at ``path``; ``nodes`` are the saved tree nodes
-        at this position, one per rank that has it, lowest rank first."""
+    def _find(self, keys: tuple[Any, ...]) -> tuple[int, Any] | None:
+        """``(rank, node)`` at ``keys`` in the saved trees: rank 0's, else the lowest rank's
+        that has it (pipeline stages hold different parts of the state)."""
+        for r, part in enumerate(self.saved.parts):
+            node: Any = part["tree"]
+            for k in keys:
+                kids = self._children(node)
+                if isinstance(kids, dict) and k in kids:
+                    node = kids[k]
+                elif isinstance(kids, list) and isinstance(k, int) and 0 <= k < len(kids):
+                    node = kids[k]
+                else:
+                    break
+            else:
+                return r, node
+        return None
+
+    def saved_value(self, r: int, node: Any) -> Any:
+        """A saved tree node of rank ``r`` as a value, its arrays read whole."""
+        return _rebuild(node, lambda i: self.materialize(r, i), self.saved.part_urls[r])
+
+    def fill(self, x: Any, keys: tuple[Any, ...], path: str) -> Any:
+        """The result for ``x``, the value of ``into`` at ``keys`` (``path`` in the state)."""
         if isinstance(x, Replicated):
-            return self.fill(x.value, nodes, path)
+            return self.fill(x.value, keys, path)
         t = _target(x, path)
         if t is not None:
             self.fill_target(t)
@@ -582,25 +597,23 @@ class _Loader:
         if isinstance(x, dict):
             out = OrderedDict() if isinstance(x, OrderedDict) else {}
             for k, v in x.items():
-                sub = [(r, n) for r, (ok, n) in ((r, _child(node, k)) for r, node in nodes) if ok]
-                out[k] = self.fill(v, sub, _path(path, k))
-            # saved keys `into` does not name come back as saved (loader state, counters)
-            if nodes and isinstance(nodes[0][1], dict) and len(nodes[0][1]) == 1:
-                r0, ((tag, items),) = nodes[0][0], nodes[0][1].items()
-                if tag in ("dict", "odict") and isinstance(items, list):
-                    for item in items:
-                        if isinstance(item, list) and len(item) == 2 and item[0] not in out:
-                            out[item[0]] = self.saved_value([(r0, item[1])], _path(path, item[0]))
+                out[k] = self.fill(v, (*keys, k), _path(path, k))
+            # saved keys `into` does not name come back if they hold no arrays (loader
+            # state, counters); arrays are read only where `into` asks for them
+            found = self._find(keys)
+            kids = self._children(found[1]) if found is not None else None
+            if found is not None and isinstance(kids, dict):
+                for k, node in kids.items():
+                    if k not in out and not _has_leaf(node):
+                        out[k] = self.saved_value(found[0], node)
             return out
         if isinstance(x, (list, tuple)):
-            items = []
-            for i, v in enumerate(x):
-                sub = [(r, n) for r, (ok, n) in ((r, _child(node, i)) for r, node in nodes) if ok]
-                items.append(self.fill(v, sub, _path(path, i)))
+            items = [self.fill(v, (*keys, i), _path(path, i)) for i, v in enumerate(x)]
             return tuple(items) if type(x) is tuple else items
-        if not nodes:
+        found = self._find(keys)
+        if found is None:
             return x  # a value the checkpoint does not have: `into` keeps its own
-        return self.saved_value(nodes, path)
+        return self.saved_value(*found)
 
     def fill_target(self, t: _Target) -> None:
         saved, path = self.saved, t.path
@@ -637,8 +650,8 @@ class _Loader:
             self.finish.append(back)
 
 
-def _rebuild(node: Any, leaf: Callable[[int], Any], where: str) -> Any:
-    """A saved tree node as a Python value, its leaves built by ``leaf(index)``."""
+def _leaf_indices(node: Any) -> list[int]:
+    """The ``{"leaf": i}`` indices under a saved tree node (iteratively: trees are deep)."""
     indices: list[int] = []
     stack = [node]
     while stack:
@@ -650,7 +663,16 @@ def _rebuild(node: Any, leaf: Callable[[int], Any], where: str) -> Any:
                 stack.extend(n.values())
         elif isinstance(n, list):
             stack.extend(n)
-    table: dict[int, Any] = {i: leaf(i) for i in sorted(set(indices))}
+    return indices
+
+
+def _has_leaf(node: Any) -> bool:
+    return bool(_leaf_indices(node))
+
+
+def _rebuild(node: Any, leaf: Callable[[int], Any], where: str) -> Any:
+    """A saved tree node as a Python value, its leaves built by ``leaf(index)``."""
+    table: dict[int, Any] = {i: leaf(i) for i in sorted(set(_leaf_indices(node)))}
     size = max(table, default=-1) + 1
     return unflatten(node, [table.get(i) for i in range(size)], where)
 
@@ -671,8 +693,7 @@ def load_into(store: Store, step: int, manifest: dict[str, Any], into: Any, rank
     where = f"checkpoint step {step} at {store.root}"
     saved = SavedStep(store, step, manifest, where)
     loader = _Loader(saved, _own_rank(rank), map_location)
-    trees = [(r, p["tree"]) for r, p in enumerate(saved.parts)]
-    result = loader.fill(into, trees, "")
+    result = loader.fill(into, (), "")
     run_copies(saved, loader.copies)
     for back in loader.finish:
         back()
