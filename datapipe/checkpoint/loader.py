@@ -158,7 +158,7 @@ def _resolve_rank(rank: int | None, world_size: int, where: str) -> int:
             if live.world_size != world_size:
                 raise CheckpointError(
                     f"{where} was saved by {world_size} ranks, this job has {live.world_size}; "
-                    "pass rank= to read one rank's part"
+                    "pass rank= to read one rank's part, or into=<this rank's state> to reshard"
                 )
             rank = live.rank
         elif world_size == 1:
