@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 from datapipe import ShardWriter
 from datapipe.checkpoint import CheckpointWriter, Replicated, load_checkpoint
+from datapipe.errors import UnsupportedStateError
 from datapipe.loader import StreamingDataset
 
 N_SAMPLES = 300
@@ -99,6 +100,17 @@ def _save(rank: int, world: int, root: str, ds_url: str) -> None:
              "extra": {"tp": tp, "rep": Replicated(_rep_full())}, "loader": loader_state, "rank": rank}
     with CheckpointWriter(os.path.join(root, "ckpt"), commit_timeout=60) as w:
         w.save(5, state).wait()
+        # a Partial placement holds no box of the global tensor: refused before any write
+        from torch.distributed.tensor import DTensor, Partial
+
+        pending = DTensor.from_local(torch.ones(4), mesh, [Replicate(), Partial()], run_check=False)
+        try:
+            w.save(6, {"grad": {"sum": pending}})
+            refusal = "saved"
+        except UnsupportedStateError as e:
+            refusal = str(e)
+        with open(os.path.join(root, f"refusal-{rank}.txt"), "w") as f:
+            f.write(refusal)
     ref = _gathered({"model": msd, "optim": osd})  # the gathered original (the test's own reference file)
     ref["tp"] = tp.full_tensor()
     with open(os.path.join(root, f"seen-{rank}.json"), "w") as f:
@@ -203,6 +215,14 @@ def test_four_ranks_to_two(saved):
         with open(os.path.join(saved, f"rest2-{r}.json")) as f:
             rest += json.load(f)
     assert sorted(_seen(saved, 4) + rest) == list(range(N_SAMPLES))  # every sample once across the resize
+
+
+def test_partial_placement_is_refused_by_path(saved):
+    for r in range(4):
+        with open(os.path.join(saved, f"refusal-{r}.txt")) as f:
+            msg = f.read()
+        assert "grad.sum" in msg and "Partial" in msg, msg
+    assert not os.path.exists(os.path.join(saved, "ckpt", "step-000000000006"))
 
 
 def test_one_process_to_four_ranks(saved):

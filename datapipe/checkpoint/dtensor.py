@@ -102,9 +102,9 @@ def dtensor_box(x: Any, path: str) -> tuple[tuple[int, ...], tuple[int, ...], tu
         # _StridedShard (FSDP2 + TP on one dim) subclasses Shard: its local data is not one box
         if type(p) is not Shard and type(p) is not Replicate:
             raise UnsupportedStateError(
-                f"state path {path!r}: DTensor placement {p} is not supported (only Shard and Replicate "
-                "hold a box of the global tensor); redistribute it (dtensor.redistribute(mesh, [Shard(0)])) "
-                "or save dtensor.full_tensor()"
+                f"state path {path!r}: DTensor placement {type(p).__name__} ({p}) is not supported (only "
+                "Shard and Replicate hold a box of the global tensor); redistribute it to Shard/Replicate "
+                "placements (dtensor.redistribute(...)) or save dtensor.full_tensor()"
             )
     coord = mesh.get_coordinate()
     if coord is None:
