@@ -5,7 +5,15 @@ from typing import Any
 
 from ._version import __version__
 from .cache import TieredCache
-from .checkpoint import CheckpointInfo, CheckpointWriter, SaveHandle, list_checkpoints, load_checkpoint
+from .checkpoint import (
+    CheckpointInfo,
+    CheckpointWriter,
+    LocalShard,
+    Replicated,
+    SaveHandle,
+    list_checkpoints,
+    load_checkpoint,
+)
 from .dataset import Dataset, DatasetIndex, open_index
 from .pack import PackResult, ShardWriter, join_parts, pack
 from .storage import set_storage_options
@@ -19,7 +27,9 @@ __all__ = [
     "Dataset",
     "DatasetIndex",
     "IndexResult",
+    "LocalShard",
     "PackResult",
+    "Replicated",
     "SaveHandle",
     "ShardWriter",
     "Stream",

@@ -17,6 +17,8 @@ PUBLIC = {
     "SaveHandle": ("datapipe.checkpoint", "class"),
     "list_checkpoints": ("datapipe.checkpoint", "function"),
     "load_checkpoint": ("datapipe.checkpoint", "function"),
+    "LocalShard": ("datapipe.checkpoint", "class"),  # a box of a global tensor, by hand
+    "Replicated": ("datapipe.checkpoint", "class"),  # arrays the same on every rank: stored once
     "Dataset": ("datapipe.dataset", "class"),
     "DatasetIndex": ("datapipe.dataset", "class"),
     "open_dataset": ("datapipe.tarindex", "function"),  # dataset URLs, index locations and tar shard URLs

@@ -9,16 +9,18 @@ limits), ``commit`` (parts, manifest, ``latest``, retention), ``lease`` (one wri
 ``list_checkpoints``), ``tiers`` (``Tier``: cadence, retention, node-local folders),
 ``replicate`` (the peer link that copies a node-local part to the next node),
 ``restore`` (``restore_checkpoint``: the newest step every rank can load, from the best
-place). May import :mod:`datapipe.storage`, :mod:`datapipe.topology`,
-:mod:`datapipe.errors` and :mod:`datapipe.checksum`; it sees the data loader only through
+place), ``dtensor`` (pieces of global tensors: DTensor, ``LocalShard``, ``Replicated``),
+``reshard`` (reading them onto any world size or mesh by overlap). May import
+:mod:`datapipe.storage`, :mod:`datapipe.topology`, :mod:`datapipe.errors` and
+:mod:`datapipe.checksum`; it sees the data loader only through
 ``state_dict()``/``load_state_dict()``.
 """
 
+from .dtensor import LocalShard, Replicated
 from .loader import CheckpointInfo, list_checkpoints, load_checkpoint
 from .restore import RestoreResult, restore_checkpoint
 from .tiers import Tier
 from .writer import CheckpointWriter, SaveHandle
 
 __all__ = ["CheckpointWriter", "SaveHandle", "CheckpointInfo", "load_checkpoint", "list_checkpoints",
-           # tiers, peer replica, restore from the best place (issue 15)
-           "Tier", "restore_checkpoint", "RestoreResult"]
+           "Tier", "restore_checkpoint", "RestoreResult", "LocalShard", "Replicated"]

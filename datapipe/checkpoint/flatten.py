@@ -49,6 +49,8 @@ class Leaf:
     strides: tuple[int, ...] | None  # element strides of a dense permuted layout, else None
     obj: Any = None  # the live array (save side only)
     device: str = "cpu"
+    # a piece of a global tensor (dtensor.place): {shape, offset, region, replica}
+    shard: dict[str, Any] | None = None
 
     def spec(self, offset: int) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -61,6 +63,8 @@ class Leaf:
         }
         if self.strides is not None:
             d["strides"] = list(self.strides)
+        if self.shard is not None:
+            d["global"] = self.shard
         return d
 
 
@@ -145,9 +149,19 @@ def _numpy_leaf(a: np.ndarray[Any, Any], path: str, kind: str) -> Leaf:
     return Leaf(path, kind, a.dtype.str, tuple(a.shape), int(a.nbytes), strides, a)
 
 
-def flatten(state: Any, *, allow_meta: bool = False) -> tuple[Any, list[Leaf]]:
+def flatten(state: Any, *, allow_meta: bool = False, rank: int | None = None) -> tuple[Any, list[Leaf]]:
     """``(tree, leaves)``; raises :class:`UnsupportedStateError` naming the first bad path.
-    ``allow_meta`` admits meta tensors, which describe a layout without data (prepare())."""
+    ``allow_meta`` admits meta tensors, which describe a layout without data (prepare()).
+    DTensors, :class:`~.dtensor.LocalShard` and arrays inside :class:`~.dtensor.Replicated`
+    become leaves of global tensors (dtensor.place); ``rank`` (default: torch.distributed's,
+    else 0) decides which rank stores a replicated array."""
+    from .dtensor import Replicated, is_placed, local_data, place
+
+    if rank is None:
+        from ..topology import Topology
+
+        live = Topology.distributed()
+        rank = live.rank if live is not None else 0
     leaves: list[Leaf] = []
     torch = sys.modules.get("torch")
     seen: set[int] = set()
@@ -169,9 +183,14 @@ def flatten(state: Any, *, allow_meta: bool = False) -> tuple[Any, list[Leaf]]:
             )
         return int(v)
 
-    def walk(x: Any, path: str, depth: int = 0) -> Any:
+    def walk(x: Any, path: str, depth: int = 0, replicated: bool = False) -> Any:
         if x is None or isinstance(x, bool):
             return x
+        if isinstance(x, Replicated):  # a marker, not a node: the tree holds its value
+            return walk(x.value, path, depth, True)
+        placed = x
+        if is_placed(x):
+            x = local_data(x)
         if isinstance(x, str):
             count(len(x), path)
             return x
@@ -183,10 +202,10 @@ def flatten(state: Any, *, allow_meta: bool = False) -> tuple[Any, list[Leaf]]:
         if isinstance(x, float):
             return float(x) if math.isfinite(x) else {"float": repr(float(x))}
         if torch is not None and isinstance(x, torch.Tensor):
-            leaves.append(_torch_leaf(x, path, torch, allow_meta))
+            leaves.append(place(_torch_leaf(x, path, torch, allow_meta), placed, rank, replicated))
             return {"leaf": len(leaves) - 1}
         if isinstance(x, np.ndarray):
-            leaves.append(_numpy_leaf(x, path, "numpy"))
+            leaves.append(place(_numpy_leaf(x, path, "numpy"), placed, rank, replicated))
             return {"leaf": len(leaves) - 1}
         if isinstance(x, (bytes, bytearray)):
             count(len(x) * 4 // 3, path)
@@ -212,11 +231,11 @@ def flatten(state: Any, *, allow_meta: bool = False) -> tuple[Any, list[Leaf]]:
                             count(len(k), path)
                         else:
                             k = check_int(k, path)  # a huge key cannot even be printed in a path
-                        items.append([k, walk(v, _path(path, k), depth + 1)])
+                        items.append([k, walk(v, _path(path, k), depth + 1, replicated)])
                     return {"odict" if isinstance(x, OrderedDict) else "dict": items}
                 if type(x) is tuple or type(x) is list:
                     tag = "tuple" if type(x) is tuple else "list"
-                    return {tag: [walk(v, _path(path, i), depth + 1) for i, v in enumerate(x)]}
+                    return {tag: [walk(v, _path(path, i), depth + 1, replicated) for i, v in enumerate(x)]}
             finally:
                 seen.discard(id(x))
         where = path or "<root>"

@@ -33,6 +33,8 @@ __all__ = [
     "MAX_LATEST_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_CHUNK_BYTES",
+    "BLOCK_BYTES",
+    "block_checksums",
 ]
 
 FORMAT = "datapipe.checkpoint"
@@ -51,6 +53,10 @@ MAX_PART_BYTES = 256 << 20
 MAX_LATEST_BYTES = 64 << 10
 MAX_JSON_DEPTH = 400  # a state nested 100 containers deep encodes to ~302 levels
 MAX_CHUNK_BYTES = 1 << 32
+# Checksum granularity inside an uncompressed chunk (a chunk record's "blocks"): a reader of
+# a byte range (a shard of a global tensor, reshard.py) reads and checks the blocks that
+# overlap it instead of the whole chunk, so checking costs what the read costs.
+BLOCK_BYTES = 1 << 20
 
 
 def step_dir(step: int) -> str:
@@ -67,6 +73,14 @@ def part_key(step: int, attempt: str, rank: int) -> str:
 
 def chunk_key(step: int, attempt: str, rank: int, index: int) -> str:
     return f"{step_dir(step)}/{attempt}/rank-{rank:05d}/chunk-{index:06d}.bin"
+
+
+def block_checksums(data: memoryview, block: int = BLOCK_BYTES) -> dict[str, Any]:
+    """An uncompressed chunk record's ``blocks``: ``{"bytes": block, "checksums": [...]}``,
+    one per ``block`` bytes (the last may be shorter), so that a range read checks only the
+    blocks it touches (reshard.py). Hashed a block at a time: xxhash holds the GIL while it
+    hashes, and the writer's background threads must not hold it for long."""
+    return {"bytes": block, "checksums": [checksum(data[i : i + block]) for i in range(0, len(data), block)]}
 
 
 def parse_step_dir(name: str) -> int | None:

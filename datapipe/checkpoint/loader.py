@@ -158,7 +158,7 @@ def _resolve_rank(rank: int | None, world_size: int, where: str) -> int:
             if live.world_size != world_size:
                 raise CheckpointError(
                     f"{where} was saved by {world_size} ranks, this job has {live.world_size}; "
-                    "pass rank= to read one rank's part"
+                    "pass rank= to read one rank's part, or into=<this rank's state> to reshard"
                 )
             rank = live.rank
         elif world_size == 1:
@@ -349,40 +349,58 @@ def _build_leaf(buf: Any, spec: Any, where: str, map_location: Any) -> Any:
         raise CorruptCheckpointError(f"{where}: leaf {path!r} ({kind} {dtype} {list(shape)}): {e}") from e
 
 
-def _load_step(store: Store, step: int, rank: int | None, map_location: Any) -> Any:
+def _load_step(store: Store, step: int, rank: int | None, map_location: Any, into: Any = None) -> Any:
     where = f"checkpoint step {step} at {store.root}"
     doc = _read_manifest(store, step)
+    if into is not None:  # any world size: global tensors are read by overlap (reshard.py)
+        from .reshard import load_into
+
+        return load_into(store, step, doc, into, rank, map_location)
     r = _resolve_rank(rank, doc["world_size"], where)
     entry = doc["parts"][r]
     pdata, part = _read_doc(store, entry["key"], "part", MAX_PART_BYTES)
     if checksum(pdata) != entry["checksum"]:
         raise CorruptCheckpointError(f"{where}: part {store.url(entry['key'])} does not match its manifest checksum")
     _check_part(part, entry, step, doc["attempt"], r, doc["world_size"], where)
+    if doc["world_size"] > 1 and any(isinstance(s, dict) and "global" in s for s in part["leaves"]):
+        # pieces of global tensors (replicas this rank did not store): they come back whole
+        from .reshard import load_part_full
+
+        return load_part_full(store, step, doc, r, map_location)
     buf = _read_data(store, part, f"{where} rank {r}")
     leaves = [_build_leaf(buf, spec, where, map_location) for spec in part["leaves"]]
     return unflatten(part["tree"], leaves, where)
 
 
 def load_checkpoint(url: str | None = None, step: int | None = None, map_location: Any = None,
-                    storage_options: dict[str, Any] | None = None, rank: int | None = None, *,
-                    tiers: list[Any] | None = None, ranks_per_node: int | None = None) -> Any:
+                    storage_options: dict[str, Any] | None = None, rank: int | None = None,
+                    into: Any = None, *, tiers: list[Any] | None = None, ranks_per_node: int | None = None) -> Any:
     """The state of the newest complete checkpoint under ``url`` (or of ``step``).
 
     Every chunk is checked against its checksum. With ``step=None`` a checkpoint that is
     incomplete or fails verification is skipped with a warning naming it, and the next
     older one is tried; with an explicit ``step`` the error is raised. ``map_location``
     is a device (``"cpu"``, ``"cuda:0"``) for every tensor; ``rank`` picks a part of a
-    multi-rank checkpoint (default: this torch.distributed rank).
+    multi-rank checkpoint (default: this torch.distributed rank). Global tensors
+    (DTensors, ``LocalShard``, arrays in ``Replicated``) of that part come back whole.
+
+    ``into``: a target state on any world size or mesh. Each of its DTensors,
+    ``LocalShard``s and plain tensors/arrays (= the whole tensor) is filled in place with
+    the bytes of the saved global tensor at the same path that overlap it (only those
+    are read, checked block by block); the result has ``into``'s structure, with every
+    value that is not a tensor (and every saved key ``into`` lacks that holds no array)
+    taken from rank 0's part (else from the lowest rank's that has it). A plain tensor
+    saved per rank loads into the same rank only.
 
     ``tiers=[Tier(...), ...]`` (instead of ``url``): the newest step every rank can load
     from any tier, each rank's part from its own node-local copy, else its peer's
     replica, else a shared tier (:func:`datapipe.checkpoint.restore_checkpoint`, which
-    also says where each part came from).
+    also says where each part came from). Not with ``into``.
     """
     if tiers is not None:
-        if url is not None or step is not None or storage_options is not None:
-            raise CheckpointError("load_checkpoint(tiers=...) takes no url, step or storage_options "
-                                  "(each Tier has its own)")
+        if url is not None or step is not None or storage_options is not None or into is not None:
+            raise CheckpointError("load_checkpoint(tiers=...) takes no url, step, storage_options or into "
+                                  "(each Tier has its own store; resharding from tiers is not supported)")
         from .restore import restore_checkpoint
 
         return restore_checkpoint(tiers, rank=rank, ranks_per_node=ranks_per_node,
@@ -394,7 +412,7 @@ def load_checkpoint(url: str | None = None, step: int | None = None, map_locatio
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"step must be a non-negative int, got {step!r}")
         try:
-            return _load_step(store, step, rank, map_location)
+            return _load_step(store, step, rank, map_location, into)
         except ObjectNotFoundError as e:
             raise NoCheckpointError(f"no complete checkpoint for step {step} at {url}: {e}") from e
     # A writer's retention may delete the step this load chose while it reads (it deletes
@@ -410,7 +428,7 @@ def load_checkpoint(url: str | None = None, step: int | None = None, map_locatio
                 warnings.warn(f"skipping incomplete checkpoint step {s} at {url} (no manifest)", stacklevel=2)
                 continue
             try:
-                return _load_step(store, s, rank, map_location)
+                return _load_step(store, s, rank, map_location, into)
             except ObjectNotFoundError as e:
                 if rescan:
                     vanished = True

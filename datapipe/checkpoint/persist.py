@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from ..storage import Store, open_store
 from ..storage.store import join_url
 from .commit import apply_retention, await_parts, scan_steps, sync_dirs, write_latest, write_manifest
-from .format import MAX_PART_BYTES, chunk_key, encode_doc, manifest_key, parse_attempt, part_key
+from .format import MAX_PART_BYTES, block_checksums, chunk_key, encode_doc, manifest_key, parse_attempt, part_key
 from .lease import Lease
 from .replicate import PeerLink
 from .tiers import Tier, own_dir, replica_dir
@@ -374,6 +374,7 @@ class Persister:
         else:
             stored = data
             rec["checksum"] = raw_ck
+            rec["blocks"] = block_checksums(data)  # range reads check only the blocks they touch (reshard.py)
         rec["stored_bytes"] = len(stored)
         tg.store.put(rec["key"], stored)
         return rec

@@ -253,7 +253,7 @@ class CheckpointWriter:
 
     def _prepare(self, state_or_layout: Any, block: bool) -> None:
         self._check_open()
-        _tree, leaves = flatten(state_or_layout, allow_meta=True)
+        _tree, leaves = flatten(state_or_layout, allow_meta=True, rank=self.rank)
         self._join_prepare()
         prev = self._current
 
@@ -303,7 +303,7 @@ class CheckpointWriter:
             h.metrics.update(skipped=True, due_tiers=[], stall_s=time.perf_counter() - t0, waited_s=0.0)
             h._finish()
             return h
-        tree, leaves = flatten(state)  # unsupported objects fail here, before any write
+        tree, leaves = flatten(state, rank=self.rank)  # unsupported objects fail here, before any write
         for t in due:
             for root in self._roots[t.url]:
                 top = self._max_steps.get(root, -1)

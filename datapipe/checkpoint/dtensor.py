@@ -1,0 +1,161 @@
+"""Tensors that are pieces of a larger, global tensor: what a rank holds of it and where.
+
+A state may hold three kinds of arrays (docs/CHECKPOINT_FORMAT.md, "Global tensors"):
+
+- a ``torch.distributed.tensor.DTensor``: its local shard is a box of the global tensor,
+  found from its mesh and placements (``Shard``/``Replicate``; ``Partial`` and strided
+  shards are refused, redistribute first);
+- :class:`LocalShard`: the same described by hand (a local tensor, the global shape and
+  its offset in it), for code that shards without DTensor;
+- a plain tensor or array inside :class:`Replicated`: the whole global tensor, the same on
+  every rank of the writer.
+
+Each becomes a leaf with a ``global`` record (global shape, offset, region). A region that
+several ranks hold (replicas) is stored once, by the lowest rank holding it; the others
+record it with ``replica: true`` and store no bytes. Plain tensors outside
+:class:`Replicated` stay per-rank leaves, as before.
+
+No collective is used: mesh coordinates and rank lists are local knowledge.
+torch is never imported here unless a DTensor exists (then torch.distributed.tensor is
+already loaded).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ..errors import UnsupportedStateError
+from .flatten import Leaf
+
+__all__ = ["Replicated", "LocalShard", "is_placed", "local_data", "place"]
+
+
+class Replicated:
+    """Marks ``value`` (a tensor, an array, or any container of them) as the same on every
+    rank: each plain tensor or array inside is stored once, by rank 0, as a whole global
+    tensor, and loads onto any world size. DTensors inside keep their own placements.
+
+    ``writer.save(step, {"model": model.state_dict(), "optim": Replicated(optim.state_dict())})``
+    stores the optimizer's per-parameter ``step`` counters once (its ``exp_avg`` DTensors
+    stay sharded). On load, ``into=`` may hold a ``Replicated`` too; the result holds the
+    value itself."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Replicated({self.value!r:.80})"
+
+
+class LocalShard:
+    """One rank's box of a global tensor, described by hand: ``tensor`` holds the elements
+    ``[offset[d], offset[d] + tensor.shape[d])`` of every dimension ``d`` of a global tensor
+    of ``global_shape``. ``replica=True`` says that another, lower rank holds and stores the
+    same box (this rank stores nothing for it). In ``into=`` of a load, it asks for that box."""
+
+    __slots__ = ("global_shape", "offset", "replica", "tensor")
+
+    def __init__(self, tensor: Any, global_shape: tuple[int, ...] | list[int],
+                 offset: tuple[int, ...] | list[int], *, replica: bool = False) -> None:
+        self.tensor = tensor
+        self.global_shape = tuple(int(d) for d in global_shape)
+        self.offset = tuple(int(d) for d in offset)
+        self.replica = bool(replica)
+
+    def __repr__(self) -> str:
+        return (f"LocalShard(shape={tuple(self.tensor.shape)}, global_shape={self.global_shape}, "
+                f"offset={self.offset}, replica={self.replica})")
+
+
+def _dtensor_type() -> Any:
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
+
+
+def is_placed(x: Any) -> bool:
+    """Whether ``x`` is a DTensor or a :class:`LocalShard` (an array with a global place)."""
+    if isinstance(x, LocalShard):
+        return True
+    dt = _dtensor_type()
+    return dt is not None and isinstance(x, dt)
+
+
+def local_data(x: Any) -> Any:
+    """The array whose bytes this rank holds: a DTensor's local shard, a LocalShard's tensor."""
+    if isinstance(x, LocalShard):
+        return x.tensor
+    return x.to_local().detach()
+
+
+def dtensor_box(x: Any, path: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]:
+    """``(global_shape, offset, local_shape, replica)`` of a DTensor's local shard on this
+    rank. ``replica``: a lower rank of the mesh holds the same box (it differs from this
+    rank only in coordinates of ``Replicate`` mesh dimensions)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh, placements = x.device_mesh, tuple(x.placements)
+    for p in placements:
+        # _StridedShard (FSDP2 + TP on one dim) subclasses Shard: its local data is not one box
+        if type(p) is not Shard and type(p) is not Replicate:
+            raise UnsupportedStateError(
+                f"state path {path!r}: DTensor placement {type(p).__name__} ({p}) is not supported (only "
+                "Shard and Replicate hold a box of the global tensor); redistribute it to Shard/Replicate "
+                "placements (dtensor.redistribute(...)) or save dtensor.full_tensor()"
+            )
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise UnsupportedStateError(f"state path {path!r}: this rank is not in the DTensor's mesh")
+    local_shape, offset = compute_local_shape_and_global_offset(x.shape, mesh, placements)
+    if tuple(local_shape) != tuple(x.to_local().shape):
+        raise UnsupportedStateError(
+            f"state path {path!r}: the DTensor's local tensor has shape {tuple(x.to_local().shape)}, its "
+            f"placements give {tuple(local_shape)} (padded shards are not supported)"
+        )
+    holders = mesh.mesh[tuple(slice(None) if isinstance(p, Replicate) else coord[i]
+                              for i, p in enumerate(placements))]
+    replica = mesh.get_rank() != int(holders.min())
+    return tuple(int(d) for d in x.shape), tuple(int(o) for o in offset), tuple(int(d) for d in local_shape), replica
+
+
+def _check_box(path: str, global_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]) -> None:
+    if len(global_shape) != len(shape) or len(offset) != len(shape):
+        raise UnsupportedStateError(
+            f"state path {path!r}: a local shard of {len(shape)} dims, global shape {list(global_shape)} "
+            f"and offset {list(offset)} must have as many dims"
+        )
+    for d, (g, o, n) in enumerate(zip(global_shape, offset, shape)):
+        if g < 0 or o < 0 or o + n > g:
+            raise UnsupportedStateError(
+                f"state path {path!r}: dim {d}: elements [{o}, {o + n}) lie outside the global size {g}"
+            )
+
+
+def place(leaf: Leaf, x: Any, rank: int, replicated: bool) -> Leaf:
+    """Give ``leaf`` (built from ``local_data(x)`` or from ``x`` itself) its global record
+    when ``x`` is placed or ``replicated``; a replica becomes an empty leaf (no bytes) that
+    still records its box. Other leaves are returned unchanged (per-rank)."""
+    if leaf.kind == "npscalar" or not (replicated or is_placed(x)):
+        return leaf
+    if isinstance(x, LocalShard):
+        gshape, offset, replica = x.global_shape, x.offset, x.replica
+        _check_box(leaf.path, gshape, offset, leaf.shape)
+    elif is_placed(x):
+        gshape, offset, _shape, replica = dtensor_box(x, leaf.path)
+    else:  # a plain array the caller declared replicated: all of it, stored by rank 0
+        gshape, offset, replica = leaf.shape, (0,) * len(leaf.shape), rank != 0
+    leaf.shard = {"shape": list(gshape), "offset": list(offset), "region": list(leaf.shape), "replica": replica}
+    if replica:
+        if leaf.kind == "torch":
+            import torch
+
+            leaf.obj = torch.empty(0, dtype=leaf.obj.dtype)
+        else:
+            import numpy as np
+
+            leaf.obj = np.empty(0, dtype=leaf.obj.dtype)
+        leaf.shape, leaf.nbytes, leaf.strides, leaf.device = (0,), 0, None, "cpu"
+    return leaf
