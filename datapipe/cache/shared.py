@@ -75,6 +75,13 @@ class SharedDir(WarmDir):
             os.makedirs(d, exist_ok=True)
         super().__init__(root, budget_bytes)
 
+    def repair(self) -> None:
+        """Re-create the layout after the directory was deleted under us, the lease, record
+        and GET folders too (without them no fill could take its lease again)."""
+        for d in (self.leases, self.records_dir, self.gets):
+            os.makedirs(d, exist_ok=True)
+        super().repair()
+
     def lease(self, key: str, **fields: Any) -> SharedFileLease:
         return SharedFileLease(os.path.join(self.leases, key), timeout_s=self.lease_timeout_s, fields=fields)
 

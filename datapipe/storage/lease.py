@@ -103,12 +103,39 @@ def describe_holder(doc: dict[str, Any] | None, *, local: bool, now: float | Non
     return f"{who}, last heartbeat {age:.0f} s ago"
 
 
+def _read_id(path: str, link: bool = False) -> str | None:
+    try:
+        if link:
+            return os.readlink(path)
+        with open(path) as f:
+            return f.read().strip()[:100]
+    except OSError:
+        return None
+
+
+#: this host's boot and this process's pid namespace: a hostname alone does not say that a
+#: pid means the same process (containers with the host's network and hostname have pid
+#: namespaces of their own)
+_BOOT_ID = _read_id("/proc/sys/kernel/random/boot_id")
+_PID_NS = _read_id("/proc/self/ns/pid", link=True)
+
+
+def holder_here_fields() -> dict[str, Any]:
+    """What a lease document records so that a waiter can tell the holder's pid is its own
+    kind of pid (see :func:`holder_is_dead_here`)."""
+    return {"host": socket.gethostname(), "boot_id": _BOOT_ID, "pid_ns": _PID_NS}
+
+
 def holder_is_dead_here(doc: dict[str, Any] | None) -> bool:
-    """Whether the holder ran on this host and its process is gone."""
+    """Whether the holder ran on this host, in this boot and pid namespace, and its process
+    is gone. A holder whose document lacks the boot or namespace (or that ran in another
+    one) is judged by its heartbeat only."""
     if doc is None:
         return False
     pid = doc.get("pid")
     if doc.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    if _BOOT_ID is None or _PID_NS is None or doc.get("boot_id") != _BOOT_ID or doc.get("pid_ns") != _PID_NS:
         return False
     try:
         os.kill(pid, 0)
@@ -173,7 +200,7 @@ class WriterLease:
     # -- the document ---------------------------------------------------------------------
     def _body(self) -> bytes:
         now = time.time()
-        return self._encode({**self.fields, "writer": self.writer, "host": socket.gethostname(),
+        return self._encode({**self.fields, "writer": self.writer, **holder_here_fields(),
                              "pid": os.getpid(), "acquired_unix": self._acquired or now,
                              "heartbeat_unix": now, "ttl_s": self.ttl})
 
@@ -461,7 +488,7 @@ class SharedFileLease:
         except FileExistsError:
             return False
         try:
-            body = _encode_json({**self.fields, "writer": self.writer, "host": socket.gethostname(),
+            body = _encode_json({**self.fields, "writer": self.writer, **holder_here_fields(),
                                  "pid": os.getpid(), "acquired_unix": time.time(), "timeout_s": self.timeout_s})
             os.write(fd, body)
             os.fsync(fd)
