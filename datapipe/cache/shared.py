@@ -56,6 +56,7 @@ _MAX_RECORD_BYTES = 4096
 # clock (hosts' clocks may disagree by less than that)
 _TMP_DEAD_TIMEOUTS = 4
 _POLL_MIN_S, _POLL_MAX_S = 0.005, 0.5  # a waiter polls at most every 0.5 s: a few metadata ops
+_USAGE_TTL_S = 5.0  # how long a count of the shared directory's bytes is reused
 
 
 class SharedDir(WarmDir):
@@ -114,8 +115,31 @@ class SharedDir(WarmDir):
     def usage(self) -> int:
         """Bytes held, counted without the budget lease (that lease is for reservations,
         not for every ``stats()`` of every node): a copy published between the two scans
-        may count twice."""
-        return sum(s for _k, s, _m in self.entries()) + self._tmp_bytes()
+        may count twice. Counted again at most every few seconds: a count lists the whole
+        shared directory, and ``stats()`` may be called at every step."""
+        now = time.monotonic()
+        seen = getattr(self, "_usage_seen", None)
+        if seen is not None and now - seen[0] < _USAGE_TTL_S:
+            return int(seen[1])
+        used = sum(s for _k, s, _m in self.entries()) + self._tmp_bytes()
+        self._usage_seen = (now, used)
+        return used
+
+    def clean_dead_tmp(self, wait: bool = False) -> int:
+        """Delete temporary files whose writer's lease is gone, under the budget lease.
+        Without ``wait`` (each process as it opens the tier) only when no other node holds
+        that lease: thousands of processes starting at once must not queue for it one by
+        one; a fill that finds the tier full cleans them anyway."""
+        if wait:
+            with self._budget_lock():
+                return self._clean_dead_tmp_locked()
+        lease = SharedFileLease(os.path.join(self.root, "budget.lease"), timeout_s=self.lease_timeout_s)
+        if not lease.try_acquire():
+            return 0
+        try:
+            return self._clean_dead_tmp_locked()
+        finally:
+            lease.release()
 
     # -- no pins, no flocks ---------------------------------------------------------------
     def _pin(self, fd: int) -> None:
@@ -455,4 +479,4 @@ def clear_shared_dir(root: str) -> int:
                 os.unlink(os.path.join(folder, name))
             except FileNotFoundError:
                 pass
-    return removed + shared.clean_dead_tmp()
+    return removed + shared.clean_dead_tmp(wait=True)
