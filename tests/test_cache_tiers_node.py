@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -229,3 +230,19 @@ def test_a_pacing_state_file_with_garbage_never_stops_requests(tmp_path, doc):
     assert pacer.call(p, lambda: "answered") == "answered"
     assert 1 <= pacer.limit(p) <= 4
     pacer.close()
+
+
+def test_a_request_that_waits_past_its_attempt_gives_up_without_taking_a_slot(tmp_path):
+    # found by review: the retry layer abandons an attempt after its timeout; a waiter for a
+    # slot must not take one afterwards (its answer would be thrown away)
+    a = ColdPacer(str(tmp_path), ceiling=1)
+    b = ColdPacer(str(tmp_path), ceiling=1)  # another process of the node: the same slot files
+    p = "s3://b/ds"
+    ran = []
+    with a.slot(p):  # the one slot, held elsewhere on the node
+        with pytest.raises(TimeoutError, match="no request slot"):
+            b.call(p, lambda: ran.append(1), max_wait_s=0.2)
+    assert ran == []
+    assert b.call(p, lambda: "answered", max_wait_s=0.2) == "answered"  # free again
+    a.close()
+    b.close()

@@ -77,7 +77,8 @@ class ColdReader:
                     store = self.cold_wrapper(store)
                 self.stores[root] = store
                 if self.pacer is not None and not is_local_url(root):
-                    store = PacedStore(store, self.pacer)  # outermost: it sees every answer
+                    # outermost: it sees every answer
+                    store = PacedStore(store, self.pacer, self.retry.attempt_timeout_s)
                 self._paced[root] = store
         return store, name
 

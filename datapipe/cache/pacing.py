@@ -239,13 +239,20 @@ class ColdPacer:
         return fds, self._slot_locks[prefix]
 
     @contextmanager
-    def slot(self, prefix: str) -> Iterator[None]:
-        """Hold one of the prefix's ``limit`` slots (node-wide) for one request."""
+    def slot(self, prefix: str, max_wait_s: float | None = None) -> Iterator[None]:
+        """Hold one of the prefix's ``limit`` slots (node-wide) for one request. Waiting
+        longer than ``max_wait_s`` raises TimeoutError without taking one: by then the
+        retry layer has given up on this attempt, and a slot it took later would send a
+        request whose answer nobody reads."""
         t0 = time.monotonic()
         pause = _SLOT_POLL_S
         held = -1
         paused = False
         while held < 0:
+            if max_wait_s is not None and time.monotonic() - t0 > max_wait_s:
+                self.count(pacing_wait_seconds=time.monotonic() - t0)
+                raise TimeoutError(f"no request slot for {prefix} within {max_wait_s:g} s "
+                                   "(requests to it are paced after throttling)")
             with self._lock:
                 st = self._state(prefix)
                 fds, locks = self._slots(prefix)
@@ -281,10 +288,10 @@ class ColdPacer:
                 fcntl.flock(fds[held], fcntl.LOCK_UN)
             locks[held].release()
 
-    def call(self, prefix: str, fn: Callable[[], Any]) -> Any:
-        """``fn()`` holding a slot; its answer feeds the limit. Errors propagate unchanged
-        (the retry layer decides what to retry)."""
-        with self.slot(prefix):
+    def call(self, prefix: str, fn: Callable[[], Any], max_wait_s: float | None = None) -> Any:
+        """``fn()`` holding a slot (waiting at most ``max_wait_s`` for one); its answer
+        feeds the limit. Errors propagate unchanged (the retry layer decides what to retry)."""
+        with self.slot(prefix, max_wait_s):
             try:
                 out = fn()
             except BaseException as e:
@@ -307,33 +314,36 @@ class PacedStore(Store):
     """A cold store whose reads go through a :class:`ColdPacer` (writes are not the cold
     tier's business and pass through)."""
 
-    def __init__(self, inner: Store, pacer: ColdPacer) -> None:
+    def __init__(self, inner: Store, pacer: ColdPacer, max_wait_s: float | None = None) -> None:
         super().__init__(inner.root)
         self.inner = inner
         self.pacer = pacer
         self.prefix = pacing_prefix(inner.root + "/x")
+        #: how long a request waits for a slot: the retry policy's attempt timeout
+        self.max_wait_s = max_wait_s
 
     def url(self, key: str) -> str:
         return self.inner.url(key)
 
     def get(self, key: str) -> bytes:
-        out: bytes = self.pacer.call(self.prefix, lambda: self.inner.get(key))
+        out: bytes = self.pacer.call(self.prefix, lambda: self.inner.get(key), self.max_wait_s)
         return out
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
-        out: bytes = self.pacer.call(self.prefix, lambda: self.inner.get_range(key, start, end))
+        out: bytes = self.pacer.call(self.prefix, lambda: self.inner.get_range(key, start, end), self.max_wait_s)
         return out
 
     def get_range_at(self, key: str, start: int, end: int, version: str | None) -> bytes:
-        out: bytes = self.pacer.call(self.prefix, lambda: self.inner.get_range_at(key, start, end, version))
+        out: bytes = self.pacer.call(self.prefix, lambda: self.inner.get_range_at(key, start, end, version),
+                                     self.max_wait_s)
         return out
 
     def stat(self, key: str) -> tuple[int, str | None]:
-        out: tuple[int, str | None] = self.pacer.call(self.prefix, lambda: self.inner.stat(key))
+        out: tuple[int, str | None] = self.pacer.call(self.prefix, lambda: self.inner.stat(key), self.max_wait_s)
         return out
 
     def size(self, key: str) -> int:
-        out: int = self.pacer.call(self.prefix, lambda: self.inner.size(key))
+        out: int = self.pacer.call(self.prefix, lambda: self.inner.size(key), self.max_wait_s)
         return out
 
     def exists(self, key: str) -> bool:
