@@ -111,6 +111,7 @@ def choose_victims(
     schedule: NextUses[K] | None = None,
     incoming_next: float | None = None,
     horizon: int | None = None,
+    admit: bool = False,
 ) -> list[K] | None:
     """Victims that free at least ``need`` bytes for ``incoming``, or None: do not admit it.
 
@@ -120,7 +121,9 @@ def choose_victims(
     ``incoming_next`` is the index of incoming's next use, ``horizon`` the first index
     still to come (so entries are ranked by their next use at or after it). An entry needed
     no later than ``incoming`` is never evicted for it; if that leaves too little room,
-    the incoming object is not admitted (Belady's non-admission)."""
+    the incoming object is not admitted (Belady's non-admission). With ``admit`` (a reader
+    that must have the object in the tier: a pinned read), it is always admitted, and the
+    victims are still those used furthest in the future."""
     if need <= 0:
         return []
     cands = list(candidates)
@@ -132,7 +135,7 @@ def choose_victims(
         ranked = [(schedule.next_use(k, start), -rec, k, size) for k, size, rec in cands]
         ranked.sort(key=lambda r: (r[0], r[1]), reverse=True)  # furthest next use, then oldest
         cands = [(k, size, nxt) for nxt, _r, k, size in ranked]
-        incoming_rank = NEVER if incoming_next is None else incoming_next
+        incoming_rank = None if admit else (NEVER if incoming_next is None else incoming_next)
     victims: list[K] = []
     freed = 0
     for key, size, third in cands:

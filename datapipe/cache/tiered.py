@@ -616,11 +616,12 @@ class TieredCache:
     def _chooser(self, url: str, index: int | None, *, prefetch_at: int | None = None,
                  to_url: Callable[[str], str] = lambda k: k, force: bool = False,
                  node: bool = False) -> VictimChooser:
-        """choose(cands, need) for the tier: LRU, or Belady against the schedule; with
+        """choose(cands, need) for the tier: LRU, or Belady against the schedule (``force``:
+        a pinned read, always admitted); with
         ``node`` (the directories), against the futures of every live process of the
         node merged with this one's (future.py)."""
         s = self.schedule
-        if s is None or force:
+        if s is None:
             def lru(cands: list[tuple[str, int, float]], need: int, *_: object) -> list[str] | None:
                 return choose_victims(cands, need, url)
 
@@ -647,7 +648,9 @@ class TieredCache:
         def belady(cands: list[tuple[str, int, float]], need: int, *_: object) -> list[str] | None:
             named = [(to_url(k), size, rec) for k, size, rec in cands]
             back = {to_url(k): k for k, _s, _r in cands}
-            v = choose_victims(named, need, url, schedule=future, incoming_next=nxt, horizon=horizon)
+            # force (a pinned read: the reader needs the copy): always admitted, and what
+            # goes is still what is needed furthest in the future
+            v = choose_victims(named, need, url, schedule=future, incoming_next=nxt, horizon=horizon, admit=force)
             return None if v is None else [back[u] for u in v]
 
         return belady
