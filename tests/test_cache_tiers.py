@@ -439,3 +439,29 @@ def test_a_live_holder_in_another_pid_namespace_is_not_taken_over(tmp_path):
     lease2 = SharedFileLease(path, timeout_s=30)
     assert lease2.try_acquire() is True and lease2.takeovers == 1
     lease2.release()
+
+
+def test_a_holder_that_is_a_zombie_here_is_taken_over_at_once(tmp_path):
+    # found by the cluster benchmark: where pid 1 reaps nothing, a SIGKILLed holder stays a
+    # zombie and kill(pid, 0) succeeds; its lease must not wait for the timeout
+    import subprocess
+    import sys
+
+    from datapipe.storage.lease import holder_here_fields
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # exited, not reaped: a zombie until wait()
+        with open(f"/proc/{child.pid}/stat", "rb") as f:
+            if f.read().rpartition(b")")[2].split()[0] == b"Z":
+                break
+        time.sleep(0.01)
+    try:
+        path = str(tmp_path / "k")
+        with open(path, "w") as f:
+            json.dump({"writer": "w", **holder_here_fields(), "pid": child.pid, "timeout_s": 30}, f)
+        lease = SharedFileLease(path, timeout_s=30)
+        assert lease.try_acquire() is True and lease.takeovers == 1
+        lease.release()
+    finally:
+        child.wait()

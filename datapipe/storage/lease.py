@@ -143,7 +143,20 @@ def holder_is_dead_here(doc: dict[str, Any] | None) -> bool:
         return True
     except PermissionError:
         return False
-    return False
+    return _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    """A process that has exited but was not reaped (where pid 1 reaps nothing, as in some
+    containers, a killed holder stays a zombie): dead, though ``kill(pid, 0)`` succeeds."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read(4096)
+    except OSError:
+        return False
+    # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ")"
+    tail = stat_line.rpartition(b")")[2].split()
+    return bool(tail) and tail[0] in (b"Z", b"X")
 
 
 class WriterLease:
