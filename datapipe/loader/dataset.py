@@ -31,7 +31,8 @@ from numpy.typing import NDArray
 
 from ..decode import make_decoder
 from ..errors import DatapipeError, PlanError, StateMismatchError, TopologyError
-from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
+from ..plan import EpochPlan, fetch_order, layout_fingerprint, worker_chunk_steps
+from ..tables import ParquetTable
 from ..tarindex import resolve_source
 from ..topology import Topology
 from .batch import Batch
@@ -220,17 +221,43 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
     def _layout(self, epoch: int) -> tuple[NDArray[Any], NDArray[Any]]:
         return epoch_layout(self._stream_counts, self._targets, self.seed, epoch)
 
-    def _make_plan(self, world: int) -> tuple[EpochPlan, NDArray[Any]]:
-        counts, real = self._layout(self.epoch)
+    def _make_plan(self, world: int, epoch: int | None = None) -> tuple[EpochPlan, NDArray[Any]]:
+        """The plan of ``epoch`` (default: the current one, from the resume point if the
+        pass resumes) for ``world`` ranks, and the real shard of each virtual shard."""
+        epoch = self.epoch if epoch is None else epoch
+        counts, real = self._layout(epoch)
         algo = "window" if self.shuffle else "none"
         window = self.window if self.shuffle else 1
-        if self._resume is not None and self._resume.get("epoch") == self.epoch:
+        if self._resume is not None and self._resume.get("epoch") == epoch:
             plan = EpochPlan.from_state(counts, self._resume, seed=self.seed, window=window, algorithm=algo,
                                         world=world, drop_last=self.drop_last, fingerprint=self.fingerprint)
         else:
-            plan = EpochPlan(counts, seed=self.seed, epoch=self.epoch, window=window, algorithm=algo,
+            plan = EpochPlan(counts, seed=self.seed, epoch=epoch, window=window, algorithm=algo,
                              world=world, drop_last=self.drop_last, fingerprint=self.fingerprint)
         return plan, real
+
+    def future_shards(self, rank: int | None = None, worker: int = 0, num_workers: int = 1) -> NDArray[Any]:
+        """The shards this rank's ``worker`` (of ``num_workers`` DataLoader workers) fetches
+        from now to the end of the next epoch, in order: the rest of the current epoch (from
+        the resume point, if one is loaded) and then the whole next epoch. One entry per
+        fetch (see :func:`datapipe.plan.fetch_order`); shards read outside a cache (Parquet
+        tables) are left out. A pass hands exactly this to its cache's ``set_schedule``."""
+        own_rank, world = self._world()
+        rank = own_rank if rank is None else int(rank)
+        parts = []
+        for epoch in (self.epoch, self.epoch + 1):
+            plan, real = self._make_plan(world, epoch)
+            parts.append(fetch_order(plan, real, rank, worker, num_workers, self.batch_size, self.chunk_samples))
+        order = np.concatenate(parts)
+        cached = self._through_cache()
+        return order if cached is None else order[cached[order]]
+
+    def _through_cache(self) -> NDArray[Any] | None:
+        """Which real shards are read through the cache (None: all); Parquet tables are not."""
+        if not any(isinstance(ix, ParquetTable) for ix in self.source.indexes):
+            return None
+        return np.concatenate([np.full(len(ix.shards), not isinstance(ix, ParquetTable))
+                               for ix in self.source.indexes])
 
     def set_epoch(self, epoch: int) -> None:
         if int(epoch) < 0:
@@ -285,18 +312,14 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
     # -- iteration ----------------------------------------------------------------------
     def _chunks(self, plan: EpochPlan, real: NDArray[Any], rank: int, worker: int,
                 num_workers: int) -> Iterator[Chunk]:
-        start, stop = plan.start, plan.per_rank
-        batches = worker_batches(start, stop, self.batch_size, worker, num_workers)
-        per_chunk = max(1, self.chunk_samples // self.batch_size)
         # The first chunks are small and grow to full size: the reader starts on the first
         # batch while the prefetcher still plans the rest of the window.
-        i, size, number = 0, 1, 0
-        while i < len(batches):
-            steps = batch_steps(start, stop, self.batch_size, batches[i : i + min(size, per_chunk)])
+        chunks = worker_chunk_steps(plan.start, plan.per_rank, self.batch_size, worker, num_workers,
+                                    self.chunk_samples)
+        for number, steps in enumerate(chunks):
             # padding samples (repeats that even out the ranks) are read like any other
             vshard, sample, _padding = plan.rank_samples(rank, steps)
             yield Chunk.make(number, steps, real[vshard], sample)
-            i, size, number = i + min(size, per_chunk), size * 4, number + 1
 
     def __iter__(self) -> Iterator[Any]:
         # One pass at a time: the resume state (plan, samples yielded, skips) is the pass's,
@@ -326,14 +349,10 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
             on_error = ErrorPolicy(self.on_error == "skip", self.skipped)
             cache = self.cache
             source = self.source
-
-            def schedule(order: list[int]) -> None:
-                if cache is not None and hasattr(cache, "set_schedule"):
-                    cache.set_schedule([source.url(g) for g in order], lookahead=0)
-
+            self._tell_cache_the_future(rank, worker, num_workers)
             pre = Prefetcher(self._chunks(plan, real, rank, worker, num_workers),
                              lambda g: source.fetch(g, cache), source.shard_bytes,
-                             max_bytes=self.prefetch_bytes, concurrency=self.concurrency, schedule=schedule)
+                             max_bytes=self.prefetch_bytes, concurrency=self.concurrency)
             try:
                 for chunk in pre:
                     if self.batched:
@@ -352,6 +371,21 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         finally:
             if self._live is token:
                 self._live = None
+
+    def _tell_cache_the_future(self, rank: int, worker: int, num_workers: int) -> None:
+        """Hand the cache this worker's fetches to the end of the next epoch, once per pass
+        (the cache's position moves with the reads it serves). The loader fetches ahead on
+        its own, so the cache prefetches nothing (``lookahead=0``). A cache without
+        ``set_schedule`` evicts by its own rule; a hook that fails warns and reads go on."""
+        cache = self.cache
+        if cache is None or not hasattr(cache, "set_schedule"):
+            return
+        try:
+            urls = [self.source.url(g) for g in self.future_shards(rank, worker, num_workers).tolist()]
+            cache.set_schedule(urls, position=0, lookahead=0)
+        except Exception as e:
+            warnings.warn(f"the cache's set_schedule failed ({type(e).__name__}: {e}); reads go on, but its "
+                          "eviction does not know the upcoming shards", RuntimeWarning, stacklevel=3)
 
     def end_resumed_pass(self) -> None:
         """The resumed pass is over: the next pass starts the epoch afresh (called at the end of
