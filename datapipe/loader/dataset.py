@@ -256,8 +256,9 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         """Which real shards are read through the cache (None: all); Parquet tables are not."""
         if not any(isinstance(ix, ParquetTable) for ix in self.source.indexes):
             return None
-        return np.concatenate([np.full(len(ix.shards), not isinstance(ix, ParquetTable))
-                               for ix in self.source.indexes])
+        through: NDArray[Any] = np.concatenate([np.full(len(ix.shards), not isinstance(ix, ParquetTable))
+                                                for ix in self.source.indexes])
+        return through
 
     def set_epoch(self, epoch: int) -> None:
         if int(epoch) < 0:
@@ -382,7 +383,10 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
             return
         try:
             urls = [self.source.url(g) for g in self.future_shards(rank, worker, num_workers).tolist()]
-            cache.set_schedule(urls, position=0, lookahead=0)
+            # reads reach the cache out of order by fewer than `concurrency` places (fetches
+            # run in parallel); a wider window would let a late read match a later occurrence
+            # of its shard and move the cache's position past reads still to come
+            cache.set_schedule(urls, position=0, lookahead=0, window=self.concurrency)
         except Exception as e:
             warnings.warn(f"the cache's set_schedule failed ({type(e).__name__}: {e}); reads go on, but its "
                           "eviction does not know the upcoming shards", RuntimeWarning, stacklevel=3)
