@@ -236,16 +236,20 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                              world=world, drop_last=self.drop_last, fingerprint=self.fingerprint)
         return plan, real
 
-    def future_shards(self, rank: int | None = None, worker: int = 0, num_workers: int = 1) -> NDArray[Any]:
+    def future_shards(self, rank: int | None = None, worker: int = 0, num_workers: int = 1, *,
+                      epochs: int = 2) -> NDArray[Any]:
         """The shards this rank's ``worker`` (of ``num_workers`` DataLoader workers) fetches
-        from now to the end of the next epoch, in order: the rest of the current epoch (from
-        the resume point, if one is loaded) and then the whole next epoch. One entry per
+        from now to the end of ``epochs`` epochs, in order: the rest of the current epoch
+        (from the resume point, if one is loaded), then the whole of each next one (by
+        default one: the schedule a pass hands its cache). One entry per
         fetch (see :func:`datapipe.plan.fetch_order`); shards read outside a cache (Parquet
         tables) are left out. A pass hands exactly this to its cache's ``set_schedule``."""
         own_rank, world = self._world()
         rank = own_rank if rank is None else int(rank)
         parts = []
-        for epoch in (self.epoch, self.epoch + 1):
+        if epochs < 1:
+            raise PlanError(f"future_shards: epochs must be at least 1, got {epochs}")
+        for epoch in range(self.epoch, self.epoch + epochs):
             plan, real = self._make_plan(world, epoch)
             parts.append(fetch_order(plan, real, rank, worker, num_workers, self.batch_size, self.chunk_samples))
         order = np.concatenate(parts)
