@@ -2,11 +2,13 @@
 
 - tiered.py: `TieredCache`, the public API (read, read_range, local_path/pinned,
   prefetch, set_schedule, stats, close): hot (memory) -> warm (a node-local directory
-  shared by processes) -> cold (any store);
+  shared by processes) -> shared (a directory every node mounts) -> cold (any store);
 - process.py: the state one process holds for a cache (tiers, pools, pins, counters);
 - cold.py: reads from the cold store, one version per download, bounded in flight;
 - fill.py: filling the warm tier (single flight, room reserved first, copies verified);
 - hot.py, warm.py: the memory tier and the warm directory (single flight, budgets, pins);
+- shared.py: the shared tier, a directory every node mounts: the warm directory's
+  protocol with lease files instead of flocks, cluster-wide single flight;
 - eviction.py: the access schedule, Belady/LRU victim choice and hit-rate simulators;
 - node_stats.py: counters of every process using one warm directory.
 

@@ -15,9 +15,9 @@ from ..errors import CacheBudgetError, DatapipeError, ObjectChangedError, Storag
 from .cold import CHANGE_RESTARTS, SizeChanged
 from .eviction import VictimChooser
 from .process import ProcessState
-from .warm import BROKEN_DIR_ERRNOS, DISK_FULL_ERRNOS, WarmDir, fill_record, url_key
+from .warm import BROKEN_DIR_ERRNOS, DISK_FULL_ERRNOS, WarmDir, url_key
 
-__all__ = ["fill", "read_verified"]
+__all__ = ["fill", "read_verified", "fetch_below", "size_below"]
 
 #: how often a pin waiting for room looks again when the room can only come from another
 #: process (its releases cannot signal across processes)
@@ -53,7 +53,7 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
                     state.stats.update(warm_hits=1, warm_bytes=len(data))
                     return data
                 warm.discard(key, fd)
-            size = state.cold.size(url)
+            size = size_below(state, url)
             if size > warm.budget:
                 raise CacheBudgetError(
                     f"{url} is {size} bytes, more than warm_bytes={warm.budget}; raise "
@@ -82,10 +82,11 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
                 continue
             if res is None:
                 state.stats.update(warm_not_admitted=1)
-                return state.cold.fetch(url, checksum, background=prefetch)
+                return fetch_below(state, url, checksum, chooser, into="warm", background=prefetch)
             data = None
             try:
-                data = state.cold.fetch(url, checksum, fixed_size=size, background=prefetch)
+                data = fetch_below(state, url, checksum, chooser, into="warm", fixed_size=size,
+                                   background=prefetch)
                 res.write_and_publish(data, checksum or compute_checksum(data))
             except SizeChanged:
                 res.abort()
@@ -124,28 +125,61 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
         # evicted by another process between publish and pin: fill it again
 
 
+def size_below(state: ProcessState, url: str) -> int:
+    """The object's size as the tiers below the node's know it: the shared tier's record
+    of a published copy, else a request to cold."""
+    shared = state.shared
+    if shared is not None:
+        try:
+            return shared.size(state, url)
+        except OSError as e:
+            if not state.shared_broken(e):
+                raise
+    return state.cold.size(url)
+
+
+def fetch_below(state: ProcessState, url: str, checksum: str | None, chooser: Callable[[], VictimChooser], *,
+                into: str, fixed_size: int | None = None, background: bool = False) -> bytes:
+    """The whole object from the tiers below the node's: the shared tier (which fills
+    itself from cold under its cluster-wide single flight), else cold. Counts
+    ``<into>_from_shared`` or ``<into>_from_cold`` (``into``: the tier being filled)."""
+    shared = state.shared
+    if shared is not None:
+        try:
+            data, origin = shared.fetch(state, url, checksum, chooser, fixed_size=fixed_size, background=background)
+            state.stats.update({f"{into}_from_{origin}": 1})
+            return data
+        except OSError as e:
+            if not state.shared_broken(e):
+                raise
+    data = state.cold.fetch(url, checksum, fixed_size=fixed_size, background=background)
+    state.stats.update({f"{into}_from_cold": 1})
+    return data
+
+
 def read_verified(state: ProcessState, warm: WarmDir, url: str, fd: int, checksum: str | None, *,
-                  want_bytes: bool = True) -> bytes | None:
+                  want_bytes: bool = True, tier: str = "warm") -> bytes | None:
     """The whole pinned copy (b"" when not ``want_bytes``), or None if it fails
     verification: against ``checksum``, and against the size and digest the copy was
     filled with (or, without that record, the cold object's size). This process skips
     hashing a copy it verified before only while its size, mtime and ctime are
-    unchanged, so a copy damaged or truncated in place is verified again."""
+    unchanged, so a copy damaged or truncated in place is verified again. A failure counts
+    as ``<tier>_corrupt``."""
     st = os.fstat(fd)
-    record = fill_record(fd)
+    record = warm.record_of(url_key(url), fd)
     if record is not None:
         if record[0] != st.st_size:
-            state.stats.update(warm_corrupt=1)
+            state.stats.update({f"{tier}_corrupt": 1})
             return None
     elif warm.records:  # this filesystem keeps records: the copy is not a fill's
-        state.stats.update(warm_corrupt=1)
+        state.stats.update({f"{tier}_corrupt": 1})
         return None
     else:
         expected = state.cold.sizes.get(url)
         if expected is None and checksum is None:
             expected = state.cold.size(url)
         if expected is not None and expected != st.st_size:
-            state.stats.update(warm_corrupt=1)
+            state.stats.update({f"{tier}_corrupt": 1})
             return None
     wants = {d for d in (checksum, record[1] if record else None) if d}
     known = all(warm.is_verified(st, d) for d in wants)
@@ -160,7 +194,7 @@ def read_verified(state: ProcessState, warm: WarmDir, url: str, fd: int, checksu
             for d in wants:
                 warm.mark_verified(st, d)
             return data
-    state.stats.update(warm_corrupt=1)
+    state.stats.update({f"{tier}_corrupt": 1})
     return None
 
 

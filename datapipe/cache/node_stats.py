@@ -56,7 +56,12 @@ COUNTER_KEYS = ("hot_hits", "hot_misses", "hot_bytes", "hot_evictions", "hot_not
                 "warm_hits", "warm_misses", "warm_bytes", "warm_fills", "warm_evictions",
                 "warm_not_admitted", "warm_corrupt", "cold_reads", "cold_bytes", "cold_retries",
                 "cold_refetches", "range_refetches", "prefetched", "prefetch_errors",
-                "prefetch_not_admitted", "wait_seconds")
+                "prefetch_not_admitted", "wait_seconds",
+                # the shared tier (cluster-wide) and where each upper tier's misses came from
+                "shared_hits", "shared_misses", "shared_bytes", "shared_fills", "shared_evictions",
+                "shared_not_admitted", "shared_corrupt", "shared_waits", "shared_takeovers",
+                "shared_read_around", "warm_from_shared", "warm_from_cold", "hot_from_shared",
+                "hot_from_cold")
 
 STATS_DIR = "stats"
 FLUSH_INTERVAL_S = 0.5

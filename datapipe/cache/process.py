@@ -17,6 +17,7 @@ from ..storage import RetryPolicy, Store
 from .cold import ColdReader
 from .hot import HotTier, Turns
 from .node_stats import CounterFile, CounterFlusher
+from .shared import SharedTier
 from .warm import BROKEN_DIR_ERRNOS, WarmDir
 
 __all__ = ["ProcessState", "Stats"]
@@ -42,12 +43,14 @@ class Stats(Counter[str]):
 
 class ProcessState:
     """Everything a TieredCache holds in one process: the hot tier, the warm directory
-    (None when there is none or it could not be opened), the cold reader, pins, pending
+    and the shared tier (None when there is none or it could not be opened), the cold reader, pins, pending
     prefetches and their pool, the schedule-prefetch thread and its wake-up, counters."""
 
     def __init__(self, *, hot_bytes: int, warm_dir: str | None, warm_bytes: int, storage_options: dict[str, Any],
                  retry: RetryPolicy, max_inflight_bytes: int, prefetch_threads: int,
-                 cold_wrapper: Callable[[Store], Store] | None, stats_interval_s: float) -> None:
+                 cold_wrapper: Callable[[Store], Store] | None, stats_interval_s: float,
+                 shared_dir: str | None = None, shared_bytes: int = 0,
+                 lease_timeout_s: float = 30.0, shared_wait_s: float = 300.0) -> None:
         self.pid = os.getpid()
         self.lock = threading.RLock()
         self.stats = Stats()
@@ -77,6 +80,14 @@ class ProcessState:
                 self.stats.update(warm_tmp_cleaned=self.warm.cleaned)
             except OSError as e:
                 self.warn("warm-init", f"warm cache {warm_dir} unusable ({e}); reading through to the cold tier")
+        self.shared: SharedTier | None = None
+        if shared_dir is not None:
+            try:
+                self.shared = SharedTier(shared_dir, shared_bytes, lease_timeout_s=lease_timeout_s,
+                                         wait_s=shared_wait_s)
+                self.stats.update(shared_tmp_cleaned=self.shared.cleaned)
+            except OSError as e:
+                self.warn("shared-init", f"shared cache {shared_dir} unusable ({e}); reading through to the cold tier")
         if self.warm is not None:
             try:  # node-wide counters: this process's share, written to the warm dir
                 self.counters = CounterFlusher(self, CounterFile(self.warm.root), self.stats, stats_interval_s)
@@ -104,6 +115,22 @@ class ProcessState:
         except OSError as e2:
             repaired = f"; it cannot be re-created ({e2})"
         self.warn("warm_broken", f"warm cache {self.warm.root} failed ({e}){repaired}; "
+                  "reading through to the cold tier")
+        return True
+
+    def shared_broken(self, e: OSError) -> bool:
+        """True when ``e`` says the shared directory is gone or unwritable (unmounted,
+        read-only, stale handle): warned once, re-created if it can be; the caller reads
+        through to cold."""
+        if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS or self.shared is None:
+            return False
+        self.stats.update(shared_errors=1)
+        try:
+            self.shared.dir.repair()
+            repaired = ""
+        except OSError as e2:
+            repaired = f"; it cannot be re-created ({e2})"
+        self.warn("shared_broken", f"shared cache {self.shared.root} failed ({e}){repaired}; "
                   "reading through to the cold tier")
         return True
 

@@ -1,6 +1,8 @@
-"""TieredCache: read-through hot (memory) -> warm (shared local directory) -> cold (any URL).
+"""TieredCache: read-through hot (memory) -> warm (a node-local directory) -> shared (a
+directory every node mounts) -> cold (any URL).
 
-    cache = TieredCache(hot_bytes=2 << 30, warm_dir="/local/cache", warm_bytes=500 << 30)
+    cache = TieredCache(hot_bytes=2 << 30, warm_dir="/local/cache", warm_bytes=500 << 30,
+                        shared_dir="/lustre/cache", shared_bytes=50 << 40)   # shared: optional
     data = cache.read("s3://bucket/ds/shard-00007.tar", checksum=index_checksum)
     with cache.pinned(url) as path: ...        # a local file, never evicted while pinned
     cache.set_schedule(epoch_order)            # clairvoyant eviction + prefetch in that order
@@ -29,10 +31,11 @@ from ..errors import CacheBudgetError, DatapipeError, StorageError
 from ..storage import RetryPolicy, Store
 from .cold import CHANGE_RESTARTS, checksum_ok
 from .eviction import Schedule, VictimChooser, choose_victims
-from .fill import fill, read_verified
+from .fill import fetch_below, fill, read_verified, size_below
 from .node_stats import COUNTER_KEYS, FLUSH_INTERVAL_S, sum_counter_files
 from .process import ProcessState
-from .warm import BROKEN_DIR_ERRNOS, WarmDir, fill_record, url_key
+from .shared import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_SHARED_WAIT_S
+from .warm import BROKEN_DIR_ERRNOS, WarmDir, url_key
 
 __all__ = ["TieredCache", "CHANGE_RESTARTS"]
 
@@ -59,6 +62,11 @@ class TieredCache:
     picklable callable wrapping each cold Store, e.g. for fault injection),
     ``stats_interval_s`` (how often, at most, this process writes its counters to the
     warm directory for ``stats(node=True)``; also written at close and at exit).
+    ``shared_dir``/``shared_bytes`` (None/0: no shared tier): a directory every node
+    mounts, below the warm tier; a miss there is downloaded from cold by one node while
+    the others wait (see shared.py). ``lease_timeout_s``: how long a download's holder
+    may stay silent before another node takes its lease over; ``shared_wait_s``: how
+    long a node waits for another's download before reading cold itself.
 
     Errors: ObjectNotFoundError (no object at the URL), RemoteError (retries exhausted),
     ChecksumError (a fill failed its checksum twice), CacheBudgetError (an object larger
@@ -81,15 +89,26 @@ class TieredCache:
         pin_wait_s: float = 60.0,
         cold_wrapper: Callable[[Store], Store] | None = None,
         stats_interval_s: float = FLUSH_INTERVAL_S,
+        shared_dir: str | os.PathLike[str] | None = None,
+        shared_bytes: int = 0,
+        lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+        shared_wait_s: float = DEFAULT_SHARED_WAIT_S,
     ) -> None:
         for name, v in (("hot_bytes", hot_bytes), ("warm_bytes", warm_bytes),
-                        ("max_inflight_bytes", max_inflight_bytes)):
+                        ("max_inflight_bytes", max_inflight_bytes), ("shared_bytes", shared_bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise CacheBudgetError(f"{name} must be a non-negative int, got {v!r}")
         if warm_dir is not None and warm_bytes <= 0:
             raise CacheBudgetError(f"warm_dir={warm_dir!s} needs warm_bytes > 0")
         if warm_dir is None and warm_bytes:
             raise CacheBudgetError("warm_bytes given without warm_dir")
+        if shared_dir is not None and shared_bytes <= 0:
+            raise CacheBudgetError(f"shared_dir={shared_dir!s} needs shared_bytes > 0")
+        if shared_dir is None and shared_bytes:
+            raise CacheBudgetError("shared_bytes given without shared_dir")
+        for name, t in (("lease_timeout_s", lease_timeout_s), ("shared_wait_s", shared_wait_s)):
+            if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {t!r}")
         if max_inflight_bytes <= 0:
             raise CacheBudgetError("max_inflight_bytes must be > 0")
         if prefetch_threads < 1:
@@ -106,6 +125,10 @@ class TieredCache:
         self.pin_wait_s = pin_wait_s
         self.cold_wrapper = cold_wrapper
         self.stats_interval_s = float(stats_interval_s)
+        self.shared_dir = os.fspath(shared_dir) if shared_dir is not None else None
+        self.shared_bytes = shared_bytes
+        self.lease_timeout_s = float(lease_timeout_s)
+        self.shared_wait_s = float(shared_wait_s)
         self.schedule: Schedule[str] | None = None
         self._warm_urls: tuple[Schedule[str], dict[str, str]] | None = None  # warm file name -> URL
         self.schedule_checksums: dict[str, str] = {}
@@ -135,7 +158,9 @@ class TieredCache:
                         hot_bytes=self.hot_bytes, warm_dir=self.warm_dir, warm_bytes=self.warm_bytes,
                         storage_options=self.storage_options, retry=self.retry,
                         max_inflight_bytes=self.max_inflight_bytes, prefetch_threads=self.prefetch_threads,
-                        cold_wrapper=self.cold_wrapper, stats_interval_s=self.stats_interval_s)
+                        cold_wrapper=self.cold_wrapper, stats_interval_s=self.stats_interval_s,
+                        shared_dir=self.shared_dir, shared_bytes=self.shared_bytes,
+                        lease_timeout_s=self.lease_timeout_s, shared_wait_s=self.shared_wait_s)
         return state
 
     def _current_state(self) -> ProcessState | None:
@@ -149,12 +174,16 @@ class TieredCache:
         """Before a download for the hot tier: an object it can never hold is an error
         now, not after its bytes were fetched and kept in warm."""
         if self.hot_bytes > 0:
-            self._refuse_over_hot(url, state.cold.size(url))
+            self._refuse_over_hot(url, size_below(state, url))
 
     def _refuse_over_hot(self, url: str, size: int) -> None:
         if size > self.hot_bytes:
             raise CacheBudgetError(f"{url} is {size} bytes, more than hot_bytes={self.hot_bytes}; raise "
                                    f"hot_bytes to at least {size} or set it to 0")
+
+    def has_shared_tier(self) -> bool:
+        """True when the shared tier opened in this process (else reads go to cold)."""
+        return self._state().shared is not None
 
     def has_warm_tier(self) -> bool:
         """True when the warm tier opened in this process. A ``warm_dir`` that cannot be
@@ -204,7 +233,7 @@ class TieredCache:
                     if not state.warm_broken(e):
                         raise
             self._check_hot_fits(state, url)
-            return state.cold.fetch(url, checksum)
+            return fetch_below(state, url, checksum, self._shared_chooser(url, index), into="hot")
         fut = state.pending.get(url)
         if fut is not None:  # a prefetch of this URL is under way: wait for it
             t0 = time.monotonic()
@@ -214,7 +243,7 @@ class TieredCache:
             if hit is not None and (checksum is None or checksum == hit[1] or checksum_ok(hit[0], checksum)):
                 return hit[0]
         self._check_hot_fits(state, url)
-        return state.cold.fetch(url, checksum)
+        return fetch_below(state, url, checksum, self._shared_chooser(url, index), into="hot")
 
     def _from_warm(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None,
                    index: int | None) -> bytes:
@@ -252,7 +281,7 @@ class TieredCache:
         if ticket is None:
             return fill(state, warm, url, checksum, chooser, pin=pin, prefetch=prefetch, pin_wait_s=self.pin_wait_s)
         try:
-            state.cold.size(url)  # the HEAD request overlaps; only reservations go in turn
+            size_below(state, url)  # the HEAD request overlaps; only reservations go in turn
             if not state.turns.wait(ticket):
                 return None
             s = self.schedule
@@ -306,7 +335,7 @@ class TieredCache:
         if fd is not None:
             try:
                 size = os.fstat(fd).st_size
-                record = fill_record(fd)
+                record = warm.record_of(key, fd)
                 if record is not None and record[0] != size:
                     pass  # a copy truncated or grown in place: never a hit
                 elif record is None and warm.records:
@@ -316,7 +345,7 @@ class TieredCache:
                     if len(part) == end - start:
                         state.stats.update(warm_hits=1, warm_bytes=end - start)
                         return part
-                elif record is not None or size == state.cold.size(url):  # the copy is whole: a bad range
+                elif record is not None or size == size_below(state, url):  # the copy is whole: a bad range
                     _slice(b"", start, end, url, size)
                 state.stats.update(warm_corrupt=1)  # a copy shorter than the object
                 warm.discard(key, fd)
@@ -331,9 +360,9 @@ class TieredCache:
         return _slice(data, start, end, url)
 
     def _range_from_cold(self, state: ProcessState, url: str, start: int, end: int, index: int | None) -> bytes:
-        if self.hot_bytes > 0:
+        if self.hot_bytes > 0 or state.shared is not None:
             self._check_hot_fits(state, url)
-            data = state.cold.fetch(url, None)
+            data = fetch_below(state, url, None, self._shared_chooser(url, index), into="hot")
             self._admit_hot(state, url, data, None, index)
             return _slice(data, start, end, url)
         size = state.cold.size(url)
@@ -432,7 +461,9 @@ class TieredCache:
                 self._fill(state, state.warm, url, checksum, None, prefetch=True, prefetch_at=at, ticket=ticket)
             elif url not in state.hot:
                 self._check_hot_fits(state, url)
-                self._admit_hot(state, url, state.cold.fetch(url, checksum, background=True), checksum, at)
+                data = fetch_below(state, url, checksum, self._shared_chooser(url, None, prefetch_at=at),
+                                   into="hot", background=True)
+                self._admit_hot(state, url, data, checksum, at)
             state.stats.update(prefetched=1)
         except Exception as e:
             state.stats.update(prefetch_errors=1)
@@ -555,6 +586,12 @@ class TieredCache:
 
         return belady
 
+    def _shared_chooser(self, url: str, index: int | None, *,
+                        prefetch_at: int | None = None) -> Callable[[], VictimChooser]:
+        """The victim chooser of the shared tier when it is filled without a warm fill
+        around it (the warm fill hands its own chooser down)."""
+        return lambda: self._chooser(url, index, prefetch_at=prefetch_at, to_url=self._warm_key_to_url())
+
     def _warm_key_to_url(self) -> Callable[[str], str]:
         """Warm files are named by a hash of the URL; the schedule speaks URLs."""
         s = self.schedule
@@ -587,6 +624,8 @@ class TieredCache:
         out["hot_budget_bytes"] = self.hot_bytes
         out["warm_budget_bytes"] = self.warm_bytes
         out["warm_used_bytes"] = self._warm_usage(state)
+        out["shared_budget_bytes"] = self.shared_bytes
+        out["shared_used_bytes"] = self._shared_usage(state)
         out["inflight_peak_bytes"] = state.cold.inflight.peak
         out["pinned"] = state.pin_count()
         out["schedule_position"] = self.schedule_position
@@ -608,6 +647,16 @@ class TieredCache:
         out["warm_budget_bytes"] = self.warm_bytes
         out["warm_used_bytes"] = self._warm_usage(state)
         return out
+
+    def _shared_usage(self, state: ProcessState) -> int:
+        shared = state.shared
+        if shared is None:
+            return 0
+        try:
+            return shared.dir.usage()
+        except OSError as e:
+            state.shared_broken(e)
+            return 0
 
     def _warm_usage(self, state: ProcessState) -> int:
         """Bytes in the warm tier; 0 (with the one warning) when it is gone or unreadable:

@@ -175,10 +175,9 @@ class Reservation:
         while off < len(view):
             off += os.pwrite(self.fd, view[off:], off)
         if digest is not None:
-            try:
-                os.setxattr(self.fd, FILL_XATTR, f"{len(view)} {digest}".encode("ascii"))
-            except (OSError, AttributeError):
-                pass  # no xattrs here: readers fall back to the object's size
+            self.warm.write_record(self.fd, self.key, len(view), digest)
+        if self.warm.sync_before_publish:
+            os.fsync(self.fd)  # other hosts may open it the moment it is renamed
         # Published by rename: readers see the whole copy or none; its size is unchanged,
         # so the accounting does not move. Closing drops our lock on the published file.
         now = time.time_ns()
@@ -200,7 +199,16 @@ class Reservation:
 
 
 class WarmDir:
-    """One process's handle on a shared warm directory (see the module docstring)."""
+    """One process's handle on a shared warm directory (see the module docstring).
+
+    The directory's protocol (layout, reservations, publishing by rename, fill records,
+    verification) is shared with the cluster-wide tier, ``shared.SharedDir``, which
+    overrides only the hooks that rest on ``flock`` here: the budget lock, opening a copy,
+    eviction, temporary files and how their writer's death is told, and fill records."""
+
+    marker: dict[str, Any] = MARKER
+    #: flush a copy's bytes to the server before its rename publishes it (other hosts)
+    sync_before_publish = False
 
     def __init__(self, root: str, budget_bytes: int) -> None:
         self.root = os.path.abspath(root)
@@ -213,24 +221,40 @@ class WarmDir:
         self.evictions = 0
         # Where copies can carry their fill record, one without it was not written by a
         # filler (planted, or replaced behind our back) and is refused.
-        self.records = _xattrs_work(self.objects)
+        self.records = self._records_work()
         # (dev, ino) -> (signature when verified, digests it matched); per process
         self._verified: dict[tuple[int, int], tuple[tuple[int, int, int, int, int], set[str]]] = {}
         self.cleaned = self.clean_dead_tmp()
         try:
-            _write_meta(self.root, self.budget)
+            _write_meta(self.root, self.budget, self.marker)
         except OSError:
             pass  # only informational; a full disk must not stop reads
 
     def path(self, key: str) -> str:
         return os.path.join(self.objects, key)
 
+    # -- fill records ----------------------------------------------------------------------
+    def _records_work(self) -> bool:
+        """Whether every copy here carries a fill record (so one without is refused)."""
+        return _xattrs_work(self.objects)
+
+    def write_record(self, fd: int, key: str, size: int, digest: str) -> None:
+        """Attach the size and digest a copy is filled with, before it is published."""
+        try:
+            os.setxattr(fd, FILL_XATTR, f"{size} {digest}".encode("ascii"))
+        except (OSError, AttributeError):
+            pass  # no xattrs here: readers fall back to the object's size
+
+    def record_of(self, key: str, fd: int) -> tuple[int, str] | None:
+        """``(size, digest)`` the copy open at ``fd`` was filled with, or None."""
+        return fill_record(fd)
+
     def repair(self) -> None:
         """Re-create the layout after the directory was deleted under us; raises OSError
         when it cannot be (read-only, gone with its parent unwritable)."""
         for d in (self.objects, self.tmpdir, self.locks, os.path.join(self.root, "stats")):
             os.makedirs(d, exist_ok=True)
-        _write_meta(self.root, self.budget)
+        _write_meta(self.root, self.budget, self.marker)
 
     # -- trust ---------------------------------------------------------------------------
     def is_verified(self, st: os.stat_result, digest: str) -> bool:
@@ -255,7 +279,7 @@ class WarmDir:
         if fd is None:
             return None
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            self._pin(fd)
             # Between open and flock an evictor may have unlinked it (and a filler may have
             # published a new copy): only the inode still at the path counts.
             st = os.fstat(fd)
@@ -278,6 +302,10 @@ class WarmDir:
         except BaseException:
             os.close(fd)
             raise
+
+    def _pin(self, fd: int) -> None:
+        """Hold the copy against eviction while the fd is open (a shared flock)."""
+        fcntl.flock(fd, fcntl.LOCK_SH)
 
     def _carry_trust(self, before: os.stat_result, after: os.stat_result, stamp: int) -> None:
         """Our own recency stamp moves mtime and ctime; what was verified before it stays
@@ -323,6 +351,23 @@ class WarmDir:
     def _budget_lock(self) -> AbstractContextManager[None]:
         return _budget_lock(self.root)
 
+    def _new_tmp(self, key: str, owner: str | None) -> tuple[str, int]:
+        """A new temporary file for ``key`` and its fd, marked live (locked) before the
+        budget lock is released; ``owner`` is unused here (the lock says who lives)."""
+        tmp = os.path.join(self.tmpdir, f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        return tmp, fd
+
+    def _clean_dead_tmp_locked(self) -> int:
+        """Delete temporary files whose writer is gone; only under the budget lock."""
+        return _clean_dead_tmp(self.tmpdir)
+
     def entries(self) -> list[tuple[str, int, float]]:
         """Published copies as ``(key, size, mtime_ns)``."""
         out: list[tuple[str, int, float]] = []
@@ -362,11 +407,15 @@ class WarmDir:
             return sum(s for _k, s, _m in self.entries()) + self._tmp_bytes()
 
     def _try_evict(self, key: str) -> bool:
-        removed = _remove_unless_locked(self.path(key))
+        removed = self._remove_copy(key)
         if removed is False:
             return False  # someone is reading it or holds it pinned
         self.evictions += bool(removed)
         return True
+
+    def _remove_copy(self, key: str) -> bool | None:
+        """Delete the copy unless it is pinned or read: True, False (held), None (gone)."""
+        return _remove_unless_locked(self.path(key))
 
     def _held_except(self, key: str) -> tuple[list[tuple[str, int, float]], int]:
         """Published copies other than ``key``'s, and the bytes held with downloads in
@@ -380,6 +429,7 @@ class WarmDir:
         key: str,
         size: int,
         choose: VictimChooser,
+        owner: str | None = None,
     ) -> Reservation | None:
         """Make room for ``size`` bytes (evicting what ``choose(candidates, need)`` names,
         never a pinned copy) and create the sized temporary file. None when there is no
@@ -390,7 +440,7 @@ class WarmDir:
             # so the budget can only be over-estimated, never exceeded.
             entries, held = self._held_except(key)
             need = held + size - self.budget
-            if need > 0 and _clean_dead_tmp(self.tmpdir):
+            if need > 0 and self._clean_dead_tmp_locked():
                 entries, held = self._held_except(key)
                 need = held + size - self.budget
             busy: set[str] = set()
@@ -407,10 +457,8 @@ class WarmDir:
                         busy.add(v)
                     if need <= 0:
                         break
-            tmp = os.path.join(self.tmpdir, f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            tmp, fd = self._new_tmp(key, owner)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
                 os.ftruncate(fd, size)
             except BaseException:
                 os.close(fd)
@@ -421,7 +469,7 @@ class WarmDir:
     def clean_dead_tmp(self) -> int:
         """Delete temporary files whose writer is gone (nobody holds their lock)."""
         with self._budget_lock():
-            return _clean_dead_tmp(self.tmpdir)
+            return self._clean_dead_tmp_locked()
 
 
 @contextmanager
@@ -456,10 +504,10 @@ def _size_and_held(path: str) -> tuple[int, bool] | None:
         os.close(fd)
 
 
-def _write_meta(root: str, budget: int) -> None:
+def _write_meta(root: str, budget: int, marker: dict[str, Any] = MARKER) -> None:
     tmp = os.path.join(root, f".meta.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     with open(tmp, "w") as f:
-        json.dump({**MARKER, "budget_bytes": budget}, f)
+        json.dump({**marker, "budget_bytes": budget}, f)
     os.replace(tmp, os.path.join(root, "meta.json"))
 
 

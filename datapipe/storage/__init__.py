@@ -8,7 +8,8 @@
   set once per URL prefix (or in ``DATAPIPE_STORAGE_OPTIONS``), merged by ``open_store``;
 - retry.py: one retry and timeout layer for cold requests;
 - lease.py: one writer per destination (a flock locally; a lease with a heartbeat and
-  conditional writes on object stores);
+  conditional writes on object stores); SharedFileLease, a lease file (O_EXCL, heartbeat,
+  rename takeover) for directories several hosts mount;
 - faults.py: a fault-injecting wrapper for tests and benchmarks (not exported here).
 
 Imports: errors and checksum only. It knows no tar, no cache, no pack or checkpoint.

@@ -19,6 +19,14 @@ Exclusion comes from the storage, never from reading and then writing:
 
 A holder checks that it still holds the lease (:meth:`WriterLease.check`) before it
 publishes anything that only one writer may publish.
+
+:class:`SharedFileLease` is the lease for a directory that several hosts mount (NFS,
+Lustre, GPFS), where ``flock`` is not to be trusted: a lease file created with
+``O_EXCL``, a heartbeat thread moving its mtime, and a takeover by ``rename`` once the
+heartbeat stops, judged by the waiter's own clock (see the class). It is a separate class,
+not a fourth mode of WriterLease: its callers (the cache's shared tier) hold it for one
+download, poll it without blocking and must see the holder of every key they wait on,
+while WriterLease blocks one writer per destination for a whole run.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -39,7 +48,7 @@ from ..checksum import checksum
 from ..errors import ObjectNotFoundError, StorageError
 from .store import Store
 
-__all__ = ["WriterLease", "LeaseBusyError", "LeaseLostError", "MAX_LEASE_BYTES"]
+__all__ = ["WriterLease", "SharedFileLease", "LeaseBusyError", "LeaseLostError", "MAX_LEASE_BYTES"]
 
 #: a lease document is small; anything larger is not one
 MAX_LEASE_BYTES = 1 << 16
@@ -367,3 +376,197 @@ class WriterLease:
                     self._tag = None
             except (OSError, StorageError):
                 pass  # an unreleased remote lease goes stale after ttl; a local one with us
+
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+class SharedFileLease:
+    """A lease file on a filesystem that several hosts share, without ``flock``.
+
+    - taken: ``open(path, O_CREAT | O_EXCL)`` (atomic on NFSv3+, Lustre, GPFS), then the
+      holder's document (writer id, host, pid, the caller's ``fields``) written and synced;
+    - alive: a daemon thread sets the file's mtime every ``timeout_s / 4`` seconds (an
+      explicit nanosecond stamp, so every beat changes it);
+    - dead: a waiter that sees the same file (inode, mtime, size, content) unchanged for
+      ``timeout_s`` by its own monotonic clock, so clocks of different hosts never have
+      to agree; or at once, when the holder ran on this host and its pid is gone;
+    - taken over: the waiter renames the dead file to a name of its own (of two waiters
+      renaming one file, one succeeds), checks that what it moved is the file it judged
+      dead (else puts it back with ``link``, which never overwrites), deletes it and
+      creates the lease anew with ``O_EXCL``, which again only one contender wins.
+
+    Holding the lease makes the holder the one expected to do the work; it is not what
+    keeps data whole (publishing by rename does that), so a rare double holder costs a
+    duplicate download, never a torn file. A lease path that is a link, a directory or
+    anything but a regular file raises StorageError naming it. Instances are per waiter:
+    :meth:`try_acquire` remembers what it saw to time the holder's silence."""
+
+    def __init__(self, path: str, *, timeout_s: float = 30.0, fields: dict[str, Any] | None = None) -> None:
+        if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"lease timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        self.path = path
+        self.timeout_s = float(timeout_s)
+        self.fields = dict(fields or {})
+        self.writer = uuid.uuid4().hex
+        self.takeovers = 0
+        self._fd: int | None = None
+        self._ino: tuple[int, int] | None = None
+        self._pid = os.getpid()
+        self._seen: tuple[tuple[Any, ...], float] | None = None  # (identity, monotonic first seen)
+        self._holder: dict[str, Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    @property
+    def holder(self) -> dict[str, Any] | None:
+        """The document of the holder last seen by :meth:`try_acquire` (None: unreadable)."""
+        return self._holder
+
+    def silent_for(self) -> float:
+        """Seconds the current holder's file has been seen unchanged by this waiter."""
+        return 0.0 if self._seen is None else time.monotonic() - self._seen[1]
+
+    def try_acquire(self) -> bool:
+        """One attempt, never blocking: True when this instance now holds the lease."""
+        if self._fd is not None:
+            return True
+        for _ in range(3):  # the file may vanish between our create and our look at it
+            if self._create():
+                return True
+            seen = self._look()
+            if seen is None:
+                continue  # released meanwhile: try to create it again
+            identity, doc = seen
+            self._holder = doc
+            now = time.monotonic()
+            if self._seen is None or self._seen[0] != identity:
+                self._seen = (identity, now)  # a new holder or a heartbeat: it lives
+                if not holder_is_dead_here(doc):
+                    return False
+            elif now - self._seen[1] < self.timeout_s and not holder_is_dead_here(doc):
+                return False
+            if not self._take_over(identity):
+                return False
+            self.takeovers += 1
+        return False
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            body = _encode_json({**self.fields, "writer": self.writer, "host": socket.gethostname(),
+                                 "pid": os.getpid(), "acquired_unix": time.time(), "timeout_s": self.timeout_s})
+            os.write(fd, body)
+            os.fsync(fd)
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            raise
+        self._fd, self._ino, self._seen = fd, (st.st_dev, st.st_ino), None
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._heartbeat, name="datapipe-shared-lease", daemon=True)
+        self._thread.start()
+        return True
+
+    def _look(self) -> tuple[tuple[Any, ...], dict[str, Any] | None] | None:
+        """(identity, document) of the lease file now there, or None if there is none.
+        Opening it (close-to-open on NFS) revalidates its attributes."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | _O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise StorageError(f"lease {self.path} is a symbolic link; a lease is never read through "
+                                   "one: remove it (no process of ours makes links there)") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StorageError(f"lease {self.path} is not a regular file; remove it (no process of "
+                                   "ours makes anything else there)")
+            data = os.pread(fd, MAX_LEASE_BYTES + 1, 0)
+        finally:
+            os.close(fd)
+        doc = _decode_json(data) if len(data) <= MAX_LEASE_BYTES else None
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, checksum(data)), doc
+
+    def _take_over(self, identity: tuple[Any, ...]) -> bool:
+        """Move the dead file ``identity`` away; True when it was that file and is gone."""
+        return _remove_exact(self.path, identity[:3], f"{self.path}.dead-{self.writer}")
+
+    def _heartbeat(self) -> None:
+        period = self.timeout_s / 4
+        while not self._stop.wait(period):
+            fd = self._fd
+            if fd is None:
+                return
+            try:
+                now = time.time_ns()
+                os.utime(fd, ns=(now, now))
+            except OSError:
+                pass  # a transient failure of the shared filesystem; the next beat tries again
+
+    def still_held(self) -> bool:
+        """Whether the file at the path is still the one this holder created."""
+        if self._ino is None:
+            return False
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return (st.st_dev, st.st_ino) == self._ino
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lease file if it is still ours (a forked
+        child leaves its parent's lease alone)."""
+        if self._fd is None or os.getpid() != self._pid:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        fd, self._fd = self._fd, None
+        try:
+            st = os.fstat(fd)
+            _remove_exact(self.path, (st.st_dev, st.st_ino, st.st_mtime_ns), f"{self.path}.done-{self.writer}")
+        except OSError:
+            pass  # the filesystem is gone; a lease left behind goes stale after timeout_s
+        finally:
+            os.close(fd)
+            self._ino = None
+
+
+def _remove_exact(path: str, identity: tuple[int, int, int], private: str) -> bool:
+    """Delete the file at ``path`` only if it is ``identity`` (dev, ino, mtime_ns): rename it
+    to ``private`` (atomic: of two callers one moves it), compare, and put back with
+    ``link`` (never over a newer file) what turned out to be another file."""
+    try:
+        os.rename(path, private)
+    except FileNotFoundError:
+        return False
+    try:
+        st = os.stat(private, follow_symlinks=False)
+        if (st.st_dev, st.st_ino, st.st_mtime_ns) == identity:
+            return True
+        try:
+            os.link(private, path)  # a live holder's file, moved by a race: put it back
+        except FileExistsError:
+            pass  # a newer lease is there already; that holder's lease stands
+        return False
+    finally:
+        try:
+            os.unlink(private)
+        except FileNotFoundError:
+            pass

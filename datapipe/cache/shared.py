@@ -1,0 +1,350 @@
+"""The shared tier: one directory that every node of a cluster mounts (NFS, Lustre, GPFS),
+between the node-local tier and the cold store, with cluster-wide single flight.
+
+Layout under the root (the warm tier's, see warm.py, plus what replaces its flocks)::
+
+    objects/<key>            published copies, each complete (renamed into place)
+    records/<key>            {"size", "digest"} of the copy, written before the copy is renamed
+    tmp/<key>.<writer>       downloads in progress, sized up front, named by their lease's writer
+    leases/<key>             fill leases (storage.lease.SharedFileLease): O_EXCL + heartbeat
+    budget.lease             the budget's lease, held while usage is counted and room is made
+    gets/<key>.<rand>        one empty file per whole-object GET from cold through this tier
+    meta.json                marker and budget
+
+Why not the warm tier's flocks: ``flock`` over NFS is emulated or absent, and a lock held by
+a host that vanished may never be released. Every cross-host exclusion here is a lease file
+whose holder's death is judged from its silence (see SharedFileLease); every copy is
+published by rename after an fsync and carries a record (size and digest) that each reader
+checks before it uses a byte, so neither a dead writer's temporary file nor a torn copy is
+ever served. A copy is not pinned: eviction may delete one being read, which the reader's
+open descriptor survives (POSIX; NFS's silly rename); a read that fails is a miss.
+
+Single flight: a node that misses takes the key's fill lease and downloads; the others wait
+(polling for the published copy, at most ``wait_s``), take the lease over when its holder
+falls silent for ``lease_timeout_s``, or read around it from cold once ``wait_s`` is spent.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from ..checksum import checksum as compute_checksum
+from ..errors import DatapipeError, StorageError
+from ..storage.lease import MAX_LEASE_BYTES, SharedFileLease
+from .cold import CHANGE_RESTARTS, SizeChanged
+from .eviction import VictimChooser
+from .warm import DISK_FULL_ERRNOS, WarmDir, _open_regular, url_key
+
+__all__ = ["SharedDir", "SharedTier", "SHARED_MARKER", "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SHARED_WAIT_S"]
+
+if TYPE_CHECKING:
+    from .process import ProcessState
+
+SHARED_MARKER = {"format": "datapipe-shared-cache", "version": 1}
+DEFAULT_LEASE_TIMEOUT_S = 30.0
+DEFAULT_SHARED_WAIT_S = 300.0
+_MAX_RECORD_BYTES = 4096
+# a temporary file is dead once its lease's heartbeat is this many timeouts old by our
+# clock (hosts' clocks may disagree by less than that)
+_TMP_DEAD_TIMEOUTS = 4
+_POLL_MIN_S, _POLL_MAX_S = 0.005, 0.25
+
+
+class SharedDir(WarmDir):
+    """The warm directory's protocol with leases instead of flocks (see the module doc)."""
+
+    marker = SHARED_MARKER
+    sync_before_publish = True
+
+    def __init__(self, root: str, budget_bytes: int, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S) -> None:
+        self.lease_timeout_s = float(lease_timeout_s)
+        root = os.path.abspath(root)
+        self.leases = os.path.join(root, "leases")
+        self.records_dir = os.path.join(root, "records")
+        self.gets = os.path.join(root, "gets")
+        for d in (self.leases, self.records_dir, self.gets):
+            os.makedirs(d, exist_ok=True)
+        super().__init__(root, budget_bytes)
+
+    def lease(self, key: str, **fields: Any) -> SharedFileLease:
+        return SharedFileLease(os.path.join(self.leases, key), timeout_s=self.lease_timeout_s, fields=fields)
+
+    # -- fill records: a file beside the copy (NFS may keep no xattrs) ----------------------
+    def _records_work(self) -> bool:
+        return True  # every copy here is published after its record
+
+    def write_record(self, fd: int, key: str, size: int, digest: str) -> None:
+        tmp = os.path.join(self.records_dir, f".{key}.{uuid.uuid4().hex[:8]}")
+        with open(tmp, "w") as f:
+            json.dump({"size": size, "digest": digest}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.records_dir, key))
+
+    def record_of(self, key: str, fd: int | None = None) -> tuple[int, str] | None:
+        rfd = _open_regular(os.path.join(self.records_dir, key))
+        if rfd is None:
+            return None
+        try:
+            doc = json.loads(os.pread(rfd, _MAX_RECORD_BYTES, 0))
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(rfd)
+        if not isinstance(doc, dict):
+            return None
+        size, digest = doc.get("size"), doc.get("digest")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str):
+            return None
+        return size, digest
+
+    # -- no pins, no flocks ---------------------------------------------------------------
+    def _pin(self, fd: int) -> None:
+        pass  # nothing holds a copy against eviction across hosts (see the module doc)
+
+    def _remove_copy(self, key: str) -> bool | None:
+        try:
+            os.unlink(self.path(key))
+            return True
+        except FileNotFoundError:
+            return None
+
+    @contextmanager
+    def _budget_lock(self) -> Iterator[None]:
+        lease = SharedFileLease(os.path.join(self.root, "budget.lease"), timeout_s=self.lease_timeout_s)
+        pause = _POLL_MIN_S
+        while not lease.try_acquire():
+            time.sleep(pause)
+            pause = min(_POLL_MAX_S, pause * 2)
+        try:
+            yield
+        finally:
+            lease.release()
+
+    def _new_tmp(self, key: str, owner: str | None) -> tuple[str, int]:
+        """``tmp/<key>.<owner>``: alive while the lease of ``key`` is ``owner``'s and beats."""
+        owner = owner or uuid.uuid4().hex
+        tmp = os.path.join(self.tmpdir, f"{key}.{owner}")
+        return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+
+    def _clean_dead_tmp_locked(self) -> int:
+        try:
+            names = os.listdir(self.tmpdir)
+        except FileNotFoundError:
+            return 0
+        removed = 0
+        for name in names:
+            key, _dot, owner = name.rpartition(".")
+            if key and self._writer_alive(key, owner):
+                continue
+            try:
+                os.unlink(os.path.join(self.tmpdir, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
+
+    def drop_tmp_of_others(self, key: str, owner: str) -> int:
+        """Delete ``key``'s temporary files of writers other than ``owner``, who holds the
+        key's lease: they are dead (their lease was taken over). Under the budget lock,
+        as every deletion in tmp/."""
+        prefix = f"{key}."
+        if not any(n.startswith(prefix) for n in os.listdir(self.tmpdir)):
+            return 0
+        removed = 0
+        with self._budget_lock():
+            for name in os.listdir(self.tmpdir):
+                if name.startswith(prefix) and name != f"{key}.{owner}":
+                    try:
+                        os.unlink(os.path.join(self.tmpdir, name))
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
+        return removed
+
+    def _writer_alive(self, key: str, owner: str) -> bool:
+        """Whether ``key``'s lease is held by ``owner`` and has beaten lately."""
+        fd = _open_regular(os.path.join(self.leases, key))
+        if fd is None:
+            return False
+        try:
+            st = os.fstat(fd)
+            data = os.pread(fd, MAX_LEASE_BYTES + 1, 0)
+        finally:
+            os.close(fd)
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            return False
+        if not isinstance(doc, dict) or doc.get("writer") != owner:
+            return False
+        return time.time_ns() - st.st_mtime_ns < _TMP_DEAD_TIMEOUTS * self.lease_timeout_s * 1e9
+
+    def note_cold_get(self, key: str) -> None:
+        """One whole-object GET of ``key`` from cold through this tier (``cache stats``)."""
+        try:
+            os.close(os.open(os.path.join(self.gets, f"{key}.{uuid.uuid4().hex[:12]}"),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        except OSError:
+            pass  # only a statistic
+
+
+class SharedTier:
+    """One process's use of a shared directory: ``size`` and ``fetch`` of a URL through it
+    (see the module docstring). ``fetch`` returns the bytes and where they came from
+    (``"shared"`` or ``"cold"``); counters go to the process's stats as ``shared_*``."""
+
+    def __init__(self, root: str, budget_bytes: int, *, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+                 wait_s: float = DEFAULT_SHARED_WAIT_S) -> None:
+        self.dir = SharedDir(root, budget_bytes, lease_timeout_s)
+        self.wait_s = float(wait_s)
+        self.cleaned = self.dir.cleaned
+
+    @property
+    def root(self) -> str:
+        return self.dir.root
+
+    def size(self, state: ProcessState, url: str) -> int:
+        """The object's size: from the record of a published copy (no request to cold),
+        else from cold."""
+        key = url_key(url)
+        if os.path.exists(self.dir.path(key)):
+            rec = self.dir.record_of(key)
+            if rec is not None:
+                return rec[0]
+        return state.cold.size(url)
+
+    def _copy(self, state: ProcessState, url: str, key: str, checksum: str | None) -> bytes | None:
+        """The published copy, verified against its record and ``checksum``; a copy that
+        fails is removed (only the file we checked) and None returned."""
+        from .fill import read_verified  # fill.py imports process.py, which opens this tier
+
+        fd = self.dir.open_pinned(key)
+        if fd is None:
+            return None
+        try:
+            data = read_verified(state, self.dir, url, fd, checksum, tier="shared")
+        except OSError as e:
+            os.close(fd)
+            if isinstance(e, DatapipeError) or e.errno not in (errno.ESTALE, errno.ENOENT, errno.EIO):
+                raise
+            return None  # evicted under us by another host
+        if data is None:
+            self.dir.discard(key, fd)
+        else:
+            os.close(fd)
+        return data
+
+    def fetch(self, state: ProcessState, url: str, checksum: str | None, chooser: Callable[[], VictimChooser], *,
+              fixed_size: int | None = None, background: bool = False) -> tuple[bytes, str]:
+        key = url_key(url)
+        lease = self.dir.lease(key, url=url)
+        t0 = time.monotonic()
+        pause = _POLL_MIN_S
+        counted_miss = waited = False
+        try:
+            while True:
+                data = self._copy(state, url, key, checksum)
+                if data is not None:
+                    state.stats.update(shared_hits=1, shared_bytes=len(data))
+                    return _sized(data, fixed_size), "shared"
+                if not counted_miss:
+                    state.stats.update(shared_misses=1)
+                    counted_miss = True
+                try:
+                    got = lease.try_acquire()
+                except StorageError as e:  # a lease path that is no lease file of ours
+                    state.warn("shared_lease", f"shared cache {self.root}: {e}; reading {url} around it")
+                    return self._read_around(state, url, key, checksum, fixed_size, background), "cold"
+                if lease.takeovers:
+                    state.stats.update(shared_takeovers=lease.takeovers)
+                    lease.takeovers = 0
+                if got:
+                    try:
+                        data = self._copy(state, url, key, checksum)  # published while we waited
+                        if data is not None:
+                            state.stats.update(shared_hits=1, shared_bytes=len(data))
+                            return _sized(data, fixed_size), "shared"
+                        return self._fill(state, url, key, checksum, chooser, lease, fixed_size, background)
+                    finally:
+                        lease.release()
+                if time.monotonic() - t0 >= self.wait_s:
+                    state.stats.update(shared_read_around=1)
+                    return self._read_around(state, url, key, checksum, fixed_size, background), "cold"
+                if not waited:
+                    state.stats.update(shared_waits=1)
+                    waited = True
+                time.sleep(pause)
+                pause = min(_POLL_MAX_S, self.dir.lease_timeout_s / 8, pause * 2)
+        finally:
+            if waited and not background:
+                state.stats.update(wait_seconds=time.monotonic() - t0)
+
+    def _read_around(self, state: ProcessState, url: str, key: str, checksum: str | None,
+                     fixed_size: int | None, background: bool) -> bytes:
+        data = state.cold.fetch(url, checksum, fixed_size=fixed_size, background=background)
+        self.dir.note_cold_get(key)
+        return data
+
+    def _fill(self, state: ProcessState, url: str, key: str, checksum: str | None,
+              chooser: Callable[[], VictimChooser], lease: SharedFileLease, fixed_size: int | None,
+              background: bool) -> tuple[bytes, str]:
+        """Under the key's lease: room reserved, the object fetched from cold once, the copy
+        published. Without room (or with a full disk) the bytes are still returned."""
+        state.stats.update(shared_tmp_cleaned=self.dir.drop_tmp_of_others(key, lease.writer))
+        resized = 0
+        while True:
+            size = state.cold.size(url)
+            if fixed_size is not None and size != fixed_size:
+                raise SizeChanged()
+            res = None
+            if size <= self.dir.budget:
+                before = self.dir.evictions
+                try:
+                    res = self.dir.reserve(key, size, chooser(), owner=lease.writer)
+                except OSError as e:
+                    if e.errno not in DISK_FULL_ERRNOS:
+                        raise
+                    state.warn("shared_full", f"shared cache {self.root} cannot take {url} ({e}); reading through")
+                state.stats.update(shared_evictions=self.dir.evictions - before)
+            if res is None:
+                state.stats.update(shared_not_admitted=1)
+                return self._read_around(state, url, key, checksum, fixed_size, background), "cold"
+            try:
+                data = state.cold.fetch(url, checksum, fixed_size=size, background=background)
+            except SizeChanged:
+                res.abort()
+                resized += 1
+                if resized > CHANGE_RESTARTS:
+                    raise
+                continue
+            except BaseException:
+                res.abort()
+                raise
+            self.dir.note_cold_get(key)
+            try:
+                res.write_and_publish(data, checksum or compute_checksum(data))
+            except OSError as e:
+                res.abort()
+                if isinstance(e, DatapipeError):
+                    raise
+                state.warn("shared_full", f"shared cache {self.root} could not keep {url} ({e}); reading through")
+                return data, "cold"
+            except BaseException:
+                res.abort()
+                raise
+            state.stats.update(shared_fills=1)
+            return data, "cold"
+
+
+def _sized(data: bytes, fixed_size: int | None) -> bytes:
+    if fixed_size is not None and len(data) != fixed_size:
+        raise SizeChanged()
+    return data

@@ -1,0 +1,253 @@
+"""The shared tier: "nodes" (spawned processes, each with its own local dir) share one
+directory over moto's S3 on loopback; exactly one cold GET per object, byte-exact reads,
+local budgets kept, a killed or frozen download's lease taken over, nothing partial served."""
+
+import functools
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from datapipe.cache import TieredCache
+from datapipe.cache.shared import SharedDir
+from datapipe.cache.warm import WarmDir, url_key
+from datapipe.checksum import checksum
+from datapipe.errors import CacheBudgetError
+from datapipe.storage import open_store
+from datapipe.storage.faults import FaultInjectingStore
+from datapipe.storage.lease import SharedFileLease
+
+CTX = mp.get_context("spawn")
+
+
+class CountingStore(FaultInjectingStore):
+    """Appends one line per GET request (whole or ranged) to ``log``: the count across
+    processes comes from the requests themselves, not from the cache's counters."""
+
+    def __init__(self, inner, *, log, **faults):
+        super().__init__(inner, **faults)
+        self.log = log
+
+    def _fault(self, key):
+        with open(self.log, "a") as f:
+            f.write(key + "\n")
+        return super()._fault(key)
+
+
+def _gets(log):
+    try:
+        with open(log) as f:
+            return [line.strip() for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _put(s3, n, size):
+    root, opts = s3
+    store = open_store(root, opts)
+    sums = {}
+    for i in range(n):
+        data = os.urandom(size + i)
+        store.put(f"ds/shard-{i:03d}.tar", data)
+        sums[f"{root}/ds/shard-{i:03d}.tar"] = checksum(data)
+    return sums
+
+
+def _node_cache(tmp_path, node, s3, log, *, warm_bytes=4 << 20, shared_bytes=64 << 20, **kw):
+    return TieredCache(warm_dir=tmp_path / f"node{node}", warm_bytes=warm_bytes,
+                       shared_dir=tmp_path / "shared", shared_bytes=shared_bytes, storage_options=s3[1],
+                       cold_wrapper=functools.partial(CountingStore, log=str(log)), **kw)
+
+
+def _node(cache, sums, order_seed, barrier, q):
+    """One node: read every object twice in its own order; report what was wrong."""
+    import random
+
+    try:
+        barrier.wait(60)
+        urls = sorted(sums)
+        bad = []
+        peak = 0
+        local = WarmDir(cache.warm_dir, cache.warm_bytes)
+        for _ in range(2):
+            random.Random(order_seed).shuffle(urls)
+            for u in urls:
+                if checksum(cache.read(u)) != sums[u]:
+                    bad.append(u)
+                peak = max(peak, local.usage())
+        q.put((bad, peak, cache.stats()))
+    except BaseException as e:  # report instead of dying silently
+        q.put(([repr(e)], 0, {}))
+
+
+def test_nodes_share_one_cold_get_per_object(tmp_path, s3):
+    n_nodes, n_objects, size = 4, 6, 150_000
+    sums = _put(s3, n_objects, size)
+    log = tmp_path / "gets.log"
+    warm_bytes = 3 * (size + n_objects)  # half the data: local evictions happen
+    caches = [_node_cache(tmp_path, i, s3, log, warm_bytes=warm_bytes) for i in range(n_nodes)]
+    barrier, q = CTX.Barrier(n_nodes), CTX.Queue()
+    procs = [CTX.Process(target=_node, args=(c, sums, i, barrier, q)) for i, c in enumerate(caches)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert [bad for bad, _, _ in results] == [[]] * n_nodes
+    gets = _gets(log)
+    assert len(gets) == n_objects and len(set(gets)) == n_objects  # one GET per object, all nodes
+    assert all(0 < peak <= warm_bytes for _, peak, _ in results)  # sampled after each read
+    stats = [s for _, _, s in results]
+    assert sum(s["shared_fills"] for s in stats) == n_objects
+    assert sum(s["cold_reads"] for s in stats) == n_objects
+    assert sum(s["warm_from_cold"] for s in stats) == n_objects
+    assert sum(s["warm_from_shared"] for s in stats) == sum(s["shared_hits"] for s in stats) > 0
+    assert sum(s["warm_evictions"] for s in stats) > 0
+    ledger = os.listdir(tmp_path / "shared" / "gets")
+    assert len(ledger) == n_objects and len({n.rsplit(".", 1)[0] for n in ledger}) == n_objects
+
+
+def test_second_node_reads_the_shared_copy_not_cold(tmp_path, s3):
+    sums = _put(s3, 3, 50_000)
+    log = tmp_path / "gets.log"
+    a, b = (_node_cache(tmp_path, i, s3, log) for i in (0, 1))
+    for u, s in sums.items():
+        assert checksum(a.read(u)) == s
+    for u, s in sums.items():
+        assert checksum(b.read(u)) == s
+    assert len(_gets(log)) == 3
+    sb = b.stats()
+    assert (sb["shared_hits"], sb["cold_reads"], sb["warm_from_shared"]) == (3, 0, 3)
+    assert sb["shared_used_bytes"] == sum(50_000 + i for i in range(3))
+    # a node without a local dir reads the shared tier too
+    c = TieredCache(hot_bytes=1 << 20, shared_dir=tmp_path / "shared", shared_bytes=64 << 20,
+                    storage_options=s3[1], cold_wrapper=functools.partial(CountingStore, log=str(log)))
+    assert all(checksum(c.read(u)) == s for u, s in sums.items())
+    assert c.stats()["hot_from_shared"] == 3 and len(_gets(log)) == 3
+    for x in (a, b, c):
+        x.close()
+
+
+def test_constructor_keeps_the_two_tier_form_and_checks_the_shared_one(tmp_path):
+    two = TieredCache(1 << 20, tmp_path / "w", 1 << 20)
+    assert two.shared_dir is None and two.shared_bytes == 0
+    with pytest.raises(CacheBudgetError, match="shared_bytes > 0"):
+        TieredCache(warm_dir=tmp_path / "w", warm_bytes=1, shared_dir=tmp_path / "s")
+    with pytest.raises(CacheBudgetError, match="without shared_dir"):
+        TieredCache(shared_bytes=5)
+    with pytest.raises(ValueError, match="lease_timeout_s"):
+        TieredCache(shared_dir=tmp_path / "s", shared_bytes=5, lease_timeout_s=0)
+
+
+# -- a holder that dies or freezes mid-download -------------------------------------------
+def _slow_node(cache, url):
+    cache.read(url)
+
+
+def _wait_for_lease(shared, url, timeout=60):
+    lease = shared / "leases" / url_key(url)
+    deadline = time.monotonic() + timeout
+    while not (lease.exists() and os.listdir(shared / "tmp")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lease.exists() and os.listdir(shared / "tmp"), "the download never started"
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_dead_or_frozen_holder_is_taken_over_and_nothing_partial_served(tmp_path, s3, how):
+    """SIGKILL: the holder's pid is gone (same host), taken over at once. SIGSTOP: alive but
+    silent (as a host that vanished looks), taken over once its heartbeat is
+    ``lease_timeout_s`` old. Either way the other node reads the object whole, once."""
+    sums = _put(s3, 1, 300_000)
+    url = next(iter(sums))
+    shared = tmp_path / "shared"
+    log = tmp_path / "gets.log"
+    slow = TieredCache(warm_dir=tmp_path / "node0", warm_bytes=1 << 20, shared_dir=shared,
+                       shared_bytes=1 << 20, storage_options=s3[1], lease_timeout_s=1.0,
+                       cold_wrapper=functools.partial(CountingStore, log=str(log), delays=1, delay_s=60))
+    p = CTX.Process(target=_slow_node, args=(slow, url))
+    p.start()
+    try:
+        _wait_for_lease(shared, url)
+        os.kill(p.pid, getattr(signal, how))
+        assert not (shared / "objects" / url_key(url)).exists()  # nothing published yet
+        other = _node_cache(tmp_path, 1, s3, log, lease_timeout_s=1.0, shared_wait_s=120)
+        assert checksum(other.read(url)) == sums[url]
+        s = other.stats()
+        assert s["shared_takeovers"] == 1 and s["shared_fills"] == 1 and s["shared_read_around"] == 0
+        assert s["shared_corrupt"] == 0
+        # the dead writer's sized temporary file was removed, the published copy is whole
+        assert os.listdir(shared / "tmp") == []
+        assert checksum((shared / "objects" / url_key(url)).read_bytes()) == sums[url]
+        assert len(_gets(log)) == 2  # the dead holder's unanswered GET, and ours
+        other.close()
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+
+
+def test_partial_and_planted_files_in_the_shared_dir_are_never_served(tmp_path, s3):
+    sums = _put(s3, 2, 80_000)
+    (u1, s1), (u2, s2) = sorted(sums.items())
+    shared = tmp_path / "shared"
+    SharedDir(str(shared), 1 << 20)
+    k1, k2 = url_key(u1), url_key(u2)
+    # a dead writer's sized temporary file, and a copy without a record
+    (shared / "tmp" / f"{k1}.deadwriter").write_bytes(b"\0" * 80_000)
+    (shared / "objects" / k1).write_bytes(b"x" * 80_000)
+    # a copy whose record says another digest (torn, or of another version)
+    (shared / "objects" / k2).write_bytes(b"y" * 80_001)
+    (shared / "records" / k2).write_text(json.dumps({"size": 80_001, "digest": checksum(b"y" * 80_001)[:-1] + "0"}))
+    log = tmp_path / "gets.log"
+    c = _node_cache(tmp_path, 0, s3, log, warm_bytes=1 << 20, shared_bytes=1 << 20)
+    assert checksum(c.read(u1)) == s1 and checksum(c.read(u2)) == s2
+    s = c.stats()
+    assert s["shared_corrupt"] == 2 and s["shared_fills"] == 2 and s["shared_hits"] == 0
+    assert checksum((shared / "objects" / k1).read_bytes()) == s1
+    assert not (shared / "tmp" / f"{k1}.deadwriter").exists() and s["shared_tmp_cleaned"] == 1
+    c.close()
+
+
+# -- lease files ----------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(junk=st.binary(max_size=300) | st.text(max_size=200).map(str.encode)
+       | st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=4).map(
+           lambda d: json.dumps(d).encode()))
+def test_a_lease_file_with_garbage_is_taken_over_once_silent(tmp_path, junk):
+    path = tmp_path / f"lease-{checksum(junk)}"
+    path.write_bytes(junk)
+    lease = SharedFileLease(str(path), timeout_s=0.05)
+    rounds = 0
+    while not lease.try_acquire():
+        rounds += 1
+        assert rounds < 200, "a silent lease was never taken over"
+        time.sleep(0.01)
+    assert lease.held and lease.still_held()
+    doc = json.loads(path.read_bytes())
+    assert doc["writer"] == lease.writer
+    second = SharedFileLease(str(path), timeout_s=0.05)
+    assert not second.try_acquire()  # while the heartbeat runs, it is not silent...
+    time.sleep(0.06)
+    assert not second.try_acquire()  # ...however long a waiter watches
+    lease.release()
+    assert not path.exists()
+    assert second.try_acquire()
+    second.release()
+
+
+def test_a_lease_that_is_not_a_file_is_refused_by_name(tmp_path):
+    from datapipe.errors import StorageError
+
+    (tmp_path / "target").write_text("x")
+    os.symlink(tmp_path / "target", tmp_path / "link")
+    with pytest.raises(StorageError, match="symbolic link"):
+        SharedFileLease(str(tmp_path / "link"), timeout_s=1).try_acquire()
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(StorageError, match="not a regular file"):
+        SharedFileLease(str(tmp_path / "dir"), timeout_s=1).try_acquire()
+    assert (tmp_path / "target").read_text() == "x"
