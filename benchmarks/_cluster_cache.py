@@ -14,7 +14,9 @@ against the bytes the generator wrote (``payload``) and reports its keys per epo
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -44,6 +46,7 @@ class ClusterConfig:
     seed: int = 0
     shared: bool = True
     kill_node: bool = False  # SIGKILL one node's process group mid-run, then restart it
+    lease_timeout_s: float = 10.0  # silence after which a shared-tier lease is taken over
     timeout_s: float = 600.0
 
 
@@ -70,7 +73,8 @@ def _cache_kwargs(cfg: dict[str, Any], node: int, work: str, opts: dict[str, Any
     kw: dict[str, Any] = {"warm_dir": os.path.join(work, f"node-{node}", "local"),
                           "warm_bytes": cfg["local_budget"], "storage_options": opts}
     if cfg["shared"]:
-        kw.update(shared_dir=os.path.join(work, "shared"), shared_bytes=cfg["shared_budget"])
+        kw.update(shared_dir=os.path.join(work, "shared"), shared_bytes=cfg["shared_budget"],
+                  lease_timeout_s=cfg["lease_timeout_s"])
     return kw
 
 
@@ -105,7 +109,21 @@ def _node(node: int, cfg: dict[str, Any], work: str, opts: dict[str, Any], env: 
 
 def _budget_bytes(local: str) -> int:
     """Bytes a local directory holds inside its budget: published copies and downloads in
-    flight (objects/ and tmp/; locks, counters and metadata lie outside the budget)."""
+    flight (objects/ and tmp/; locks, counters and metadata lie outside the budget),
+    counted under its budget lock, as the cache counts them (between two unlocked scans an
+    eviction and a new download would both be seen)."""
+    try:
+        fd = os.open(os.path.join(local, "budget.lock"), os.O_RDONLY)
+    except FileNotFoundError:
+        return 0  # not created yet
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return _scan(local)
+    finally:
+        os.close(fd)
+
+
+def _scan(local: str) -> int:
     total = 0
     for sub in ("objects", "tmp"):
         try:
@@ -124,7 +142,7 @@ def _budget_bytes(local: str) -> int:
 class _Sampler(threading.Thread):
     """Samples each node's local directory until stopped; keeps the peak and the count."""
 
-    def __init__(self, dirs: list[str], every_s: float = 0.005) -> None:
+    def __init__(self, dirs: list[str], every_s: float = 0.02) -> None:
         super().__init__(name="local-dir-sampler", daemon=True)
         self.dirs, self.every_s = dirs, every_s
         self.peaks = [0] * len(dirs)
@@ -176,7 +194,8 @@ def run_cluster(c: ClusterConfig, s3: Any, work: str, log: Any = print) -> dict[
     local_budget = max(int(c.local_fraction * dataset_bytes), largest)
     cfg = {"root": root, "nodes": c.nodes, "workers": c.workers, "epochs": c.epochs, "seed": c.seed,
            "window": c.window, "batch_size": c.batch_size, "sample_bytes": c.sample_bytes, "shared": c.shared,
-           "local_budget": local_budget, "shared_budget": max(int(c.shared_fraction * dataset_bytes), largest)}
+           "local_budget": local_budget, "shared_budget": max(int(c.shared_fraction * dataset_bytes), largest),
+           "lease_timeout_s": c.lease_timeout_s}
     s3.reset_traffic()
     s3.set_slowdown_rate(c.slowdown_rate)
     ctx = mp.get_context("spawn")
@@ -187,20 +206,20 @@ def run_cluster(c: ClusterConfig, s3: Any, work: str, log: Any = print) -> dict[
     procs = {n: _start(ctx, n, cfg, work, s3, q) for n in range(c.nodes)}
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    killed: dict[str, Any] | None = None
+    killed: tuple[dict[str, Any], _DeadLeases] | None = None
     deadline = time.monotonic() + c.timeout_s
     try:
         while len(results) + len(errors) < c.nodes:
             if c.kill_node and killed is None:
                 killed = _maybe_kill(work, procs, ctx, cfg, s3, q)
             try:
-                kind, node, body = q.get(timeout=0.05 if c.kill_node and killed is None else 1.0)
+                kind, node, body = q.get(timeout=0.002 if c.kill_node and killed is None else 1.0)
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the cluster did not finish within {c.timeout_s:g} s") from None
                 dead = [n for n, p in procs.items() if not p.is_alive() and n not in results and n not in errors]
                 for n in dead:
-                    if procs[n].exitcode not in (0, None) and procs[n].pid != (killed or {}).get("pid_killed"):
+                    if procs[n].exitcode not in (0, None):
                         errors[n] = f"node {n} exited with {procs[n].exitcode}"
                 continue
             if kind == "done":
@@ -212,6 +231,9 @@ def run_cluster(c: ClusterConfig, s3: Any, work: str, log: Any = print) -> dict[
     finally:
         sampler.stop.set()
         sampler.join()
+        if killed is not None:
+            killed[1].stop.set()
+            killed[1].join()
         for p in procs.values():
             p.join(30)
             if p.is_alive():
@@ -244,6 +266,7 @@ def run_cluster(c: ClusterConfig, s3: Any, work: str, log: Any = print) -> dict[
         "shared_budget_bytes": cfg["shared_budget"],
         "cold_gets": cold_gets,
         "cold_gets_per_shard": cold_gets / len(shard_keys) / c.epochs,
+        "cold_gets_per_shard_whole_run": cold_gets / len(shard_keys),
         "cold_gets_per_shard_max": max(per_shard),
         "cold_bytes": cold_bytes,
         "cold_bytes_per_epoch_over_dataset": cold_bytes / c.epochs / dataset_bytes,
@@ -255,26 +278,88 @@ def run_cluster(c: ClusterConfig, s3: Any, work: str, log: Any = print) -> dict[
         "local_peak_bytes": sampler.peaks,
         "local_dir_samples": sampler.samples,
         "seconds": seconds,
-        "killed": killed,
+        "killed": None if killed is None else {**killed[0], **killed[1].report(),
+                                               "lease_timeout_s": cfg["lease_timeout_s"],
+                                               "lease_blocked_beyond_timeout":
+                                                   killed[1].report()["longest_s"] > cfg["lease_timeout_s"]},
         "errors": {str(n): e[-600:] for n, e in errors.items()},
         "node_cache_stats": {str(n): {k: v for k, v in s.items() if isinstance(v, (int, float)) and v}
                              for n, s in stats.items()},
     }
 
 
-def _maybe_kill(work: str, procs: dict[int, Any], ctx: Any, cfg: dict[str, Any], s3: Any,
-                q: Any) -> dict[str, Any] | None:
-    """Once node 0 has a download in flight (a file in its local tmp/), SIGKILL its process
-    group (the node and its workers) and start it again; None until then."""
-    tmp = os.path.join(work, "node-0", "local", "tmp")
+def _group_pids(pgid: int) -> set[int]:
+    """The processes of process group ``pgid`` (a node and its DataLoader workers), from /proc."""
+    pids = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:  # after the name: state, ppid, pgrp
+            pids.add(int(name))
+    return pids
+
+
+def _lease_holder(path: str) -> tuple[Any, Any] | None:
+    """(pid, writer) named by a lease file, None when it is gone or unreadable."""
     try:
-        busy = any(True for _ in os.scandir(tmp))
+        with open(path, "rb") as f:
+            doc = json.loads(f.read() or b"null")
+    except (OSError, ValueError):
+        return None
+    return (doc.get("pid"), doc.get("writer")) if isinstance(doc, dict) else None
+
+
+class _DeadLeases(threading.Thread):
+    """After a kill: how long each shared-tier lease the dead processes held stays theirs
+    (until another node takes it over, or it is gone)."""
+
+    def __init__(self, paths: dict[str, tuple[Any, Any]], every_s: float = 0.01) -> None:
+        super().__init__(name="dead-lease-watch", daemon=True)
+        self.paths, self.every_s = dict(paths), every_s
+        self.t0 = time.monotonic()
+        self.ended: dict[str, float] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set() and len(self.ended) < len(self.paths):
+            for path, holder in self.paths.items():
+                if path not in self.ended and _lease_holder(path) != holder:
+                    self.ended[path] = time.monotonic() - self.t0
+            self.stop.wait(self.every_s)
+
+    def report(self) -> dict[str, Any]:
+        return {"dead_leases": len(self.paths), "taken_over_or_gone": len(self.ended),
+                "longest_s": max(self.ended.values(), default=0.0),
+                "left_untouched": len(self.paths) - len(self.ended)}
+
+
+def _maybe_kill(work: str, procs: dict[int, Any], ctx: Any, cfg: dict[str, Any], s3: Any,
+                q: Any) -> tuple[dict[str, Any], _DeadLeases] | None:
+    """Once a process of node 0 holds a shared-tier lease (a download in flight), SIGKILL
+    node 0's process group (the node and its workers), start it again, and watch the leases
+    the dead processes held; None until then."""
+    leases = os.path.join(work, "shared", "leases")
+    try:
+        names = os.listdir(leases)
     except FileNotFoundError:
-        busy = False
-    if not busy or not procs[0].is_alive():
+        return None
+    if not names or not procs[0].is_alive():
+        return None
+    holders = {os.path.join(leases, n): _lease_holder(os.path.join(leases, n)) for n in names}
+    group = _group_pids(procs[0].pid)
+    held = {p: h for p, h in holders.items() if h is not None and h[0] in group}
+    if not held:
         return None
     old = procs[0]
     os.killpg(old.pid, signal.SIGKILL)
+    watch = _DeadLeases(held)
+    watch.start()
     old.join(30)
     procs[0] = _start(ctx, 0, cfg, work, s3, q)
-    return {"node": 0, "pid_killed": old.pid, "signal": "SIGKILL", "while": "a download in flight (tmp/ not empty)"}
+    return ({"node": 0, "pids_killed": sorted(group), "signal": "SIGKILL",
+             "while": f"holding {len(held)} shared-tier lease(s)"}, watch)

@@ -398,7 +398,9 @@ def main(argv: list[str] | None = None) -> int:
                     "so every node reads every shard)")
     cl.add_argument("--no-shared", action="store_true", help="no shared tier: node-local caches only (the baseline)")
     cl.add_argument("--kill-node", action="store_true",
-                    help="SIGKILL node 0's process group while it downloads, then start it again")
+                    help="SIGKILL node 0's process group while it holds a shared-tier lease, then start it again")
+    cl.add_argument("--lease-timeout", type=float, default=10.0,
+                    help="seconds of silence after which a shared-tier lease is taken over (default 10)")
     a = ap.parse_args(argv)
     cfg = BenchConfig.quick() if a.quick else BenchConfig()
     if a.cluster:
@@ -422,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                           samples_per_shard=a.samples_per_shard, sample_bytes=int(a.sample_kib * 1024),
                           epochs=a.cluster_epochs, local_fraction=a.local_fraction,
                           shared_fraction=a.shared_fraction, slowdown_rate=a.slowdown_rate,
-                          window=a.window or None, seed=cfg.seed, shared=not a.no_shared, kill_node=a.kill_node)
+                          window=a.window or None, seed=cfg.seed, shared=not a.no_shared, kill_node=a.kill_node,
+                          lease_timeout_s=a.lease_timeout)
         out = cluster(c, cfg)
         if a.json:
             with open(a.json, "w") as f:
