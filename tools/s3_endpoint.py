@@ -102,27 +102,35 @@ class TrafficMeter:
 
 
 class _Counted:
-    """A response body that adds its length to the meter as it is sent; a 2xx answer
-    counts as one GET of its key when the body is done."""
+    """A response body counted as it is handed to the server: the GET (when answered 2xx)
+    before its first byte, the bytes before they are sent, so a client that has read a
+    body always finds it counted."""
 
     def __init__(self, body: Iterable[bytes], meter: TrafficMeter, key: str, status: list[str]) -> None:
         self.body, self.meter, self.key, self.status = body, meter, key, status
-        self.sent = 0
+        self.counted = False
+
+    def _count_get(self) -> None:
+        if self.counted:
+            return
+        self.counted = True
+        if self.status and self.status[0][:1] == "2":
+            with self.meter._lock:
+                self.meter.gets[self.key] += 1
 
     def __iter__(self) -> Iterator[bytes]:
+        self._count_get()
         for part in self.body:
-            self.sent += len(part)
+            with self.meter._lock:
+                self.meter.bytes[self.key] += len(part)
             yield part
 
     def close(self) -> None:
+        self._count_get()
         close = getattr(self.body, "close", None)
         if close is not None:
             close()
-        ok = bool(self.status) and self.status[0][:1] == "2"
-        with self.meter._lock:
-            self.meter.bytes[self.key] += self.sent
-            if ok:
-                self.meter.gets[self.key] += 1
+
 
 _ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
