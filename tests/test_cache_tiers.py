@@ -150,12 +150,17 @@ def _slow_node(cache, url):
     cache.read(url)
 
 
-def _wait_for_lease(shared, url, timeout=60):
+def _wait_for_download(shared, url, log, timeout=60):
+    """Until the holder has its lease, its temporary file and its GET under way."""
     lease = shared / "leases" / url_key(url)
+
+    def started():
+        return lease.exists() and os.listdir(shared / "tmp") and _gets(log)
+
     deadline = time.monotonic() + timeout
-    while not (lease.exists() and os.listdir(shared / "tmp")) and time.monotonic() < deadline:
+    while not started() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert lease.exists() and os.listdir(shared / "tmp"), "the download never started"
+    assert started(), "the download never started"
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
@@ -173,7 +178,7 @@ def test_a_dead_or_frozen_holder_is_taken_over_and_nothing_partial_served(tmp_pa
     p = CTX.Process(target=_slow_node, args=(slow, url))
     p.start()
     try:
-        _wait_for_lease(shared, url)
+        _wait_for_download(shared, url, log)
         os.kill(p.pid, getattr(signal, how))
         assert not (shared / "objects" / url_key(url)).exists()  # nothing published yet
         other = _node_cache(tmp_path, 1, s3, log, lease_timeout_s=1.0, shared_wait_s=120)

@@ -1,6 +1,7 @@
 """The cold tier as one process reads it: a store per root URL, sizes and versions probed
 once, whole-object downloads pinned to one version of the object and bounded in bytes
-in flight, ranged reads; every request through the one retry layer (storage/retry.py)."""
+in flight, ranged reads; every request through the one retry layer (storage/retry.py) and,
+for remote stores, the node's pacing of each prefix (pacing.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ..storage import FsspecStore, Store, open_store, split_url
 from ..storage.retry import RetryPolicy, call_with_retry, fetch_object, fetch_range, single_layer_options
 from ..storage.store import is_local_url
 from .hot import InflightBytes
+from .pacing import ColdPacer, PacedStore
 
 __all__ = ["ColdReader", "SizeChanged", "CHANGE_RESTARTS", "checksum_ok"]
 
@@ -43,7 +45,9 @@ class ColdReader:
         self.retry = retry
         self.cold_wrapper = cold_wrapper
         self.count = count
-        self.stores: dict[str, Store] = {}
+        self.pacer: ColdPacer | None = None  # set by the process state once its warm dir is known
+        self.stores: dict[str, Store] = {}  # per root, as opened (and wrapped by cold_wrapper)
+        self._paced: dict[str, Store] = {}  # the same, as requests use them (paced if remote)
         self.sizes: dict[str, int] = {}
         self.versions: dict[str, str | None] = {}  # the version each size was probed at
         self.inflight = InflightBytes(max_inflight_bytes)
@@ -54,12 +58,14 @@ class ColdReader:
         # Not waiting: what still runs here is only attempts that were abandoned (timed
         # out, results dropped); one stalled on a dead server must not hang close().
         self.parts.shutdown(wait=False, cancel_futures=True)
+        if self.pacer is not None:
+            self.pacer.close()
 
     def store_for(self, url: str) -> tuple[Store, str]:
         """The store of ``url``'s folder (created once per process) and the key in it."""
         root, name = split_url(url)
         with self._lock:
-            store = self.stores.get(root)
+            store = self._paced.get(root)
             if store is None:
                 opts = self.storage_options
                 if not is_local_url(root):
@@ -70,6 +76,9 @@ class ColdReader:
                 if self.cold_wrapper is not None:
                     store = self.cold_wrapper(store)
                 self.stores[root] = store
+                if self.pacer is not None and not is_local_url(root):
+                    store = PacedStore(store, self.pacer)  # outermost: it sees every answer
+                self._paced[root] = store
         return store, name
 
     def size(self, url: str) -> int:

@@ -21,11 +21,12 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, KeysView, Sequence
 from typing import Generic, Protocol, TypeVar
 
-__all__ = ["NEVER", "Schedule", "VictimChooser", "choose_victims", "belady_hits", "lru_hits"]
+__all__ = ["NEVER", "Schedule", "NextUses", "VictimChooser", "choose_victims", "belady_hits", "lru_hits"]
 
 NEVER = float("inf")
 
 K = TypeVar("K", bound=Hashable)
+K_contra = TypeVar("K_contra", bound=Hashable, contravariant=True)
 
 
 class VictimChooser(Protocol):
@@ -35,6 +36,17 @@ class VictimChooser(Protocol):
 
     def __call__(self, candidates: list[tuple[str, int, float]], need: int, /,
                  *more: object) -> list[str] | None: ...
+
+
+class NextUses(Protocol[K_contra]):
+    """What eviction asks of a future: the reader's position and the next use of a key at
+    or after an index. A :class:`Schedule` is one; ``future.MergedFuture`` (every process
+    of a node) is another."""
+
+    @property
+    def position(self) -> int: ...
+
+    def next_use(self, key: K_contra, start: int) -> float: ...
 
 
 class Schedule(Generic[K]):
@@ -96,7 +108,7 @@ def choose_victims(
     need: int,
     incoming: K,
     *,
-    schedule: Schedule[K] | None = None,
+    schedule: NextUses[K] | None = None,
     incoming_next: float | None = None,
     horizon: int | None = None,
 ) -> list[K] | None:

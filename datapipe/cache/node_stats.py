@@ -61,7 +61,9 @@ COUNTER_KEYS = ("hot_hits", "hot_misses", "hot_bytes", "hot_evictions", "hot_not
                 "shared_hits", "shared_misses", "shared_bytes", "shared_fills", "shared_evictions",
                 "shared_not_admitted", "shared_corrupt", "shared_waits", "shared_takeovers",
                 "shared_read_around", "warm_from_shared", "warm_from_cold", "hot_from_shared",
-                "hot_from_cold")
+                "hot_from_cold",
+                # cold pacing (pacing.py)
+                "cold_throttled", "cold_backoffs", "cold_limit_decreases")
 
 STATS_DIR = "stats"
 FLUSH_INTERVAL_S = 0.5

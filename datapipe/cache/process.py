@@ -15,8 +15,10 @@ from typing import Any
 from ..errors import DatapipeError
 from ..storage import RetryPolicy, Store
 from .cold import ColdReader
+from .future import FutureBoard
 from .hot import HotTier, Turns
 from .node_stats import CounterFile, CounterFlusher
+from .pacing import DEFAULT_CEILING, ColdPacer
 from .shared import SharedTier
 from .warm import BROKEN_DIR_ERRNOS, WarmDir
 
@@ -50,7 +52,8 @@ class ProcessState:
                  retry: RetryPolicy, max_inflight_bytes: int, prefetch_threads: int,
                  cold_wrapper: Callable[[Store], Store] | None, stats_interval_s: float,
                  shared_dir: str | None = None, shared_bytes: int = 0,
-                 lease_timeout_s: float = 30.0, shared_wait_s: float = 300.0) -> None:
+                 lease_timeout_s: float = 30.0, shared_wait_s: float = 300.0,
+                 cold_concurrency: int = DEFAULT_CEILING) -> None:
         self.pid = os.getpid()
         self.lock = threading.RLock()
         self.stats = Stats()
@@ -80,6 +83,19 @@ class ProcessState:
                 self.stats.update(warm_tmp_cleaned=self.warm.cleaned)
             except OSError as e:
                 self.warn("warm-init", f"warm cache {warm_dir} unusable ({e}); reading through to the cold tier")
+        try:  # node-wide when there is a warm directory to keep its state in
+            self.cold.pacer = ColdPacer(self.warm.root if self.warm is not None else None,
+                                        ceiling=cold_concurrency, count=self.stats.update)
+        except OSError as e:
+            self.warn("pacing-init", f"cold pacing cannot be kept in {warm_dir} ({e}); pacing per process")
+            self.cold.pacer = ColdPacer(None, ceiling=cold_concurrency, count=self.stats.update)
+        self.future: FutureBoard | None = None
+        if self.warm is not None:
+            try:  # this process's schedule, published for its siblings on the node
+                self.future = FutureBoard(self.warm.root)
+            except OSError as e:
+                self.warn("future-init", f"schedules cannot be shared in {warm_dir} ({e}); eviction "
+                          "there uses this process's schedule alone")
         self.shared: SharedTier | None = None
         if shared_dir is not None:
             try:
@@ -172,6 +188,8 @@ class ProcessState:
         self.cold.close()
         if self.counters is not None:
             self.counters.close()
+        if self.future is not None:
+            self.future.close()
         with self.lock:
             for fds in self.pins.values():
                 for fd in fds:

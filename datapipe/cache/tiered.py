@@ -30,9 +30,11 @@ from ..checksum import verify
 from ..errors import CacheBudgetError, DatapipeError, StorageError
 from ..storage import RetryPolicy, Store
 from .cold import CHANGE_RESTARTS, checksum_ok
-from .eviction import Schedule, VictimChooser, choose_victims
+from .eviction import NextUses, Schedule, VictimChooser, choose_victims
 from .fill import fetch_below, fill, read_verified, size_below
+from .future import MergedFuture, future_key
 from .node_stats import COUNTER_KEYS, FLUSH_INTERVAL_S, sum_counter_files
+from .pacing import DEFAULT_CEILING
 from .process import ProcessState
 from .shared import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_SHARED_WAIT_S
 from .warm import BROKEN_DIR_ERRNOS, WarmDir, url_key
@@ -67,6 +69,9 @@ class TieredCache:
     the others wait (see shared.py). ``lease_timeout_s``: how long a download's holder
     may stay silent before another node takes its lease over; ``shared_wait_s``: how
     long a node waits for another's download before reading cold itself.
+    ``cold_concurrency``: the most requests in flight to one prefix of a remote cold store
+    (bucket + first path segment) from the whole node (from this process without a warm
+    directory); the limit in force adapts below it to throttling (pacing.py).
 
     Errors: ObjectNotFoundError (no object at the URL), RemoteError (retries exhausted),
     ChecksumError (a fill failed its checksum twice), CacheBudgetError (an object larger
@@ -93,6 +98,7 @@ class TieredCache:
         shared_bytes: int = 0,
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
         shared_wait_s: float = DEFAULT_SHARED_WAIT_S,
+        cold_concurrency: int = DEFAULT_CEILING,
     ) -> None:
         for name, v in (("hot_bytes", hot_bytes), ("warm_bytes", warm_bytes),
                         ("max_inflight_bytes", max_inflight_bytes), ("shared_bytes", shared_bytes)):
@@ -109,6 +115,8 @@ class TieredCache:
         for name, t in (("lease_timeout_s", lease_timeout_s), ("shared_wait_s", shared_wait_s)):
             if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {t!r}")
+        if not isinstance(cold_concurrency, int) or isinstance(cold_concurrency, bool) or cold_concurrency < 1:
+            raise ValueError(f"cold_concurrency must be an int >= 1, got {cold_concurrency!r}")
         if max_inflight_bytes <= 0:
             raise CacheBudgetError("max_inflight_bytes must be > 0")
         if prefetch_threads < 1:
@@ -129,6 +137,7 @@ class TieredCache:
         self.shared_bytes = shared_bytes
         self.lease_timeout_s = float(lease_timeout_s)
         self.shared_wait_s = float(shared_wait_s)
+        self.cold_concurrency = cold_concurrency
         self.schedule: Schedule[str] | None = None
         self._warm_urls: tuple[Schedule[str], dict[str, str]] | None = None  # warm file name -> URL
         self.schedule_checksums: dict[str, str] = {}
@@ -160,7 +169,8 @@ class TieredCache:
                         max_inflight_bytes=self.max_inflight_bytes, prefetch_threads=self.prefetch_threads,
                         cold_wrapper=self.cold_wrapper, stats_interval_s=self.stats_interval_s,
                         shared_dir=self.shared_dir, shared_bytes=self.shared_bytes,
-                        lease_timeout_s=self.lease_timeout_s, shared_wait_s=self.shared_wait_s)
+                        lease_timeout_s=self.lease_timeout_s, shared_wait_s=self.shared_wait_s,
+                        cold_concurrency=self.cold_concurrency)
         return state
 
     def _current_state(self) -> ProcessState | None:
@@ -276,7 +286,8 @@ class TieredCache:
         which scheduled prefetches reserve space)."""
 
         def chooser() -> VictimChooser:
-            return self._chooser(url, index, prefetch_at=prefetch_at, force=pin, to_url=self._warm_key_to_url())
+            return self._chooser(url, index, prefetch_at=prefetch_at, force=pin, to_url=self._warm_key_to_url(),
+                                 node=True)
 
         if ticket is None:
             return fill(state, warm, url, checksum, chooser, pin=pin, prefetch=prefetch, pin_wait_s=self.pin_wait_s)
@@ -488,6 +499,7 @@ class TieredCache:
             self.schedule_checksums = dict(checksums or {})
             self.lookahead = lookahead
             state.refused = {}
+        self._publish_future(state, force=True)
         if self.schedule is not None and lookahead and state.prefetcher is None:
             state.prefetcher = threading.Thread(target=self._prefetch_loop, args=(state,),
                                                 name="datapipe-schedule-prefetch", daemon=True)
@@ -502,10 +514,27 @@ class TieredCache:
         served elsewhere); returns the new position."""
         if self.schedule is None:
             raise StorageError("advance(): no schedule set; call set_schedule(urls) first")
-        with self._state().lock:
+        state = self._state()
+        with state.lock:
             pos = self.schedule.advance(n)
+        self._publish_future(state)
         self._wake()
         return pos
+
+    def _publish_future(self, state: ProcessState, *, force: bool = False) -> None:
+        """Publish this process's next reads for the node's merged future (see future.py)
+        when the position moved far enough since the last time, or ``force``."""
+        board = state.future
+        if board is None:
+            return
+        s = self.schedule
+        if s is None:
+            if force:
+                board.withdraw()
+            return
+        pos = s.position
+        if force or board.due(pos):
+            board.publish([url_key(u) for u in s.keys[pos:pos + board.limit]], pos)
 
     @property
     def schedule_position(self) -> int | None:
@@ -556,12 +585,18 @@ class TieredCache:
             if i is not None:
                 s.position = i + 1
         if i is not None:
+            state = self._current_state()
+            if state is not None:
+                self._publish_future(state)
             self._wake()
         return i
 
     def _chooser(self, url: str, index: int | None, *, prefetch_at: int | None = None,
-                 to_url: Callable[[str], str] = lambda k: k, force: bool = False) -> VictimChooser:
-        """choose(cands, need) for the tier: LRU, or Belady against the schedule."""
+                 to_url: Callable[[str], str] = lambda k: k, force: bool = False,
+                 node: bool = False) -> VictimChooser:
+        """choose(cands, need) for the tier: LRU, or Belady against the schedule; with
+        ``node`` (the directories), against the futures of every live process of the
+        node merged with this one's (future.py)."""
         s = self.schedule
         if s is None or force:
             def lru(cands: list[tuple[str, int, float]], need: int, *_: object) -> list[str] | None:
@@ -578,10 +613,19 @@ class TieredCache:
             horizon = (index + 1) if index is not None else s.position
             nxt = s.next_use(url, horizon)
 
+        future: NextUses[str] = s
+        if node:
+            state = self._current_state()
+            others = state.future.others() if state is not None and state.future is not None else None
+            if others:
+                # every live process of the node: kept if any of them reads it soon
+                future = MergedFuture(s, others, _future_key_of)
+                nxt = min(nxt, future.next_use(url, horizon))
+
         def belady(cands: list[tuple[str, int, float]], need: int, *_: object) -> list[str] | None:
             named = [(to_url(k), size, rec) for k, size, rec in cands]
             back = {to_url(k): k for k, _s, _r in cands}
-            v = choose_victims(named, need, url, schedule=s, incoming_next=nxt, horizon=horizon)
+            v = choose_victims(named, need, url, schedule=future, incoming_next=nxt, horizon=horizon)
             return None if v is None else [back[u] for u in v]
 
         return belady
@@ -590,7 +634,7 @@ class TieredCache:
                         prefetch_at: int | None = None) -> Callable[[], VictimChooser]:
         """The victim chooser of the shared tier when it is filled without a warm fill
         around it (the warm fill hands its own chooser down)."""
-        return lambda: self._chooser(url, index, prefetch_at=prefetch_at, to_url=self._warm_key_to_url())
+        return lambda: self._chooser(url, index, prefetch_at=prefetch_at, to_url=self._warm_key_to_url(), node=True)
 
     def _warm_key_to_url(self) -> Callable[[str], str]:
         """Warm files are named by a hash of the URL; the schedule speaks URLs."""
@@ -627,6 +671,7 @@ class TieredCache:
         out["shared_budget_bytes"] = self.shared_bytes
         out["shared_used_bytes"] = self._shared_usage(state)
         out["inflight_peak_bytes"] = state.cold.inflight.peak
+        out["cold_pacing"] = state.cold.pacer.limits() if state.cold.pacer is not None else {}
         out["pinned"] = state.pin_count()
         out["schedule_position"] = self.schedule_position
         if state.last_prefetch_error:
@@ -693,6 +738,12 @@ def _slice(data: bytes, start: int, end: int, url: str, size: int | None = None)
     if end > size:
         raise StorageError(f"range [{start}, {end}) runs past the end of {url} ({size} bytes)")
     return data[start:end]
+
+
+def _future_key_of(name: str) -> str:
+    """The published key of a name the warm chooser ranks: a URL (this process's schedule
+    knows it) or a warm key (a copy no URL of ours names)."""
+    return future_key(url_key(name) if "/" in name else name)
 
 
 def _release_turn(state: ProcessState, ticket: int, _fut: Future[None]) -> None:

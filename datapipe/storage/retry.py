@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from ..errors import ObjectChangedError, ObjectNotFoundError, RemoteError, StorageError, TruncatedReadError
 from .store import Store
 
-__all__ = ["RetryPolicy", "is_transient", "call_with_retry", "run_requests", "fetch_object",
+__all__ = ["RetryPolicy", "is_transient", "is_throttle", "call_with_retry", "run_requests", "fetch_object",
            "fetch_range", "single_layer_options"]
 
 T = TypeVar("T")
@@ -61,6 +61,12 @@ _TRANSIENT_NAMES = {
     "ProtocolError",
     "ContentLengthError",
 }
+
+# The store asking us to slow down (S3 503 SlowDown, 429 and the throttling codes of other
+# services): retried like any transient failure, and also what cold pacing reacts to.
+_THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                   "TooManyRequests", "TooManyRequestsException", "ServiceUnavailable"}
+_THROTTLE_STATUS = {429, 503}
 
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout",
                     "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
@@ -124,6 +130,26 @@ def is_transient(exc: BaseException) -> bool:
             if err.get("Code") in _TRANSIENT_CODES or (isinstance(status, int) and status >= 500):
                 return True
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """True when ``exc`` (or its cause chain) is the store telling us to slow down: a
+    botocore error with a throttling code or HTTP 429/503, or the ``EBUSY`` s3fs turns
+    SlowDown into. A subset of :func:`is_transient`."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        resp = getattr(e, "response", None)  # botocore ClientError
+        if isinstance(resp, dict):
+            err = resp.get("Error", {})
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if err.get("Code") in _THROTTLE_CODES or status in _THROTTLE_STATUS:
+                return True
+        if isinstance(e, OSError) and e.errno == errno.EBUSY:
             return True
         e = e.__cause__ or e.__context__
     return False
