@@ -41,7 +41,7 @@ class ClusterConfig:
     local_fraction: float = 0.25  # each node's local budget, as a fraction of the dataset
     shared_fraction: float = 1.25  # the shared tier's budget (>= 1: the whole dataset fits)
     slowdown_rate: float = 0.05  # share of object GETs answered 503 SlowDown
-    window: int | None = None  # None: a full global shuffle, so every node reads every shard
+    window: int | None = None  # None: a full global shuffle, so each node reads from most shards
     batch_size: int = 4
     seed: int = 0
     shared: bool = True
@@ -259,6 +259,7 @@ def run_cluster(c: ClusterConfig, s3: Any, work: str, log: Any = print) -> dict[
         "nodes": c.nodes,
         "workers_per_node": c.workers,
         "shards": len(shard_keys),
+        "samples_per_shard": c.samples_per_shard,
         "dataset_bytes": dataset_bytes,
         "epochs": c.epochs,
         "shared_tier": c.shared,

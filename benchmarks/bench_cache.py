@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -43,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from datapipe.cache import TieredCache, belady_hits, lru_hits
 from datapipe.storage import open_store
 
-__all__ = ["BenchConfig", "FutureBlindCache", "cluster", "loader_rows", "run", "main"]
+__all__ = ["BenchConfig", "FutureBlindCache", "cluster", "extrapolate", "loader_rows", "run", "main"]
 
 
 @dataclass
@@ -367,6 +368,79 @@ def cluster(c, bench: BenchConfig | None = None, log=print) -> dict:
             shutil.rmtree(work, ignore_errors=True)
 
 
+S3_GETS_PER_PREFIX = 5500  # S3's documented GET/HEAD rate per prefix, per second
+
+
+def extrapolate(shared: dict, baseline: dict, *, nodes: int, dataset_bytes: float, shard_bytes: float,
+                sample_bytes: float, epoch_s: float) -> dict:
+    """The cluster measured (``shared``: a ``--cluster`` result with the shared tier;
+    ``baseline``: the same run with ``--no-shared``) scaled on paper to ``nodes`` nodes
+    reading ``dataset_bytes`` in shards of ``shard_bytes`` holding samples of
+    ``sample_bytes``, a global shuffle, one epoch per ``epoch_s``.
+
+    A node reads ``1/nodes`` of the samples, so it touches a share ``1 - exp(-s / nodes)``
+    of the shards (``s`` samples per shard). Measured: ``r`` = cold GETs per touched shard
+    per epoch per node without the shared tier (``baseline cold_gets_per_shard / nodes /
+    (1 - exp(-s / nodes))``: its local misses, refetches included), and ``g`` = cold GETs
+    per shard for the whole shared run. Then ``m = r * (1 - exp(-s / nodes))`` fetches per
+    shard per epoch per node. Without the shared tier every one goes to S3: egress per epoch
+    ``nodes * m * dataset``, GETs/s ``nodes * m * shards / epoch_s`` on one prefix. With it
+    S3 serves ``g * dataset`` once (the shared tier holds the dataset), and the same fetches
+    go to the shared file system: ``nodes * m * shards / epoch_s`` opens/s and ``nodes * m *
+    dataset / epoch_s`` bytes/s, the new limit."""
+    s_m, n_m = baseline["samples_per_shard"], baseline["nodes"]
+    r = baseline["cold_gets_per_shard"] / n_m / (1 - math.exp(-s_m / n_m))
+    g = shared["cold_gets_per_shard_whole_run"]
+    shards = dataset_bytes / shard_bytes
+    s = shard_bytes / sample_bytes
+
+    def m_at(n: float) -> float:
+        return r * (1 - math.exp(-s / n))
+
+    m = m_at(nodes)
+    without_gets = nodes * m * shards / epoch_s
+    # the node count at which one prefix reaches S3's rate (gets/s grows with n * m(n))
+    lo, hi = 1.0, 1e9
+    for _ in range(200):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if mid * m_at(mid) * shards / epoch_s < S3_GETS_PER_PREFIX else (lo, mid)
+    limit = hi if hi * m_at(hi) * shards / epoch_s >= S3_GETS_PER_PREFIX and hi < 1e9 else None
+    return {
+        "inputs": {"r_fetches_per_touched_shard_per_epoch_per_node": r, "g_cold_gets_per_shard_shared": g,
+                   "measured_nodes": [n_m, shared["nodes"]], "measured_samples_per_shard": s_m,
+                   "nodes": nodes, "dataset_bytes": dataset_bytes, "shard_bytes": shard_bytes,
+                   "samples_per_shard": s, "shards": shards, "epoch_s": epoch_s,
+                   "m_fetches_per_shard_per_epoch_per_node": m},
+        "without_shared_tier": {"cold_egress_bytes_per_epoch": nodes * m * dataset_bytes,
+                                "gets_per_s_one_prefix": without_gets,
+                                "over_s3_prefix_limit": without_gets / S3_GETS_PER_PREFIX,
+                                "nodes_at_prefix_limit": limit},
+        "with_shared_tier": {"cold_egress_bytes_first_epoch": g * dataset_bytes,
+                             "cold_egress_bytes_later_epochs": 0.0,
+                             "gets_per_s_one_prefix_first_epoch": g * shards / epoch_s,
+                             "shared_fs_opens_per_s": without_gets,
+                             "shared_fs_bytes_per_s": nodes * m * dataset_bytes / epoch_s},
+    }
+
+
+def _print_extrapolation(x: dict) -> None:
+    i, wo, w = x["inputs"], x["without_shared_tier"], x["with_shared_tier"]
+    print(f"measured: r = {i['r_fetches_per_touched_shard_per_epoch_per_node']:.3f} cold GETs per touched shard "
+          f"per epoch per node without the shared tier, g = {i['g_cold_gets_per_shard_shared']:.3f} cold GETs per "
+          f"shard with it (nodes {i['measured_nodes']}, {i['measured_samples_per_shard']} samples per shard)")
+    print(f"scaled to {i['nodes']:,} nodes, {i['dataset_bytes'] / 1e12:,.1f} TB in {i['shards']:,.0f} shards of "
+          f"{i['shard_bytes'] / 2**20:,.0f} MiB ({i['samples_per_shard']:,.0f} samples each), an epoch per "
+          f"{i['epoch_s'] / 3600:g} h: m = {i['m_fetches_per_shard_per_epoch_per_node']:.3f} fetches per shard per "
+          "epoch per node")
+    print(f"without the shared tier: {wo['cold_egress_bytes_per_epoch'] / 1e15:,.1f} PB from S3 per epoch, "
+          f"{wo['gets_per_s_one_prefix']:,.0f} GET/s on one prefix = {wo['over_s3_prefix_limit']:,.1f}x S3's "
+          f"{S3_GETS_PER_PREFIX:,}/s; one prefix saturates at "
+          + (f"{wo['nodes_at_prefix_limit']:,.0f} nodes" if wo["nodes_at_prefix_limit"] else "no node count"))
+    print(f"with it: {w['cold_egress_bytes_first_epoch'] / 1e12:,.1f} TB from S3 in the first epoch, 0 after; "
+          f"{w['gets_per_s_one_prefix_first_epoch']:,.2f} GET/s on one prefix; the limit moves to the shared file "
+          f"system: {w['shared_fs_opens_per_s']:,.0f} shard opens/s, {w['shared_fs_bytes_per_s'] / 1e12:,.2f} TB/s")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_cache", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small run (16 objects of 256 KiB, 3 epochs)")
@@ -395,13 +469,33 @@ def main(argv: list[str] | None = None) -> int:
     cl.add_argument("--slowdown-rate", type=float, default=0.05,
                     help="share of object GETs answered 503 SlowDown (default 0.05)")
     cl.add_argument("--window", type=int, default=0, help="shuffle window in shards (default 0: a global shuffle, "
-                    "so every node reads every shard)")
+                    "so each node reads from most shards)")
     cl.add_argument("--no-shared", action="store_true", help="no shared tier: node-local caches only (the baseline)")
     cl.add_argument("--kill-node", action="store_true",
                     help="SIGKILL node 0's process group while it holds a shared-tier lease, then start it again")
+    ex = ap.add_argument_group("paper extrapolation (--extrapolate SHARED.json BASELINE.json)")
+    ex.add_argument("--extrapolate", nargs=2, metavar=("SHARED", "BASELINE"),
+                    help="--json results of --cluster N and of --cluster N --no-shared: scale them to --to-nodes")
+    ex.add_argument("--to-nodes", type=int, default=10_000, help="default 10,000")
+    ex.add_argument("--dataset-tb", type=float, default=100.0, help="dataset size in TB (default 100)")
+    ex.add_argument("--shard-mib", type=float, default=256.0, help="shard size in MiB (default 256)")
+    ex.add_argument("--to-sample-kib", dest="x_sample_kib", type=float, default=100.0,
+                    help="sample size in KiB (default 100)")
+    ex.add_argument("--epoch-hours", type=float, default=24.0, help="hours per epoch (default 24)")
     cl.add_argument("--lease-timeout", type=float, default=10.0,
                     help="seconds of silence after which a shared-tier lease is taken over (default 10)")
     a = ap.parse_args(argv)
+    if a.extrapolate:
+        with open(a.extrapolate[0]) as f:
+            shared = json.load(f)
+        with open(a.extrapolate[1]) as f:
+            baseline = json.load(f)
+        x = extrapolate(shared, baseline, nodes=a.to_nodes, dataset_bytes=a.dataset_tb * 1e12,
+                        shard_bytes=a.shard_mib * 2**20, sample_bytes=a.x_sample_kib * 1024,
+                        epoch_s=a.epoch_hours * 3600)
+        _print_extrapolation(x)
+        print(json.dumps(x), flush=True)
+        return 0
     cfg = BenchConfig.quick() if a.quick else BenchConfig()
     if a.cluster:
         cfg = BenchConfig(objects=24, object_bytes=256 << 10, epochs=3, peers=False, oracle=False, throughput=False)
