@@ -121,10 +121,18 @@ def _cmd_cache(a: argparse.Namespace) -> int:
     from . import cache
 
     if a.cache_cmd == "stats":
-        print(json.dumps(cache.warm_dir_stats(a.dir), indent=1))
+        report = cache.cache_report(a.dirs)
+        if a.table:
+            print(cache.format_tiers(report))
+        elif len(a.dirs) == 1:  # one directory: its own object, as before, with the tiers added
+            print(json.dumps({**report["dirs"][0], "tiers": report["tiers"]}, indent=1))
+        else:
+            print(json.dumps(report, indent=1))
     else:
-        n = cache.clear_warm_dir(a.dir)
-        print(f"removed {n} cached objects from {a.dir}")
+        for d in a.dirs:
+            shared = cache.is_shared_dir(d)
+            n = cache.clear_shared_dir(d) if shared else cache.clear_warm_dir(d)
+            print(f"removed {n} cached objects from {d}")
     return 0
 
 
@@ -206,12 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_storage(p)
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("cache", help="inspect or clear a warm cache directory")
+    p = sub.add_parser("cache", help="inspect or clear cache directories (node-local warm_dir, shared_dir)")
     csub = p.add_subparsers(dest="cache_cmd", required=True)
-    for name, text in (("stats", "objects, bytes, pins and node-wide hit/miss counters of a warm directory"),
-                       ("clear", "remove every cached object")):
-        c = csub.add_parser(name, help=text)
-        c.add_argument("dir")
+    c = csub.add_parser("stats", help="each tier (memory, local, shared, cold): bytes, budget, hits, misses, "
+                        "fills from which tier, cold GETs per object; JSON unless --table",
+                        description="Give the node-local warm_dir(s) (their counters cover every process that "
+                        "used them) and the shared_dir (its contents and every node's cold GETs through it).")
+    c.add_argument("dirs", nargs="+", metavar="DIR", help="a warm_dir or shared_dir of a TieredCache")
+    c.add_argument("--table", action="store_true", help="print the tiers as a table instead of JSON")
+    c = csub.add_parser("clear", help="remove every cached object nobody is reading (and dead downloads)")
+    c.add_argument("dirs", nargs="+", metavar="DIR", help="a warm_dir or shared_dir of a TieredCache")
     p.set_defaults(func=_cmd_cache)
 
     return ap

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from datapipe.cache import TieredCache
+from datapipe.cache import TieredCache, cache_report, shared_dir_stats
 from datapipe.cache.shared import SharedDir
 from datapipe.cache.warm import WarmDir, url_key
 from datapipe.checksum import checksum
@@ -47,15 +47,19 @@ def _gets(log):
         return []
 
 
-def _put(s3, n, size):
+def _put_blobs(s3, n, size):
     root, opts = s3
     store = open_store(root, opts)
-    sums = {}
+    blobs = {}
     for i in range(n):
         data = os.urandom(size + i)
         store.put(f"ds/shard-{i:03d}.tar", data)
-        sums[f"{root}/ds/shard-{i:03d}.tar"] = checksum(data)
-    return sums
+        blobs[f"{root}/ds/shard-{i:03d}.tar"] = data
+    return blobs
+
+
+def _put(s3, n, size):
+    return {u: checksum(b) for u, b in _put_blobs(s3, n, size).items()}
 
 
 def _node_cache(tmp_path, node, s3, log, *, warm_bytes=4 << 20, shared_bytes=64 << 20, **kw):
@@ -219,7 +223,7 @@ def test_partial_and_planted_files_in_the_shared_dir_are_never_served(tmp_path, 
 
 
 # -- lease files ----------------------------------------------------------------------------
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(junk=st.binary(max_size=300) | st.text(max_size=200).map(str.encode)
        | st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8), max_size=4).map(
            lambda d: json.dumps(d).encode()))
@@ -256,3 +260,96 @@ def test_a_lease_that_is_not_a_file_is_refused_by_name(tmp_path):
     with pytest.raises(StorageError, match="not a regular file"):
         SharedFileLease(str(tmp_path / "dir"), timeout_s=1).try_acquire()
     assert (tmp_path / "target").read_text() == "x"
+
+
+def _cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "datapipe.cli", "cache", *map(str, args)],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_cache_stats_shows_each_tier_and_cold_gets_per_object(tmp_path, s3):
+    sums = _put(s3, 4, 30_000)
+    log = tmp_path / "gets.log"
+    nodes = [_node_cache(tmp_path, i, s3, log) for i in range(2)]
+    for c in nodes:
+        for u, s in sums.items():
+            assert checksum(c.read(u)) == s
+        c.close()  # its counters land in its local dir
+    local = [tmp_path / "node0", tmp_path / "node1"]
+    report = json.loads(_cli("stats", *local, tmp_path / "shared"))
+    tiers = {t["tier"]: t for t in report["tiers"]}
+    assert tiers["local"]["fills"] == 8 and tiers["local"]["fills_from"] == {"shared": 4, "cold": 4}
+    assert tiers["local"]["budget_bytes"] == 2 * (4 << 20)
+    assert (tiers["shared"]["hits"], tiers["shared"]["misses"], tiers["shared"]["fills"]) == (4, 4, 4)
+    assert tiers["shared"]["bytes"] == sum(30_000 + i for i in range(4)) and tiers["shared"]["budget_bytes"] == 64 << 20
+    assert tiers["cold"]["gets"] == 4 and tiers["cold"]["gets_per_object"] == 1.0
+    assert tiers["cold"]["gets_per_object_max"] == 1
+    assert [d["tier"] for d in report["dirs"]] == ["local", "local", "shared"]
+    one = cache_report([local[0]])  # what `stats DIR` prints for one directory, with its tiers
+    assert one["dirs"][0]["counters"]["warm_fills"] == 4
+    assert one["tiers"][1]["fills_from"] == {"shared": 0, "cold": 4}
+    table = _cli("stats", "--table", *local, tmp_path / "shared")
+    assert "shared" in table and "takeovers 0" in table
+    assert "removed 4 cached objects" in _cli("clear", tmp_path / "shared")
+    assert shared_dir_stats(str(tmp_path / "shared"))["objects"] == 0
+
+
+def _read_forever(cache, urls, seed):
+    import random
+
+    rng = random.Random(seed)
+    while True:
+        cache.read(rng.choice(urls))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_sigkill_at_any_moment_leaves_only_whole_copies(tmp_path, s3, seed):
+    """A node reading, filling and evicting in both directory tiers is killed at a moment
+    chosen by ``seed``: every copy left published in either tier is whole and right, and
+    the next node reads every object exactly, unblocked by the dead node's leases."""
+    import random
+
+    blobs = _put_blobs(s3, 6, 40_000)
+    sums = {u: checksum(b) for u, b in blobs.items()}
+    log = tmp_path / "gets.log"
+    victim = _node_cache(tmp_path, 0, s3, log, warm_bytes=2 * 40_010, shared_bytes=4 * 40_010)
+    p = CTX.Process(target=_read_forever, args=(victim, sorted(sums), seed))
+    p.start()
+    deadline = time.monotonic() + 60
+    while len(_gets(log)) < 3 and time.monotonic() < deadline:  # under way: fills and evictions
+        time.sleep(0.01)
+    time.sleep(random.Random(seed).uniform(0.0, 0.3))
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    by_key = {url_key(u): b for u, b in blobs.items()}
+    for tier in (tmp_path / "node0", tmp_path / "shared"):
+        for name in os.listdir(tier / "objects"):
+            assert (tier / "objects" / name).read_bytes() == by_key[name], f"{tier.name}: {name} is not whole"
+    after = _node_cache(tmp_path, 1, s3, log, warm_bytes=2 * 40_010, shared_bytes=4 * 40_010)
+    for u, s in sums.items():
+        assert checksum(after.read(u)) == s
+    assert after.stats()["shared_read_around"] == 0
+    after.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(record=st.binary(max_size=120) | st.fixed_dictionaries(
+    {"size": st.integers(-5, 10**6) | st.text(max_size=4) | st.none(), "digest": st.text(max_size=20) | st.integers()}
+).map(lambda d: json.dumps(d).encode()), planted=st.binary(max_size=3000))
+def test_a_shared_copy_with_a_garbage_record_is_never_served(tmp_path, record, planted):
+    case = tmp_path / os.urandom(8).hex()  # hypothesis may replay an example
+    cold = case / "cold"
+    cold.mkdir(parents=True)
+    data = os.urandom(2000)
+    (cold / "x.tar").write_bytes(data)
+    url = str(cold / "x.tar")
+    shared = case / "shared"
+    SharedDir(str(shared), 1 << 20)
+    (shared / "objects" / url_key(url)).write_bytes(planted)
+    (shared / "records" / url_key(url)).write_bytes(record)
+    c = TieredCache(shared_dir=shared, shared_bytes=1 << 20)
+    assert c.read(url) == data
+    c.close()

@@ -10,12 +10,17 @@
 - shared.py: the shared tier, a directory every node mounts: the warm directory's
   protocol with lease files instead of flocks, cluster-wide single flight;
 - eviction.py: the access schedule, Belady/LRU victim choice and hit-rate simulators;
-- node_stats.py: counters of every process using one warm directory.
+- future.py: the node's merged future (each process's next reads, published in the warm dir);
+- pacing.py: node-wide AIMD limits on cold requests per prefix (503 SlowDown);
+- node_stats.py: counters of every process using one warm directory;
+- report.py: what ``datapipe cache stats DIR...`` shows, per directory and per tier.
 
 Imports: storage, errors, checksum. It knows no tar, no dataset, no loader.
 """
 
 from .eviction import Schedule, belady_hits, lru_hits
+from .report import cache_report, format_tiers
+from .shared import clear_shared_dir, is_shared_dir, shared_dir_stats
 from .tiered import TieredCache
 from .warm import clear_warm_dir, warm_dir_stats
 
@@ -26,4 +31,9 @@ __all__ = [
     "lru_hits",
     "warm_dir_stats",
     "clear_warm_dir",
+    "shared_dir_stats",
+    "clear_shared_dir",
+    "cache_report",
+    "format_tiers",
+    "is_shared_dir",
 ]

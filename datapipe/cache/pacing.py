@@ -41,7 +41,7 @@ import xxhash
 from ..storage import Store
 from ..storage.retry import is_throttle
 
-__all__ = ["ColdPacer", "PacedStore", "pacing_prefix", "PACING_DIR", "DEFAULT_CEILING"]
+__all__ = ["ColdPacer", "PacedStore", "pacing_prefix", "pacing_state", "PACING_DIR", "DEFAULT_CEILING"]
 
 PACING_DIR = "pacing"
 DEFAULT_CEILING = 64
@@ -65,6 +65,7 @@ class _PrefixState:
 
     def __init__(self, prefix: str, ceiling: int) -> None:
         self.prefix = prefix
+        self.ceiling = float(ceiling)
         self.limit = float(ceiling)
         self.not_before = 0.0  # wall clock (time.time): shared by the node's processes
         self.streak = 0  # throttled answers since the last success
@@ -79,10 +80,15 @@ class _PrefixState:
                 "backoffs": self.backoffs, "min_limit": self.min_limit}
 
     def load(self, doc: dict[str, Any]) -> None:
+        """Take the fields of ``doc`` that are sane (a file anyone could have written):
+        limits within [1, ceiling], a pause no longer than the longest backoff."""
         for k in ("limit", "not_before", "last_decrease", "min_limit"):
             v = doc.get(k)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                 setattr(self, k, float(v))
+        self.limit = min(max(self.limit, 1.0), self.ceiling)
+        self.min_limit = min(max(self.min_limit, 1.0), self.ceiling)
+        self.not_before = min(self.not_before, time.time() + _BACKOFF_MAX_S)
         for k in ("streak", "throttled", "backoffs"):
             v = doc.get(k)
             if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
@@ -166,6 +172,8 @@ class ColdPacer:
     def limits(self) -> dict[str, dict[str, Any]]:
         """Each prefix this process has paced: its current limit and the node's counts."""
         out: dict[str, dict[str, Any]] = {}
+        for prefix in [p for p, n in self._successes.items() if n]:
+            self._fold(prefix)
         with self._lock:
             for prefix in list(self._states):
                 st = self._state(prefix)
@@ -205,9 +213,15 @@ class ColdPacer:
             if now - self._folded_at.get(prefix, 0.0) < _FOLD_S:
                 return
             self._folded_at[prefix] = now
+        self._fold(prefix)
+
+    def _fold(self, prefix: str) -> None:
+        """Apply the successes counted since the last fold to the node's limit."""
         with self._update(prefix) as st:
-            with_n = self._successes.pop(prefix, 0)
-            for _ in range(with_n):
+            n = self._successes.pop(prefix, 0)
+            if not n:
+                return
+            for _ in range(n):
                 st.limit = min(float(self.ceiling), st.limit + 1.0 / max(1.0, st.limit))
             st.streak = 0
 
@@ -230,13 +244,15 @@ class ColdPacer:
         t0 = time.monotonic()
         pause = _SLOT_POLL_S
         held = -1
+        paused = False
         while held < 0:
             with self._lock:
                 st = self._state(prefix)
                 fds, locks = self._slots(prefix)
-                wait = st.not_before - time.time()
+                wait = min(st.not_before - time.time(), _BACKOFF_MAX_S)
                 n = max(1, min(self.ceiling, int(st.limit)))
-            if wait > 0:
+            if wait > 0 and not paused:
+                paused = True  # the prefix's pause, once per request; then slots decide
                 time.sleep(wait)
                 continue
             for i in range(n):
@@ -334,3 +350,23 @@ class PacedStore(Store):
 
     def list(self, prefix: str = "") -> list[str]:
         return self.inner.list(prefix)
+
+
+def pacing_state(root: str) -> dict[str, dict[str, Any]]:
+    """The node's pacing state in a warm directory, by prefix (read only)."""
+    folder = os.path.join(root, PACING_DIR)
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if not name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("prefix"), str):
+            st = _PrefixState(doc["prefix"], 1)
+            st.load(doc)
+            out[st.prefix] = {"limit": round(st.limit, 2), "min_limit": round(st.min_limit, 2),
+                              "throttled": st.throttled, "backoffs": st.backoffs}
+    return out

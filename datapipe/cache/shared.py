@@ -40,9 +40,10 @@ from ..errors import DatapipeError, StorageError
 from ..storage.lease import MAX_LEASE_BYTES, SharedFileLease
 from .cold import CHANGE_RESTARTS, SizeChanged
 from .eviction import VictimChooser
-from .warm import DISK_FULL_ERRNOS, WarmDir, _open_regular, url_key
+from .warm import DISK_FULL_ERRNOS, WarmDir, _check_warm_dir, _open_regular, dir_meta, url_key, valid_record
 
-__all__ = ["SharedDir", "SharedTier", "SHARED_MARKER", "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SHARED_WAIT_S"]
+__all__ = ["SharedDir", "SharedTier", "shared_dir_stats", "clear_shared_dir", "is_shared_dir", "SHARED_MARKER",
+           "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SHARED_WAIT_S"]
 
 if TYPE_CHECKING:
     from .process import ProcessState
@@ -54,7 +55,7 @@ _MAX_RECORD_BYTES = 4096
 # a temporary file is dead once its lease's heartbeat is this many timeouts old by our
 # clock (hosts' clocks may disagree by less than that)
 _TMP_DEAD_TIMEOUTS = 4
-_POLL_MIN_S, _POLL_MAX_S = 0.005, 0.25
+_POLL_MIN_S, _POLL_MAX_S = 0.005, 0.5  # a waiter polls at most every 0.5 s: a few metadata ops
 
 
 class SharedDir(WarmDir):
@@ -65,6 +66,7 @@ class SharedDir(WarmDir):
 
     def __init__(self, root: str, budget_bytes: int, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S) -> None:
         self.lease_timeout_s = float(lease_timeout_s)
+        self.marker = {**SHARED_MARKER, "lease_timeout_s": self.lease_timeout_s}  # meta.json says it too
         root = os.path.abspath(root)
         self.leases = os.path.join(root, "leases")
         self.records_dir = os.path.join(root, "records")
@@ -100,10 +102,13 @@ class SharedDir(WarmDir):
             os.close(rfd)
         if not isinstance(doc, dict):
             return None
-        size, digest = doc.get("size"), doc.get("digest")
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(digest, str):
-            return None
-        return size, digest
+        return valid_record(doc.get("size"), doc.get("digest"))
+
+    def usage(self) -> int:
+        """Bytes held, counted without the budget lease (that lease is for reservations,
+        not for every ``stats()`` of every node): a copy published between the two scans
+        may count twice."""
+        return sum(s for _k, s, _m in self.entries()) + self._tmp_bytes()
 
     # -- no pins, no flocks ---------------------------------------------------------------
     def _pin(self, fd: int) -> None:
@@ -348,3 +353,99 @@ def _sized(data: bytes, fixed_size: int | None) -> bytes:
     if fixed_size is not None and len(data) != fixed_size:
         raise SizeChanged()
     return data
+
+
+def is_shared_dir(root: str) -> bool:
+    """Whether ``root`` is marked as a shared cache directory (else: a warm one, or none)."""
+    meta = dir_meta(os.path.abspath(root))
+    return meta is not None and meta.get("format") == SHARED_MARKER["format"]
+
+
+def _check_shared_dir(root: str) -> str:
+    return _check_warm_dir(root, SHARED_MARKER, "shared", "shared_dir")
+
+
+def shared_dir_stats(root: str) -> dict[str, Any]:
+    """What a shared directory holds (objects, bytes, the budget last configured),
+    downloads in progress and dead temporary files, leases (live or silent longer than
+    ``lease_timeout_s`` by their mtime), and ``cold_gets``: whole-object GETs from cold made
+    through this tier (total, distinct objects, per object mean and max). Reads no copy."""
+    root = _check_shared_dir(root)
+    meta = dir_meta(root) or {}
+    budget = meta.get("budget_bytes")
+    timeout = meta.get("lease_timeout_s", DEFAULT_LEASE_TIMEOUT_S)
+    shared = SharedDir.__new__(SharedDir)  # a view: no cleanup, no meta write, no lease
+    shared.root, shared.lease_timeout_s = root, float(timeout)
+    shared.leases = os.path.join(root, "leases")
+    n = total = 0
+    with os.scandir(os.path.join(root, "objects")) as it:
+        for e in it:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if e.is_file(follow_symlinks=False):
+                n, total = n + 1, total + st.st_size
+    live = dead = tmp_bytes = 0
+    tmpdir = os.path.join(root, "tmp")
+    for name in os.listdir(tmpdir) if os.path.isdir(tmpdir) else []:
+        key, _dot, owner = name.rpartition(".")
+        try:
+            tmp_bytes += os.stat(os.path.join(tmpdir, name)).st_size
+        except FileNotFoundError:
+            continue
+        if key and shared._writer_alive(key, owner):
+            live += 1
+        else:
+            dead += 1
+    leases = silent = 0
+    now = time.time_ns()
+    for name in os.listdir(shared.leases) if os.path.isdir(shared.leases) else []:
+        try:
+            st = os.stat(os.path.join(shared.leases, name), follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        leases += 1
+        silent += now - st.st_mtime_ns > shared.lease_timeout_s * 1e9
+    per_object: dict[str, int] = {}
+    gets_dir = os.path.join(root, "gets")
+    for name in os.listdir(gets_dir) if os.path.isdir(gets_dir) else []:
+        key = name.rpartition(".")[0]
+        per_object[key] = per_object.get(key, 0) + 1
+    gets = sum(per_object.values())
+    return {
+        "dir": root,
+        "tier": "shared",
+        "objects": n,
+        "bytes": total,
+        "budget_bytes": budget,
+        "downloading": live,
+        "dead_tmp_files": dead,
+        "tmp_bytes": tmp_bytes,
+        "leases": leases,
+        "silent_leases": silent,
+        "cold_gets": {"gets": gets, "objects": len(per_object),
+                      "per_object_mean": round(gets / len(per_object), 4) if per_object else None,
+                      "per_object_max": max(per_object.values(), default=None)},
+    }
+
+
+def clear_shared_dir(root: str) -> int:
+    """Delete every published copy (and its record), the cold-GET ledger, and temporary
+    files whose writer's lease is gone; returns how many copies and temporary files were
+    removed. Copies are not pinned across hosts: a node reading one keeps its open file,
+    and later reads miss."""
+    root = _check_shared_dir(root)
+    meta = dir_meta(root) or {}
+    shared = SharedDir(root, int(meta.get("budget_bytes") or 1),
+                       float(meta.get("lease_timeout_s", DEFAULT_LEASE_TIMEOUT_S)))
+    removed = 0
+    for name in os.listdir(shared.objects):
+        removed += shared._remove_copy(name) is True
+    for folder in (shared.records_dir, shared.gets):
+        for name in os.listdir(folder):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass
+    return removed + shared.clean_dead_tmp()

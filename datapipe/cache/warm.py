@@ -75,12 +75,24 @@ def stat_signature(st: os.stat_result) -> tuple[int, int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+_DIGEST = re.compile(r"xxh3_64:[0-9a-f]{16}")
+
+
+def valid_record(size: object, digest: object) -> tuple[int, str] | None:
+    """``(size, digest)`` when both are what a filler writes (a size >= 0, a checksum in
+    datapipe's text form), else None: a record that checks nothing is no record."""
+    if isinstance(size, int) and not isinstance(size, bool) and size >= 0 \
+            and isinstance(digest, str) and _DIGEST.fullmatch(digest):
+        return size, digest
+    return None
+
+
 def fill_record(fd: int) -> tuple[int, str] | None:
     """``(size, digest)`` a copy was filled with, or None when it has no (readable) record."""
     try:
         raw = os.getxattr(fd, FILL_XATTR).decode("ascii")
         size, digest = raw.split(" ", 1)
-        return int(size), digest
+        return valid_record(int(size), digest)
     except (OSError, ValueError, UnicodeDecodeError, AttributeError):
         return None
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -511,24 +523,30 @@ def _write_meta(root: str, budget: int, marker: dict[str, Any] = MARKER) -> None
     os.replace(tmp, os.path.join(root, "meta.json"))
 
 
-def _check_warm_dir(root: str) -> str:
-    root = os.path.abspath(root)
-    if not os.path.isdir(root):
-        raise ObjectNotFoundError(f"no warm cache directory at {root}")
-    if not os.path.isdir(os.path.join(root, "objects")):
-        raise StorageError(
-            f"{root} is not a datapipe warm cache directory (it has no objects/ folder)"
-        )
+def dir_meta(root: str) -> dict[str, Any] | None:
+    """The meta.json of a cache directory (warm or shared), or None when it has none."""
     try:
         with open(os.path.join(root, "meta.json")) as f:
             meta = json.load(f)
-        ok = isinstance(meta, dict) and all(meta.get(k) == v for k, v in MARKER.items())
     except (OSError, ValueError):
-        ok = False
-    if not ok:
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _check_warm_dir(root: str, marker: dict[str, Any] = MARKER, what: str = "warm",
+                    given: str = "warm_dir") -> str:
+    root = os.path.abspath(root)
+    if not os.path.isdir(root):
+        raise ObjectNotFoundError(f"no {what} cache directory at {root}")
+    if not os.path.isdir(os.path.join(root, "objects")):
         raise StorageError(
-            f"{root} is not a datapipe warm cache directory (no meta.json marking it as "
-            "one); refusing to touch it. Point at the warm_dir a TieredCache was given"
+            f"{root} is not a datapipe {what} cache directory (it has no objects/ folder)"
+        )
+    meta = dir_meta(root)
+    if meta is None or not all(meta.get(k) == v for k, v in marker.items()):
+        raise StorageError(
+            f"{root} is not a datapipe {what} cache directory (no meta.json marking it as "
+            f"one); refusing to touch it. Point at the {given} a TieredCache was given"
         )
     return root
 
