@@ -230,3 +230,30 @@ def test_the_prefetcher_fetches_what_chunk_fetches_says_whatever_the_timing(chun
     else:
         assert sorted(fetched) == sorted(expected)
     assert all(s.closed for s in made)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=12), st.integers(0, 5), st.integers(1, 4),
+       st.integers(1, 3), st.integers(1, 5), st.integers(1, 20), st.integers(0, 40))
+def test_fetch_orders_of_all_workers_cover_every_shard_their_chunks_read(counts, seed, world, workers, batch,
+                                                                       chunk_samples, consumed):
+    """Pure: the chunks of a rank's workers cover its steps from the resume point exactly
+    once, and each worker's fetch order is its chunks' shards under the hand-over rule."""
+    from datapipe.plan import worker_chunk_steps
+
+    if sum(counts) == 0:
+        return
+    plan = EpochPlan(counts, seed=seed, epoch=1, window=3, world=world)
+    plan = EpochPlan.from_state(counts, plan.state_dict(min(consumed, plan.per_rank)), seed=seed, window=3,
+                                world=world)
+    real = np.arange(len(counts))[::-1]  # virtual shard i is read from real shard n-1-i
+    for rank in range(world):
+        steps = []
+        for w in range(workers):
+            chunks = list(worker_chunk_steps(plan.start, plan.per_rank, batch, w, workers, chunk_samples))
+            steps += [int(s) for c in chunks for s in c]
+            shards = [list(dict.fromkeys(real[plan.rank_samples(rank, c)[0]].tolist())) for c in chunks]
+            order = fetch_order(plan, real, rank, w, workers, batch, chunk_samples)
+            assert order.tolist() == list(chunk_fetches(shards))
+            assert all(len(c) <= max(batch, chunk_samples - chunk_samples % batch) for c in chunks)
+        assert sorted(steps) == list(range(plan.start, plan.per_rank))
