@@ -15,6 +15,7 @@ against the bytes the generator wrote (``payload``) and reports its keys per epo
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import multiprocessing as mp
@@ -26,6 +27,8 @@ import time
 import traceback
 from dataclasses import dataclass
 from typing import Any
+
+from datapipe.storage.faults import FaultInjectingStore
 
 __all__ = ["ClusterConfig", "payload", "run_cluster", "shared_tier_supported"]
 
@@ -45,7 +48,7 @@ class ClusterConfig:
     batch_size: int = 4
     seed: int = 0
     shared: bool = True
-    kill_node: bool = False  # SIGKILL one node's process group mid-run, then restart it
+    kill_node: bool = False  # SIGKILL node 0's process group mid-download, then restart it
     lease_timeout_s: float = 10.0  # silence after which a shared-tier lease is taken over
     timeout_s: float = 600.0
 
@@ -69,16 +72,19 @@ def shared_tier_supported() -> bool:
     return "shared_dir" in inspect.signature(TieredCache.__init__).parameters
 
 
-def _cache_kwargs(cfg: dict[str, Any], node: int, work: str, opts: dict[str, Any]) -> dict[str, Any]:
+def _cache_kwargs(cfg: dict[str, Any], node: int, work: str, opts: dict[str, Any], slow: bool) -> dict[str, Any]:
     kw: dict[str, Any] = {"warm_dir": os.path.join(work, f"node-{node}", "local"),
                           "warm_bytes": cfg["local_budget"], "storage_options": opts}
+    if slow:  # the node to be killed answers its first read of each shard late: it holds leases long
+        kw["cold_wrapper"] = functools.partial(FaultInjectingStore, delays=1, delay_s=1.0)
     if cfg["shared"]:
         kw.update(shared_dir=os.path.join(work, "shared"), shared_bytes=cfg["shared_budget"],
                   lease_timeout_s=cfg["lease_timeout_s"])
     return kw
 
 
-def _node(node: int, cfg: dict[str, Any], work: str, opts: dict[str, Any], env: dict[str, str], q: Any) -> None:
+def _node(node: int, cfg: dict[str, Any], work: str, opts: dict[str, Any], env: dict[str, str], q: Any,
+          slow: bool = False) -> None:
     """One node: rank ``node`` of ``cfg['nodes']``, reading every epoch through its loader."""
     os.setsid()  # a process group of its own: the node and its workers die together
     os.environ.update(env)
@@ -86,7 +92,7 @@ def _node(node: int, cfg: dict[str, Any], work: str, opts: dict[str, Any], env: 
         from datapipe import TieredCache
         from datapipe.loader import StreamingDataLoader, StreamingDataset
 
-        cache = TieredCache(**_cache_kwargs(cfg, node, work, opts))
+        cache = TieredCache(**_cache_kwargs(cfg, node, work, opts, slow))
         ds = StreamingDataset(cfg["root"], cache=cache, seed=cfg["seed"], window=cfg["window"],
                               batch_size=cfg["batch_size"], rank=node, world_size=cfg["nodes"])
         loader = StreamingDataLoader(ds, batch_size=cfg["batch_size"], num_workers=cfg["workers"])
@@ -170,8 +176,8 @@ def _write_dataset(c: ClusterConfig, root: str, opts: dict[str, Any]) -> list[st
     return keys
 
 
-def _start(ctx: Any, node: int, cfg: dict[str, Any], work: str, s3: Any, q: Any) -> Any:
-    p = ctx.Process(target=_node, args=(node, cfg, work, s3.storage_options, s3.env, q), name=f"node-{node}")
+def _start(ctx: Any, node: int, cfg: dict[str, Any], work: str, s3: Any, q: Any, slow: bool = False) -> Any:
+    p = ctx.Process(target=_node, args=(node, cfg, work, s3.storage_options, s3.env, q, slow), name=f"node-{node}")
     p.start()
     return p
 
@@ -203,17 +209,23 @@ def run_cluster(c: ClusterConfig, s3: Any, work: str, log: Any = print) -> dict[
     sampler = _Sampler([os.path.join(work, f"node-{n}", "local") for n in range(c.nodes)])
     sampler.start()
     t0 = time.perf_counter()
-    procs = {n: _start(ctx, n, cfg, work, s3, q) for n in range(c.nodes)}
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     killed: tuple[dict[str, Any], _DeadLeases] | None = None
     deadline = time.monotonic() + c.timeout_s
+    procs: dict[int, Any] = {}
+    if c.kill_node:
+        # node 0 first, alone and slow: killed while it holds the lease of its first
+        # download; the other nodes start then, and meet the dead lease
+        procs[0] = _start(ctx, 0, cfg, work, s3, q, slow=True)
+        while killed is None and procs[0].is_alive() and time.monotonic() < deadline:
+            killed = _maybe_kill(work, procs, ctx, cfg, s3, q)
+            time.sleep(0.002)
+    procs.update({n: _start(ctx, n, cfg, work, s3, q) for n in range(c.nodes) if n not in procs})
     try:
         while len(results) + len(errors) < c.nodes:
-            if c.kill_node and killed is None:
-                killed = _maybe_kill(work, procs, ctx, cfg, s3, q)
             try:
-                kind, node, body = q.get(timeout=0.002 if c.kill_node and killed is None else 1.0)
+                kind, node, body = q.get(timeout=1.0)
             except queue.Empty:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the cluster did not finish within {c.timeout_s:g} s") from None
@@ -279,10 +291,7 @@ def run_cluster(c: ClusterConfig, s3: Any, work: str, log: Any = print) -> dict[
         "local_peak_bytes": sampler.peaks,
         "local_dir_samples": sampler.samples,
         "seconds": seconds,
-        "killed": None if killed is None else {**killed[0], **killed[1].report(),
-                                               "lease_timeout_s": cfg["lease_timeout_s"],
-                                               "lease_blocked_beyond_timeout":
-                                                   killed[1].report()["longest_s"] > cfg["lease_timeout_s"]},
+        "killed": None if killed is None else {**killed[0], **killed[1].report(cfg["lease_timeout_s"])},
         "errors": {str(n): e[-600:] for n, e in errors.items()},
         "node_cache_stats": {str(n): {k: v for k, v in s.items() if isinstance(v, (int, float)) and v}
                              for n, s in stats.items()},
@@ -317,33 +326,49 @@ def _lease_holder(path: str) -> tuple[Any, Any] | None:
 
 class _DeadLeases(threading.Thread):
     """After a kill: how long each shared-tier lease the dead processes held stays theirs
-    (until another node takes it over, or it is gone)."""
+    (until another node takes it over, or it is gone), counted from the kill and from the
+    moment another node first held a lease (the others were running and could wait on it)."""
 
-    def __init__(self, paths: dict[str, tuple[Any, Any]], every_s: float = 0.01) -> None:
+    def __init__(self, leases: str, paths: dict[str, tuple[Any, Any]], every_s: float = 0.01) -> None:
         super().__init__(name="dead-lease-watch", daemon=True)
-        self.paths, self.every_s = dict(paths), every_s
+        self.leases, self.paths, self.every_s = leases, dict(paths), every_s
+        self.dead_pids = {h[0] for h in paths.values()}
         self.t0 = time.monotonic()
+        self.others_from: float | None = None
         self.ended: dict[str, float] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set() and len(self.ended) < len(self.paths):
+            now = time.monotonic() - self.t0
             for path, holder in self.paths.items():
                 if path not in self.ended and _lease_holder(path) != holder:
-                    self.ended[path] = time.monotonic() - self.t0
+                    self.ended[path] = now
+            if self.others_from is None:
+                for name in os.listdir(self.leases):
+                    h = _lease_holder(os.path.join(self.leases, name))
+                    if h is not None and h[0] not in self.dead_pids:
+                        self.others_from = now
+                        break
             self.stop.wait(self.every_s)
 
-    def report(self) -> dict[str, Any]:
+    def report(self, timeout_s: float) -> dict[str, Any]:
+        longest = max(self.ended.values(), default=0.0)
+        others = self.others_from if self.others_from is not None else 0.0
         return {"dead_leases": len(self.paths), "taken_over_or_gone": len(self.ended),
-                "longest_s": max(self.ended.values(), default=0.0),
-                "left_untouched": len(self.paths) - len(self.ended)}
+                "left_untouched": len(self.paths) - len(self.ended), "longest_since_kill_s": longest,
+                "others_holding_leases_from_s": self.others_from,
+                "longest_since_others_ran_s": max(0.0, longest - others), "lease_timeout_s": timeout_s,
+                # a waiter polls the lease at most every 0.25 s: 1 s of slack for polling and load
+                "lease_blocked_beyond_timeout": longest - others > timeout_s + 1.0}
 
 
 def _maybe_kill(work: str, procs: dict[int, Any], ctx: Any, cfg: dict[str, Any], s3: Any,
                 q: Any) -> tuple[dict[str, Any], _DeadLeases] | None:
-    """Once a process of node 0 holds a shared-tier lease (a download in flight), SIGKILL
-    node 0's process group (the node and its workers), start it again, and watch the leases
-    the dead processes held; None until then."""
+    """Once a process of node 0 holds a shared-tier lease (a download in flight: node 0's
+    first read of each shard from cold answers 1 s late), SIGKILL node 0's process group
+    (the node and its workers), start it again (at full speed), and watch the leases the
+    dead processes held; None until then."""
     leases = os.path.join(work, "shared", "leases")
     try:
         names = os.listdir(leases)
@@ -356,11 +381,16 @@ def _maybe_kill(work: str, procs: dict[int, Any], ctx: Any, cfg: dict[str, Any],
     held = {p: h for p, h in holders.items() if h is not None and h[0] in group}
     if not held:
         return None
+    budget = os.path.join(work, "shared", "budget.lease")  # held while room is made in the shared tier
+    holder = _lease_holder(budget)
+    if holder is not None and holder[0] in group:
+        held[budget] = holder
     old = procs[0]
     os.killpg(old.pid, signal.SIGKILL)
-    watch = _DeadLeases(held)
+    watch = _DeadLeases(leases, held)
     watch.start()
     old.join(30)
     procs[0] = _start(ctx, 0, cfg, work, s3, q)
     return ({"node": 0, "pids_killed": sorted(group), "signal": "SIGKILL",
-             "while": f"holding {len(held)} shared-tier lease(s)"}, watch)
+             "while": f"holding {len(held)} shared-tier lease(s)",
+             "leases": sorted(os.path.relpath(p, os.path.join(work, "shared")) for p in held)}, watch)
