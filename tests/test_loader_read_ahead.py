@@ -124,3 +124,17 @@ def test_persistent_dataloader_workers_read_ahead_and_stay_exact(tmp_path_factor
     loader2.load_state_dict(state)
     rest = [k for b in loader2 for k in b["__key__"]]
     assert sorted(seen + rest) == sorted(f"s{i:04d}" for i in range(N))
+
+
+def test_with_a_cache_a_pass_reads_nothing_beyond_itself(tmp_path_factory, tmp_path):
+    # the cache is told each pass's fetches to the end of the next epoch (its schedule):
+    # reads it served ahead of a pass would not be in that pass's schedule
+    from datapipe import TieredCache
+
+    url = _url(tmp_path_factory)
+    cache = TieredCache(warm_dir=str(tmp_path / "warm"), warm_bytes=1 << 24)
+    ds = StreamingDataset(url, window=3, seed=1, cache=cache)
+    ds.set_epoch(0)
+    assert _keys(ds) == _fresh(url, 0, window=3, seed=1)
+    assert ds._ahead is None
+    cache.close()

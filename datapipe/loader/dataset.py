@@ -33,7 +33,8 @@ from numpy.typing import NDArray
 
 from ..decode import make_decoder
 from ..errors import DatapipeError, PlanError, StateMismatchError, TopologyError
-from ..plan import EpochPlan, batch_steps, layout_fingerprint, worker_batches
+from ..plan import EpochPlan, fetch_order, layout_fingerprint, worker_chunk_steps
+from ..tables import ParquetTable
 from ..tarindex import resolve_source
 from ..topology import Topology
 from .batch import Batch
@@ -96,18 +97,14 @@ def skip_report(skipped: Sequence[tuple[str, str | None, str]], where: str = "")
 def _epoch_chunks(plan: EpochPlan, real: NDArray[Any], rank: int, worker: int, num_workers: int,
                   batch_size: int, chunk_samples: int, number: int, tag: int) -> Iterator[Chunk]:
     """The worker's share of the rank's stream in ``plan``, as chunks numbered from
-    ``number``. The first chunks are small and grow to full size: the reader starts on the
-    first batch while the prefetcher still plans the rest of the window."""
-    start, stop = plan.start, plan.per_rank
-    batches = worker_batches(start, stop, batch_size, worker, num_workers)
-    per_chunk = max(1, chunk_samples // batch_size)
-    i, size = 0, 1
-    while i < len(batches):
-        steps = batch_steps(start, stop, batch_size, batches[i : i + min(size, per_chunk)])
+    ``number`` (:func:`datapipe.plan.worker_chunk_steps`: the first chunks are small and
+    grow to full size, so the reader starts on the first batch while the prefetcher still
+    plans the rest of the window)."""
+    for steps in worker_chunk_steps(plan.start, plan.per_rank, batch_size, worker, num_workers, chunk_samples):
         # padding samples (repeats that even out the ranks) are read like any other
         vshard, sample, _padding = plan.rank_samples(rank, steps)
         yield Chunk.make(number, steps, real[vshard], sample, tag)
-        i, size, number = i + min(size, per_chunk), size * 4, number + 1
+        number += 1
 
 
 class _PassKey(NamedTuple):
@@ -197,15 +194,17 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
     With a plain ``DataLoader`` and ``persistent_workers=False`` (the default), each pass
     pickles this object into the workers, so ``set_epoch`` and ``load_state_dict`` reach them.
 
-    Reading ahead across passes: shards are fetched ahead of the reader within
-    ``prefetch_bytes``, and a pass that ends (in this process, or in a worker of a
-    StreamingDataLoader, whose workers persist) leaves its prefetcher fetching the first
-    shards of the pass it guesses comes next: the next epoch if ``set_epoch`` moved this
-    one on from the last (or on the first pass), else the same epoch again. The next pass
-    uses it if it is that pass (same epoch and worker share, no ``load_state_dict`` since),
-    else closes it: a window of shards is then not read at each epoch's start while the
-    trainer waits. Those bytes stay held (within ``prefetch_bytes``) until the next pass or
-    until this object is collected.
+    Reading ahead across passes (without a ``cache``): shards are fetched ahead of the
+    reader within ``prefetch_bytes``, and a pass that ends (in this process, or in a
+    worker of a StreamingDataLoader, whose workers persist) leaves its prefetcher fetching
+    the first shards of the pass it guesses comes next: the next epoch if ``set_epoch``
+    moved this one on from the last (or on the first pass), else the same epoch again.
+    The next pass uses it if it is that pass (same epoch and worker share, no
+    ``load_state_dict`` since), else closes it: a window of shards is then not read at
+    each epoch's start while the trainer waits. Those bytes stay held (within
+    ``prefetch_bytes``) until the next pass or until this object is collected. With a
+    cache, each pass tells the cache its fetches to the end of the next epoch instead
+    (its schedule), and reads nothing beyond its own pass.
     """
 
     def __init__(self, source: str | list[str] | list[Stream], *, cache: Any = None, shuffle: bool = True,
@@ -307,15 +306,18 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
     def _layout(self, epoch: int) -> tuple[NDArray[Any], NDArray[Any]]:
         return epoch_layout(self._stream_counts, self._targets, self.seed, epoch)
 
-    def _make_plan(self, world: int) -> tuple[EpochPlan, NDArray[Any]]:
-        if self._resume is not None and self._resume.get("epoch") == self.epoch:
-            counts, real = self._layout(self.epoch)
+    def _make_plan(self, world: int, epoch: int | None = None) -> tuple[EpochPlan, NDArray[Any]]:
+        """The plan of ``epoch`` (default: the current one, from the resume point if the
+        pass resumes) for ``world`` ranks, and the real shard of each virtual shard."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._resume is not None and self._resume.get("epoch") == epoch:
+            counts, real = self._layout(epoch)
             algo = "window" if self.shuffle else "none"
             plan = EpochPlan.from_state(counts, self._resume, seed=self.seed, window=self.window if self.shuffle else 1,
                                         algorithm=algo, world=world, drop_last=self.drop_last,
                                         fingerprint=self.fingerprint)
             return plan, real
-        return self._planner()(world, self.epoch)
+        return self._planner()(world, epoch)
 
     def _planner(self) -> Callable[[int, int], tuple[EpochPlan, NDArray[Any]]]:
         """``make(world, epoch)``: a fresh epoch's plan and its shards' global numbers. It
@@ -332,6 +334,34 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                              drop_last=drop_last, fingerprint=fingerprint), real
 
         return make
+
+    def future_shards(self, rank: int | None = None, worker: int = 0, num_workers: int = 1, *,
+                      epochs: int = 2) -> NDArray[Any]:
+        """The shards this rank's ``worker`` (of ``num_workers`` DataLoader workers) fetches
+        from now to the end of ``epochs`` epochs, in order: the rest of the current epoch
+        (from the resume point, if one is loaded), then the whole of each next one (by
+        default one: the schedule a pass hands its cache). One entry per
+        fetch (see :func:`datapipe.plan.fetch_order`); shards read outside a cache (Parquet
+        tables) are left out. A pass hands exactly this to its cache's ``set_schedule``."""
+        own_rank, world = self._world()
+        rank = own_rank if rank is None else int(rank)
+        parts = []
+        if epochs < 1:
+            raise PlanError(f"future_shards: epochs must be at least 1, got {epochs}")
+        for epoch in range(self.epoch, self.epoch + epochs):
+            plan, real = self._make_plan(world, epoch)
+            parts.append(fetch_order(plan, real, rank, worker, num_workers, self.batch_size, self.chunk_samples))
+        order = np.concatenate(parts)
+        cached = self._through_cache()
+        return order if cached is None else order[cached[order]]
+
+    def _through_cache(self) -> NDArray[Any] | None:
+        """Which real shards are read through the cache (None: all); Parquet tables are not."""
+        if not any(isinstance(ix, ParquetTable) for ix in self.source.indexes):
+            return None
+        through: NDArray[Any] = np.concatenate([np.full(len(ix.shards), not isinstance(ix, ParquetTable))
+                                                for ix in self.source.indexes])
+        return through
 
     def set_epoch(self, epoch: int) -> None:
         if int(epoch) < 0:
@@ -439,6 +469,24 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
             if self._live is token:
                 self._live = None
 
+    def _tell_cache_the_future(self, rank: int, worker: int, num_workers: int) -> None:
+        """Hand the cache this worker's fetches to the end of the next epoch, once per pass
+        (the cache's position moves with the reads it serves). The loader fetches ahead on
+        its own, so the cache prefetches nothing (``lookahead=0``). A cache without
+        ``set_schedule`` evicts by its own rule; a hook that fails warns and reads go on."""
+        cache = self.cache
+        if cache is None or not hasattr(cache, "set_schedule"):
+            return
+        try:
+            urls = [self.source.url(g) for g in self.future_shards(rank, worker, num_workers).tolist()]
+            # reads reach the cache out of order by fewer than `concurrency` places (fetches
+            # run in parallel); a wider window would let a late read match a later occurrence
+            # of its shard and move the cache's position past reads still to come
+            cache.set_schedule(urls, position=0, lookahead=0, window=self.concurrency)
+        except Exception as e:
+            warnings.warn(f"the cache's set_schedule failed ({type(e).__name__}: {e}); reads go on, but its "
+                          "eviction does not know the upcoming shards", RuntimeWarning, stacklevel=3)
+
     def end_resumed_pass(self) -> None:
         """The resumed pass is over: the next pass starts the epoch afresh (called at the end of
         each pass, and by a :class:`~datapipe.loader.StreamingDataLoader` whose workers read it)."""
@@ -457,23 +505,21 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
             if ahead.key == key and self._resume is None:
                 return ahead.pre, ahead.tag, ahead.step, chain([ahead.pending], ahead.pre)
             ahead.pre.close()
+        self._tell_cache_the_future(key.rank, key.worker, key.num_workers)
         # The next pass's epoch is guessed from this one: the last pass's epoch plus one
         # when set_epoch() moved it on (or on the first pass), the same one when it did not.
         step = 0 if last == key.epoch else 1
         chunks = _epoch_chunks(plan, real, key.rank, key.worker, key.num_workers, key.batch_size,
                                key.chunk_samples, 0, 0)
-        # Only where a next pass will come in this process: the main process, or a worker
-        # of a StreamingDataLoader that keeps its workers (others exit after one pass).
-        if self._control is not None or _worker_info() is None:
+        # Only where a next pass will come in this process (the main process, or a worker
+        # of a StreamingDataLoader that keeps its workers; others exit after one pass), and
+        # without a cache: a cache is told each pass's fetches to the end of the next epoch
+        # (its schedule), and reads it serves ahead of that pass would not be in it.
+        if self.cache is None and (self._control is not None or _worker_info() is None):
             chunks = _chained_chunks(chunks, self._planner(), key, step)
         cache, source = self.cache, self.source
-
-        def schedule(order: list[int]) -> None:
-            if cache is not None and hasattr(cache, "set_schedule"):
-                cache.set_schedule([source.url(g) for g in order], lookahead=0)
-
         pre = Prefetcher(chunks, lambda g: source.fetch(g, cache), source.shard_bytes,
-                         max_bytes=self.prefetch_bytes, concurrency=self.concurrency, schedule=schedule)
+                         max_bytes=self.prefetch_bytes, concurrency=self.concurrency)
         return pre, 0, step, iter(pre)
 
     def _reader(self, pre: Prefetcher, g: int) -> ShardReader:

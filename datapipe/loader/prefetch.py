@@ -4,13 +4,17 @@ A worker's stream is cut into chunks of consecutive samples (numpy arrays of sha
 sample indices, from the pure plan). An asyncio loop on a thread of its own walks the
 chunks ahead of the consumer: for each chunk it starts fetching the shards the chunk needs
 (in order of first use, ``concurrency`` at a time) and hands the chunk to the consumer.
-Shards are reference-counted by chunk and closed when the last chunk using them is done.
+
+Which fetches a pass makes is a pure function of its chunks
+(:func:`datapipe.plan.chunk_fetches`), never of timing: a chunk fetches each of its shards
+except those the chunk before it reads, which are handed over (the earlier chunk's fetch
+is kept open for it). A shard read again by a later, non-adjacent chunk is fetched again,
+even if an earlier fetch of it is still open. So the loader can tell the cache its whole
+future in advance, and that future is exactly the reads the cache sees.
 
 Budget: bytes of shards held or being fetched stay under ``max_bytes``, except that the
 shards of the chunk being read are always fetched (else a window larger than the budget
 could never be read); so the bound is ``max(max_bytes, bytes of one chunk's shards)``.
-The cache is told the upcoming shard order (``set_schedule``) so its eviction is
-clairvoyant.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from numpy.typing import NDArray
+
+from ..plan import first_use
 
 __all__ = ["Chunk", "Prefetcher"]
 
@@ -38,15 +43,17 @@ class Chunk:
     shard: NDArray[Any]
     sample: NDArray[Any]
     shards: list[int] = field(default_factory=list)  # distinct, in order of first use
+    #: the fetch each shard is read from (set by the Prefetcher when it plans the chunk)
+    slots: dict[int, Any] = field(default_factory=dict, repr=False)
     #: which pass of a chain of passes the chunk belongs to (see StreamingDataset's
-    #: prefetch into the next epoch); 0 for the first
+    #: prefetch into the next epoch); 0 for the first. No fetch is handed over from one
+    #: pass to the next, so each pass fetches what :func:`datapipe.plan.fetch_order` says.
     tag: int = 0
 
     @classmethod
     def make(cls, number: int, steps: NDArray[Any], shard: NDArray[Any], sample: NDArray[Any],
              tag: int = 0) -> Chunk:
-        uniq, first = np.unique(shard, return_index=True)
-        return cls(number, steps, shard, sample, uniq[np.argsort(first)].tolist(), tag)
+        return cls(number, steps, shard, sample, first_use(shard).tolist(), tag=tag)
 
 
 class _Slot:
@@ -75,7 +82,6 @@ class Prefetcher:
     def __init__(self, chunks: Iterator[Chunk], fetch: Callable[[int], Any],
                  shard_bytes: Callable[[int], int], *, max_bytes: int = 512 << 20,
                  concurrency: int = 8, lookahead_chunks: int = 4,
-                 schedule: Callable[[list[int]], None] | None = None,
                  close_timeout_s: float = 30.0) -> None:
         if max_bytes < 1 or concurrency < 1 or lookahead_chunks < 1 or not close_timeout_s > 0:
             raise ValueError("max_bytes, concurrency, lookahead_chunks and close_timeout_s must be positive")
@@ -84,19 +90,17 @@ class Prefetcher:
         self._shard_bytes = shard_bytes
         self.max_bytes = int(max_bytes)
         self.concurrency = int(concurrency)
-        self._schedule = schedule
         self.close_timeout_s = float(close_timeout_s)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=lookahead_chunks)
         self._lock = threading.Lock()
-        self._slots: dict[int, _Slot] = {}
+        self._live: set[_Slot] = set()  # fetches some planned chunk still reads
+        self._current: Chunk | None = None  # the chunk the consumer reads
         self._fetching: set[int] = set()  # shards whose fetch call has not returned
         self._pool: Any = None
         self._held = 0  # bytes of shards held or being fetched
         self.peak_bytes = 0
         self._reading = 0  # number of the chunk the consumer reads
-        self._planned: list[Chunk] = []  # handed out or queued, not yet done
         self._stop = False
-        self._schedule_failed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._thread_main, name="datapipe-prefetch", daemon=True)
@@ -111,13 +115,17 @@ class Prefetcher:
             if isinstance(item, BaseException):
                 raise item
             self._reading = item.number
+            self._current = item
             self._poke()
             yield item
 
     def shard(self, g: int) -> Any:
-        """The fetched shard ``g`` (waits for it); raises what fetching it raised."""
-        with self._lock:
-            slot = self._slots[g]
+        """The fetched shard ``g`` of the chunk being read (waits for it); raises what
+        fetching it raised."""
+        chunk = self._current
+        if chunk is None or g not in chunk.slots:
+            raise KeyError(f"shard {g} is not read by the chunk being read")
+        slot: _Slot = chunk.slots[g]
         slot.ready.wait()
         if slot.error is not None:
             raise slot.error
@@ -127,17 +135,15 @@ class Prefetcher:
         """The consumer has read ``chunk``; shards no later chunk needs are closed."""
         closing = []
         with self._lock:
-            for g in chunk.shards:
-                slot = self._slots[g]
+            for slot in chunk.slots.values():
                 slot.refs -= 1
-                if slot.refs == 0:
-                    del self._slots[g]
+                if slot.refs == 0 and slot in self._live:
+                    self._live.discard(slot)
                     self._held -= slot.size
                     # a fetch still running closes its own result when it finds the slot gone
                     if slot.ready.is_set():
                         closing.append(_take(slot))
-            if self._planned and self._planned[0] is chunk:
-                self._planned.pop(0)
+            chunk.slots = {}
             # the next chunk is now the one being read: its shards may exceed the budget
             self._reading = max(self._reading, chunk.number + 1)
         for data in closing:
@@ -163,7 +169,7 @@ class Prefetcher:
                 # what they return then; until then it holds their threads and memory
                 warnings.warn(f"prefetch thread {self._thread.name} did not stop within "
                               f"{self.close_timeout_s:g} s ({what})", RuntimeWarning, stacklevel=2)
-            slots, self._slots = list(self._slots.values()), {}
+            slots, self._live = list(self._live), set()
             closing = [_take(slot) for slot in slots if slot.ready.is_set()]
         for data in closing:
             if data is not None:
@@ -234,28 +240,29 @@ class Prefetcher:
         self._changed = asyncio.Event()
         sem = asyncio.Semaphore(self.concurrency)
         tasks: set[asyncio.Task[None]] = set()
-        for chunk in self._chunks:
+        chunks = iter(self._chunks)
+        following = next(chunks, None)
+        # fetches the chunk before hands over to the next: each already holds that chunk's reference
+        handed: dict[int, _Slot] = {}
+        while following is not None:
+            chunk, following = following, next(chunks, None)  # the next chunk is known before this one is read
             if self._stop:
                 return
-            with self._lock:
-                self._planned.append(chunk)
-            self._tell_schedule()
             for g in chunk.shards:
-                with self._lock:
-                    slot = self._slots.get(g)
-                    if slot is not None:
-                        slot.refs += 1
-                        continue
+                if g in handed:
+                    chunk.slots[g] = handed.pop(g)
+                    continue
                 size = max(int(self._shard_bytes(g)), 1)
                 new = _Slot(size)
                 new.refs = 1
+                chunk.slots[g] = new
 
-                def reserve(g: int = g, new: _Slot = new, number: int = chunk.number) -> bool:
+                def reserve(new: _Slot = new, number: int = chunk.number) -> bool:
                     # budget, unless this chunk is the one being read (progress first)
                     with self._lock:
                         if self._held + new.size > self.max_bytes and number > self._reading:
                             return False
-                        self._slots[g] = new
+                        self._live.add(new)
                         self._held += new.size
                         self.peak_bytes = max(self.peak_bytes, self._held)
                         return True
@@ -270,6 +277,13 @@ class Prefetcher:
                 # let the task hand its fetch to the pool now, not after the next chunk is
                 # planned: the reader may be waiting for this very shard
                 await asyncio.sleep(0)
+            if following is not None and following.tag == chunk.tag:
+                keep = set(following.shards)
+                with self._lock:  # before the chunk is handed out: its done() cannot close these
+                    for g, slot in chunk.slots.items():
+                        if g in keep:
+                            slot.refs += 1
+                            handed[g] = slot
             if not await self._put_async(chunk):
                 return
         if tasks:
@@ -307,25 +321,6 @@ class Prefetcher:
             sem.release()
             slot.ready.set()
         with self._lock:  # whoever takes the data out of the slot closes it
-            data = _take(slot) if self._slots.get(g) is not slot else None
+            data = _take(slot) if slot not in self._live else None
         if data is not None:
             data.close()
-
-    def _tell_schedule(self) -> None:
-        if self._schedule is None:
-            return
-        with self._lock:
-            order: list[int] = []
-            seen: set[int] = set()
-            for c in self._planned:
-                for g in c.shards:
-                    if g not in seen:
-                        seen.add(g)
-                        order.append(g)
-        try:
-            self._schedule(order)
-        except Exception as e:
-            if not self._schedule_failed:  # once per pass: every chunk would say the same
-                self._schedule_failed = True
-                warnings.warn(f"the cache's schedule hook failed ({type(e).__name__}: {e}); reads go on, "
-                              "but its eviction no longer knows the upcoming shards", RuntimeWarning, stacklevel=2)

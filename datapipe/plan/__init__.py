@@ -6,6 +6,7 @@ counts, seed, epoch, window, topology), testable without files.
 Holds: ``shuffle`` (epoch orders, the ``ALGORITHMS`` registry), ``permutation`` (on-demand
 Feistel permutations), ``partition`` (splits over ranks and workers, elastic regrouping),
 ``resume`` (the state of a few integers), ``quality`` (how well an order shuffles),
+``future`` (a worker's chunks and the shard fetches they make, for a cache's schedule),
 ``arrays`` (the numpy array types). May import only :mod:`datapipe.errors`,
 :mod:`datapipe.checksum` and numpy.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from .arrays import ArrayLike, Bools, Int64s
+from .future import chunk_fetches, fetch_order, first_use, worker_chunk_steps
 from .partition import Partition, Split, batch_steps, per_rank_count, worker_batches
 from .permutation import derive_key, feistel_permute
 from .quality import order_quality, sequence_quality
@@ -36,14 +38,18 @@ __all__ = [
     "WindowShuffle",
     "batch_steps",
     "check_counts",
+    "chunk_fetches",
     "derive_key",
     "epoch_order",
     "feistel_permute",
+    "fetch_order",
+    "first_use",
     "layout_fingerprint",
     "order_quality",
     "per_rank_count",
     "sequence_quality",
     "worker_batches",
+    "worker_chunk_steps",
 ]
 
 
