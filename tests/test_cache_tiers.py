@@ -353,3 +353,45 @@ def test_a_shared_copy_with_a_garbage_record_is_never_served(tmp_path, record, p
     c = TieredCache(shared_dir=shared, shared_bytes=1 << 20)
     assert c.read(url) == data
     c.close()
+
+
+# -- more than one node-local directory ---------------------------------------------------
+def test_a_second_local_dir_fills_from_below_and_serves_what_the_first_evicted(tmp_path):
+    from datapipe.cache import Tier
+
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    blobs = {}
+    for i in range(6):
+        (cold / f"s{i}.tar").write_bytes(data := os.urandom(10_000 + i))
+        blobs[str(cold / f"s{i}.tar")] = data
+    fast, big = tmp_path / "nvme", tmp_path / "disk"
+    c = TieredCache(warm_dir=fast, warm_bytes=2 * 10_010, local_tiers=[Tier(big, 6 * 10_010)],
+                    shared_dir=tmp_path / "shared", shared_bytes=1 << 20)
+    peaks = [0, 0]
+    for _ in range(2):
+        for u, data in blobs.items():
+            assert c.read(u) == data
+            peaks = [max(peaks[0], WarmDir(str(fast), 1).usage()), max(peaks[1], WarmDir(str(big), 1).usage())]
+    s = c.stats()
+    # first pass: each object came up from cold (filling shared on the way), then local2, warm
+    assert (s["shared_fills"], s["local2_from_cold"], s["local2_fills"]) == (6, 6, 6)
+    # second pass: warm (room for two) misses everything; local2 holds all six
+    assert s["warm_from_local2"] == 12 and s["local2_hits"] == 6 and s["cold_reads"] == 6
+    assert peaks[0] <= 2 * 10_010 and peaks[1] <= 6 * 10_010
+    assert s["local2_budget_bytes"] == 6 * 10_010 and s["local2_used_bytes"] == sum(map(len, blobs.values()))
+    c.close()
+    tiers = {t["tier"]: t for t in cache_report([str(fast)])["tiers"]}
+    assert tiers["local"]["fills_from"] == {"shared": 0, "cold": 0, "local2": 12}
+    assert tiers["local2"]["hits"] == 6 and tiers["local2"]["fills_from"]["cold"] == 6
+
+
+def test_local_tiers_are_checked(tmp_path):
+    from datapipe.cache import Tier
+
+    with pytest.raises(CacheBudgetError, match="bytes > 0"):
+        TieredCache(warm_dir=tmp_path / "a", warm_bytes=1, local_tiers=[Tier(tmp_path / "b", 0)])
+    with pytest.raises(CacheBudgetError, match="below warm_dir"):
+        TieredCache(local_tiers=[Tier(tmp_path / "b", 10)])
+    with pytest.raises(TypeError, match="Tier"):
+        TieredCache(warm_dir=tmp_path / "a", warm_bytes=1, local_tiers=[(tmp_path / "b", 10)])

@@ -21,11 +21,12 @@ Imports: storage, errors, checksum. It knows no tar, no dataset, no loader.
 from .eviction import Schedule, belady_hits, lru_hits
 from .report import cache_report, format_tiers
 from .shared import clear_shared_dir, is_shared_dir, shared_dir_stats
-from .tiered import TieredCache
+from .tiered import Tier, TieredCache
 from .warm import clear_warm_dir, warm_dir_stats
 
 __all__ = [
     "TieredCache",
+    "Tier",
     "Schedule",
     "belady_hits",
     "lru_hits",

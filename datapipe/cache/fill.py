@@ -25,9 +25,12 @@ _PIN_RECHECK_S = 0.05
 
 
 def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, chooser: Callable[[], VictimChooser], *,
-         pin: bool = False, prefetch: bool = False, ticket: int | None = None, pin_wait_s: float = 60.0) -> Any:
-    """Fetch ``url`` into the warm tier under the node-wide single-flight lock, room for
-    it reserved first (victims named by ``chooser()``, asked afresh each round). Returns the
+         pin: bool = False, prefetch: bool = False, ticket: int | None = None, pin_wait_s: float = 60.0,
+         tier: str = "warm", level: int = 0) -> Any:
+    """Fetch ``url`` into a node-local directory tier (the warm tier, or with ``level`` > 0
+    the ``level``-th of ``local_tiers``, counted as ``tier``) under the node-wide
+    single-flight lock, room for it reserved first (victims named by ``chooser()``, asked
+    afresh each round), its bytes from the tiers below (:func:`fetch_below`). Returns the
     bytes, or with ``pin`` an fd pinning the published copy (waiting up to ``pin_wait_s``
     for room). A prefetch returns None, and downloads nothing when the policy would not
     admit the object; ``ticket``: its turn among scheduled prefetches, handed on once its
@@ -47,13 +50,16 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
                 if prefetch:
                     os.close(fd)
                     return None
-                data = read_verified(state, warm, url, fd, checksum)
+                data = read_verified(state, warm, url, fd, checksum, tier=tier)
                 if data is not None:
                     os.close(fd)
-                    state.stats.update(warm_hits=1, warm_bytes=len(data))
+                    state.stats.update({f"{tier}_hits": 1, f"{tier}_bytes": len(data)})
                     return data
                 warm.discard(key, fd)
             size = size_below(state, url)
+            if size > warm.budget and level:  # a lower tier too small for it: read through
+                state.stats.update({f"{tier}_not_admitted": 1})
+                return fetch_below(state, url, checksum, chooser, into=tier, background=prefetch, level=level + 1)
             if size > warm.budget:
                 raise CacheBudgetError(
                     f"{url} is {size} bytes, more than warm_bytes={warm.budget}; raise "
@@ -67,7 +73,7 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
                     raise
                 state.warn("warm_full", f"warm cache {warm.root} cannot take {url} ({e}); reading through")
                 res = None
-            state.stats.update(warm_evictions=warm.evictions - before)
+            state.stats.update({f"{tier}_evictions": warm.evictions - before})
             if ticket is not None:
                 state.turns.done(ticket)  # space decided: the next prefetch may reserve
             if res is None and prefetch:
@@ -81,12 +87,12 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
                 state.wait_for_room(min(_PIN_RECHECK_S, max(0.0, deadline - time.monotonic())))
                 continue
             if res is None:
-                state.stats.update(warm_not_admitted=1)
-                return fetch_below(state, url, checksum, chooser, into="warm", background=prefetch)
+                state.stats.update({f"{tier}_not_admitted": 1})
+                return fetch_below(state, url, checksum, chooser, into=tier, background=prefetch, level=level + 1)
             data = None
             try:
-                data = fetch_below(state, url, checksum, chooser, into="warm", fixed_size=size,
-                                   background=prefetch)
+                data = fetch_below(state, url, checksum, chooser, into=tier, fixed_size=size,
+                                   background=prefetch, level=level + 1)
                 res.write_and_publish(data, checksum or compute_checksum(data))
             except SizeChanged:
                 res.abort()
@@ -106,14 +112,15 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
                         raise CacheBudgetError(f"cannot keep a local copy of {url}: {e}") from e
                     return data
                 if e.errno in BROKEN_DIR_ERRNOS and not pin:
-                    state.warm_broken(e)
+                    if level == 0:
+                        state.warm_broken(e)
                     return data
                 raise StorageError(f"warm cache {warm.root}: could not keep the copy of "
                                    f"{url} ({e})") from e
             except BaseException:
                 res.abort()
                 raise
-            state.stats.update(warm_fills=1)
+            state.stats.update({f"{tier}_fills": 1})
             state.notify_room()
             if prefetch:
                 return None
@@ -139,10 +146,26 @@ def size_below(state: ProcessState, url: str) -> int:
 
 
 def fetch_below(state: ProcessState, url: str, checksum: str | None, chooser: Callable[[], VictimChooser], *,
-                into: str, fixed_size: int | None = None, background: bool = False) -> bytes:
-    """The whole object from the tiers below the node's: the shared tier (which fills
-    itself from cold under its cluster-wide single flight), else cold. Counts
-    ``<into>_from_shared`` or ``<into>_from_cold`` (``into``: the tier being filled)."""
+                into: str, fixed_size: int | None = None, background: bool = False, level: int = 1) -> bytes:
+    """The whole object from the tiers below node-local tier ``level - 1``: the further
+    node-local tiers (``local_tiers``: a hit, or a fill of that tier), then the shared
+    tier (which fills itself from cold under its cluster-wide single flight), else cold.
+    Counts ``<into>_from_<tier>`` (``into``: the tier being filled)."""
+    if level <= len(state.lower):
+        tier = f"local{level + 1}"
+        try:
+            data = _from_lower(state, state.lower[level - 1], tier, level, url, checksum, chooser)
+        except OSError as e:
+            if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS:
+                raise
+            state.warn(f"{tier}_broken", f"node-local cache {state.lower[level - 1].root} failed ({e}); "
+                       "reading through to the tiers below it")
+            return fetch_below(state, url, checksum, chooser, into=into, fixed_size=fixed_size,
+                               background=background, level=level + 1)
+        if fixed_size is not None and len(data) != fixed_size:
+            raise SizeChanged()
+        state.stats.update({f"{into}_from_{tier}": 1})
+        return data
     shared = state.shared
     if shared is not None:
         try:
@@ -155,6 +178,27 @@ def fetch_below(state: ProcessState, url: str, checksum: str | None, chooser: Ca
     data = state.cold.fetch(url, checksum, fixed_size=fixed_size, background=background)
     state.stats.update({f"{into}_from_cold": 1})
     return data
+
+
+def _from_lower(state: ProcessState, d: WarmDir, tier: str, level: int, url: str, checksum: str | None,
+                chooser: Callable[[], VictimChooser]) -> bytes:
+    """A further node-local tier: its verified copy, or a fill of it from below."""
+    key = url_key(url)
+    fd = d.open_pinned(key)
+    if fd is not None:
+        try:
+            data = read_verified(state, d, url, fd, checksum, tier=tier)
+        except BaseException:
+            os.close(fd)
+            raise
+        if data is not None:
+            os.close(fd)
+            state.stats.update({f"{tier}_hits": 1, f"{tier}_bytes": len(data)})
+            return data
+        d.discard(key, fd)
+    state.stats.update({f"{tier}_misses": 1})
+    out: bytes = fill(state, d, url, checksum, chooser, tier=tier, level=level)
+    return out
 
 
 def read_verified(state: ProcessState, warm: WarmDir, url: str, fd: int, checksum: str | None, *,

@@ -44,8 +44,9 @@ class Stats(Counter[str]):
 
 
 class ProcessState:
-    """Everything a TieredCache holds in one process: the hot tier, the warm directory
-    and the shared tier (None when there is none or it could not be opened), the cold reader, pins, pending
+    """Everything a TieredCache holds in one process: the hot tier, the warm directory, the
+    further node-local directories (``lower``) and the shared tier (None when there is none
+    or it could not be opened), the cold reader, pins, pending
     prefetches and their pool, the schedule-prefetch thread and its wake-up, counters."""
 
     def __init__(self, *, hot_bytes: int, warm_dir: str | None, warm_bytes: int, storage_options: dict[str, Any],
@@ -53,7 +54,8 @@ class ProcessState:
                  cold_wrapper: Callable[[Store], Store] | None, stats_interval_s: float,
                  shared_dir: str | None = None, shared_bytes: int = 0,
                  lease_timeout_s: float = 30.0, shared_wait_s: float = 300.0,
-                 cold_concurrency: int = DEFAULT_CEILING) -> None:
+                 cold_concurrency: int = DEFAULT_CEILING,
+                 local_tiers: tuple[tuple[str, int], ...] = ()) -> None:
         self.pid = os.getpid()
         self.lock = threading.RLock()
         self.stats = Stats()
@@ -89,6 +91,12 @@ class ProcessState:
         except OSError as e:
             self.warn("pacing-init", f"cold pacing cannot be kept in {warm_dir} ({e}); pacing per process")
             self.cold.pacer = ColdPacer(None, ceiling=cold_concurrency, count=self.stats.update)
+        self.lower: list[WarmDir] = []  # further node-local directories, in order
+        for path, budget in local_tiers:
+            try:
+                self.lower.append(WarmDir(path, budget))
+            except OSError as e:
+                self.warn(f"local-init-{path}", f"node-local cache {path} unusable ({e}); skipped")
         self.future: FutureBoard | None = None
         if self.warm is not None:
             try:  # this process's schedule, published for its siblings on the node

@@ -44,16 +44,28 @@ def cache_report(dirs: list[str]) -> dict[str, Any]:
     def n(key: str) -> float:
         return c.get(key, 0)
 
+    def sources(tier: str) -> dict[str, float]:
+        """Where ``tier``'s fills came from: ``<tier>_from_<source>`` counters."""
+        out = {"shared": n(f"{tier}_from_shared"), "cold": n(f"{tier}_from_cold")}
+        out.update({k.split("_from_", 1)[1]: v for k, v in sorted(c.items()) if k.startswith(f"{tier}_from_local")})
+        return out
+
     tiers: list[dict[str, Any]] = [
         {"tier": "memory", "hits": n("hot_hits"), "misses": n("hot_misses"), "bytes_served": n("hot_bytes"),
-         "evictions": n("hot_evictions"), "not_admitted": n("hot_not_admitted"),
-         "fills_from": {"shared": n("hot_from_shared"), "cold": n("hot_from_cold")}},
+         "evictions": n("hot_evictions"), "not_admitted": n("hot_not_admitted"), "fills_from": sources("hot")},
         {"tier": "local", "dirs": [s["dir"] for s in local], "bytes": sum(s["bytes"] for s in local),
          "budget_bytes": sum(s["budget_bytes"] or 0 for s in local), "hits": n("warm_hits"),
          "misses": n("warm_misses"), "bytes_served": n("warm_bytes"), "fills": n("warm_fills"),
-         "fills_from": {"shared": n("warm_from_shared"), "cold": n("warm_from_cold")},
+         "fills_from": sources("warm"),
          "evictions": n("warm_evictions"), "not_admitted": n("warm_not_admitted"), "corrupt": n("warm_corrupt")},
     ]
+    # further node-local tiers (TieredCache(local_tiers=...)): their counters, by level
+    levels = sorted({int(k[5:].split("_", 1)[0]) for k in c if k.startswith("local") and k[5:6].isdigit()})
+    for lv in levels:
+        t = f"local{lv}"
+        tiers.append({"tier": t, "hits": n(f"{t}_hits"), "misses": n(f"{t}_misses"), "bytes_served": n(f"{t}_bytes"),
+                      "fills": n(f"{t}_fills"), "fills_from": sources(t), "evictions": n(f"{t}_evictions"),
+                      "not_admitted": n(f"{t}_not_admitted"), "corrupt": n(f"{t}_corrupt")})
     if shared or n("shared_hits") or n("shared_misses"):
         tiers.append({
             "tier": "shared", "dirs": [s["dir"] for s in shared], "bytes": sum(s["bytes"] for s in shared),
@@ -84,7 +96,8 @@ def format_tiers(report: dict[str, Any]) -> str:
         elif t["tier"] == "shared":
             other = f"waits {t['waits']:g}, takeovers {t['takeovers']:g}, read around {t['read_around']:g}"
         else:
-            other = f"evictions {t['evictions']:g}"
+            other = f"evictions {t['evictions']:g}" + "".join(
+                f", from {k} {v:g}" for k, v in frm.items() if k not in ("shared", "cold"))
         rows.append((t["tier"], _num(t.get("bytes")), _num(t.get("budget_bytes")), _num(t.get("hits")),
                      _num(t.get("misses")), _num(t.get("fills")), _num(frm.get("shared")), _num(frm.get("cold")),
                      other))

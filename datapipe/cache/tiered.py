@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -39,7 +40,15 @@ from .process import ProcessState
 from .shared import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_SHARED_WAIT_S
 from .warm import BROKEN_DIR_ERRNOS, WarmDir, url_key
 
-__all__ = ["TieredCache", "CHANGE_RESTARTS"]
+__all__ = ["TieredCache", "Tier", "CHANGE_RESTARTS"]
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A node-local directory and its byte budget, for ``TieredCache(local_tiers=...)``."""
+
+    path: str | os.PathLike[str]
+    bytes: int
 
 
 class TieredCache:
@@ -69,7 +78,10 @@ class TieredCache:
     the others wait (see shared.py). ``lease_timeout_s``: how long a download's holder
     may stay silent before another node takes its lease over; ``shared_wait_s``: how
     long a node waits for another's download before reading cold itself.
-    ``cold_concurrency``: the most requests in flight to one prefix of a remote cold store
+    ``local_tiers``: further node-local directories below ``warm_dir`` (a larger, slower
+    disk), each a :class:`Tier` (path, bytes), in order; a miss in one fills from the next
+    (counters ``local2_*``, ``local3_*``, ...). Pins (:meth:`local_path`) are in
+    ``warm_dir``. ``cold_concurrency``: the most requests in flight to one prefix of a remote cold store
     (bucket + first path segment) from the whole node (from this process without a warm
     directory); the limit in force adapts below it to throttling (pacing.py).
 
@@ -99,6 +111,7 @@ class TieredCache:
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
         shared_wait_s: float = DEFAULT_SHARED_WAIT_S,
         cold_concurrency: int = DEFAULT_CEILING,
+        local_tiers: Sequence[Tier] = (),
     ) -> None:
         for name, v in (("hot_bytes", hot_bytes), ("warm_bytes", warm_bytes),
                         ("max_inflight_bytes", max_inflight_bytes), ("shared_bytes", shared_bytes)):
@@ -117,6 +130,13 @@ class TieredCache:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {t!r}")
         if not isinstance(cold_concurrency, int) or isinstance(cold_concurrency, bool) or cold_concurrency < 1:
             raise ValueError(f"cold_concurrency must be an int >= 1, got {cold_concurrency!r}")
+        for tier in local_tiers:
+            if not isinstance(tier, Tier):
+                raise TypeError(f"local_tiers takes Tier(path, bytes) records, got {tier!r}")
+            if not isinstance(tier.bytes, int) or isinstance(tier.bytes, bool) or tier.bytes <= 0:
+                raise CacheBudgetError(f"local tier {tier.path!s} needs bytes > 0, got {tier.bytes!r}")
+        if local_tiers and warm_dir is None:
+            raise CacheBudgetError("local_tiers lie below warm_dir; give warm_dir (the fastest) as well")
         if max_inflight_bytes <= 0:
             raise CacheBudgetError("max_inflight_bytes must be > 0")
         if prefetch_threads < 1:
@@ -138,6 +158,7 @@ class TieredCache:
         self.lease_timeout_s = float(lease_timeout_s)
         self.shared_wait_s = float(shared_wait_s)
         self.cold_concurrency = cold_concurrency
+        self.local_tiers = tuple(Tier(os.fspath(t.path), t.bytes) for t in local_tiers)
         self.schedule: Schedule[str] | None = None
         self._warm_urls: tuple[Schedule[str], dict[str, str]] | None = None  # warm file name -> URL
         self.schedule_checksums: dict[str, str] = {}
@@ -170,7 +191,8 @@ class TieredCache:
                         cold_wrapper=self.cold_wrapper, stats_interval_s=self.stats_interval_s,
                         shared_dir=self.shared_dir, shared_bytes=self.shared_bytes,
                         lease_timeout_s=self.lease_timeout_s, shared_wait_s=self.shared_wait_s,
-                        cold_concurrency=self.cold_concurrency)
+                        cold_concurrency=self.cold_concurrency,
+                        local_tiers=tuple((os.fspath(t.path), t.bytes) for t in self.local_tiers))
         return state
 
     def _current_state(self) -> ProcessState | None:
@@ -668,6 +690,12 @@ class TieredCache:
         out["hot_budget_bytes"] = self.hot_bytes
         out["warm_budget_bytes"] = self.warm_bytes
         out["warm_used_bytes"] = self._warm_usage(state)
+        for i, d in enumerate(state.lower):
+            out[f"local{i + 2}_budget_bytes"] = d.budget
+            try:
+                out[f"local{i + 2}_used_bytes"] = d.usage()
+            except OSError:
+                out[f"local{i + 2}_used_bytes"] = 0
         out["shared_budget_bytes"] = self.shared_bytes
         out["shared_used_bytes"] = self._shared_usage(state)
         out["inflight_peak_bytes"] = state.cold.inflight.peak
