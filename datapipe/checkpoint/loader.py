@@ -362,6 +362,15 @@ def _load_step(store: Store, step: int, rank: int | None, map_location: Any, int
     if checksum(pdata) != entry["checksum"]:
         raise CorruptCheckpointError(f"{where}: part {store.url(entry['key'])} does not match its manifest checksum")
     _check_part(part, entry, step, doc["attempt"], r, doc["world_size"], where)
+    if doc["world_size"] == 1:
+        empty = [s.get("path") for s in part["leaves"] if isinstance(s, dict) and isinstance(s.get("global"), dict)
+                 and s["global"].get("replica") is True]
+        if empty:
+            raise CorruptCheckpointError(
+                f"{where}: a one-part checkpoint holds replica leaves without bytes ({empty[:5]!r:.300}): "
+                "another rank stored their values (a node-local tier written by a multi-rank job with "
+                "Replicated values or replicated DTensors); load this step from a shared tier"
+            )
     if doc["world_size"] > 1 and any(isinstance(s, dict) and "global" in s for s in part["leaves"]):
         # pieces of global tensors (replicas this rank did not store): they come back whole
         from .reshard import load_part_full

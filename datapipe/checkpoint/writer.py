@@ -304,6 +304,7 @@ class CheckpointWriter:
             h._finish()
             return h
         tree, leaves = flatten(state, rank=self.rank)  # unsupported objects fail here, before any write
+        self._refuse_replicas_in_node_local(due, leaves)
         for t in due:
             for root in self._roots[t.url]:
                 top = self._max_steps.get(root, -1)
@@ -366,6 +367,25 @@ class CheckpointWriter:
                     raise
         h.metrics["stall_s"] = time.perf_counter() - t0
         return h
+
+    def _refuse_replicas_in_node_local(self, due: list[Tier], leaves: list[Any]) -> None:
+        """A node-local tier stores each rank's part as a one-part checkpoint that must be
+        whole on its own, but a value held by several ranks is staged (its bytes) by one
+        rank only: refuse the combination (on every rank alike, before anything is staged)
+        instead of writing parts that restore as empty arrays."""
+        if self.world_size == 1:
+            return
+        local = [t.url for t in due if t.node_local]
+        shared = sorted({leaf.path for leaf in leaves if leaf.held_elsewhere})
+        if local and shared:
+            raise CheckpointError(
+                f"step save refused: node-local tier(s) {local} cannot hold values replicated across ranks "
+                f"(Replicated arrays, DTensors with a Replicate placement): {shared[:5]}"
+                f"{' ...' if len(shared) > 5 else ''}. Only one rank stores such a value's bytes, so the "
+                "other ranks' node-local parts would restore it empty. Save those values to a shared tier "
+                "only (a second writer without node-local tiers), or save them as plain per-rank tensors "
+                "(without Replicated / redistributed to Shard placements)"
+            )
 
     def _submit(self, msg: dict[str, Any], with_replica: bool) -> None:
         st = self._staging
