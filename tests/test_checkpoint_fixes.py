@@ -44,3 +44,48 @@ def test_one_part_checkpoint_with_replica_leaf_is_refused_on_load(tmp_path):
     w.close()
     with pytest.raises(CorruptCheckpointError, match=r"replica leaves without bytes.*'w'.*shared tier"):
         load_checkpoint(os.path.join(d, "rank-00001"), step=1)
+
+
+# -- 2: one broken replica link must not break its peer's ---------------------------------------
+def _broken_link_worker(rank: int, port: int, root: str, background: str) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tier = Tier(os.path.join(root, f"node{rank}"), replicate=1)
+    w = CheckpointWriter(tiers=[tier], ranks_per_node=1, chunk_bytes=4096, commit_timeout=8,
+                         background=background)
+    state = {"w": torch.full((64,), float(rank))}
+    assert "replica" in w.save(1, state).wait()["tiers"][tier.url]
+    if rank == 0:  # rank 0's link broke in an earlier exchange
+        link = w._persister._link if w._persister is not None else w._link
+        link.broken = "injected: a failed exchange"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in (2, 3):
+            m = w.save(step, state).wait()["tiers"][tier.url]  # no save fails, none waits 8 s
+            assert m["committed"]
+            if rank == 1:  # rank 0 sent a header saying "no data": named, not written
+                assert "sent no replica" in m["replica_error"] and "injected" in m["replica_error"], m
+                assert "replica" not in m
+            else:  # rank 0 still received rank 1's part
+                assert m["replica"]["of_rank"] == 1 and "replica_error" not in m, m
+    if rank == 1 and background == "thread":  # (a writer process warns in its own stderr)
+        assert any("sent no replica" in str(x.message) for x in seen)
+    w.close()
+    dist.barrier()
+    if rank == 0:
+        on_node1 = os.listdir(os.path.join(root, "node1", "replica-of-rank-00000"))
+        assert "step-000000000001" in on_node1 and "step-000000000003" not in on_node1, on_node1
+        assert "step-000000000003" in os.listdir(os.path.join(root, "node0", "replica-of-rank-00001"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("background", ["thread", "process"])
+def test_broken_replica_link_does_not_break_the_peer(tmp_path, background):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_broken_link_worker, args=(_free_port(), str(tmp_path), background), nprocs=2, join=True)

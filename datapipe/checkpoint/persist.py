@@ -221,26 +221,40 @@ class Persister:
         self._persist_to(own, job, job.step, job.attempt, staged, job.total, self.chunk_bytes, job.tree,
                          specs, job.raw_checksums, False, tm)
         tm["durable_s"] = time.monotonic() - job.t_start
-        if link_error is not None:
-            raise link_error
-        if received is not None:
-            rtg = replica[0]
-            hdr, data = received
-            src = rtg.origin["rank"] if rtg.origin else -1
-            ok = (hdr.get("step"), hdr.get("attempt"), hdr.get("rank"), hdr.get("world_size")) == (
-                job.step, job.attempt, src, self.world_size)
-            sent = hdr.get("raw_checksums")
-            if not ok or not (sent is None or isinstance(sent, list)) or hdr.get("total") != len(data):
-                raise CheckpointError(
-                    f"rank {self.rank}: the replica received from rank {src} is of step {hdr.get('step')!r:.40} "
-                    f"attempt {hdr.get('attempt')!r:.80} rank {hdr.get('rank')!r:.20}, not of this save "
-                    f"(step {job.step}, attempt {job.attempt}): the ranks are not saving the same steps"
-                )
-            rm: dict[str, Any] = {}
-            known = dict(enumerate(sent)) if sent is not None else {}
-            self._persist_to(rtg, job, job.step, job.attempt, lambda a, b: data[a:b], len(data),
-                             int(hdr["chunk_bytes"]), hdr["tree"], hdr["leaves"], known, sent is not None, rm)
-            tm["replica"] = {"of_rank": src, "bytes": len(data), **rm}
+        # This save's own copy is durable: a replica that failed (sent or received) is
+        # reported as a warning and in metrics["tiers"][url]["replica_error"], not as a
+        # failed save; the next save exchanges again.
+        try:
+            if link_error is not None:
+                raise link_error
+            if received is not None:
+                self._persist_replica(job, replica[0], received, tm)
+        except Exception as e:
+            tm["replica_error"] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"step {job.step}: the peer replica at {tier.url} was not written "
+                          f"(rank {self.rank}): {tm['replica_error']}", stacklevel=1)
+
+    def _persist_replica(self, job: PersistJob, rtg: _Target, received: tuple[dict[str, Any], memoryview],
+                         tm: dict[str, Any]) -> None:
+        """Check the part received from the source rank names this save, then write it."""
+        hdr, data = received
+        src = rtg.origin["rank"] if rtg.origin else -1
+        if isinstance(hdr.get("no_data"), str):
+            raise CheckpointError(f"rank {src} sent no replica of step {job.step}: {hdr['no_data']:.300}")
+        ok = (hdr.get("step"), hdr.get("attempt"), hdr.get("rank"), hdr.get("world_size")) == (
+            job.step, job.attempt, src, self.world_size)
+        sent = hdr.get("raw_checksums")
+        if not ok or not (sent is None or isinstance(sent, list)) or hdr.get("total") != len(data):
+            raise CheckpointError(
+                f"rank {self.rank}: the replica received from rank {src} is of step {hdr.get('step')!r:.40} "
+                f"attempt {hdr.get('attempt')!r:.80} rank {hdr.get('rank')!r:.20}, not of this save "
+                f"(step {job.step}, attempt {job.attempt}): the ranks are not saving the same steps"
+            )
+        rm: dict[str, Any] = {}
+        known = dict(enumerate(sent)) if sent is not None else {}
+        self._persist_to(rtg, job, job.step, job.attempt, lambda a, b: data[a:b], len(data),
+                         int(hdr["chunk_bytes"]), hdr["tree"], hdr["leaves"], known, sent is not None, rm)
+        tm["replica"] = {"of_rank": src, "bytes": len(data), **rm}
 
     def _persist_to(self, tg: _Target, job: PersistJob, step: int, attempt: str, view: Any, total: int, cb: int,
                     tree: Any, specs: list[dict[str, Any]], known: dict[int, str], verify: bool,

@@ -61,13 +61,18 @@ class PeerLink:
     def exchange(self, header: dict[str, Any], data: Any) -> tuple[dict[str, Any], memoryview]:
         """Send ``header`` and ``data`` (a torch uint8 tensor) to the peer; return the
         source rank's header and data (a view of the reused receive buffer, valid until
-        the next exchange)."""
+        the next exchange). After a failed exchange the link is ``broken``: later calls
+        still exchange, sending a header with ``no_data`` (the reason) and no data; a
+        received header with ``no_data`` means the source sent none."""
         import torch
         import torch.distributed as dist
 
         if self.broken is not None:
-            raise CheckpointError(f"the replica link of rank {self.rank} broke earlier ({self.broken}); "
-                                  "replicas are not written until the job restarts")
+            # Still take part in the exchange, with a header saying there is no data: the
+            # peer waits in its receive, and a rank that stayed silent would break its link
+            # too (and so on around the ring) after the timeout.
+            header = dict(header, no_data=f"the replica link of rank {self.rank} broke earlier ({self.broken})")
+            data = torch.empty(0, dtype=torch.uint8)
         try:
             hdr = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
             sizes = torch.tensor([hdr.numel(), data.numel()], dtype=torch.int64)

@@ -276,7 +276,8 @@ class CheckpointWriter:
         A step that no tier is due for returns a finished handle at once (``skipped``,
         ``metrics["due_tiers"] == []``) without looking at the state. If an earlier save
         failed and its error was not yet seen (through its handle), this call raises that
-        error and saves nothing; the next call saves again. One thread saves at a time: a
+        error and saves nothing; the next call saves again (with replicate=1 the save
+        happens, its peer waits for it, and the error is raised after it is queued). One thread saves at a time: a
         call while another thread is inside save() raises :class:`CheckpointError`
         (sharing the staging buffer would mix the two states)."""
         self._enter("save")
@@ -288,7 +289,8 @@ class CheckpointWriter:
     def _save(self, step: int, state: Any, if_busy: str | None) -> SaveHandle:
         t0 = time.perf_counter()
         self._check_open()
-        self._raise_failed()
+        if not self._replicated:
+            self._raise_failed()
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**12:
             raise CheckpointError(f"step must be an int in [0, 10**12), got {step!r}")
         mode = if_busy or self.if_busy
@@ -298,6 +300,7 @@ class CheckpointWriter:
             raise CheckpointError("if_busy='skip' is refused with replicate=1: every rank must save the same steps")
         due = [t for t in self.tiers if t.due(step)]
         if not due:  # nothing to write: no flatten, no copy, no wait
+            self._raise_failed()  # no rank exchanges at a step no tier is due for
             h = SaveHandle(step, self._reported)
             h.skipped = True
             h.metrics.update(skipped=True, due_tiers=[], stall_s=time.perf_counter() - t0, waited_s=0.0)
@@ -328,7 +331,8 @@ class CheckpointWriter:
             tw = time.perf_counter()
             prev._event.wait()
             waited = time.perf_counter() - tw
-            self._raise_failed()
+            if not self._replicated:
+                self._raise_failed()
         self._join_prepare()
         ts = time.perf_counter()
         allocations = self._staging.allocations
@@ -366,6 +370,11 @@ class CheckpointWriter:
                     self._current = None
                     raise
         h.metrics["stall_s"] = time.perf_counter() - t0
+        if self._replicated and self._failed is not h:
+            # With replicate=1 an earlier failure is raised only now, after this save was
+            # queued: its peer waits for this save's exchange, and skipping it would break
+            # the peer's link (and so on around the ring).
+            self._raise_failed()
         return h
 
     def _refuse_replicas_in_node_local(self, due: list[Tier], leaves: list[Any]) -> None:
