@@ -399,7 +399,9 @@ def load_checkpoint(url: str | None = None, step: int | None = None, map_locatio
     are read, checked block by block); the result has ``into``'s structure, with every
     value that is not a tensor (and every saved key ``into`` lacks that holds no array)
     taken from rank 0's part (else from the lowest rank's that has it). A plain tensor
-    saved per rank loads into the same rank only.
+    saved per rank loads into the same rank only. Bytes are checked before they reach
+    ``into``: a load that fails leaves no unverified bytes there (but may leave checked
+    bytes of the step that failed; load again before using ``into``).
 
     ``tiers=[Tier(...), ...]`` (instead of ``url``): the newest step every rank can load
     from any tier, each rank's part from its own node-local copy, else its peer's
