@@ -105,3 +105,49 @@ def test_failed_load_into_writes_no_unverified_bytes(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
         load_checkpoint(url, step=1, into=into)
     assert not into["w"].any(), "corrupt bytes were written into the caller's array"
+
+
+# -- 4: a writer process's replica header carries the chunk checksums; none is refused --------
+def _process_header_worker(rank: int, port: int, root: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tier = Tier(os.path.join(root, f"node{rank}"), replicate=1)
+    w = CheckpointWriter(tiers=[tier], ranks_per_node=1, chunk_bytes=4096, commit_timeout=30,
+                         background="process")
+    state = {"w": torch.arange(3000, dtype=torch.float32) + rank}  # 12000 bytes: 3 chunks
+    sent: list[dict] = []
+    if rank == 0:
+        real = w._link.exchange
+
+        def exchange(header, data):
+            sent.append(header)
+            if header["step"] == 2:  # as a sender without checksums (the old writer process)
+                header = {k: v for k, v in header.items() if k != "raw_checksums"}
+            return real(header, data)
+
+        w._link.exchange = exchange
+    m1 = w.save(1, state).wait()["tiers"][tier.url]
+    assert m1["replica"]["of_rank"] == 1 - rank, m1
+    if rank == 0:
+        assert len(sent[0]["raw_checksums"]) == 3, sent[0].keys()
+    m2 = w.save(2, state).wait()["tiers"][tier.url]
+    assert m2["committed"]
+    if rank == 1:
+        assert "does not carry a checksum" in m2["replica_error"] and "replica" not in m2, m2
+    w.close()
+    dist.barrier()
+    if rank == 0:
+        on_node1 = os.listdir(os.path.join(root, "node1", "replica-of-rank-00000"))
+        assert "step-000000000001" in on_node1 and "step-000000000002" not in on_node1, on_node1
+        r = load_checkpoint(os.path.join(root, "node1", "replica-of-rank-00000"), rank=0)
+        assert torch.equal(r["w"], state["w"])
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_process_writer_replica_is_checked_against_the_sender(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_process_header_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)

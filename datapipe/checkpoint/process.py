@@ -258,6 +258,7 @@ def main() -> None:
                 rbytes = msg["received"]["bytes"]
                 job.received = (msg["received"]["header"], memoryview(mapped["replica"])[:rbytes])
             job.link_error = msg.get("link_error")
+            job.raw_checksums = dict(enumerate(msg.get("raw_checksums") or []))  # hashed for the replica header
             m: dict[str, Any] = {}
             error = None
             try:

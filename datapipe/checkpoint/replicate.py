@@ -11,14 +11,14 @@ the writers' background threads use it, never the training group.
 
 Messages (each rank sends to ``peer_of(rank)`` and receives from ``source_of(rank)``, in
 the same order on every rank): sizes ``int64[2] = (header bytes, data bytes)``, the
-header (JSON: step, attempt, rank, world size, tree, leaves, chunk size and, from a
-thread writer, the raw checksum of every chunk), then the data. The receiver checks the
-header names the save it is making and every chunk against the sender's checksum (when
-sent) before it writes the replica. A writer process (process.py) runs the exchange in a
-thread of the training process (gloo's send and receive run without the GIL) into a
-shared receive buffer, and sends no checksums: hashing there would take the GIL the
-writer process exists to leave alone; TCP's own checksums cover the transfer, and the
-writer process hashes what it writes.
+header (JSON: step, attempt, rank, world size, tree, leaves, chunk size and the raw
+checksum of every chunk: persist.replica_header, the same for both writers), then the
+data. The receiver checks the header names the save it is making and every chunk against
+the sender's checksum before it writes the replica; a header without them is refused. A
+writer process (process.py) runs the exchange in a thread of the training process (gloo's
+send and receive run without the GIL) into a shared receive buffer; that thread hashes
+the staged chunks for the header 1 MiB per GIL hold, and the writer process reuses those
+checksums for its own copy.
 """
 
 from __future__ import annotations

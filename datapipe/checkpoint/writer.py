@@ -26,7 +26,7 @@ from ..storage import open_store
 from ..topology import Topology
 from .flatten import flatten
 from .format import MAX_CHUNK_BYTES
-from .persist import Persister, PersistJob, lower_thread_priority
+from .persist import Persister, PersistJob, lower_thread_priority, replica_header
 from .run_id import agree_run_id
 from .staging import StagingBuffer
 from .tiers import Tier, resolve_ranks_per_node
@@ -414,10 +414,10 @@ class CheckpointWriter:
                 return
             job, handle = item
             msg = self._link_msgs.pop(job.order)
-            header = {"step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world_size,
-                      "total": job.total, "chunk_bytes": self.chunk_bytes, "tree": job.tree, "leaves": job.specs}
             t0 = time.perf_counter()
             try:
+                header = replica_header(job, self.rank, self.world_size, self.chunk_bytes, self._staging.view)
+                msg["raw_checksums"] = header["raw_checksums"]  # the writer process reuses them
                 hdr, data = link.exchange(header, self._staging.tensor(job.total))
                 msg["received"] = {"header": hdr, "bytes": len(data)}
                 handle.metrics["exchange_s"] = time.perf_counter() - t0
