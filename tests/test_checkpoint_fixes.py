@@ -151,3 +151,46 @@ def test_process_writer_replica_is_checked_against_the_sender(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_process_header_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+
+
+# -- 6/7: any failure of a rank's copy in a restore is agreed on, never a hang ------------------
+def _restore_failure_worker(rank: int, port: int, root: str) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from datapipe.checkpoint import restore as restore_mod
+    from datapipe.checkpoint import restore_checkpoint
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tiers = [Tier(os.path.join(root, "shared"))]
+    with CheckpointWriter(tiers=tiers, chunk_bytes=4096, commit_timeout=30) as w:
+        for step in (1, 2):
+            w.save(step, {"w": torch.full((10,), float(step)), "rank": rank}).wait()
+    if rank == 1:  # an unexpected error (not a CheckpointError) reading rank 1's part of step 2
+        real = restore_mod._load_step
+
+        def load_step(store, step, *args, **kw):
+            if step == 2:
+                raise OSError("injected: the disk went away")
+            return real(store, step, *args, **kw)
+
+        restore_mod._load_step = load_step
+    before = dist.distributed_c10d._world.group_count
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = restore_checkpoint(tiers, timeout_s=30)
+    assert r.step == 1 and r.state["rank"] == rank and torch.equal(r.state["w"], torch.full((10,), 1.0))
+    assert any("OSError" in str(x.message) and "injected" in str(x.message) for x in seen)
+    # the restore's own group is destroyed: only the default group's entry remains
+    groups = [g for g in dist.distributed_c10d._world.pg_map if g is not dist.group.WORLD]
+    assert dist.distributed_c10d._world.group_count == before + 1 and groups == [], groups
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_restore_agrees_on_any_failure_and_destroys_its_group(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_restore_failure_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
