@@ -60,8 +60,7 @@ def _broken_link_worker(rank: int, port: int, root: str, background: str) -> Non
     state = {"w": torch.full((64,), float(rank))}
     assert "replica" in w.save(1, state).wait()["tiers"][tier.url]
     if rank == 0:  # rank 0's link broke in an earlier exchange
-        link = w._persister._link if w._persister is not None else w._link
-        link.broken = "injected: a failed exchange"
+        w._link.broken = "injected: a failed exchange"
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for step in (2, 3):
@@ -194,3 +193,35 @@ def test_restore_agrees_on_any_failure_and_destroys_its_group(tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_restore_failure_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+
+
+# -- 5: a rank that fails constructing its writer leaves no other rank in a collective ---------
+def _construct_failure_worker(rank: int, port: int, root: str) -> None:
+    import torch.distributed as dist
+
+    from datapipe.errors import CheckpointError as CkError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tier = Tier(os.path.join(root, f"node{rank}"), replicate=1)
+    try:
+        w = CheckpointWriter(tiers=[tier], ranks_per_node=1, commit_timeout=10)
+    except CkError as e:
+        assert rank == 1 and "lease" in str(e).lower(), e  # rank 1's folder is held by another writer
+    else:
+        assert rank == 0
+        w.close()  # no save: nothing waits for rank 1
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_writer_construction_failure_on_one_rank_does_not_stall_the_others(tmp_path):
+    import torch.multiprocessing as mp
+
+    from datapipe.checkpoint.lease import Lease
+    from datapipe.storage import open_store
+
+    held = Lease(open_store(str(tmp_path / "node1" / "rank-00001")), "another_run", 600.0, 0.0).acquire()
+    try:
+        mp.spawn(_construct_failure_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    finally:
+        held.release()

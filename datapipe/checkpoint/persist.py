@@ -116,7 +116,7 @@ class Persister:
     def __init__(self, tiers: list[Tier], rank: int, world_size: int, run_id: str,
                  ranks_per_node: int | None, *, compression: str | None, zstd_level: int, chunk_bytes: int,
                  io_threads: int, commit_timeout: float, nice: int, lease_ttl: float, lease_wait: float,
-                 link: bool = True) -> None:
+                 link: PeerLink | None = None) -> None:
         self.tiers, self.rank, self.world_size, self.run_id = tiers, rank, world_size, run_id
         self.ranks_per_node = ranks_per_node
         self.compression, self.zstd_level, self.chunk_bytes = compression, zstd_level, chunk_bytes
@@ -124,12 +124,12 @@ class Persister:
         self.saved_at: dict[tuple[int, int], int] = {}
         self._tls = threading.local()
         self._targets: dict[str, list[_Target]] = {}
-        self._link: PeerLink | None = None
+        # the peer link (thread writer with replicate=1): created by the writer before this
+        # (its group is a collective, made before any rank can fail opening stores)
+        self._link = link
         try:
             for t in tiers:
                 self._targets[t.url] = self._open_targets(t, lease_ttl, lease_wait)
-            if link and any(t.replicate for t in tiers):
-                self._link = PeerLink(rank, world_size, ranks_per_node, commit_timeout)  # type: ignore[arg-type]
         except BaseException:
             self.release()
             raise

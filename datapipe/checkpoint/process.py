@@ -221,7 +221,7 @@ def main() -> None:
         p = Persister(tiers, cfg["rank"], cfg["world_size"], cfg["run_id"], cfg["ranks_per_node"],
                       compression=cfg["compression"], zstd_level=cfg["zstd_level"], chunk_bytes=cfg["chunk_bytes"],
                       io_threads=cfg["io_threads"], commit_timeout=cfg["commit_timeout"], nice=0,
-                      lease_ttl=cfg["lease_ttl"], lease_wait=cfg["lease_wait"], link=False)
+                      lease_ttl=cfg["lease_ttl"], lease_wait=cfg["lease_wait"])
     except BaseException as e:
         _send(sock, {"op": "error", "error": f"{e}" if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"})
         return

@@ -58,6 +58,14 @@ class PeerLink:
         self._recv_alloc = recv_alloc
         self.broken: str | None = None  # set when an exchange failed half way: the stream is out of step
 
+    def close(self) -> None:
+        """Destroy the link's gloo group (its sockets and threads); idempotent."""
+        import torch.distributed as dist
+
+        group, self.group = self.group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
     def exchange(self, header: dict[str, Any], data: Any) -> tuple[dict[str, Any], memoryview]:
         """Send ``header`` and ``data`` (a torch uint8 tensor) to the peer; return the
         source rank's header and data (a view of the reused receive buffer, valid until

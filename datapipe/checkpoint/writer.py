@@ -169,6 +169,37 @@ class CheckpointWriter:
         self.ranks_per_node = (resolve_ranks_per_node(ranks_per_node, self.world_size, f"Tier({replicated[0].url!r})")
                                if replicated else ranks_per_node)
         self.run_id = agree_run_id(self.world_size, run_id)
+        # The peer link's gloo group is a collective: create it right after the run id, the
+        # other collective, before anything that can fail on one rank only (leases, stores,
+        # the writer process); a rank failing there cannot leave the others in new_group.
+        self._link: Any = None  # the peer link with replicate=1 (used by the Persister or by _run_link)
+        if replicated:
+            from .replicate import PeerLink
+
+            recv_alloc = None
+            if background == "process":  # received parts go to shared memory the writer process maps
+                from .process import SharedBytes
+
+                self._replica_bytes = SharedBytes()
+                recv_alloc = self._replica_bytes.ensure
+            self._link = PeerLink(self.rank, self.world_size, self.ranks_per_node,  # type: ignore[arg-type]
+                                  commit_timeout, recv_alloc=recv_alloc)
+        try:
+            self._init_rest(tiers, background, max_staging_bytes, keep_last, keep_every, compression, zstd_level,
+                            chunk_bytes, if_busy, commit_timeout, io_threads, nice, lease_ttl, lease_wait,
+                            bool(replicated))
+        except BaseException:
+            if self._link is not None:
+                self._link.close()
+                if background == "process":
+                    self._replica_bytes.close()
+            raise
+
+    def _init_rest(self, tiers: list[Tier], background: str, max_staging_bytes: Any, keep_last: Any,
+                   keep_every: Any, compression: Any, zstd_level: Any, chunk_bytes: int, if_busy: str,
+                   commit_timeout: float, io_threads: int, nice: int, lease_ttl: float, lease_wait: float,
+                   replicated: bool) -> None:
+        """The constructor after the collectives: staging, stores and leases, the background."""
         self.background = background
         self._calls = 0
         self._pid = os.getpid()
@@ -192,7 +223,6 @@ class CheckpointWriter:
         self._persister: Persister | None = None
         self._process: Any = None  # process.WriterProcess
         self._thread: threading.Thread | None = None
-        self._link: Any = None  # the writer process's peer link (thread mode: inside the Persister)
         self._in_flight: dict[int, SaveHandle] = {}  # order -> handle, for the writer process's replies
         self._link_msgs: dict[int, dict[str, Any]] = {}  # order -> job message waiting for the peer exchange
         config: dict[str, Any] = dict(
@@ -201,14 +231,14 @@ class CheckpointWriter:
             chunk_bytes=chunk_bytes, io_threads=io_threads, commit_timeout=commit_timeout, nice=nice,
             lease_ttl=lease_ttl, lease_wait=lease_wait)
         if background == "thread":
-            self._persister = Persister(**config)
+            self._persister = Persister(**config, link=self._link)
             self._max_steps = self._persister.max_steps()
             self._roots = {t.url: self._persister.roots(t.url) for t in tiers}
             self.store = self._persister.store  # the first tier's store (this rank's folder if node-local)
             self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
             self._thread.start()
         else:
-            from .process import SharedBytes, WriterProcess
+            from .process import WriterProcess
 
             self._process = WriterProcess(config, self._on_process_done)
             self._max_steps = dict(self._process.max_steps)
@@ -218,15 +248,6 @@ class CheckpointWriter:
                 # The exchange with the peer stays in this process (the gloo group is this
                 # process's); it runs in a thread that waits in gloo without the GIL and
                 # receives into shared memory the writer process maps.
-                from .replicate import PeerLink
-
-                self._replica_bytes = SharedBytes()
-                try:
-                    self._link = PeerLink(self.rank, self.world_size, self.ranks_per_node,  # type: ignore[arg-type]
-                                          commit_timeout, recv_alloc=self._replica_bytes.ensure)
-                except BaseException:
-                    self._process.close()
-                    raise
                 self._thread = threading.Thread(target=self._run_link, name="datapipe-ckpt-link", daemon=True)
                 self._thread.start()
         # Flush at exit before daemon threads stop: threading's exit hooks run before
@@ -474,6 +495,8 @@ class CheckpointWriter:
                         self._thread.join()
                         self._replica_bytes.close()
                     self._process.close(self.commit_timeout)
+                if self._link is not None:
+                    self._link.close()  # after the threads that use it are done
                 self._staging.close()
             self._raise_failed()
         finally:
