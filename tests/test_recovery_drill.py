@@ -29,3 +29,15 @@ def test_recovery_drill(tmp_path):
     assert 0 < figures["lost_steps"] <= 2 and figures["restored_step"] % 2 == 0
     # the remote tier was written but not needed
     assert any((tmp_path / "drill" / "remote").iterdir())
+
+
+def test_recovery_drill_refuses_a_foreign_dir(tmp_path):
+    """A non-empty --dir the drill did not make is refused before anything is deleted."""
+    work = tmp_path / "mine"
+    (work / "node0").mkdir(parents=True)
+    (work / "node0" / "keep.txt").write_text("not the drill's")
+    out = subprocess.run(
+        [sys.executable, "-m", "tools.recovery_drill", "--dir", str(work), "--samples", "32", "--batch", "8"],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert out.returncode != 0 and "not made by the recovery drill" in out.stderr, out.stderr[-2000:]
+    assert (work / "node0" / "keep.txt").read_text() == "not the drill's"

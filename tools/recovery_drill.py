@@ -171,12 +171,31 @@ def _last_step(work: str, ranks: list[int]) -> int:
     return min(steps)
 
 
+WORK_SUBDIRS = ("node0", "node1", "remote", "log", "data", "corpus")
+MARKER = ".datapipe-recovery-drill"  # in a --dir the drill made: it may delete its own subfolders there
+
+
+def _claim_work_dir(work: str) -> None:
+    """Make ``work`` the drill's: a new or empty folder gets the marker; a folder with
+    other content and no marker is refused (the drill deletes only what it wrote)."""
+    os.makedirs(work, exist_ok=True)
+    marker = os.path.join(work, MARKER)
+    if os.path.exists(marker):
+        return
+    if os.listdir(work):
+        raise SystemExit(f"--dir {work} is not empty and was not made by the recovery drill (no {MARKER} "
+                         "file in it): the drill deletes its work folders there; pass a new or empty folder")
+    with open(marker, "w") as f:
+        f.write("made by tools/recovery_drill.py; its subfolders are deleted by the next drill run here\n")
+
+
 def drill(a: argparse.Namespace) -> dict[str, Any]:
     import datapipe
     from tools.corpus import generate_corpus
 
     work = a.dir or tempfile.mkdtemp(prefix="recovery-drill-")
-    for name in ("node0", "node1", "remote", "log", "data", "corpus"):
+    _claim_work_dir(work)
+    for name in WORK_SUBDIRS:  # only in a folder the drill made (its marker is there)
         shutil.rmtree(os.path.join(work, name), ignore_errors=True)
     os.makedirs(os.path.join(work, "log"))
     generate_corpus(os.path.join(work, "corpus"), a.samples, mean_bytes=1024)
@@ -256,7 +275,8 @@ def drill(a: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", help="work folder (kept); default: a temporary one, removed after")
+    p.add_argument("--dir", help="work folder (kept): new, empty, or one an earlier drill made; "
+                   "default: a temporary one, removed after")
     p.add_argument("--samples", type=int, default=640, help="dataset size (default 640)")
     p.add_argument("--batch", type=int, default=8, help="batch per rank (default 8)")
     p.add_argument("--local-every", type=int, default=4, help="local tier cadence in steps (default 4)")

@@ -134,6 +134,15 @@ def _check_box(path: str, global_shape: tuple[int, ...], offset: tuple[int, ...]
             )
 
 
+def _replicated_over_mesh(x: Any) -> bool:
+    """Whether a DTensor's box is held by more than one rank (a ``Replicate`` placement
+    over a mesh dimension of size > 1): the same answer on every rank of the mesh."""
+    from torch.distributed.tensor import Replicate
+
+    sizes = tuple(x.device_mesh.mesh.shape)
+    return any(isinstance(p, Replicate) and sizes[i] > 1 for i, p in enumerate(x.placements))
+
+
 def place(leaf: Leaf, x: Any, rank: int, replicated: bool) -> Leaf:
     """Give ``leaf`` (built from ``local_data(x)`` or from ``x`` itself) its global record
     when ``x`` is placed or ``replicated``; a replica becomes an empty leaf (no bytes) that
@@ -143,10 +152,13 @@ def place(leaf: Leaf, x: Any, rank: int, replicated: bool) -> Leaf:
     if isinstance(x, LocalShard):
         gshape, offset, replica = x.global_shape, x.offset, x.replica
         _check_box(leaf.path, gshape, offset, leaf.shape)
+        leaf.held_elsewhere = replica  # only the caller knows; a non-replica rank cannot tell
     elif is_placed(x):
         gshape, offset, _shape, replica = dtensor_box(x, leaf.path)
+        leaf.held_elsewhere = _replicated_over_mesh(x)
     else:  # a plain array the caller declared replicated: all of it, stored by rank 0
         gshape, offset, replica = leaf.shape, (0,) * len(leaf.shape), rank != 0
+        leaf.held_elsewhere = True
     leaf.shard = {"shape": list(gshape), "offset": list(offset), "region": list(leaf.shape), "replica": replica}
     if replica:
         if leaf.kind == "torch":

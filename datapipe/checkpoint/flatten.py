@@ -51,6 +51,9 @@ class Leaf:
     device: str = "cpu"
     # a piece of a global tensor (dtensor.place): {shape, offset, region, replica}
     shard: dict[str, Any] | None = None
+    # the same box is held by other ranks too (a Replicated value, a DTensor replicated over
+    # a mesh dimension of size > 1): decided alike on every rank, unlike shard["replica"]
+    held_elsewhere: bool = False
 
     def spec(self, offset: int) -> dict[str, Any]:
         d: dict[str, Any] = {

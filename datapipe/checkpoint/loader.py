@@ -362,6 +362,15 @@ def _load_step(store: Store, step: int, rank: int | None, map_location: Any, int
     if checksum(pdata) != entry["checksum"]:
         raise CorruptCheckpointError(f"{where}: part {store.url(entry['key'])} does not match its manifest checksum")
     _check_part(part, entry, step, doc["attempt"], r, doc["world_size"], where)
+    if doc["world_size"] == 1:
+        empty = [s.get("path") for s in part["leaves"] if isinstance(s, dict) and isinstance(s.get("global"), dict)
+                 and s["global"].get("replica") is True]
+        if empty:
+            raise CorruptCheckpointError(
+                f"{where}: a one-part checkpoint holds replica leaves without bytes ({empty[:5]!r:.300}): "
+                "another rank stored their values (a node-local tier written by a multi-rank job with "
+                "Replicated values or replicated DTensors); load this step from a shared tier"
+            )
     if doc["world_size"] > 1 and any(isinstance(s, dict) and "global" in s for s in part["leaves"]):
         # pieces of global tensors (replicas this rank did not store): they come back whole
         from .reshard import load_part_full
@@ -390,7 +399,9 @@ def load_checkpoint(url: str | None = None, step: int | None = None, map_locatio
     are read, checked block by block); the result has ``into``'s structure, with every
     value that is not a tensor (and every saved key ``into`` lacks that holds no array)
     taken from rank 0's part (else from the lowest rank's that has it). A plain tensor
-    saved per rank loads into the same rank only.
+    saved per rank loads into the same rank only. Bytes are checked before they reach
+    ``into``: a load that fails leaves no unverified bytes there (but may leave checked
+    bytes of the step that failed; load again before using ``into``).
 
     ``tiers=[Tier(...), ...]`` (instead of ``url``): the newest step every rank can load
     from any tier, each rank's part from its own node-local copy, else its peer's

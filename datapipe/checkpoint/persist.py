@@ -29,7 +29,7 @@ from .lease import Lease
 from .replicate import PeerLink
 from .tiers import Tier, own_dir, replica_dir
 
-__all__ = ["Persister", "PersistJob", "lower_thread_priority"]
+__all__ = ["Persister", "PersistJob", "lower_thread_priority", "replica_header"]
 
 
 def lower_thread_priority(increment: int = 10) -> None:
@@ -92,6 +92,21 @@ def _checksum_in_slices(data: memoryview, piece: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def replica_header(job: PersistJob, rank: int, world_size: int, chunk_bytes: int,
+                   staged: Callable[[int, int], memoryview]) -> dict[str, Any]:
+    """The header a save's part is sent to the peer with (by a thread writer here, by a
+    writer process's link thread in the training process): what the save is and the raw
+    checksum of every chunk, against which the receiver checks each chunk before writing
+    it. Checksums missing from ``job.raw_checksums`` are computed (1 MiB per GIL hold)
+    and kept there for this rank's own copy."""
+    ranges = [(a, min(a + chunk_bytes, job.total)) for a in range(0, job.total, chunk_bytes)]
+    for i, (a, b) in enumerate(ranges):
+        if i not in job.raw_checksums:
+            job.raw_checksums[i] = _checksum_in_slices(staged(a, b))
+    return {"step": job.step, "attempt": job.attempt, "rank": rank, "world_size": world_size,
+            "total": job.total, "chunk_bytes": chunk_bytes, "tree": job.tree, "leaves": job.specs,
+            "raw_checksums": [job.raw_checksums[i] for i in range(len(ranges))]}
+
 
 class Persister:
     """The stores of every tier (leases taken where this process commits) and the work of
@@ -101,7 +116,7 @@ class Persister:
     def __init__(self, tiers: list[Tier], rank: int, world_size: int, run_id: str,
                  ranks_per_node: int | None, *, compression: str | None, zstd_level: int, chunk_bytes: int,
                  io_threads: int, commit_timeout: float, nice: int, lease_ttl: float, lease_wait: float,
-                 link: bool = True) -> None:
+                 link: PeerLink | None = None) -> None:
         self.tiers, self.rank, self.world_size, self.run_id = tiers, rank, world_size, run_id
         self.ranks_per_node = ranks_per_node
         self.compression, self.zstd_level, self.chunk_bytes = compression, zstd_level, chunk_bytes
@@ -109,12 +124,12 @@ class Persister:
         self.saved_at: dict[tuple[int, int], int] = {}
         self._tls = threading.local()
         self._targets: dict[str, list[_Target]] = {}
-        self._link: PeerLink | None = None
+        # the peer link (thread writer with replicate=1): created by the writer before this
+        # (its group is a collective, made before any rank can fail opening stores)
+        self._link = link
         try:
             for t in tiers:
                 self._targets[t.url] = self._open_targets(t, lease_ttl, lease_wait)
-            if link and any(t.replicate for t in tiers):
-                self._link = PeerLink(rank, world_size, ranks_per_node, commit_timeout)  # type: ignore[arg-type]
         except BaseException:
             self.release()
             raise
@@ -200,14 +215,7 @@ class Persister:
         link_error: BaseException | None = None
         if replica and self._link is not None:
             # The peer waits for our bytes: exchange before writing our own copy.
-            cb = self.chunk_bytes
-            ranges = [(a, min(a + cb, job.total)) for a in range(0, job.total, cb)]
-            for i, (a, b) in enumerate(ranges):
-                if i not in job.raw_checksums:
-                    job.raw_checksums[i] = _checksum_in_slices(staged(a, b))
-            header = {"step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world_size,
-                      "total": job.total, "chunk_bytes": cb, "tree": job.tree, "leaves": specs,
-                      "raw_checksums": [job.raw_checksums[i] for i in range(len(ranges))]}
+            header = replica_header(job, self.rank, self.world_size, self.chunk_bytes, staged)
             t0 = time.perf_counter()
             try:
                 received = self._link.exchange(header, tensor(job.total))
@@ -221,26 +229,43 @@ class Persister:
         self._persist_to(own, job, job.step, job.attempt, staged, job.total, self.chunk_bytes, job.tree,
                          specs, job.raw_checksums, False, tm)
         tm["durable_s"] = time.monotonic() - job.t_start
-        if link_error is not None:
-            raise link_error
-        if received is not None:
-            rtg = replica[0]
-            hdr, data = received
-            src = rtg.origin["rank"] if rtg.origin else -1
-            ok = (hdr.get("step"), hdr.get("attempt"), hdr.get("rank"), hdr.get("world_size")) == (
-                job.step, job.attempt, src, self.world_size)
-            sent = hdr.get("raw_checksums")
-            if not ok or not (sent is None or isinstance(sent, list)) or hdr.get("total") != len(data):
-                raise CheckpointError(
-                    f"rank {self.rank}: the replica received from rank {src} is of step {hdr.get('step')!r:.40} "
-                    f"attempt {hdr.get('attempt')!r:.80} rank {hdr.get('rank')!r:.20}, not of this save "
-                    f"(step {job.step}, attempt {job.attempt}): the ranks are not saving the same steps"
-                )
-            rm: dict[str, Any] = {}
-            known = dict(enumerate(sent)) if sent is not None else {}
-            self._persist_to(rtg, job, job.step, job.attempt, lambda a, b: data[a:b], len(data),
-                             int(hdr["chunk_bytes"]), hdr["tree"], hdr["leaves"], known, sent is not None, rm)
-            tm["replica"] = {"of_rank": src, "bytes": len(data), **rm}
+        # This save's own copy is durable: a replica that failed (sent or received) is
+        # reported as a warning and in metrics["tiers"][url]["replica_error"], not as a
+        # failed save; the next save exchanges again.
+        try:
+            if link_error is not None:
+                raise link_error
+            if received is not None:
+                self._persist_replica(job, replica[0], received, tm)
+        except Exception as e:
+            tm["replica_error"] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"step {job.step}: the peer replica at {tier.url} was not written "
+                          f"(rank {self.rank}): {tm['replica_error']}", stacklevel=1)
+
+    def _persist_replica(self, job: PersistJob, rtg: _Target, received: tuple[dict[str, Any], memoryview],
+                         tm: dict[str, Any]) -> None:
+        """Check the part received from the source rank names this save, then write it."""
+        hdr, data = received
+        src = rtg.origin["rank"] if rtg.origin else -1
+        if isinstance(hdr.get("no_data"), str):
+            raise CheckpointError(f"rank {src} sent no replica of step {job.step}: {hdr['no_data']:.300}")
+        ok = (hdr.get("step"), hdr.get("attempt"), hdr.get("rank"), hdr.get("world_size")) == (
+            job.step, job.attempt, src, self.world_size)
+        sent = hdr.get("raw_checksums")
+        cb = hdr.get("chunk_bytes")
+        if not (isinstance(cb, int) and cb > 0 and isinstance(sent, list) and len(sent) == -(-len(data) // cb)):
+            raise CheckpointError(f"rank {self.rank}: the replica received from rank {src} for step {job.step} "
+                                  "does not carry a checksum for each chunk: not written")
+        if not ok or hdr.get("total") != len(data):
+            raise CheckpointError(
+                f"rank {self.rank}: the replica received from rank {src} is of step {hdr.get('step')!r:.40} "
+                f"attempt {hdr.get('attempt')!r:.80} rank {hdr.get('rank')!r:.20}, not of this save "
+                f"(step {job.step}, attempt {job.attempt}): the ranks are not saving the same steps"
+            )
+        rm: dict[str, Any] = {}
+        self._persist_to(rtg, job, job.step, job.attempt, lambda a, b: data[a:b], len(data),
+                         cb, hdr["tree"], hdr["leaves"], dict(enumerate(sent)), True, rm)
+        tm["replica"] = {"of_rank": src, "bytes": len(data), **rm}
 
     def _persist_to(self, tg: _Target, job: PersistJob, step: int, attempt: str, view: Any, total: int, cb: int,
                     tree: Any, specs: list[dict[str, Any]], known: dict[int, str], verify: bool,

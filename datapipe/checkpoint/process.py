@@ -221,7 +221,7 @@ def main() -> None:
         p = Persister(tiers, cfg["rank"], cfg["world_size"], cfg["run_id"], cfg["ranks_per_node"],
                       compression=cfg["compression"], zstd_level=cfg["zstd_level"], chunk_bytes=cfg["chunk_bytes"],
                       io_threads=cfg["io_threads"], commit_timeout=cfg["commit_timeout"], nice=0,
-                      lease_ttl=cfg["lease_ttl"], lease_wait=cfg["lease_wait"], link=False)
+                      lease_ttl=cfg["lease_ttl"], lease_wait=cfg["lease_wait"])
     except BaseException as e:
         _send(sock, {"op": "error", "error": f"{e}" if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"})
         return
@@ -258,6 +258,7 @@ def main() -> None:
                 rbytes = msg["received"]["bytes"]
                 job.received = (msg["received"]["header"], memoryview(mapped["replica"])[:rbytes])
             job.link_error = msg.get("link_error")
+            job.raw_checksums = dict(enumerate(msg.get("raw_checksums") or []))  # hashed for the replica header
             m: dict[str, Any] = {}
             error = None
             try:

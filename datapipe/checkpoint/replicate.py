@@ -11,14 +11,14 @@ the writers' background threads use it, never the training group.
 
 Messages (each rank sends to ``peer_of(rank)`` and receives from ``source_of(rank)``, in
 the same order on every rank): sizes ``int64[2] = (header bytes, data bytes)``, the
-header (JSON: step, attempt, rank, world size, tree, leaves, chunk size and, from a
-thread writer, the raw checksum of every chunk), then the data. The receiver checks the
-header names the save it is making and every chunk against the sender's checksum (when
-sent) before it writes the replica. A writer process (process.py) runs the exchange in a
-thread of the training process (gloo's send and receive run without the GIL) into a
-shared receive buffer, and sends no checksums: hashing there would take the GIL the
-writer process exists to leave alone; TCP's own checksums cover the transfer, and the
-writer process hashes what it writes.
+header (JSON: step, attempt, rank, world size, tree, leaves, chunk size and the raw
+checksum of every chunk: persist.replica_header, the same for both writers), then the
+data. The receiver checks the header names the save it is making and every chunk against
+the sender's checksum before it writes the replica; a header without them is refused. A
+writer process (process.py) runs the exchange in a thread of the training process (gloo's
+send and receive run without the GIL) into a shared receive buffer; that thread hashes
+the staged chunks for the header 1 MiB per GIL hold, and the writer process reuses those
+checksums for its own copy.
 """
 
 from __future__ import annotations
@@ -58,16 +58,29 @@ class PeerLink:
         self._recv_alloc = recv_alloc
         self.broken: str | None = None  # set when an exchange failed half way: the stream is out of step
 
+    def close(self) -> None:
+        """Destroy the link's gloo group (its sockets and threads); idempotent."""
+        import torch.distributed as dist
+
+        group, self.group = self.group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
     def exchange(self, header: dict[str, Any], data: Any) -> tuple[dict[str, Any], memoryview]:
         """Send ``header`` and ``data`` (a torch uint8 tensor) to the peer; return the
         source rank's header and data (a view of the reused receive buffer, valid until
-        the next exchange)."""
+        the next exchange). After a failed exchange the link is ``broken``: later calls
+        still exchange, sending a header with ``no_data`` (the reason) and no data; a
+        received header with ``no_data`` means the source sent none."""
         import torch
         import torch.distributed as dist
 
         if self.broken is not None:
-            raise CheckpointError(f"the replica link of rank {self.rank} broke earlier ({self.broken}); "
-                                  "replicas are not written until the job restarts")
+            # Still take part in the exchange, with a header saying there is no data: the
+            # peer waits in its receive, and a rank that stayed silent would break its link
+            # too (and so on around the ring) after the timeout.
+            header = dict(header, no_data=f"the replica link of rank {self.rank} broke earlier ({self.broken})")
+            data = torch.empty(0, dtype=torch.uint8)
         try:
             hdr = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
             sizes = torch.tensor([hdr.numel(), data.numel()], dtype=torch.int64)

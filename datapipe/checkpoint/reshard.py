@@ -404,8 +404,12 @@ def plan_copies(gt: GlobalTensor, dst: np.ndarray[Any, Any], t_start: tuple[int,
 
 def _run_copy(saved: SavedStep, c: _Copy) -> int:
     start = c.piece.data_offset + c.src_first
-    if not c.outer:  # one run: read into the target itself
-        saved.read_into(c.piece.rank, start, start + c.run, c.dst[c.dst_first : c.dst_first + c.run])
+    if not c.outer:  # one run (at most a slab): read and check in a scratch buffer, then copy
+        # never into the target itself: a failed check would leave unverified bytes in the
+        # caller's tensors (and a load with step=None goes on to an older step)
+        tmp = np.empty(c.run, np.uint8)
+        saved.read_into(c.piece.rank, start, start + c.run, tmp)
+        c.dst[c.dst_first : c.dst_first + c.run] = tmp
     else:
         buf, base = saved.read_range(c.piece.rank, start, start + c.span())
         src = buf[start - base :]

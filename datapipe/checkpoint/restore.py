@@ -22,6 +22,7 @@ import json
 import time
 import warnings
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from ..errors import CheckpointError, NoCheckpointError, StorageError
@@ -99,13 +100,21 @@ def _complete(store: Store, origin: tuple[int, int] | None, world_size: int,
 class _Group:
     """The collective side of a restore: a gloo group of its own, or one process."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
         self.rank, self.world_size = rank, world_size
         self.group: Any = None
         if world_size > 1:
             import torch.distributed as dist
 
-            self.group = dist.new_group(backend="gloo")
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+    def close(self) -> None:
+        """Destroy the gloo group (its sockets and threads)."""
+        if self.group is not None:
+            import torch.distributed as dist
+
+            group, self.group = self.group, None
+            dist.destroy_process_group(group)
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (JSON-able), in rank order. JSON, not pickle: a peer's
@@ -200,11 +209,14 @@ def _check_attempt(store: Store, step: int, attempt: str) -> None:
 
 
 def restore_checkpoint(tiers: list[Tier], *, rank: int | None = None, world_size: int | None = None,
-                       ranks_per_node: int | None = None, map_location: Any = None) -> RestoreResult:
+                       ranks_per_node: int | None = None, map_location: Any = None,
+                       timeout_s: float = 600.0) -> RestoreResult:
     """Load this rank's part of the newest step every rank can load from ``tiers`` (the
     writer's list; node-local tier URLs are this node's). With more than one rank every
     rank must call it at once (torch.distributed initialised): the ranks agree on the step
-    and trade peer replicas over a gloo group. See the module docstring."""
+    and trade peer replicas over a gloo group of its own (``timeout_s`` per collective,
+    destroyed at the end). A copy that fails to load on any rank, for any reason, is
+    skipped on every rank with a warning naming it. See the module docstring."""
     t_start = time.perf_counter()
     if not tiers or not all(isinstance(t, Tier) for t in tiers):
         raise CheckpointError(f"tiers must be a non-empty list of Tier, got {tiers!r:.200}")
@@ -238,7 +250,17 @@ def restore_checkpoint(tiers: list[Tier], *, rank: int | None = None, world_size
         "shared": ({str(i): _complete(s, None, world, skipped) for i, s in shared.items()} if rank == 0 else {}),
         "skipped": skipped,
     }
-    group = _Group(rank, world)
+    group = _Group(rank, world, timeout_s)
+    try:
+        return _restore(group, tiers, mine, skipped, rank, world, rpn, own, held, shared, map_location, t_start)
+    finally:
+        group.close()
+
+
+def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], skipped: list[str], rank: int, world: int,
+             rpn: int | None, own: dict[int, Store], held: dict[int, Store], shared: dict[int, Store],
+             map_location: Any, t_start: float) -> RestoreResult:
+    """restore_checkpoint's collective part, over ``group``."""
     infos = group.all_gather_json(mine)
     notes = [s for info in infos for s in info["skipped"]]
     for note in skipped:
@@ -289,8 +311,8 @@ def restore_checkpoint(tiers: list[Tier], *, rank: int | None = None, world_size
                 try:
                     files: list[tuple[str, bytes]] | None = _replica_files(held[c[1]], s, a)
                     err = None
-                except (CheckpointError, StorageError) as e:
-                    files, err = None, f"{held[c[1]].root}: {e}"
+                except Exception as e:  # any failure is sent: the rank that needs the files waits for them
+                    files, err = None, f"{held[c[1]].root}: {type(e).__name__}: {e}"
                 reqs = _send_files(group, src_rank, files, err)
         # 2. this rank's own part
         mine_c = srcs[rank]
@@ -323,8 +345,8 @@ def restore_checkpoint(tiers: list[Tier], *, rank: int | None = None, world_size
                 _check_origin(mem, s, rank, world)
                 state = _load_step(mem, s, 0, map_location)
                 nbytes = _manifest_bytes(mem, s)
-        except (CheckpointError, StorageError) as e:
-            failure = f"{kind} copy of rank {rank}'s part of step {s} at {where}: {e}"
+        except Exception as e:  # any failure is agreed on below: a rank that raised here would hang the others
+            failure = f"{kind} copy of rank {rank}'s part of step {s} at {where}: {type(e).__name__}: {e}"
         read_s = time.perf_counter() - t0
         for q in reqs:
             q.wait()

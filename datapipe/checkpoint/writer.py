@@ -26,7 +26,7 @@ from ..storage import open_store
 from ..topology import Topology
 from .flatten import flatten
 from .format import MAX_CHUNK_BYTES
-from .persist import Persister, PersistJob, lower_thread_priority
+from .persist import Persister, PersistJob, lower_thread_priority, replica_header
 from .run_id import agree_run_id
 from .staging import StagingBuffer
 from .tiers import Tier, resolve_ranks_per_node
@@ -169,6 +169,37 @@ class CheckpointWriter:
         self.ranks_per_node = (resolve_ranks_per_node(ranks_per_node, self.world_size, f"Tier({replicated[0].url!r})")
                                if replicated else ranks_per_node)
         self.run_id = agree_run_id(self.world_size, run_id)
+        # The peer link's gloo group is a collective: create it right after the run id, the
+        # other collective, before anything that can fail on one rank only (leases, stores,
+        # the writer process); a rank failing there cannot leave the others in new_group.
+        self._link: Any = None  # the peer link with replicate=1 (used by the Persister or by _run_link)
+        if replicated:
+            from .replicate import PeerLink
+
+            recv_alloc = None
+            if background == "process":  # received parts go to shared memory the writer process maps
+                from .process import SharedBytes
+
+                self._replica_bytes = SharedBytes()
+                recv_alloc = self._replica_bytes.ensure
+            self._link = PeerLink(self.rank, self.world_size, self.ranks_per_node,  # type: ignore[arg-type]
+                                  commit_timeout, recv_alloc=recv_alloc)
+        try:
+            self._init_rest(tiers, background, max_staging_bytes, keep_last, keep_every, compression, zstd_level,
+                            chunk_bytes, if_busy, commit_timeout, io_threads, nice, lease_ttl, lease_wait,
+                            bool(replicated))
+        except BaseException:
+            if self._link is not None:
+                self._link.close()
+                if background == "process":
+                    self._replica_bytes.close()
+            raise
+
+    def _init_rest(self, tiers: list[Tier], background: str, max_staging_bytes: Any, keep_last: Any,
+                   keep_every: Any, compression: Any, zstd_level: Any, chunk_bytes: int, if_busy: str,
+                   commit_timeout: float, io_threads: int, nice: int, lease_ttl: float, lease_wait: float,
+                   replicated: bool) -> None:
+        """The constructor after the collectives: staging, stores and leases, the background."""
         self.background = background
         self._calls = 0
         self._pid = os.getpid()
@@ -192,7 +223,6 @@ class CheckpointWriter:
         self._persister: Persister | None = None
         self._process: Any = None  # process.WriterProcess
         self._thread: threading.Thread | None = None
-        self._link: Any = None  # the writer process's peer link (thread mode: inside the Persister)
         self._in_flight: dict[int, SaveHandle] = {}  # order -> handle, for the writer process's replies
         self._link_msgs: dict[int, dict[str, Any]] = {}  # order -> job message waiting for the peer exchange
         config: dict[str, Any] = dict(
@@ -201,14 +231,14 @@ class CheckpointWriter:
             chunk_bytes=chunk_bytes, io_threads=io_threads, commit_timeout=commit_timeout, nice=nice,
             lease_ttl=lease_ttl, lease_wait=lease_wait)
         if background == "thread":
-            self._persister = Persister(**config)
+            self._persister = Persister(**config, link=self._link)
             self._max_steps = self._persister.max_steps()
             self._roots = {t.url: self._persister.roots(t.url) for t in tiers}
             self.store = self._persister.store  # the first tier's store (this rank's folder if node-local)
             self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
             self._thread.start()
         else:
-            from .process import SharedBytes, WriterProcess
+            from .process import WriterProcess
 
             self._process = WriterProcess(config, self._on_process_done)
             self._max_steps = dict(self._process.max_steps)
@@ -218,15 +248,6 @@ class CheckpointWriter:
                 # The exchange with the peer stays in this process (the gloo group is this
                 # process's); it runs in a thread that waits in gloo without the GIL and
                 # receives into shared memory the writer process maps.
-                from .replicate import PeerLink
-
-                self._replica_bytes = SharedBytes()
-                try:
-                    self._link = PeerLink(self.rank, self.world_size, self.ranks_per_node,  # type: ignore[arg-type]
-                                          commit_timeout, recv_alloc=self._replica_bytes.ensure)
-                except BaseException:
-                    self._process.close()
-                    raise
                 self._thread = threading.Thread(target=self._run_link, name="datapipe-ckpt-link", daemon=True)
                 self._thread.start()
         # Flush at exit before daemon threads stop: threading's exit hooks run before
@@ -276,7 +297,8 @@ class CheckpointWriter:
         A step that no tier is due for returns a finished handle at once (``skipped``,
         ``metrics["due_tiers"] == []``) without looking at the state. If an earlier save
         failed and its error was not yet seen (through its handle), this call raises that
-        error and saves nothing; the next call saves again. One thread saves at a time: a
+        error and saves nothing; the next call saves again (with replicate=1 the save
+        happens, its peer waits for it, and the error is raised after it is queued). One thread saves at a time: a
         call while another thread is inside save() raises :class:`CheckpointError`
         (sharing the staging buffer would mix the two states)."""
         self._enter("save")
@@ -288,7 +310,8 @@ class CheckpointWriter:
     def _save(self, step: int, state: Any, if_busy: str | None) -> SaveHandle:
         t0 = time.perf_counter()
         self._check_open()
-        self._raise_failed()
+        if not self._replicated:
+            self._raise_failed()
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**12:
             raise CheckpointError(f"step must be an int in [0, 10**12), got {step!r}")
         mode = if_busy or self.if_busy
@@ -298,12 +321,14 @@ class CheckpointWriter:
             raise CheckpointError("if_busy='skip' is refused with replicate=1: every rank must save the same steps")
         due = [t for t in self.tiers if t.due(step)]
         if not due:  # nothing to write: no flatten, no copy, no wait
+            self._raise_failed()  # no rank exchanges at a step no tier is due for
             h = SaveHandle(step, self._reported)
             h.skipped = True
             h.metrics.update(skipped=True, due_tiers=[], stall_s=time.perf_counter() - t0, waited_s=0.0)
             h._finish()
             return h
         tree, leaves = flatten(state, rank=self.rank)  # unsupported objects fail here, before any write
+        self._refuse_replicas_in_node_local(due, leaves)
         for t in due:
             for root in self._roots[t.url]:
                 top = self._max_steps.get(root, -1)
@@ -327,7 +352,8 @@ class CheckpointWriter:
             tw = time.perf_counter()
             prev._event.wait()
             waited = time.perf_counter() - tw
-            self._raise_failed()
+            if not self._replicated:
+                self._raise_failed()
         self._join_prepare()
         ts = time.perf_counter()
         allocations = self._staging.allocations
@@ -365,7 +391,31 @@ class CheckpointWriter:
                     self._current = None
                     raise
         h.metrics["stall_s"] = time.perf_counter() - t0
+        if self._replicated and self._failed is not h:
+            # With replicate=1 an earlier failure is raised only now, after this save was
+            # queued: its peer waits for this save's exchange, and skipping it would break
+            # the peer's link (and so on around the ring).
+            self._raise_failed()
         return h
+
+    def _refuse_replicas_in_node_local(self, due: list[Tier], leaves: list[Any]) -> None:
+        """A node-local tier stores each rank's part as a one-part checkpoint that must be
+        whole on its own, but a value held by several ranks is staged (its bytes) by one
+        rank only: refuse the combination (on every rank alike, before anything is staged)
+        instead of writing parts that restore as empty arrays."""
+        if self.world_size == 1:
+            return
+        local = [t.url for t in due if t.node_local]
+        shared = sorted({leaf.path for leaf in leaves if leaf.held_elsewhere})
+        if local and shared:
+            raise CheckpointError(
+                f"step save refused: node-local tier(s) {local} cannot hold values replicated across ranks "
+                f"(Replicated arrays, DTensors with a Replicate placement): {shared[:5]}"
+                f"{' ...' if len(shared) > 5 else ''}. Only one rank stores such a value's bytes, so the "
+                "other ranks' node-local parts would restore it empty. Save those values to a shared tier "
+                "only (a second writer without node-local tiers), or save them as plain per-rank tensors "
+                "(without Replicated / redistributed to Shard placements)"
+            )
 
     def _submit(self, msg: dict[str, Any], with_replica: bool) -> None:
         st = self._staging
@@ -385,10 +435,10 @@ class CheckpointWriter:
                 return
             job, handle = item
             msg = self._link_msgs.pop(job.order)
-            header = {"step": job.step, "attempt": job.attempt, "rank": self.rank, "world_size": self.world_size,
-                      "total": job.total, "chunk_bytes": self.chunk_bytes, "tree": job.tree, "leaves": job.specs}
             t0 = time.perf_counter()
             try:
+                header = replica_header(job, self.rank, self.world_size, self.chunk_bytes, self._staging.view)
+                msg["raw_checksums"] = header["raw_checksums"]  # the writer process reuses them
                 hdr, data = link.exchange(header, self._staging.tensor(job.total))
                 msg["received"] = {"header": hdr, "bytes": len(data)}
                 handle.metrics["exchange_s"] = time.perf_counter() - t0
@@ -445,6 +495,8 @@ class CheckpointWriter:
                         self._thread.join()
                         self._replica_bytes.close()
                     self._process.close(self.commit_timeout)
+                if self._link is not None:
+                    self._link.close()  # after the threads that use it are done
                 self._staging.close()
             self._raise_failed()
         finally:
