@@ -93,7 +93,7 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
             try:
                 data = fetch_below(state, url, checksum, chooser, into=tier, fixed_size=size,
                                    background=prefetch, level=level + 1)
-                res.write_and_publish(data, checksum or compute_checksum(data))
+                pinned = res.write_and_publish(data, checksum or compute_checksum(data), pin=pin)
             except SizeChanged:
                 res.abort()
                 resized += 1
@@ -122,14 +122,11 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
                 raise
             state.stats.update({f"{tier}_fills": 1})
             state.notify_room()
+            if pinned is not None:  # pinned before it was published: nobody evicted it since
+                return pinned
             if prefetch:
                 return None
-            if not pin:
-                return data
-            fd = warm.open_pinned(key)
-            if fd is not None:
-                return fd
-        # evicted by another process between publish and pin: fill it again
+            return data
 
 
 def size_below(state: ProcessState, url: str) -> int:

@@ -176,9 +176,13 @@ class Reservation:
     tmp: str
     fd: int
 
-    def write_and_publish(self, data: bytes | memoryview, digest: str | None = None) -> None:
+    def write_and_publish(self, data: bytes | memoryview, digest: str | None = None, *,
+                          pin: bool = False) -> int | None:
         """Write and publish the copy; ``digest`` (its checksum) is recorded with it, so a
-        later reader without a checksum can still tell a damaged copy."""
+        later reader without a checksum can still tell a damaged copy. With ``pin``, the
+        copy is pinned before it is published and the pinning fd is returned (the caller
+        closes it): no other process can evict it between its publication and the read
+        it was filled for."""
         view = memoryview(data)
         if len(view) != self.size:
             raise StorageError(f"{self.warm.path(self.key)}: {len(view)} bytes for a "
@@ -194,11 +198,16 @@ class Reservation:
         # so the accounting does not move. Closing drops our lock on the published file.
         now = time.time_ns()
         os.utime(self.fd, ns=(now, now))
+        if pin:
+            self.warm._pin(self.fd)  # our exclusive lock on the temporary becomes a pin
         os.rename(self.tmp, self.warm.path(self.key))
         if digest is not None:
             self.warm.mark_verified(os.fstat(self.fd), digest)  # we wrote these very bytes
-        os.close(self.fd)
-        self.fd = -1
+        fd, self.fd = self.fd, -1
+        if pin:
+            return fd
+        os.close(fd)
+        return None
 
     def abort(self) -> None:
         if self.fd >= 0:
