@@ -206,7 +206,8 @@ class CheckpointWriter:
         self._api_lock = threading.Lock()  # one thread at a time in save/prepare/close
         self.keep_last, self.keep_every = keep_last, keep_every
         self.compression, self.zstd_level = compression, zstd_level
-        self.chunk_bytes, self.if_busy, self.commit_timeout = chunk_bytes, if_busy, commit_timeout
+        self.chunk_bytes, self.if_busy = chunk_bytes, if_busy
+        self._commit_timeout = float(commit_timeout)
         self._staging = StagingBuffer(max_staging_bytes, shared=background == "process")
         self._attempts: dict[int, int] = {}
         self._current: SaveHandle | None = None
@@ -255,6 +256,19 @@ class CheckpointWriter:
         getattr(threading, "_register_atexit", atexit.register)(_close_at_exit, weakref.ref(self))
 
     # -- training side -------------------------------------------------------------------
+    @property
+    def commit_timeout(self) -> float:
+        """Seconds rank 0 waits for every rank's part before it gives the save up."""
+        return self._commit_timeout
+
+    @commit_timeout.setter
+    def commit_timeout(self, seconds: float) -> None:
+        # the background's own copy too (a writer process keeps the one it started with)
+        self._commit_timeout = float(seconds)
+        persister: Persister | None = getattr(self, "_persister", None)
+        if persister is not None:
+            persister.commit_timeout = self._commit_timeout
+
     def _enter(self, what: str) -> None:
         if not self._api_lock.acquire(blocking=False):
             raise CheckpointError(
