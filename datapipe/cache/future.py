@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .eviction import NEVER, Schedule
+from .node_stats import publish_locked
 
 __all__ = ["FutureBoard", "MergedFuture", "FUTURES_DIR", "PUBLISH_LIMIT", "future_key"]
 
@@ -77,25 +78,9 @@ class FutureBoard:
         ``limit`` are kept). Never raises OSError: a failed write only costs the merge."""
         doc = {"format": _FORMAT, "version": 1, "pid": os.getpid(), "host": socket.gethostname(),
                "updated": time.time(), "keys": [future_key(k) for k in keys[: self.limit]]}
-        tmp = os.path.join(self.dir, f".{self.name}.{uuid.uuid4().hex[:8]}.tmp")
         with self._lock:
             try:
-                try:
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                except FileNotFoundError:  # the folder was deleted under us
-                    os.makedirs(self.dir, exist_ok=True)
-                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX)  # before the rename: never seen unlocked
-                    os.write(fd, json.dumps(doc, separators=(",", ":")).encode())
-                    os.replace(tmp, self.path)
-                except BaseException:
-                    os.close(fd)
-                    try:
-                        os.unlink(tmp)
-                    except OSError:
-                        pass
-                    raise
+                fd = publish_locked(self.dir, self.name, json.dumps(doc, separators=(",", ":")))
             except OSError:
                 self.errors += 1
                 return

@@ -119,6 +119,32 @@ def _snapshot(counters: Mapping[str, Any]) -> dict[str, float]:
     return {k: v for k, v in dict(counters).items() if isinstance(v, (int, float))}
 
 
+def publish_locked(folder: str, name: str, text: str) -> int:
+    """Publish ``text`` as ``folder/name`` by rename, the new file locked (``flock``) before
+    it is visible, and return its fd: while the fd is open, the lock says its writer lives
+    (the counter files here, the node's published futures). Re-creates ``folder`` when it
+    was deleted under us."""
+    tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except FileNotFoundError:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(tmp, flags, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # before the rename: the file is never seen unlocked
+        os.write(fd, text.encode())
+        os.replace(tmp, os.path.join(folder, name))
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return fd
+
+
 class CounterFile:
     """One process's counter file in ``<root>/stats/``. ``flush(counters)`` writes the
     counters (minus what was counted before the last clear) if they moved."""
@@ -141,24 +167,7 @@ class CounterFile:
         self.writes = 0
 
     def _publish(self, text: str) -> None:
-        tmp = os.path.join(self.dir, f".{self.name}.{uuid.uuid4().hex[:8]}.tmp")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        try:
-            fd = os.open(tmp, flags, 0o644)
-        except FileNotFoundError:  # the warm directory was deleted under us: re-create
-            os.makedirs(self.dir, exist_ok=True)
-            fd = os.open(tmp, flags, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # before the rename: the file is never seen unlocked
-            os.write(fd, text.encode())
-            os.replace(tmp, self.path)
-        except BaseException:
-            os.close(fd)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        fd = publish_locked(self.dir, self.name, text)
         old, self._fd = self._fd, fd
         if old >= 0:
             os.close(old)
