@@ -153,10 +153,9 @@ class _Ahead(NamedTuple):
 
 
 def _closer(owner: object, pre: Prefetcher) -> mp_util.Finalize:
-    """Closes ``pre`` when ``owner`` is collected, and at exit before the cache's node
-    counters are written (a higher exit priority): a read ahead still running then ends
-    first, so those counters include it. A multiprocessing finalizer, as DataLoader
-    workers skip plain atexit handlers."""
+    """Closes ``pre`` when ``owner`` is collected, and at exit (a multiprocessing
+    finalizer: DataLoader workers skip plain atexit handlers), before the finalizers of
+    lower priority, so a read ahead still running ends first."""
     return mp_util.Finalize(owner, pre.close, exitpriority=20)
 
 
