@@ -130,31 +130,22 @@ class ProcessState:
         """True when ``e`` says the warm directory itself is gone or unwritable (deleted,
         remounted read-only): it is re-created if it can be, a warning is given once,
         and the caller reads through."""
-        if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS or self.warm is None:
-            return False
-        self.stats.update(warm_errors=1)
-        try:
-            self.warm.repair()
-            repaired = ""
-        except OSError as e2:
-            repaired = f"; it cannot be re-created ({e2})"
-        self.warn("warm_broken", f"warm cache {self.warm.root} failed ({e}){repaired}; "
-                  "reading through to the cold tier")
-        return True
+        return self._dir_broken(e, self.warm, "warm")
 
     def shared_broken(self, e: OSError) -> bool:
-        """True when ``e`` says the shared directory is gone or unwritable (unmounted,
-        read-only, stale handle): warned once, re-created if it can be; the caller reads
-        through to cold."""
-        if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS or self.shared is None:
+        """The same for the shared directory (unmounted, read-only, stale handle)."""
+        return self._dir_broken(e, None if self.shared is None else self.shared.dir, "shared")
+
+    def _dir_broken(self, e: OSError, d: Any, tier: str) -> bool:
+        if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS or d is None:
             return False
-        self.stats.update(shared_errors=1)
+        self.stats.update({f"{tier}_errors": 1})
         try:
-            self.shared.dir.repair()
+            d.repair()
             repaired = ""
         except OSError as e2:
             repaired = f"; it cannot be re-created ({e2})"
-        self.warn("shared_broken", f"shared cache {self.shared.root} failed ({e}){repaired}; "
+        self.warn(f"{tier}_broken", f"{tier} cache {d.root} failed ({e}){repaired}; "
                   "reading through to the cold tier")
         return True
 

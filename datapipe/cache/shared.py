@@ -31,7 +31,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -175,17 +175,12 @@ class SharedDir(WarmDir):
             names = os.listdir(self.tmpdir)
         except FileNotFoundError:
             return 0
-        removed = 0
-        for name in names:
-            key, _dot, owner = name.rpartition(".")
-            if key and self._writer_alive(key, owner):
-                continue
-            try:
-                os.unlink(os.path.join(self.tmpdir, name))
-                removed += 1
-            except FileNotFoundError:
-                pass
-        return removed
+        return self._unlink_tmp(name for name in names if not self._tmp_alive(name))
+
+    def _tmp_alive(self, name: str) -> bool:
+        """Whether ``tmp/<key>.<owner>``'s writer still holds the key's lease."""
+        key, _dot, owner = name.rpartition(".")
+        return bool(key) and self._writer_alive(key, owner)
 
     def drop_tmp_of_others(self, key: str, owner: str) -> int:
         """Delete ``key``'s temporary files of writers other than ``owner``, who holds the
@@ -194,15 +189,19 @@ class SharedDir(WarmDir):
         prefix = f"{key}."
         if not any(n.startswith(prefix) for n in os.listdir(self.tmpdir)):
             return 0
-        removed = 0
         with self._budget_lock():
-            for name in os.listdir(self.tmpdir):
-                if name.startswith(prefix) and name != f"{key}.{owner}":
-                    try:
-                        os.unlink(os.path.join(self.tmpdir, name))
-                        removed += 1
-                    except FileNotFoundError:
-                        pass
+            return self._unlink_tmp(name for name in os.listdir(self.tmpdir)
+                                    if name.startswith(prefix) and name != f"{key}.{owner}")
+
+    def _unlink_tmp(self, names: Iterable[str]) -> int:
+        """Delete these files of tmp/ (under the budget lock); how many were there."""
+        removed = 0
+        for name in names:
+            try:
+                os.unlink(os.path.join(self.tmpdir, name))
+                removed += 1
+            except FileNotFoundError:
+                pass
         return removed
 
     def _writer_alive(self, key: str, owner: str) -> bool:

@@ -30,7 +30,7 @@ from ..pack.packer import PackResult, describe_tree, plan_shards, refuse_tar_sha
 from ..pack.sources import KEY_RULES, DirectoryListing, FileSample, list_directory, source_kind
 from ..pack.writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES
 from ..storage import open_store
-from .sink import FILE_COLUMNS, DatapipeDatasink, ray_cause
+from .sink import FILE_COLUMNS, DatapipeDatasink, write_through
 
 __all__ = ["pack", "connect", "list_tree", "file_block"]
 
@@ -154,19 +154,10 @@ def pack(
             refuse_tar_shards(src, listing.samples)
         plan = plan_shards(listing.samples, shard_bytes, shard_samples)
         ds = ray.data.from_arrow([file_block(group) for group in plan])
-        ds.write_datasink(sink)
-    except Exception as e:
-        sink.on_write_failed(e)
-        cause = ray_cause(e)
-        if cause is e:
-            raise
-        raise cause from None
-    except BaseException as e:
-        sink.on_write_failed(RuntimeError(repr(e)))
+    except BaseException as e:  # nothing written yet: the sink gives its lock back
+        sink.on_write_failed(e if isinstance(e, Exception) else RuntimeError(repr(e)))
         raise
-    result = sink.result
-    if result is None:  # pragma: no cover - Ray returned without calling on_write_complete
-        raise PackOptionError(f"Ray finished writing {dest} without committing it")
+    result = write_through(ds, sink)
     result.keys = keys
     result.skipped[:0] = list(listing.passed_over) + list(listing.bad)
     describe_tree(result, src, listing.dropped, listing.samples)

@@ -316,16 +316,27 @@ def write(ds: Any, dest: str, *, ray_remote_args: dict[str, Any] | None = None, 
     :class:`~datapipe.PackResult`; a datapipe error raised in a task is raised here as
     itself."""
     t0 = time.perf_counter()
-    sink = DatapipeDatasink(dest, **options)
+    result = write_through(ds, DatapipeDatasink(dest, **options), ray_remote_args=ray_remote_args,
+                           concurrency=concurrency)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def write_through(ds: Any, sink: DatapipeDatasink, **kwargs: Any) -> PackResult:
+    """``ds.write_datasink(sink, **kwargs)`` and the sink's result. On failure (Ctrl-C too)
+    the sink removes what this write wrote, and a datapipe error raised in a task is raised
+    here as itself, not wrapped in Ray's errors."""
     try:
-        ds.write_datasink(sink, ray_remote_args=ray_remote_args, concurrency=concurrency)
+        ds.write_datasink(sink, **kwargs)
     except Exception as e:
         sink.on_write_failed(e)
         cause = ray_cause(e)
         if cause is e:
             raise
         raise cause from None
+    except BaseException as e:
+        sink.on_write_failed(RuntimeError(repr(e)))
+        raise
     if sink.result is None:  # pragma: no cover - Ray returned without calling on_write_complete
-        raise PackError(f"Ray finished writing {dest} without committing it")
-    sink.result.seconds = time.perf_counter() - t0
+        raise PackError(f"Ray finished writing {sink.dest} without committing it")
     return sink.result
