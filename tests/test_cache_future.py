@@ -33,6 +33,18 @@ class RecordingCache(TieredCache):
         super().__init__(**kw)
         self.log_dir = log_dir
 
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_log_lock", None)  # a lock does not pickle: a worker makes its own
+        return state
+
+    def _log_read(self, url):
+        # the position is read and its line written under one lock: else a thread that read
+        # the position first could write its line after another's (fetches run in parallel)
+        lock = self.__dict__.setdefault("_log_lock", threading.Lock())
+        with lock:
+            self._log("read", [url, self.schedule_position])
+
     def _log(self, kind, payload):
         from torch.utils.data import get_worker_info
 
@@ -47,12 +59,12 @@ class RecordingCache(TieredCache):
 
     def local_path(self, url, **kw):
         path = super().local_path(url, **kw)
-        self._log("read", [url, self.schedule_position])
+        self._log_read(url)
         return path
 
     def read(self, url, **kw):
         data = super().read(url, **kw)
-        self._log("read", [url, self.schedule_position])
+        self._log_read(url)
         return data
 
 
