@@ -156,16 +156,27 @@ def _load_on_two(rank: int, world: int, root: str, ds_url: str) -> None:
         torch.save(got, os.path.join(root, "got-4to2.pt"))
 
 
+def _end_group() -> None:
+    dist.barrier()  # no rank tears its group down while a peer's collective still runs
+    dist.destroy_process_group()
+
+
 def _worker(rank: int, port: int, port2: int, root: str, ds_url: str) -> None:
     # One set of processes for both world sizes: starting processes that import torch is
     # most of this test's time on a small machine.
     _init(rank, 4, port)
     _save(rank, 4, root, ds_url)
-    dist.destroy_process_group()
+    _end_group()
     if rank < 2:
         _init(rank, 2, port2)
         _load_on_two(rank, 2, root, ds_url)
-        dist.destroy_process_group()
+        _end_group()
+    # Everything this rank checks is written and closed. Leave without the interpreter's
+    # finalization: a gloo worker thread that drops the last reference to a collective's
+    # tensors while it runs must take the GIL, and a C++ thread asked to exit there aborts
+    # the process ("terminate called without an active exception", SIGABRT; seen once in
+    # CI on a rank that had finished; pytorch/pytorch#179291).
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")

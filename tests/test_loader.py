@@ -523,6 +523,48 @@ def test_prefetcher_close_names_a_fetch_that_does_not_stop():
     assert made[0].closed
 
 
+@pytest.mark.parametrize("where", ["fetch", "planner"])
+def test_close_on_the_prefetchers_own_thread_does_not_wait_on_itself(where):
+    """Garbage collection runs finalizers on whatever thread allocates: a read-ahead's
+    closer can run on one of the prefetcher's own threads. It must not join the planner
+    from there (the planner waits for its fetch threads; joining the current thread
+    raises), and the shards held are still closed once the planner ends."""
+    made, calls, errors, gate = {}, [], [], threading.Event()
+    pre_box: list[Prefetcher] = []
+
+    def close_here():
+        assert gate.wait(30)  # once the consumer holds chunk 0
+        calls.append(threading.current_thread().name)
+        try:
+            pre_box[0].close()
+        except BaseException as e:  # what the finalizer would have printed as unraisable
+            errors.append(e)
+
+    def fetch(g):
+        made[g] = _FakeShard()
+        if where == "fetch" and g == 2:
+            close_here()
+        return made[g]
+
+    def size(g):
+        if where == "planner" and g == 2:
+            close_here()
+        return 1
+
+    def chunks():
+        for k in range(6):
+            yield Chunk.make(k, np.arange(1), np.array([k]), np.zeros(1, np.int64))
+
+    pre = Prefetcher(chunks(), fetch, size, close_timeout_s=60)
+    pre_box.append(pre)
+    assert next(iter(pre)).number == 0  # (not read: the planner case holds the loop that lands fetches)
+    gate.set()
+    # a close waiting on itself would hold the planner for the 60 s close timeout
+    pre._thread.join(30)
+    assert calls and not errors and not pre._thread.is_alive()
+    assert made and all(s.closed for s in made.values())
+
+
 def test_a_fetch_cut_off_by_close_has_its_shard_closed_when_it_lands():
     """A shard fetched through a cache holds a pin: one whose fetch was still running at
     close() must be closed when the fetch returns, not dropped with its pin held."""

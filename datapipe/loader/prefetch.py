@@ -103,6 +103,7 @@ class Prefetcher:
         self._stop = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
+        self._own = threading.local()  # .thread is True on the planner's and the fetch pool's threads
         self._thread = threading.Thread(target=self._thread_main, name="datapipe-prefetch", daemon=True)
         self._thread.start()
 
@@ -152,6 +153,10 @@ class Prefetcher:
         self._poke()
 
     def close(self) -> None:
+        """Stop planning and fetching, wait for the planner (``close_timeout_s``) and close
+        the shards still held. Called on one of this prefetcher's own threads (a finalizer
+        that garbage collection ran there), it only asks them to stop: joining would wait
+        on itself; the planner closes what it holds when it ends."""
         self._stop = True
         self._poke()
         while True:  # unblock the producer if it waits on a full queue
@@ -159,6 +164,8 @@ class Prefetcher:
                 self._queue.get_nowait()
             except queue.Empty:
                 break
+        if getattr(self._own, "thread", False):
+            return
         self._thread.join(timeout=self.close_timeout_s)
         with self._lock:
             if self._thread.is_alive():
@@ -169,6 +176,12 @@ class Prefetcher:
                 # what they return then; until then it holds their threads and memory
                 warnings.warn(f"prefetch thread {self._thread.name} did not stop within "
                               f"{self.close_timeout_s:g} s ({what})", RuntimeWarning, stacklevel=2)
+        self._close_live()
+
+    def _close_live(self) -> None:
+        """Close the fetched shards still held (after a stop); a fetch still running closes
+        its own result when it lands and finds its slot gone."""
+        with self._lock:
             slots, self._live = list(self._live), set()
             closing = [_take(slot) for slot in slots if slot.ready.is_set()]
         for data in closing:
@@ -186,11 +199,16 @@ class Prefetcher:
             return
 
     # -- producer side -----------------------------------------------------------------
+    def _mark_own(self) -> None:
+        self._own.thread = True
+
     def _thread_main(self) -> None:
+        self._mark_own()
         loop = asyncio.new_event_loop()
         from concurrent.futures import ThreadPoolExecutor
 
-        pool = self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="datapipe-fetch")
+        pool = self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="datapipe-fetch",
+                                               initializer=self._mark_own)
         loop.set_default_executor(pool)
         self._loop = loop
         try:
@@ -205,6 +223,8 @@ class Prefetcher:
                 loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             pool.shutdown(wait=True, cancel_futures=True)
             loop.close()
+            if self._stop:  # a close() that could not wait for this thread left them to it
+                self._close_live()
 
     def _put(self, item: Any) -> None:
         """Hand ``item`` (the planner's error) to the consumer, from the planner's thread
