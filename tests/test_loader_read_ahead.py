@@ -138,3 +138,56 @@ def test_with_a_cache_a_pass_reads_nothing_beyond_itself(tmp_path_factory, tmp_p
     assert _keys(ds) == _fresh(url, 0, window=3, seed=1)
     assert ds._ahead is None
     cache.close()
+
+
+class _Shard:
+    def __init__(self):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_read_ahead_whose_dataset_is_collected_stops_without_waiting():
+    """Collection runs finalizers on whatever thread allocates: the closer of a read ahead
+    only asks it to stop there (no join, no lock). Its threads end by themselves once
+    their fetches return and close what they hold; at exit it would still be closed."""
+    import gc
+    import threading
+    import warnings
+
+    import numpy as np
+
+    from datapipe.loader.dataset import _Closer
+    from datapipe.loader.prefetch import Chunk, Prefetcher
+
+    started, gate, made = threading.Event(), threading.Event(), {}
+
+    def fetch(g):
+        made[g] = _Shard()
+        if g == 1:
+            started.set()
+            gate.wait(60)  # a store that does not answer (yet)
+        return made[g]
+
+    def chunks():
+        for k in range(4):
+            yield Chunk.make(k, np.arange(1), np.array([k]), np.zeros(1, np.int64))
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    pre = Prefetcher(chunks(), fetch, lambda g: 1)
+    closer = _Closer(owner, pre)
+    assert started.wait(10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del owner
+        gc.collect()  # a close that waited here would time out (30 s) and warn
+    assert not [w for w in caught if "did not stop" in str(w.message)]
+    assert not closer._at_exit.still_active()  # nothing left to do at exit
+    gate.set()
+    pre._thread.join(10)
+    assert not pre._thread.is_alive()
+    assert made and all(s.closed for s in made.values())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -149,14 +150,31 @@ class _Ahead(NamedTuple):
     pending: Chunk
     tag: int
     step: int
-    close: mp_util.Finalize
+    close: _Closer
 
 
-def _closer(owner: object, pre: Prefetcher) -> mp_util.Finalize:
-    """Closes ``pre`` when ``owner`` is collected, and at exit (a multiprocessing
+class _Closer:
+    """Ends a read ahead: stops ``pre`` when ``owner`` is collected, without waiting
+    (collection runs finalizers on whatever thread allocates, which may hold locks the
+    prefetcher needs, or be one of its own threads; its threads end by themselves and close
+    what they hold), and closes it, waiting for its threads, at exit (a multiprocessing
     finalizer: DataLoader workers skip plain atexit handlers), before the finalizers of
-    lower priority, so a read ahead still running ends first."""
-    return mp_util.Finalize(owner, pre.close, exitpriority=20)
+    lower priority."""
+
+    def __init__(self, owner: object, pre: Prefetcher) -> None:
+        self._at_exit = mp_util.Finalize(None, pre.close, exitpriority=20)
+        self._collected = weakref.finalize(owner, _stop_ahead, pre, self._at_exit)
+        self._collected.atexit = False
+
+    def cancel(self) -> None:
+        """The read ahead is adopted or closed by its owner: nothing left to do."""
+        self._collected.detach()
+        self._at_exit.cancel()
+
+
+def _stop_ahead(pre: Prefetcher, at_exit: mp_util.Finalize) -> None:
+    at_exit.cancel()
+    pre.stop()
 
 
 class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableDataset is generic in its item type; ours vary with decode/map
@@ -446,7 +464,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                 for chunk in chunks:
                     if chunk.tag != tag:  # the next pass's first chunk: this pass is over
                         nxt = key._replace(epoch=key.epoch + step)
-                        ahead = _Ahead(nxt, pre, chunk, chunk.tag, step, _closer(self, pre))
+                        ahead = _Ahead(nxt, pre, chunk, chunk.tag, step, _Closer(self, pre))
                         break
                     if self.batched:
                         yield from self._chunk_batches(pre, chunk, on_error)

@@ -157,9 +157,8 @@ class Prefetcher:
         the shards still held. Called on one of this prefetcher's own threads (a finalizer
         that garbage collection ran there), it only asks them to stop: joining would wait
         on itself; the planner closes what it holds when it ends."""
-        self._stop = True
-        self._poke()
-        while True:  # unblock the producer if it waits on a full queue
+        self.stop()
+        while True:  # the consumer is gone: what the planner handed out is not read
             try:
                 self._queue.get_nowait()
             except queue.Empty:
@@ -177,6 +176,14 @@ class Prefetcher:
                 warnings.warn(f"prefetch thread {self._thread.name} did not stop within "
                               f"{self.close_timeout_s:g} s ({what})", RuntimeWarning, stacklevel=2)
         self._close_live()
+
+    def stop(self) -> None:
+        """Ask the planner and the fetches to stop, without waiting and without taking a
+        lock (a finalizer may call it on any thread, in the middle of anything): the
+        planner closes the shards still held when it ends (a fetch still running, when it
+        lands)."""
+        self._stop = True
+        self._poke()
 
     def _close_live(self) -> None:
         """Close the fetched shards still held (after a stop); a fetch still running closes
@@ -228,10 +235,14 @@ class Prefetcher:
 
     def _put(self, item: Any) -> None:
         """Hand ``item`` (the planner's error) to the consumer, from the planner's thread
-        once its loop has ended. A consumer that stops drains the queue after setting the
-        stop flag, so a blocked put always ends."""
-        if not self._stop:
-            self._queue.put(item)
+        once its loop has ended, unless the consumer has asked to stop (then it may never
+        take it: the wait for room ends with the stop)."""
+        while not self._stop:
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     async def _until(self, ready: Callable[[], bool]) -> bool:
         """Wait, without polling, until ``ready()`` (checked each time the consumer pokes);
