@@ -298,4 +298,12 @@ def test_bytes_written_are_the_unique_bytes_and_metadata_is_json(saved):
     assert 64 * leaves < REP * 4  # so a second copy of the Replicated tensor would not fit
     replicas = [leaf for p in parts for leaf in p["leaves"] if leaf.get("global", {}).get("replica")]
     assert replicas and all(leaf["nbytes"] == 0 for leaf in replicas)
-    assert {p["rank"] for p in parts if any(leaf.get("global", {}).get("replica") for leaf in p["leaves"])} == {1, 2, 3}
+    # the Replicated tensor is stored by rank 0; each HSDP box (held by two ranks) by one of
+    # its holders chosen by its path: the writes spread over all four ranks, and no rank
+    # stores a box that another also stores
+    assert all(leaf.get("global", {}).get("replica") for p in parts if p["rank"] != 0
+               for leaf in p["leaves"] if leaf["path"].startswith("extra.rep"))
+    model = [(p["rank"], leaf) for p in parts for leaf in p["leaves"] if leaf["path"].startswith("model")]
+    assert {r for r, leaf in model if not leaf["global"]["replica"]} == {0, 1, 2, 3}
+    stored = [(leaf["path"], tuple(leaf["global"]["offset"])) for _r, leaf in model if not leaf["global"]["replica"]]
+    assert len(stored) == len(set(stored)) == len(model) // 2

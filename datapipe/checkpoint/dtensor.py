@@ -11,8 +11,9 @@ A state may hold three kinds of arrays (docs/CHECKPOINT_FORMAT.md, "Global tenso
   every rank of the writer.
 
 Each becomes a leaf with a ``global`` record (global shape, offset, region). A region that
-several ranks hold (replicas) is stored once, by the lowest rank holding it; the others
-record it with ``replica: true`` and store no bytes. Plain tensors outside
+several ranks hold (replicas) is stored once, by one of them chosen by the leaf's path
+(so the writes of a replicated model spread over its holders); the others record it with
+``replica: true`` and store no bytes. Plain tensors outside
 :class:`Replicated` stay per-rank leaves, as before.
 
 No collective is used: mesh coordinates and rank lists are local knowledge.
@@ -23,6 +24,7 @@ already loaded).
 from __future__ import annotations
 
 import sys
+import zlib
 from typing import Any
 
 from ..errors import UnsupportedStateError
@@ -53,8 +55,8 @@ class Replicated:
 class LocalShard:
     """One rank's box of a global tensor, described by hand: ``tensor`` holds the elements
     ``[offset[d], offset[d] + tensor.shape[d])`` of every dimension ``d`` of a global tensor
-    of ``global_shape``. ``replica=True`` says that another, lower rank holds and stores the
-    same box (this rank stores nothing for it). In ``into=`` of a load, it asks for that box."""
+    of ``global_shape``. ``replica=True`` says that another rank holds and stores the same
+    box (this rank stores nothing for it). In ``into=`` of a load, it asks for that box."""
 
     __slots__ = ("global_shape", "offset", "replica", "tensor")
 
@@ -92,8 +94,11 @@ def local_data(x: Any) -> Any:
 
 def dtensor_box(x: Any, path: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]:
     """``(global_shape, offset, local_shape, replica)`` of a DTensor's local shard on this
-    rank. ``replica``: a lower rank of the mesh holds the same box (it differs from this
-    rank only in coordinates of ``Replicate`` mesh dimensions)."""
+    rank. ``replica``: another rank of the mesh holds the same box (it differs from this
+    rank only in coordinates of ``Replicate`` mesh dimensions) and stores it: of the
+    holders, the one at ``crc32(path) mod holders`` in rank order, the same choice on every
+    holder (paths and the mesh's rank table are the same there), spreading the writes of
+    a replicated state over its holders instead of loading them all on the lowest."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -117,7 +122,8 @@ def dtensor_box(x: Any, path: str) -> tuple[tuple[int, ...], tuple[int, ...], tu
         )
     holders = mesh.mesh[tuple(slice(None) if isinstance(p, Replicate) else coord[i]
                               for i, p in enumerate(placements))]
-    replica = mesh.get_rank() != int(holders.min())
+    ranks = sorted(int(r) for r in holders.flatten().tolist())
+    replica = mesh.get_rank() != ranks[zlib.crc32(path.encode()) % len(ranks)]
     return tuple(int(d) for d in x.shape), tuple(int(o) for o in offset), tuple(int(d) for d in local_shape), replica
 
 
