@@ -299,20 +299,24 @@ class TieredCache:
         return filled
 
     def _fill(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None, index: int | None, *,
-              pin: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
+              pin: bool = False, read_through: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
               ticket: int | None = None) -> Any:
         """Fetch ``url`` into the warm tier under the node-wide single-flight lock. Returns
-        the bytes, or with ``pin`` an fd pinning the published copy. A prefetch returns
-        None, and downloads nothing when the policy would not admit the object
-        (``prefetch_at``: its index in the schedule; ``ticket``: its place in the order in
-        which scheduled prefetches reserve space)."""
+        the bytes, or with ``pin`` an fd pinning the published copy (always admitted); with
+        ``pin`` and ``read_through``, the fd when the policy admits the object, else its
+        bytes read through (see :func:`fill`). A prefetch returns None, and downloads
+        nothing when the policy would not admit the object (``prefetch_at``: its index in
+        the schedule; ``ticket``: its place in the order in which scheduled prefetches
+        reserve space)."""
+        force = pin and not read_through
 
         def chooser() -> VictimChooser:
-            return self._chooser(url, index, prefetch_at=prefetch_at, force=pin, to_url=self._warm_key_to_url(),
+            return self._chooser(url, index, prefetch_at=prefetch_at, force=force, to_url=self._warm_key_to_url(),
                                  node=True)
 
         if ticket is None:
-            return fill(state, warm, url, checksum, chooser, pin=pin, prefetch=prefetch, pin_wait_s=self.pin_wait_s)
+            return fill(state, warm, url, checksum, chooser, pin=pin, read_through=read_through, prefetch=prefetch,
+                        pin_wait_s=self.pin_wait_s)
         try:
             size_below(state, url)  # the HEAD request overlaps; only reservations go in turn
             if not state.turns.wait(ticket):
@@ -406,13 +410,33 @@ class TieredCache:
     # -- pinned local copies -------------------------------------------------------------
     def local_path(self, url: str, *, checksum: str | None = None) -> str:
         """The path of a warm copy of ``url``, pinned (never evicted, by any process)
-        until :meth:`release`. Each call pins once; release once per call."""
+        until :meth:`release`. Each call pins once; release once per call. A copy that is
+        not in the tier is always admitted (evicting what is needed furthest in the
+        future, or waiting up to ``pin_wait_s`` for unpinned room): the caller needs a
+        file. A reader that only needs the bytes calls :meth:`pin_or_read`."""
+        out = self._pin(url, checksum, "local_path", read_through=False)
+        assert isinstance(out, str)  # without read_through, _pin returns a path or raises
+        return out
+
+    def pin_or_read(self, url: str, *, checksum: str | None = None) -> str | bytes:
+        """A pinned warm copy of ``url`` when the warm tier has one or admits one, else its
+        bytes: the clairvoyant rule's read for a reader that copies the object out anyway
+        (the loader). Returns the path of the copy, pinned as by :meth:`local_path`
+        (release it with :meth:`release`), or, when the policy does not admit the object
+        (its next use comes after that of every resident that would have to go, or the
+        room is held by pins and downloads), the whole object read through the tiers below
+        (single flight and cold pacing as for :meth:`read`), verified against
+        ``checksum``, with nothing pinned and the residents left in place; counted as a
+        warm miss and ``warm_not_admitted``. The schedule position moves once per call."""
+        return self._pin(url, checksum, "pin_or_read", read_through=True)
+
+    def _pin(self, url: str, checksum: str | None, caller: str, *, read_through: bool) -> str | bytes:
         state = self._state()
         warm = state.warm
         if warm is None:
-            raise StorageError(f"local_path({url}) needs a usable warm_dir; this cache has none")
+            raise StorageError(f"{caller}({url}) needs a usable warm_dir; this cache has none")
         key = url_key(url)
-        index = self._locate(url)
+        index = self._locate(url)  # once per call: retries below do not move the position again
         broken: OSError | None = None
         for _attempt in (0, 1, 2):
             try:
@@ -421,7 +445,10 @@ class TieredCache:
                     state.stats.update(warm_hits=1)
                 else:
                     state.stats.update(warm_misses=1)
-                    fd = self._fill(state, warm, url, checksum, index, pin=True)
+                    got = self._fill(state, warm, url, checksum, index, pin=True, read_through=read_through)
+                    if isinstance(got, bytes):  # not admitted: read through, verified by the tier below
+                        return got
+                    fd = got
                 if read_verified(state, warm, url, fd, checksum, want_bytes=False) is not None:
                     with state.lock:
                         state.pins.setdefault(url, []).append(fd)
@@ -432,7 +459,7 @@ class TieredCache:
                     broken = e  # re-created (or not): one more try
                     continue
                 if broken is not None and not isinstance(e, DatapipeError) and e.errno in BROKEN_DIR_ERRNOS:
-                    raise StorageError(f"local_path({url}): warm cache {warm.root} is unusable "
+                    raise StorageError(f"{caller}({url}): warm cache {warm.root} is unusable "
                                        f"({e}); a local copy needs a writable warm_dir") from e
                 raise
         raise StorageError(f"could not obtain a verified local copy of {url}")
