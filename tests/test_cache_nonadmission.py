@@ -1,0 +1,174 @@
+"""Belady's non-admission for the loader's reads: ``TieredCache.pin_or_read`` pins a warm
+copy when the clairvoyant rule admits the object, and otherwise reads it through (verified,
+counted ``warm_not_admitted``) and leaves the residents in place; ``local_path`` still
+always admits. Through ``StreamingDataset`` with a warm tier of about 10% of the shards,
+the loader's hits then reach the offline optimum for the same reads.
+
+Real parts: moto's S3 server on loopback through s3fs as the cold tier, a real packed
+dataset, a real StreamingDataset with its own fetch threads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from datapipe import ShardWriter, TieredCache
+from datapipe.cache import belady_hits
+from datapipe.checksum import checksum
+from datapipe.errors import IntegrityError
+from datapipe.loader import StreamingDataset
+from datapipe.storage import open_store
+
+SIZE = 20_000
+
+
+def _objects(s3, names):
+    root, opts = s3
+    store = open_store(root, opts)
+    blobs = {}
+    for n in names:
+        blobs[n] = os.urandom(SIZE)
+        store.put(n, blobs[n])
+    return {f"{root}/{n}": b for n, b in blobs.items()}
+
+
+def _cached(cache, url):
+    """Whether the warm tier holds ``url`` (a pin_or_read that hits returns a path)."""
+    got = cache.pin_or_read(url)
+    if isinstance(got, str):
+        cache.release(url)
+        return True
+    return False
+
+
+def test_a_read_belady_would_not_admit_is_read_through_and_leaves_the_residents(tmp_path, s3):
+    blobs = _objects(s3, ["a", "b", "c"])
+    a, b, c = sorted(blobs)
+    sums = {u: checksum(x) for u, x in blobs.items()}
+    cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=2 * SIZE, storage_options=s3[1])
+    order = [a, b, c, a, b, c]
+    cache.set_schedule(order, lookahead=0)
+    got = []
+    for i, u in enumerate(order[:3]):
+        got.append(cache.pin_or_read(u, checksum=sums[u]))
+        assert cache.schedule_position == i + 1  # each read moves the position once
+    assert isinstance(got[0], str) and isinstance(got[1], str)  # room for them: pinned copies
+    for u, path in zip((a, b), got):
+        with open(path, "rb") as f:
+            assert f.read() == blobs[u]
+        cache.release(u)
+    # c is next read after a's and b's next reads: Belady keeps both and does not store c
+    assert isinstance(got[2], bytes) and got[2] == blobs[c]
+    s = cache.stats()
+    assert s["warm_not_admitted"] == 1 and s["warm_misses"] == 3 and s["warm_evictions"] == 0
+    assert s["pinned"] == 0 and s["warm_used_bytes"] == 2 * SIZE
+    # the residents stayed: the next two reads hit
+    assert _cached(cache, a) and _cached(cache, b)
+    assert cache.stats()["warm_hits"] == 2 and cache.schedule_position == 5
+    cache.close()
+
+
+def test_a_read_through_is_verified_against_the_checksum(tmp_path, s3):
+    blobs = _objects(s3, ["a", "b", "c"])
+    a, b, c = sorted(blobs)
+    cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=2 * SIZE, storage_options=s3[1])
+    cache.set_schedule([a, b, c, a, b], lookahead=0)
+    for u in (a, b):
+        assert isinstance(cache.pin_or_read(u), str)
+        cache.release(u)
+    with pytest.raises(IntegrityError):
+        cache.pin_or_read(c, checksum=checksum(b"not c"))
+    assert cache.stats()["warm_used_bytes"] == 2 * SIZE
+    assert _cached(cache, a) and _cached(cache, b)
+    cache.close()
+
+
+def test_room_held_by_pins_reads_through_without_waiting_for_it(tmp_path, s3):
+    blobs = _objects(s3, ["a", "b", "c"])
+    a, b, c = sorted(blobs)
+    # a pin that must have its copy would wait pin_wait_s for room, then raise
+    cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=2 * SIZE, storage_options=s3[1], pin_wait_s=120)
+    cache.set_schedule([a, b, c, c, c, a, b], lookahead=0)
+    for u in (a, b):
+        cache.local_path(u)
+    # c is needed before a and b: Belady would admit it, but both residents are pinned
+    got = cache.pin_or_read(c, checksum=checksum(blobs[c]))
+    assert got == blobs[c]
+    assert cache.stats()["warm_not_admitted"] == 1 and cache.stats()["pinned"] == 2
+    for u in (a, b):
+        cache.release(u)
+    # with the pins gone, the next read of c is admitted (b, read furthest away, goes)
+    assert isinstance(cache.pin_or_read(c), str)
+    cache.release(c)
+    assert cache.stats()["warm_evictions"] == 1
+    assert _cached(cache, c) and _cached(cache, a) and not _cached(cache, b)
+    cache.close()
+
+
+def test_local_path_still_always_admits(tmp_path, s3):
+    blobs = _objects(s3, ["a", "b", "c"])
+    a, b, c = sorted(blobs)
+    cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=2 * SIZE, storage_options=s3[1])
+    cache.set_schedule([a, b, c, a, b], lookahead=0)
+    for u in (a, b):
+        assert isinstance(cache.pin_or_read(u), str)  # room for them
+        cache.release(u)
+    with cache.pinned(c) as path:  # never read again: pin_or_read would not admit it
+        with open(path, "rb") as f:
+            assert f.read() == blobs[c]
+    s = cache.stats()
+    # b (next read furthest away) made room; the budget held
+    assert s["warm_not_admitted"] == 0 and s["warm_evictions"] == 1 and s["warm_used_bytes"] == 2 * SIZE
+    assert cache.schedule_position == 3
+    cache.close()
+
+
+@pytest.fixture
+def packed(s3):
+    """A packed dataset on S3, one sample (one shard) per object: 30 shards."""
+    root, opts = s3
+    url = f"{root}/ds"
+    with ShardWriter(url, max_samples=1, storage_options=opts) as w:
+        for i in range(30):
+            w.write({"__key__": f"s{i:03d}", "bin": os.urandom(8_000 + i)})
+    return url, opts
+
+
+def test_the_loader_reaches_belady_with_a_warm_tier_of_a_tenth_of_the_shards(tmp_path, packed):
+    url, opts = packed
+    budget_ds = StreamingDataset(url, storage_options=opts)
+    sizes = {budget_ds.source.url(g): budget_ds.source.shard_bytes(g) for g in range(budget_ds.source.num_shards)}
+    budget = 3 * max(sizes.values())  # 10% of the shards
+    cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=budget, storage_options=opts)
+    ds = StreamingDataset(url, storage_options=opts, cache=cache, seed=11, batch_size=1, concurrency=4)
+
+    peak = [0]
+    done = threading.Event()
+
+    def sample_usage():
+        while not done.is_set():
+            peak[0] = max(peak[0], cache.stats()["warm_used_bytes"])
+            done.wait(0.002)
+
+    sampler = threading.Thread(target=sample_usage)
+    sampler.start()
+    accesses: list[str] = []
+    try:
+        for epoch in range(4):
+            ds.set_epoch(epoch)
+            accesses += [ds.source.url(g) for g in ds.future_shards(epochs=1).tolist()]
+            assert sorted(s["__key__"] for s in ds) == [f"s{i:03d}" for i in range(30)]
+    finally:
+        done.set()
+        sampler.join()
+    s = cache.stats()
+    cache.close()
+    assert s["warm_hits"] + s["warm_misses"] == len(accesses) == 120  # one cache read per fetch
+    optimum = belady_hits(accesses, sizes, budget)
+    assert optimum > 0
+    assert s["warm_hits"] >= 0.95 * optimum, (s["warm_hits"], optimum)
+    assert s["warm_not_admitted"] > 0
+    assert 0 < peak[0] <= budget
