@@ -2,8 +2,9 @@
 of the next epoch, computed by the pure plan, and exactly the reads the cache then sees.
 
 Reads are recorded by a real TieredCache (warm tier on disk) whose ``set_schedule``,
-``local_path`` and ``read`` also append to a log per worker process; the passes run through
-real DataLoader worker processes, several seeds, ranks x workers, and resume points.
+``local_path``, ``pin_or_read`` and ``read`` also append to a log per worker process; the
+passes run through real DataLoader worker processes, several seeds, ranks x workers, and
+resume points.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class RecordingCache(TieredCache):
         path = super().local_path(url, **kw)
         self._log_read(url)
         return path
+
+    def pin_or_read(self, url, **kw):
+        got = super().pin_or_read(url, **kw)
+        self._log_read(url)
+        return got
 
     def read(self, url, **kw):
         data = super().read(url, **kw)

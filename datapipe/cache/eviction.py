@@ -8,7 +8,10 @@ of the working set and reaches the hit rate of the offline optimum.
 
 Both tiers use :func:`choose_victims`. The hot tier passes its own in-process recency
 counter, the warm tier the files' modification times (touched on every hit, so recency is
-shared by every process of a node).
+shared by every process of a node). Non-admission applies to every read that can do
+without a copy in the tier: ``read``, prefetches, and the loader's ``pin_or_read`` (which
+then reads the object through); only ``local_path``, whose caller needs a file, forces
+admission.
 
 :func:`belady_hits` and :func:`lru_hits` are offline simulators written independently of
 the online code, for tests and benchmarks.
@@ -122,7 +125,7 @@ def choose_victims(
     still to come (so entries are ranked by their next use at or after it). An entry needed
     no later than ``incoming`` is never evicted for it; if that leaves too little room,
     the incoming object is not admitted (Belady's non-admission). With ``admit`` (a reader
-    that must have the object in the tier: a pinned read), it is always admitted, and the
+    that must have a file in the tier: ``local_path``), it is always admitted, and the
     victims are still those used furthest in the future."""
     if need <= 0:
         return []

@@ -5,6 +5,7 @@ directory every node mounts) -> cold (any URL).
                         shared_dir="/lustre/cache", shared_bytes=50 << 40)   # shared: optional
     data = cache.read("s3://bucket/ds/shard-00007.tar", checksum=index_checksum)
     with cache.pinned(url) as path: ...        # a local file, never evicted while pinned
+    got = cache.pin_or_read(url, checksum=c)   # a pinned path if admitted, else the bytes
     cache.set_schedule(epoch_order)            # clairvoyant eviction + prefetch in that order
 
 The object holds configuration and the schedule; threads, stores, file descriptors and
@@ -56,7 +57,9 @@ class TieredCache:
 
     Schedules: ``set_schedule(urls)`` hands over this process's future reads in order
     (repeats allowed). Eviction then keeps what is needed soonest (Belady) and does not
-    admit an object that would be evicted before its next use; a background thread
+    admit an object that would be evicted before its next use (``read`` and
+    ``pin_or_read`` read it through; ``local_path``, which must return a file, admits
+    it anyway); a background thread
     prefetches the next ``lookahead`` scheduled objects, within ``max_inflight_bytes``.
     The reader's position moves by itself: a ``read(url)`` whose URL occurs at most
     ``window`` places ahead moves the position past that occurrence (``read_range`` only
@@ -644,7 +647,7 @@ class TieredCache:
                  to_url: Callable[[str], str] = lambda k: k, force: bool = False,
                  node: bool = False) -> VictimChooser:
         """choose(cands, need) for the tier: LRU, or Belady against the schedule (``force``:
-        a pinned read, always admitted); with
+        a pin that must have its copy, ``local_path``: always admitted); with
         ``node`` (the directories), against the futures of every live process of the
         node merged with this one's (future.py)."""
         s = self.schedule
@@ -675,8 +678,8 @@ class TieredCache:
         def belady(cands: list[tuple[str, int, float]], need: int, *_: object) -> list[str] | None:
             named = [(to_url(k), size, rec) for k, size, rec in cands]
             back = {to_url(k): k for k, _s, _r in cands}
-            # force (a pinned read: the reader needs the copy): always admitted, and what
-            # goes is still what is needed furthest in the future
+            # force (local_path: the reader needs a file): always admitted, and what goes
+            # is still what is needed furthest in the future
             v = choose_victims(named, need, url, schedule=future, incoming_next=nxt, horizon=horizon, admit=force)
             return None if v is None else [back[u] for u in v]
 

@@ -1,5 +1,8 @@
 """The shards a StreamingDataset reads: one or more dataset indexes as one list of shards,
-and fetching one shard's bytes (through a TieredCache, or straight from its store).
+and fetching one shard's bytes (through a TieredCache, or straight from its store). With a
+warm tier the cache hands over a pinned warm copy when its clairvoyant rule keeps the
+shard, else the shard's verified bytes read through (``TieredCache.pin_or_read``): a copy
+forced into a small tier would evict the shards it keeps for the next reads.
 
 A local shard (or a cache's pinned warm copy) is read into private memory, never served
 from a map of the file: a ``MAP_SHARED`` (or ``MAP_PRIVATE``) map shows whatever another
