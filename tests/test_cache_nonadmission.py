@@ -11,9 +11,12 @@ dataset, a real StreamingDataset with its own fetch threads.
 from __future__ import annotations
 
 import os
+import random
 import threading
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from datapipe import ShardWriter, TieredCache
 from datapipe.cache import belady_hits
@@ -172,3 +175,32 @@ def test_the_loader_reaches_belady_with_a_warm_tier_of_a_tenth_of_the_shards(tmp
     assert s["warm_hits"] >= 0.95 * optimum, (s["warm_hits"], optimum)
     assert s["warm_not_admitted"] > 0
     assert 0 < peak[0] <= budget
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(3, 8), slots=st.integers(1, 4), epochs=st.integers(2, 4), seed=st.integers(0, 10_000))
+def test_sequential_pin_or_read_hits_equal_the_offline_optimum(tmp_path_factory, n, slots, epochs, seed):
+    """One reader, reads in schedule order: every decision is Belady's, so the hits are the
+    offline optimum's exactly, and the tier never holds more than its budget."""
+    tmp = tmp_path_factory.mktemp("seq")
+    size = 1000
+    urls = []
+    for i in range(n):
+        p = tmp / f"o{i}"
+        p.write_bytes(os.urandom(size))
+        urls.append(str(p))
+    rng = random.Random(seed)
+    order = []
+    for _ in range(epochs):
+        rng.shuffle(urls)
+        order += urls
+    cache = TieredCache(warm_dir=tmp / "warm", warm_bytes=slots * size)
+    cache.set_schedule(order, lookahead=0)
+    for u in order:
+        got = cache.pin_or_read(u)
+        if isinstance(got, str):
+            cache.release(u)
+        assert cache.stats()["warm_used_bytes"] <= slots * size
+    s = cache.stats()
+    cache.close()
+    assert s["warm_hits"] == belady_hits(order, {u: size for u in order}, slots * size)
