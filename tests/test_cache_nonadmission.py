@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from datapipe import ShardWriter, TieredCache
-from datapipe.cache import belady_hits
+from datapipe.cache import Schedule, belady_hits
+from datapipe.cache.eviction import NEVER
 from datapipe.checksum import checksum
 from datapipe.errors import IntegrityError
 from datapipe.loader import StreamingDataset
@@ -204,3 +205,51 @@ def test_sequential_pin_or_read_hits_equal_the_offline_optimum(tmp_path_factory,
     s = cache.stats()
     cache.close()
     assert s["warm_hits"] == belady_hits(order, {u: size for u in order}, slots * size)
+
+
+def test_a_later_read_keeps_the_object_of_an_earlier_read_not_yet_arrived(tmp_path, s3):
+    """Fetch threads run reads out of order: the read of index 3 decides before the read of
+    index 2 arrives. Index 2's object is still to be read, so it is kept (and the object of
+    index 3, next needed after it, is read through), as if the reads had come in order."""
+    blobs = _objects(s3, ["a", "b", "c"])
+    a, b, c = sorted(blobs)
+    cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=SIZE, storage_options=s3[1])
+    cache.set_schedule([a, b, a, c, c], lookahead=0, window=4)
+    assert isinstance(cache.pin_or_read(a), str)
+    cache.release(a)
+    assert cache.pin_or_read(b) == blobs[b]  # next used never: not admitted
+    assert cache.pin_or_read(c) == blobs[c]  # index 3, ahead of index 2 (a): a stays
+    assert cache.schedule_position == 4
+    assert _cached(cache, a)  # the late read of index 2 hits
+    s = cache.stats()
+    assert s["warm_hits"] == 1 and s["warm_not_admitted"] == 2 and s["warm_evictions"] == 0
+    assert cache.schedule_position == 4  # the late read took its own index: the position stays
+    cache.close()
+
+
+def test_schedule_frontier_holes_and_served_reads():
+    s = Schedule(["a", "b", "c", "a", "d", "b"], window=3)
+    i = s.locate("c")  # ahead of the position, within the window
+    assert i == 2
+    s.claim(i)
+    assert (s.position, s.frontier) == (3, 0)  # reads 0 and 1 have not arrived
+    assert s.next_use("a", s.frontier) == 0 and s.next_use("c", 0) == 2  # c in flight: still to come
+    s.finish(i)
+    assert s.next_use("c", 0) == NEVER  # served: not a use any more
+    assert s.locate("b") == 1  # a late read takes its hole, not the later b at 5
+    s.claim(1)
+    s.finish(1)
+    assert (s.position, s.frontier) == (3, 0)
+    s.claim(s.locate("a"))  # index 0: in flight, so the frontier stays
+    assert s.frontier == 0 and s.position == 3
+    s.finish(0)
+    assert s.frontier == 3  # 0, 1 and 2 served
+    assert s.next_use("a", 0) == 3 and s.next_use("b", 0) == 5
+    # a hole more than `window` behind the position stops counting
+    s.claim(s.locate("b"))  # index 5: position 6, frontier at least 6 - 3
+    assert s.position == 6 and s.frontier == 3
+    s.finish(5)
+    assert s.advance(0) == 6 and s.frontier == 3  # 3 and 4 not read yet
+    assert s.locate("d") == 4
+    s.advance(1)
+    assert s.frontier == 3 and s.position == 6  # advance skips reads ahead of the position only

@@ -63,7 +63,9 @@ class TieredCache:
     prefetches the next ``lookahead`` scheduled objects, within ``max_inflight_bytes``.
     The reader's position moves by itself: a ``read(url)`` whose URL occurs at most
     ``window`` places ahead moves the position past that occurrence (``read_range`` only
-    when the URL is exactly the next one, so many ranges of one shard count once). Call
+    when the URL is exactly the next one, so many ranges of one shard count once); a read
+    that arrives late (reads run in parallel) takes its own earlier occurrence, at most
+    ``window`` places behind, and until it is served eviction keeps its object. Call
     ``advance(n)`` to skip ``n`` scheduled reads yourself; ``schedule_position`` tells
     where the cache believes the reader is.
 
@@ -230,13 +232,13 @@ class TieredCache:
         """The whole object at ``url``, from the first tier that has it; verified against
         ``checksum`` when given (a mismatch from cold is fetched once more, then raised)."""
         state = self._state()
-        index = self._locate(url)
-        data = self._from_hot(state, url, checksum)
-        if data is not None:
+        with self._scheduled_read(url) as index:
+            data = self._from_hot(state, url, checksum)
+            if data is not None:
+                return data
+            data = self._below_hot(state, url, checksum, index)
+            self._admit_hot(state, url, data, checksum, index)
             return data
-        data = self._below_hot(state, url, checksum, index)
-        self._admit_hot(state, url, data, checksum, index)
-        return data
 
     def _from_hot(self, state: ProcessState, url: str, checksum: str | None) -> bytes | None:
         hit = state.hot.get(url)
@@ -340,15 +342,15 @@ class TieredCache:
         if start < 0 or end < start:
             raise StorageError(f"invalid byte range [{start}, {end}) for {url}")
         state = self._state()
-        index = self._locate(url, exact=True)
-        for attempt in (0, 1):
-            part = self._range_once(state, url, start, end, index if attempt == 0 else None)
-            if checksum_ok(part, checksum):
-                return part
-            state.stats.update(range_refetches=1)
-            state.hot.discard(url)
-            if state.warm is not None:
-                state.warm.discard(url_key(url))
+        with self._scheduled_read(url, exact=True) as index:
+            for attempt in (0, 1):
+                part = self._range_once(state, url, start, end, index if attempt == 0 else None)
+                if checksum_ok(part, checksum):
+                    return part
+                state.stats.update(range_refetches=1)
+                state.hot.discard(url)
+                if state.warm is not None:
+                    state.warm.discard(url_key(url))
         verify(part, checksum, f"{url} [{start}, {end})")
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -438,8 +440,12 @@ class TieredCache:
         warm = state.warm
         if warm is None:
             raise StorageError(f"{caller}({url}) needs a usable warm_dir; this cache has none")
+        with self._scheduled_read(url) as index:  # once per call: retries do not move the position again
+            return self._pin_at(state, warm, url, checksum, index, caller, read_through)
+
+    def _pin_at(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None, index: int | None,
+                caller: str, read_through: bool) -> str | bytes:
         key = url_key(url)
-        index = self._locate(url)  # once per call: retries below do not move the position again
         broken: OSError | None = None
         for _attempt in (0, 1, 2):
             try:
@@ -625,8 +631,21 @@ class TieredCache:
             state.wait_for_work()
 
     # -- eviction choices against the schedule --------------------------------------
-    def _locate(self, url: str, *, exact: bool = False) -> int | None:
+    @contextmanager
+    def _scheduled_read(self, url: str, *, exact: bool = False) -> Iterator[int | None]:
+        """The schedule index of a read (see :meth:`_locate`), marked served when the
+        block ends: until then eviction keeps the object for it, even when reads of later
+        indexes (other fetch threads) decide first."""
         s = self.schedule
+        index = self._locate(s, url, exact=exact)
+        try:
+            yield index
+        finally:
+            if s is not None and index is not None:
+                with self._state().lock:
+                    s.finish(index)
+
+    def _locate(self, s: Schedule[str] | None, url: str, *, exact: bool = False) -> int | None:
         if s is None:
             return None
         with self._state().lock:
@@ -635,7 +654,7 @@ class TieredCache:
             else:
                 i = s.locate(url)
             if i is not None:
-                s.position = i + 1
+                s.claim(i)
         if i is not None:
             state = self._current_state()
             if state is not None:
@@ -656,15 +675,20 @@ class TieredCache:
                 return choose_victims(cands, need, url)
 
             return lru
-        horizon: int
+        horizon: int  # where residents' next uses are counted from
+        start: int  # where the incoming object's next use is counted from
         nxt: float
         if prefetch_at is not None:
             # position - 1: the read that moved the position may not have opened (pinned)
             # its object yet; the background must not evict it under the reader.
             horizon, nxt = max(0, s.position - 1), prefetch_at
+            start = horizon
         else:
-            horizon = (index + 1) if index is not None else s.position
-            nxt = s.next_use(url, horizon)
+            start = (index + 1) if index is not None else s.position
+            nxt = s.next_use(url, start)
+            # the frontier: reads of earlier indexes still in flight (fetch threads run out
+            # of order) need their objects; reads already served are skipped by next_use
+            horizon = min(start, s.frontier)
 
         future: NextUses[str] = s
         if node:
@@ -673,7 +697,7 @@ class TieredCache:
             if others:
                 # every live process of the node: kept if any of them reads it soon
                 future = MergedFuture(s, others, _future_key_of)
-                nxt = min(nxt, future.next_use(url, horizon))
+                nxt = min(nxt, future.next_use(url, start))
 
         def belady(cands: list[tuple[str, int, float]], need: int, *_: object) -> list[str] | None:
             named = [(to_url(k), size, rec) for k, size, rec in cands]
