@@ -232,7 +232,7 @@ class TieredCache:
         """The whole object at ``url``, from the first tier that has it; verified against
         ``checksum`` when given (a mismatch from cold is fetched once more, then raised)."""
         state = self._state()
-        with self._scheduled_read(url) as index:
+        with self._scheduled_read(state, url) as index:
             data = self._from_hot(state, url, checksum)
             if data is not None:
                 return data
@@ -342,7 +342,7 @@ class TieredCache:
         if start < 0 or end < start:
             raise StorageError(f"invalid byte range [{start}, {end}) for {url}")
         state = self._state()
-        with self._scheduled_read(url, exact=True) as index:
+        with self._scheduled_read(state, url, exact=True) as index:
             for attempt in (0, 1):
                 part = self._range_once(state, url, start, end, index if attempt == 0 else None)
                 if checksum_ok(part, checksum):
@@ -440,7 +440,7 @@ class TieredCache:
         warm = state.warm
         if warm is None:
             raise StorageError(f"{caller}({url}) needs a usable warm_dir; this cache has none")
-        with self._scheduled_read(url) as index:  # once per call: retries do not move the position again
+        with self._scheduled_read(state, url) as index:  # once per call: retries do not move the position again
             return self._pin_at(state, warm, url, checksum, index, caller, read_through)
 
     def _pin_at(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None, index: int | None,
@@ -632,23 +632,23 @@ class TieredCache:
 
     # -- eviction choices against the schedule --------------------------------------
     @contextmanager
-    def _scheduled_read(self, url: str, *, exact: bool = False) -> Iterator[int | None]:
+    def _scheduled_read(self, state: ProcessState, url: str, *, exact: bool = False) -> Iterator[int | None]:
         """The schedule index of a read (see :meth:`_locate`), marked served when the
         block ends: until then eviction keeps the object for it, even when reads of later
         indexes (other fetch threads) decide first."""
         s = self.schedule
-        index = self._locate(s, url, exact=exact)
+        index = self._locate(state, s, url, exact=exact)
         try:
             yield index
         finally:
             if s is not None and index is not None:
-                with self._state().lock:
+                with state.lock:  # the read's own state: a close() since then must not start a new one
                     s.finish(index)
 
-    def _locate(self, s: Schedule[str] | None, url: str, *, exact: bool = False) -> int | None:
+    def _locate(self, state: ProcessState, s: Schedule[str] | None, url: str, *, exact: bool = False) -> int | None:
         if s is None:
             return None
-        with self._state().lock:
+        with state.lock:
             if exact:
                 i = s.position if s.position < len(s) and s.keys[s.position] == url else None
             else:
@@ -656,9 +656,9 @@ class TieredCache:
             if i is not None:
                 s.claim(i)
         if i is not None:
-            state = self._current_state()
-            if state is not None:
-                self._publish_future(state)
+            current = self._current_state()
+            if current is not None:
+                self._publish_future(current)
             self._wake()
         return i
 
