@@ -127,13 +127,17 @@ class Schedule(Generic[K]):
         self._move_frontier()
 
     def _move_frontier(self) -> None:
-        f = max(self.frontier, self.position - max(self.window, 0))
+        # No new container here (the sets shrink in place): callers hold the cache's lock,
+        # and an allocation could start a garbage collection whose finalizers (a loader's
+        # pass closing) wait on threads that need that lock.
+        old = self.frontier
+        f = max(old, self.position - max(self.window, 0))
         while f < self.position and self._served(f):
             f += 1
-        if f != self.frontier:
-            self.frontier = f
-            self._claimed = {i for i in self._claimed if i >= f}
-            self._in_flight = {i for i in self._in_flight if i >= f}
+        self.frontier = f
+        for i in range(old, f):
+            self._claimed.discard(i)
+            self._in_flight.discard(i)
 
     def advance(self, n: int = 1) -> int:
         """Skip ``n`` reads: they count as served."""
