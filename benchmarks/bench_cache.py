@@ -164,6 +164,8 @@ def loader_rows(cfg: BenchConfig, s3, payloads: dict[str, bytes], work: str, log
                     raise RuntimeError(f"{name} epoch {epoch}: {samples} samples and {reads} cache reads, "
                                        f"expected {len(shards)} and {len(urls)} (the loader's fetches)")
                 per_epoch.append({"accesses": len(urls), "hits": hits, "hit_rate": hits / len(urls),
+                                  # misses read through, not stored (Belady's non-admission)
+                                  "not_admitted": after["warm_not_admitted"] - before["warm_not_admitted"],
                                   "cold_gets": g1 - g0, "cold_bytes": b1 - b0})
                 seq += urls
             cache.close()
@@ -197,7 +199,8 @@ def _fmt_loader_row(frac: float, row: dict, dataset_bytes: int) -> str:
     for name in ("datapipe_loader", "datapipe_loader_lru"):
         r = row[name]
         of = "n/a" if r["fraction_of_belady"] is None else f"{r['fraction_of_belady']:.2%}"
-        parts.append(f"{name}: hit rate {r['hit_rate']:.3f} ({of} of belady), cold MB/epoch "
+        parts.append(f"{name}: hit rate {r['hit_rate']:.3f} ({of} of belady), not admitted "
+                     f"{sum(e['not_admitted'] for e in r['per_epoch'])}, cold MB/epoch "
                      f"{[round(e['cold_bytes'] / 1e6, 2) for e in r['per_epoch']]}, steady "
                      f"{r['steady_cold_over_dataset']:.3f}x the dataset ({dataset_bytes / 1e6:.1f} MB), "
                      f"{r['seconds']:.1f} s")

@@ -99,7 +99,7 @@ def test_schedule_position_and_advance(tmp_path):
     assert c.schedule_position == 1
     c.read(urls[2])  # within window=1 of position 1: jumps past index 2
     assert c.schedule_position == 3
-    c.read(urls[1])  # not ahead any more: unscheduled, position stays
+    c.read(urls[1])  # late, and further behind than window=1: unscheduled, position stays
     assert c.schedule_position == 3
     assert c.advance() == 4
     with pytest.raises(ValueError):

@@ -2,8 +2,9 @@
 of the next epoch, computed by the pure plan, and exactly the reads the cache then sees.
 
 Reads are recorded by a real TieredCache (warm tier on disk) whose ``set_schedule``,
-``local_path`` and ``read`` also append to a log per worker process; the passes run through
-real DataLoader worker processes, several seeds, ranks x workers, and resume points.
+``local_path``, ``pin_or_read`` and ``read`` also append to a log per worker process; the
+passes run through real DataLoader worker processes, several seeds, ranks x workers, and
+resume points.
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class RecordingCache(TieredCache):
         path = super().local_path(url, **kw)
         self._log_read(url)
         return path
+
+    def pin_or_read(self, url, **kw):
+        got = super().pin_or_read(url, **kw)
+        self._log_read(url)
+        return got
 
     def read(self, url, **kw):
         data = super().read(url, **kw)
@@ -168,7 +174,8 @@ def test_a_resumed_pass_is_told_the_fetches_from_its_resume_point(ds_url, tmp_pa
 def test_concurrent_fetches_are_the_schedule_up_to_their_order(ds_url, tmp_path):
     """With several fetches in flight the cache sees the scheduled reads, each one once,
     reordered by fewer than ``concurrency`` places (the schedule's window): every read is
-    located, and the position reaches the end of the epoch's part. (A late read may still
+    located, and the position reaches the end of the epoch's part. (A late read takes its
+    own earlier index when that is within the window behind the position, else it may
     match a later occurrence of its shard within the window and move the position on.)"""
     cache = RecordingCache(str(tmp_path), warm_dir=str(tmp_path / "warm"), warm_bytes=80_000)
     ds = StreamingDataset(ds_url, cache=cache, seed=11, window=6, batch_size=2, chunk_samples=12, concurrency=4)

@@ -41,6 +41,10 @@ class LoggingCache(TieredCache):
         self._note(url)
         return super().local_path(url, **kw)
 
+    def pin_or_read(self, url, **kw):
+        self._note(url)
+        return super().pin_or_read(url, **kw)
+
     def read(self, url, **kw):
         self._note(url)
         return super().read(url, **kw)

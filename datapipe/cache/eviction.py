@@ -8,7 +8,10 @@ of the working set and reaches the hit rate of the offline optimum.
 
 Both tiers use :func:`choose_victims`. The hot tier passes its own in-process recency
 counter, the warm tier the files' modification times (touched on every hit, so recency is
-shared by every process of a node).
+shared by every process of a node). Non-admission applies to every read that can do
+without a copy in the tier: ``read``, prefetches, and the loader's ``pin_or_read`` (which
+then reads the object through); only ``local_path``, whose caller needs a file, forces
+admission.
 
 :func:`belady_hits` and :func:`lru_hits` are offline simulators written independently of
 the online code, for tests and benchmarks.
@@ -50,13 +53,18 @@ class NextUses(Protocol[K_contra]):
 
 
 class Schedule(Generic[K]):
-    """The future access order of one reader: a list of keys, repeats allowed, and the
-    position of the next expected access.
+    """The future access order of one reader: a list of keys, repeats allowed, the position
+    of the next expected access, and the frontier: the first access not yet served.
 
     ``locate(key)`` maps a demand read to its index: the first occurrence at or after the
-    position, if it lies within ``window`` accesses (reads may run slightly out of order,
-    e.g. with several prefetch threads); further away, the read counts as unscheduled and
-    the position does not move."""
+    frontier that no read has claimed, if it lies before the position (a read that arrives
+    late: several prefetch threads run reads slightly out of order) or within ``window``
+    accesses after it; further away, the read counts as unscheduled. ``claim(i)`` takes
+    the index (the position moves past it) and ``finish(i)`` marks the read served (it
+    holds its object: a pin, or the bytes). Until then the read is still to come:
+    :meth:`next_use` sees it, so eviction keeps the objects of reads in flight, while it
+    skips reads already served. The frontier never lags the position by more than
+    ``window`` (a read that never finishes stops counting then)."""
 
     def __init__(self, keys: Sequence[K], position: int = 0, window: int = 64) -> None:
         self.keys = list(keys)
@@ -64,6 +72,9 @@ class Schedule(Generic[K]):
             raise ValueError(f"schedule position {position} outside [0, {len(self.keys)}]")
         self.position = position
         self.window = window
+        self.frontier = position
+        self._claimed: set[int] = set()  # indexes in [frontier, position) a read took
+        self._in_flight: set[int] = set()  # of those, the reads not yet served
         self._at: dict[K, list[int]] = {}
         for i, k in enumerate(self.keys):
             self._at.setdefault(k, []).append(i)
@@ -78,24 +89,64 @@ class Schedule(Generic[K]):
         """Every key the schedule reads, once."""
         return self._at.keys()
 
+    def _served(self, i: int) -> bool:
+        return i in self._claimed and i not in self._in_flight
+
     def next_use(self, key: K, start: int) -> float:
-        """The first index >= ``start`` at which ``key`` is read; NEVER if none."""
+        """The first index >= ``start`` at which ``key`` is read and not yet served (every
+        read before the frontier is); NEVER if none."""
         at = self._at.get(key)
         if not at:
             return NEVER
-        i = bisect.bisect_left(at, start)
+        i = bisect.bisect_left(at, max(start, self.frontier))
+        while i < len(at) and self._served(at[i]):
+            i += 1
         return at[i] if i < len(at) else NEVER
 
     def locate(self, key: K) -> int | None:
-        j = self.next_use(key, self.position)
-        if j == NEVER or j - self.position > self.window:
+        at = self._at.get(key)
+        if not at:
             return None
-        return int(j)
+        i = bisect.bisect_left(at, min(self.frontier, self.position))
+        while i < len(at) and at[i] in self._claimed:
+            i += 1
+        if i == len(at) or at[i] - self.position > self.window:
+            return None
+        return at[i]
+
+    def claim(self, i: int) -> None:
+        """A read takes index ``i`` (from :meth:`locate`): the position moves past it."""
+        self._claimed.add(i)
+        self._in_flight.add(i)
+        self.position = max(self.position, min(len(self.keys), i + 1))
+        self._move_frontier()
+
+    def finish(self, i: int) -> None:
+        """The read at index ``i`` was served."""
+        self._in_flight.discard(i)
+        self._move_frontier()
+
+    def _move_frontier(self) -> None:
+        # No new container here (the sets shrink in place): callers hold the cache's lock,
+        # and an allocation could start a garbage collection whose finalizers (a loader's
+        # pass closing) wait on threads that need that lock.
+        old = self.frontier
+        f = max(old, self.position - max(self.window, 0))
+        while f < self.position and self._served(f):
+            f += 1
+        self.frontier = f
+        for i in range(old, f):
+            self._claimed.discard(i)
+            self._in_flight.discard(i)
 
     def advance(self, n: int = 1) -> int:
+        """Skip ``n`` reads: they count as served."""
         if n < 0:
             raise ValueError(f"a schedule only moves forward; advance({n})")
-        self.position = min(len(self.keys), self.position + n)
+        end = min(len(self.keys), self.position + n)
+        self._claimed.update(range(self.position, end))
+        self.position = end
+        self._move_frontier()
         return self.position
 
     def upcoming(self, limit: int) -> list[tuple[int, K]]:
@@ -122,7 +173,7 @@ def choose_victims(
     still to come (so entries are ranked by their next use at or after it). An entry needed
     no later than ``incoming`` is never evicted for it; if that leaves too little room,
     the incoming object is not admitted (Belady's non-admission). With ``admit`` (a reader
-    that must have the object in the tier: a pinned read), it is always admitted, and the
+    that must have a file in the tier: ``local_path``), it is always admitted, and the
     victims are still those used furthest in the future."""
     if need <= 0:
         return []

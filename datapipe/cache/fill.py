@@ -25,16 +25,20 @@ _PIN_RECHECK_S = 0.05
 
 
 def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, chooser: Callable[[], VictimChooser], *,
-         pin: bool = False, prefetch: bool = False, ticket: int | None = None, pin_wait_s: float = 60.0,
-         tier: str = "warm", level: int = 0) -> Any:
+         pin: bool = False, read_through: bool = False, prefetch: bool = False, ticket: int | None = None,
+         pin_wait_s: float = 60.0, tier: str = "warm", level: int = 0) -> Any:
     """Fetch ``url`` into a node-local directory tier (the warm tier, or with ``level`` > 0
     the ``level``-th of ``local_tiers``, counted as ``tier``) under the node-wide
     single-flight lock, room for it reserved first (victims named by ``chooser()``, asked
     afresh each round), its bytes from the tiers below (:func:`fetch_below`). Returns the
     bytes, or with ``pin`` an fd pinning the published copy (waiting up to ``pin_wait_s``
-    for room). A prefetch returns None, and downloads nothing when the policy would not
-    admit the object; ``ticket``: its turn among scheduled prefetches, handed on once its
-    room is decided."""
+    for room; the chooser of a pin that must have its copy admits it at any cost). With
+    ``pin`` and ``read_through``, a pin the chooser does not admit (Belady's non-admission,
+    or room held by pins and downloads) waits for nothing: it returns the object's verified
+    bytes read through the tiers below, counted as ``<tier>_not_admitted``, and leaves the
+    residents in place; so does a tier that cannot be written. A prefetch returns None,
+    and downloads nothing when the policy would not admit the object; ``ticket``: its turn
+    among scheduled prefetches, handed on once its room is decided."""
     key = url_key(url)
     t_start = time.monotonic()
     deadline = t_start + pin_wait_s
@@ -79,7 +83,7 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
             if res is None and prefetch:
                 state.stats.update(prefetch_not_admitted=1)
                 return None
-            if res is None and pin:
+            if res is None and pin and not read_through:
                 if time.monotonic() > deadline:
                     raise _no_room_for_pin(state, warm, url, size, time.monotonic() - t_start, pin_wait_s)
                 # until this process releases a pin or lands a download, or another
@@ -108,10 +112,10 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
                     raise
                 if e.errno in DISK_FULL_ERRNOS:
                     state.warn("warm_full", f"warm cache {warm.root} is full ({e}); reading through")
-                    if pin:
+                    if pin and not read_through:
                         raise CacheBudgetError(f"cannot keep a local copy of {url}: {e}") from e
                     return data
-                if e.errno in BROKEN_DIR_ERRNOS and not pin:
+                if e.errno in BROKEN_DIR_ERRNOS and (not pin or read_through):
                     if level == 0:
                         state.warm_broken(e)
                     return data

@@ -5,6 +5,7 @@ directory every node mounts) -> cold (any URL).
                         shared_dir="/lustre/cache", shared_bytes=50 << 40)   # shared: optional
     data = cache.read("s3://bucket/ds/shard-00007.tar", checksum=index_checksum)
     with cache.pinned(url) as path: ...        # a local file, never evicted while pinned
+    got = cache.pin_or_read(url, checksum=c)   # a pinned path if admitted, else the bytes
     cache.set_schedule(epoch_order)            # clairvoyant eviction + prefetch in that order
 
 The object holds configuration and the schedule; threads, stores, file descriptors and
@@ -56,11 +57,15 @@ class TieredCache:
 
     Schedules: ``set_schedule(urls)`` hands over this process's future reads in order
     (repeats allowed). Eviction then keeps what is needed soonest (Belady) and does not
-    admit an object that would be evicted before its next use; a background thread
+    admit an object that would be evicted before its next use (``read`` and
+    ``pin_or_read`` read it through; ``local_path``, which must return a file, admits
+    it anyway); a background thread
     prefetches the next ``lookahead`` scheduled objects, within ``max_inflight_bytes``.
     The reader's position moves by itself: a ``read(url)`` whose URL occurs at most
     ``window`` places ahead moves the position past that occurrence (``read_range`` only
-    when the URL is exactly the next one, so many ranges of one shard count once). Call
+    when the URL is exactly the next one, so many ranges of one shard count once); a read
+    that arrives late (reads run in parallel) takes its own earlier occurrence, at most
+    ``window`` places behind, and until it is served eviction keeps its object. Call
     ``advance(n)`` to skip ``n`` scheduled reads yourself; ``schedule_position`` tells
     where the cache believes the reader is.
 
@@ -227,13 +232,13 @@ class TieredCache:
         """The whole object at ``url``, from the first tier that has it; verified against
         ``checksum`` when given (a mismatch from cold is fetched once more, then raised)."""
         state = self._state()
-        index = self._locate(url)
-        data = self._from_hot(state, url, checksum)
-        if data is not None:
+        with self._scheduled_read(state, url) as index:
+            data = self._from_hot(state, url, checksum)
+            if data is not None:
+                return data
+            data = self._below_hot(state, url, checksum, index)
+            self._admit_hot(state, url, data, checksum, index)
             return data
-        data = self._below_hot(state, url, checksum, index)
-        self._admit_hot(state, url, data, checksum, index)
-        return data
 
     def _from_hot(self, state: ProcessState, url: str, checksum: str | None) -> bytes | None:
         hit = state.hot.get(url)
@@ -299,20 +304,24 @@ class TieredCache:
         return filled
 
     def _fill(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None, index: int | None, *,
-              pin: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
+              pin: bool = False, read_through: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
               ticket: int | None = None) -> Any:
         """Fetch ``url`` into the warm tier under the node-wide single-flight lock. Returns
-        the bytes, or with ``pin`` an fd pinning the published copy. A prefetch returns
-        None, and downloads nothing when the policy would not admit the object
-        (``prefetch_at``: its index in the schedule; ``ticket``: its place in the order in
-        which scheduled prefetches reserve space)."""
+        the bytes, or with ``pin`` an fd pinning the published copy (always admitted); with
+        ``pin`` and ``read_through``, the fd when the policy admits the object, else its
+        bytes read through (see :func:`fill`). A prefetch returns None, and downloads
+        nothing when the policy would not admit the object (``prefetch_at``: its index in
+        the schedule; ``ticket``: its place in the order in which scheduled prefetches
+        reserve space)."""
+        force = pin and not read_through
 
         def chooser() -> VictimChooser:
-            return self._chooser(url, index, prefetch_at=prefetch_at, force=pin, to_url=self._warm_key_to_url(),
+            return self._chooser(url, index, prefetch_at=prefetch_at, force=force, to_url=self._warm_key_to_url(),
                                  node=True)
 
         if ticket is None:
-            return fill(state, warm, url, checksum, chooser, pin=pin, prefetch=prefetch, pin_wait_s=self.pin_wait_s)
+            return fill(state, warm, url, checksum, chooser, pin=pin, read_through=read_through, prefetch=prefetch,
+                        pin_wait_s=self.pin_wait_s)
         try:
             size_below(state, url)  # the HEAD request overlaps; only reservations go in turn
             if not state.turns.wait(ticket):
@@ -333,15 +342,15 @@ class TieredCache:
         if start < 0 or end < start:
             raise StorageError(f"invalid byte range [{start}, {end}) for {url}")
         state = self._state()
-        index = self._locate(url, exact=True)
-        for attempt in (0, 1):
-            part = self._range_once(state, url, start, end, index if attempt == 0 else None)
-            if checksum_ok(part, checksum):
-                return part
-            state.stats.update(range_refetches=1)
-            state.hot.discard(url)
-            if state.warm is not None:
-                state.warm.discard(url_key(url))
+        with self._scheduled_read(state, url, exact=True) as index:
+            for attempt in (0, 1):
+                part = self._range_once(state, url, start, end, index if attempt == 0 else None)
+                if checksum_ok(part, checksum):
+                    return part
+                state.stats.update(range_refetches=1)
+                state.hot.discard(url)
+                if state.warm is not None:
+                    state.warm.discard(url_key(url))
         verify(part, checksum, f"{url} [{start}, {end})")
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -406,13 +415,37 @@ class TieredCache:
     # -- pinned local copies -------------------------------------------------------------
     def local_path(self, url: str, *, checksum: str | None = None) -> str:
         """The path of a warm copy of ``url``, pinned (never evicted, by any process)
-        until :meth:`release`. Each call pins once; release once per call."""
+        until :meth:`release`. Each call pins once; release once per call. A copy that is
+        not in the tier is always admitted (evicting what is needed furthest in the
+        future, or waiting up to ``pin_wait_s`` for unpinned room): the caller needs a
+        file. A reader that only needs the bytes calls :meth:`pin_or_read`."""
+        out = self._pin(url, checksum, "local_path", read_through=False)
+        assert isinstance(out, str)  # without read_through, _pin returns a path or raises
+        return out
+
+    def pin_or_read(self, url: str, *, checksum: str | None = None) -> str | bytes:
+        """A pinned warm copy of ``url`` when the warm tier has one or admits one, else its
+        bytes: the clairvoyant rule's read for a reader that copies the object out anyway
+        (the loader). Returns the path of the copy, pinned as by :meth:`local_path`
+        (release it with :meth:`release`), or, when the policy does not admit the object
+        (its next use comes after that of every resident that would have to go, or the
+        room is held by pins and downloads), the whole object read through the tiers below
+        (single flight and cold pacing as for :meth:`read`), verified against
+        ``checksum``, with nothing pinned and the residents left in place; counted as a
+        warm miss and ``warm_not_admitted``. The schedule position moves once per call."""
+        return self._pin(url, checksum, "pin_or_read", read_through=True)
+
+    def _pin(self, url: str, checksum: str | None, caller: str, *, read_through: bool) -> str | bytes:
         state = self._state()
         warm = state.warm
         if warm is None:
-            raise StorageError(f"local_path({url}) needs a usable warm_dir; this cache has none")
+            raise StorageError(f"{caller}({url}) needs a usable warm_dir; this cache has none")
+        with self._scheduled_read(state, url) as index:  # once per call: retries do not move the position again
+            return self._pin_at(state, warm, url, checksum, index, caller, read_through)
+
+    def _pin_at(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None, index: int | None,
+                caller: str, read_through: bool) -> str | bytes:
         key = url_key(url)
-        index = self._locate(url)
         broken: OSError | None = None
         for _attempt in (0, 1, 2):
             try:
@@ -421,7 +454,10 @@ class TieredCache:
                     state.stats.update(warm_hits=1)
                 else:
                     state.stats.update(warm_misses=1)
-                    fd = self._fill(state, warm, url, checksum, index, pin=True)
+                    got = self._fill(state, warm, url, checksum, index, pin=True, read_through=read_through)
+                    if isinstance(got, bytes):  # not admitted: read through, verified by the tier below
+                        return got
+                    fd = got
                 if read_verified(state, warm, url, fd, checksum, want_bytes=False) is not None:
                     with state.lock:
                         state.pins.setdefault(url, []).append(fd)
@@ -432,7 +468,7 @@ class TieredCache:
                     broken = e  # re-created (or not): one more try
                     continue
                 if broken is not None and not isinstance(e, DatapipeError) and e.errno in BROKEN_DIR_ERRNOS:
-                    raise StorageError(f"local_path({url}): warm cache {warm.root} is unusable "
+                    raise StorageError(f"{caller}({url}): warm cache {warm.root} is unusable "
                                        f"({e}); a local copy needs a writable warm_dir") from e
                 raise
         raise StorageError(f"could not obtain a verified local copy of {url}")
@@ -595,21 +631,34 @@ class TieredCache:
             state.wait_for_work()
 
     # -- eviction choices against the schedule --------------------------------------
-    def _locate(self, url: str, *, exact: bool = False) -> int | None:
+    @contextmanager
+    def _scheduled_read(self, state: ProcessState, url: str, *, exact: bool = False) -> Iterator[int | None]:
+        """The schedule index of a read (see :meth:`_locate`), marked served when the
+        block ends: until then eviction keeps the object for it, even when reads of later
+        indexes (other fetch threads) decide first."""
         s = self.schedule
+        index = self._locate(state, s, url, exact=exact)
+        try:
+            yield index
+        finally:
+            if s is not None and index is not None:
+                with state.lock:  # the read's own state: a close() since then must not start a new one
+                    s.finish(index)
+
+    def _locate(self, state: ProcessState, s: Schedule[str] | None, url: str, *, exact: bool = False) -> int | None:
         if s is None:
             return None
-        with self._state().lock:
+        with state.lock:
             if exact:
                 i = s.position if s.position < len(s) and s.keys[s.position] == url else None
             else:
                 i = s.locate(url)
             if i is not None:
-                s.position = i + 1
+                s.claim(i)
         if i is not None:
-            state = self._current_state()
-            if state is not None:
-                self._publish_future(state)
+            current = self._current_state()
+            if current is not None:
+                self._publish_future(current)
             self._wake()
         return i
 
@@ -617,7 +666,7 @@ class TieredCache:
                  to_url: Callable[[str], str] = lambda k: k, force: bool = False,
                  node: bool = False) -> VictimChooser:
         """choose(cands, need) for the tier: LRU, or Belady against the schedule (``force``:
-        a pinned read, always admitted); with
+        a pin that must have its copy, ``local_path``: always admitted); with
         ``node`` (the directories), against the futures of every live process of the
         node merged with this one's (future.py)."""
         s = self.schedule
@@ -626,15 +675,20 @@ class TieredCache:
                 return choose_victims(cands, need, url)
 
             return lru
-        horizon: int
+        horizon: int  # where residents' next uses are counted from
+        start: int  # where the incoming object's next use is counted from
         nxt: float
         if prefetch_at is not None:
             # position - 1: the read that moved the position may not have opened (pinned)
             # its object yet; the background must not evict it under the reader.
             horizon, nxt = max(0, s.position - 1), prefetch_at
+            start = horizon
         else:
-            horizon = (index + 1) if index is not None else s.position
-            nxt = s.next_use(url, horizon)
+            start = (index + 1) if index is not None else s.position
+            nxt = s.next_use(url, start)
+            # the frontier: reads of earlier indexes still in flight (fetch threads run out
+            # of order) need their objects; reads already served are skipped by next_use
+            horizon = min(start, s.frontier)
 
         future: NextUses[str] = s
         if node:
@@ -643,13 +697,13 @@ class TieredCache:
             if others:
                 # every live process of the node: kept if any of them reads it soon
                 future = MergedFuture(s, others, _future_key_of)
-                nxt = min(nxt, future.next_use(url, horizon))
+                nxt = min(nxt, future.next_use(url, start))
 
         def belady(cands: list[tuple[str, int, float]], need: int, *_: object) -> list[str] | None:
             named = [(to_url(k), size, rec) for k, size, rec in cands]
             back = {to_url(k): k for k, _s, _r in cands}
-            # force (a pinned read: the reader needs the copy): always admitted, and what
-            # goes is still what is needed furthest in the future
+            # force (local_path: the reader needs a file): always admitted, and what goes
+            # is still what is needed furthest in the future
             v = choose_victims(named, need, url, schedule=future, incoming_next=nxt, horizon=horizon, admit=force)
             return None if v is None else [back[u] for u in v]
 

@@ -1,5 +1,8 @@
 """The shards a StreamingDataset reads: one or more dataset indexes as one list of shards,
-and fetching one shard's bytes (through a TieredCache, or straight from its store).
+and fetching one shard's bytes (through a TieredCache, or straight from its store). With a
+warm tier the cache hands over a pinned warm copy when its clairvoyant rule keeps the
+shard, else the shard's verified bytes read through (``TieredCache.pin_or_read``): a copy
+forced into a small tier would evict the shards it keeps for the next reads.
 
 A local shard (or a cache's pinned warm copy) is read into private memory, never served
 from a map of the file: a ``MAP_SHARED`` (or ``MAP_PRIVATE``) map shows whatever another
@@ -394,10 +397,21 @@ class ShardSource:
         if cache is not None:
             # the cache verifies what it serves against the checksum passed here
             if _has_warm_tier(cache):
+                # pin_or_read: a pinned warm copy when the cache keeps one, else (the
+                # clairvoyant rule would not admit the shard) its bytes read through, held
+                # in our memory like a copy read out (the prefetch budget covers both);
+                # local_path for a cache without it (always a pinned copy)
+                pin_or_read = getattr(cache, "pin_or_read", None)
                 try:
-                    path = cache.local_path(info.url, checksum=info.checksum)
+                    if pin_or_read is not None:
+                        got = pin_or_read(info.url, checksum=info.checksum)
+                    else:
+                        got = cache.local_path(info.url, checksum=info.checksum)
                 except IntegrityError as e:
                     raise CorruptShardError(f"shard fails its checksum: {e}") from e
+                if isinstance(got, bytes):
+                    return memoryview(got), None, bool(info.checksum)
+                path = got
                 try:
                     # read while pinned; the private copy needs no pin once read
                     return self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url)
