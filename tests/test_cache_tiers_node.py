@@ -215,7 +215,9 @@ def test_reads_complete_through_503s_and_the_limit_goes_down_then_back(tmp_path,
     cache.close()
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# 12 examples: a garbage not_before may hold a request for the longest pause (5 s), and the
+# suite's time is shared (30 took 25 s)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(doc=st.binary(max_size=100) | st.dictionaries(
     st.sampled_from(["prefix", "limit", "not_before", "streak", "min_limit", "throttled", "x"]),
     st.none() | st.booleans() | st.integers(-10**18, 10**18) | st.floats() | st.text(max_size=5),
