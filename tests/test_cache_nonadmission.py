@@ -253,3 +253,53 @@ def test_schedule_frontier_holes_and_served_reads():
     assert s.locate("d") == 4
     s.advance(1)
     assert s.frontier == 3 and s.position == 6  # advance skips reads ahead of the position only
+
+
+def test_a_scheduled_prefetch_keeps_the_object_of_a_read_in_flight(tmp_path):
+    """Found by review: the background's prefetches ranked residents from the position, so
+    a prefetch evicted the object of an earlier read still in flight; they rank from the
+    frontier, as reads do."""
+    cache = TieredCache(warm_dir=str(tmp_path / "warm"), warm_bytes=300)
+    urls = [f"mem://b/{k}" for k in "ABCDEDGH"]
+    a, b, c, d, e, h = urls[0], urls[1], urls[2], urls[3], urls[4], urls[7]
+    cache.set_schedule(urls, lookahead=0, window=8)
+    s = cache.schedule
+    s.claim(s.locate(a))  # read 0 (A) in flight: it has not opened its resident copy yet
+    for u in (b, c):
+        i = s.locate(u)
+        s.claim(i)
+        s.finish(i)
+    residents = [(a, 100, 1.0), (h, 100, 2.0)]  # A needed by the read in flight, H at 7
+    assert cache._chooser(d, 3)(residents, 100) == [h]
+    assert cache._chooser(e, None, prefetch_at=4)(residents, 100) == [h]
+    cache.close()
+
+
+def test_other_processes_needs_count_from_one_base_for_residents_and_incoming():
+    """Found by review: another process's distance was added to whatever start a caller
+    asked from (the frontier for residents, the read's index + 1 for the incoming object),
+    so its needs looked sooner for residents than for the incoming object."""
+    from datapipe.cache.future import MergedFuture
+
+    own: Schedule[str] = Schedule(["p", "q", "r", "s", "t"], window=8)
+    for _ in range(4):  # the position moves on while read 0 is still in flight
+        own.claim(own.locate(own.keys[own.position]))
+    own.finish(1), own.finish(2), own.finish(3)
+    assert own.frontier == 0 and own.position == 4
+    merged = MergedFuture(own, {"x": 1, "res": 3}, lambda k: k)
+    assert merged.next_use("x", 5) == 5 and merged.next_use("res", 0) == 7  # x is needed first
+    assert merged.next_use("x", 5) < merged.next_use("res", 0)
+
+
+def test_skipping_a_long_stretch_of_the_schedule_keeps_its_bookkeeping_small():
+    """Found by review: advance(n) marked every skipped index (O(n) time and a set that
+    never shrank); only the last `window` need a mark."""
+    s: Schedule[int] = Schedule(list(range(200_000)), window=16)
+    s.advance(150_000)
+    assert s.position == 150_000 and s.frontier >= 150_000 - 16
+    assert len(s._claimed) <= 16 and len(s._in_flight) == 0
+    assert s.next_use(149_999, 0) == NEVER and s.next_use(150_000, 0) == 150_000
+    i = s.locate(150_003)
+    s.claim(i)
+    s.finish(i)
+    assert s.next_use(150_003, 0) == NEVER and s.next_use(150_001, 0) == 150_001

@@ -1,7 +1,7 @@
 """cache: tiers of bytes with budgets over the stores of ``storage/``.
 
 - tiered.py: `TieredCache`, the public API (read, read_range, local_path/pinned,
-  prefetch, set_schedule, stats, close): hot (memory) -> warm (a node-local directory
+  pin_or_read, prefetch, set_schedule, stats, close): hot (memory) -> warm (a node-local directory
   shared by processes) -> shared (a directory every node mounts) -> cold (any store);
 - process.py: the state one process holds for a cache (tiers, pools, pins, counters);
 - cold.py: reads from the cold store, one version per download, bounded in flight;

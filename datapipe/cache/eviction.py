@@ -127,14 +127,15 @@ class Schedule(Generic[K]):
         self._move_frontier()
 
     def _move_frontier(self) -> None:
-        # No new container here (the sets shrink in place): callers hold the cache's lock,
-        # and an allocation could start a garbage collection whose finalizers (a loader's
-        # pass closing) wait on threads that need that lock.
         old = self.frontier
         f = max(old, self.position - max(self.window, 0))
         while f < self.position and self._served(f):
             f += 1
         self.frontier = f
+        if f - old > len(self._claimed):  # a long jump: rebuild (a set never shrinks in place)
+            self._claimed = {i for i in self._claimed if i >= f}
+            self._in_flight = {i for i in self._in_flight if i >= f}
+            return
         for i in range(old, f):
             self._claimed.discard(i)
             self._in_flight.discard(i)
@@ -144,7 +145,8 @@ class Schedule(Generic[K]):
         if n < 0:
             raise ValueError(f"a schedule only moves forward; advance({n})")
         end = min(len(self.keys), self.position + n)
-        self._claimed.update(range(self.position, end))
+        # the frontier lags the position by at most `window`: only those indexes need a mark
+        self._claimed.update(range(max(self.position, end - max(self.window, 0)), end))
         self.position = end
         self._move_frontier()
         return self.position

@@ -188,8 +188,9 @@ class FutureBoard:
 class MergedFuture:
     """A schedule-like view for :func:`eviction.choose_victims`: the next use of a name
     (a URL of this process's schedule, or a warm key) is the sooner of this process's own
-    next use and ``start + d`` for the soonest distance ``d`` another live process
-    published."""
+    next use and ``position + d`` for the soonest distance ``d`` another live process
+    published (counted from this process's position whatever ``start`` a caller asks from,
+    so a resident and the incoming object compare on one base)."""
 
     def __init__(self, own: Schedule[str], others: dict[str, int], key_of: Callable[[str], str]) -> None:
         self.own = own
@@ -203,7 +204,7 @@ class MergedFuture:
     def next_use(self, name: str, start: int) -> float:
         mine = self.own.next_use(name, start)
         d = self.others.get(self.key_of(name))
-        return mine if d is None else min(mine, start + d)
+        return mine if d is None else min(mine, self.own.position + d)
 
 
 def describe(root: str) -> dict[str, Any]:

@@ -432,7 +432,8 @@ class TieredCache:
         room is held by pins and downloads), the whole object read through the tiers below
         (single flight and cold pacing as for :meth:`read`), verified against
         ``checksum``, with nothing pinned and the residents left in place; counted as a
-        warm miss and ``warm_not_admitted``. The schedule position moves once per call."""
+        warm miss and ``warm_not_admitted``. The schedule position moves once per call.
+        An object larger than ``warm_bytes`` raises CacheBudgetError, as for :meth:`read`."""
         return self._pin(url, checksum, "pin_or_read", read_through=True)
 
     def _pin(self, url: str, checksum: str | None, caller: str, *, read_through: bool) -> str | bytes:
@@ -455,8 +456,8 @@ class TieredCache:
                 else:
                     state.stats.update(warm_misses=1)
                     got = self._fill(state, warm, url, checksum, index, pin=True, read_through=read_through)
-                    if isinstance(got, bytes):  # not admitted: read through, verified by the tier below
-                        return got
+                    if not isinstance(got, int):  # not an fd: not admitted, read through, verified below
+                        return got  # type: ignore[no-any-return]  # _fill returns the bytes here
                     fd = got
                 if read_verified(state, warm, url, fd, checksum, want_bytes=False) is not None:
                     with state.lock:
@@ -474,7 +475,8 @@ class TieredCache:
         raise StorageError(f"could not obtain a verified local copy of {url}")
 
     def release(self, url: str) -> None:
-        """Drop one pin taken by :meth:`local_path`."""
+        """Drop one pin taken by :meth:`local_path` (or by :meth:`pin_or_read`, when it
+        returned a path)."""
         state = self._state()
         with state.lock:
             fds = state.pins.get(url)
@@ -590,7 +592,7 @@ class TieredCache:
             if force:
                 board.withdraw()
             return
-        pos = s.position
+        pos = s.frontier  # reads still in flight (behind the position) need their objects too
         if force or board.due(pos):
             board.publish([url_key(u) for u in s.keys[pos:pos + board.limit]], pos)
 
@@ -679,9 +681,9 @@ class TieredCache:
         start: int  # where the incoming object's next use is counted from
         nxt: float
         if prefetch_at is not None:
-            # position - 1: the read that moved the position may not have opened (pinned)
-            # its object yet; the background must not evict it under the reader.
-            horizon, nxt = max(0, s.position - 1), prefetch_at
+            # the frontier: the reads still in flight (the one that moved the position
+            # included) may not hold their objects yet; the background must not evict them
+            horizon, nxt = s.frontier, prefetch_at
             start = horizon
         else:
             start = (index + 1) if index is not None else s.position
