@@ -102,8 +102,10 @@ def test_decode_error_in_a_laid_chunk_names_shard_and_sample(tmp_path):
 def _drop_read_ahead(ds):
     """Stop the prefetch a finished pass left running into the next one (its shards go
     back to the pool)."""
-    assert ds._ahead is not None  # a finished pass in the main process reads ahead
-    ds._ahead.close()
+    ahead = ds._ahead
+    assert ahead is not None  # a finished pass in the main process reads ahead
+    ahead.closer.cancel()
+    ahead.pre.close()
     ds._ahead = None
 
 

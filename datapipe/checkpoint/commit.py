@@ -79,7 +79,9 @@ def await_parts(store: Store, step: int, attempt: str, world_size: int, timeout:
                 "is not committed"
             )
         time.sleep(delay)
-        delay = min(delay * 2, 0.5)
+        # grow by a quarter: a part that lands while we sleep is seen at most ~25% of the
+        # wait so far (plus 5 ms) late; doubling let the commit of a 0.4 s save lag 0.3 s
+        delay = min(delay * 1.25, 0.5)
 
 
 def write_manifest(store: Store, step: int, attempt: str, world_size: int,

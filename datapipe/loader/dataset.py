@@ -150,7 +150,7 @@ class _Ahead(NamedTuple):
     pending: Chunk
     tag: int
     step: int
-    close: _Closer
+    closer: _Closer
 
 
 class _Closer:
@@ -518,7 +518,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         ahead, self._ahead = self._ahead, None
         last, self._last_epoch = self._last_epoch, key.epoch
         if ahead is not None:
-            ahead.close.cancel()
+            ahead.closer.cancel()
             if ahead.key == key and self._resume is None:
                 return ahead.pre, ahead.tag, ahead.step, chain([ahead.pending], ahead.pre)
             ahead.pre.close()
