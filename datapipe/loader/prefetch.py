@@ -154,9 +154,9 @@ class Prefetcher:
 
     def close(self) -> None:
         """Stop planning and fetching, wait for the planner (``close_timeout_s``) and close
-        the shards still held. Called on one of this prefetcher's own threads (a finalizer
-        that garbage collection ran there), it only asks them to stop: joining would wait
-        on itself; the planner closes what it holds when it ends."""
+        the shards still held. Called on one of this prefetcher's own threads (garbage
+        collection can finalize the consumer's generator there), it only asks them to stop:
+        joining would wait on itself; the planner closes what it holds when it ends."""
         self.stop()
         while True:  # the consumer is gone: what the planner handed out is not read
             try:
