@@ -303,3 +303,23 @@ def test_skipping_a_long_stretch_of_the_schedule_keeps_its_bookkeeping_small():
     s.claim(i)
     s.finish(i)
     assert s.next_use(150_003, 0) == NEVER and s.next_use(150_001, 0) == 150_001
+
+
+def test_a_slow_read_overtaken_by_more_than_a_window_keeps_its_index():
+    """Found by review: the frontier lagged the position by at most `window`, so a read
+    overtaken by more than `window` others lost its index (and, when it came, took a later
+    read's); it may now lag by LAG_WINDOWS windows."""
+    from datapipe.cache.eviction import LAG_WINDOWS
+
+    keys = ["slow", *[f"k{i}" for i in range(6)], "slow", "z"]
+    s: Schedule[str] = Schedule(keys, window=2)
+    s.claim(s.locate("slow"))  # index 0, in flight
+    for k in keys[1:7]:  # six reads overtake it: three windows
+        i = s.locate(k)
+        s.claim(i)
+        s.finish(i)
+    assert 6 < LAG_WINDOWS * 2
+    assert s.frontier == 0 and s.next_use("slow", 0) == 0  # its object is still needed
+    s.finish(0)
+    assert s.frontier == 7 and s.next_use("slow", 0) == 7
+    assert s.locate("slow") == 7  # the next read of it takes the later index

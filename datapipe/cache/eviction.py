@@ -52,6 +52,10 @@ class NextUses(Protocol[K_contra]):
     def next_use(self, key: K_contra, start: int) -> float: ...
 
 
+#: how many ``window``s the frontier of a :class:`Schedule` may lag its position
+LAG_WINDOWS = 4
+
+
 class Schedule(Generic[K]):
     """The future access order of one reader: a list of keys, repeats allowed, the position
     of the next expected access, and the frontier: the first access not yet served.
@@ -64,7 +68,9 @@ class Schedule(Generic[K]):
     holds its object: a pin, or the bytes). Until then the read is still to come:
     :meth:`next_use` sees it, so eviction keeps the objects of reads in flight, while it
     skips reads already served. The frontier never lags the position by more than
-    ``window`` (a read that never finishes stops counting then)."""
+    ``LAG_WINDOWS * window`` (a read that never finishes stops counting then): a slow read
+    may be overtaken by more than ``window`` others (each fetch thread claims on while it
+    is away) and still find its own index when it comes."""
 
     def __init__(self, keys: Sequence[K], position: int = 0, window: int = 64) -> None:
         self.keys = list(keys)
@@ -128,7 +134,7 @@ class Schedule(Generic[K]):
 
     def _move_frontier(self) -> None:
         old = self.frontier
-        f = max(old, self.position - max(self.window, 0))
+        f = max(old, self.position - self._lag())
         while f < self.position and self._served(f):
             f += 1
         self.frontier = f
@@ -140,13 +146,16 @@ class Schedule(Generic[K]):
             self._claimed.discard(i)
             self._in_flight.discard(i)
 
+    def _lag(self) -> int:
+        return LAG_WINDOWS * max(self.window, 0)
+
     def advance(self, n: int = 1) -> int:
         """Skip ``n`` reads: they count as served."""
         if n < 0:
             raise ValueError(f"a schedule only moves forward; advance({n})")
         end = min(len(self.keys), self.position + n)
-        # the frontier lags the position by at most `window`: only those indexes need a mark
-        self._claimed.update(range(max(self.position, end - max(self.window, 0)), end))
+        # the frontier lags the position by at most _lag(): only those indexes need a mark
+        self._claimed.update(range(max(self.position, end - self._lag()), end))
         self.position = end
         self._move_frontier()
         return self.position
