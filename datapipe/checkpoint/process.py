@@ -28,6 +28,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..errors import CheckpointError
+from .staging import memfd_tensor
 
 __all__ = ["WriterProcess", "SharedBytes", "main"]
 
@@ -99,21 +100,13 @@ class SharedBytes:
 
     def ensure(self, n: int) -> Any:
         """A torch uint8 tensor over the first ``n`` bytes (a larger buffer if needed)."""
-        import torch
-
         if self._tensor is None or self.capacity < n:
             self._tensor = None
             if self.fd is not None:
                 os.close(self.fd)
                 self.fd = None
-            fd = os.memfd_create("datapipe-ckpt-replica", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, max(n, 1))
-                self._tensor = torch.frombuffer(mmap.mmap(fd, max(n, 1)), dtype=torch.uint8)
-            except BaseException:
-                os.close(fd)
-                raise
-            self.fd, self.capacity = fd, max(n, 1)
+            self.fd, self._tensor = memfd_tensor("datapipe-ckpt-replica", n)
+            self.capacity = max(n, 1)
             self.buffer_id += 1
         return self._tensor[:n]
 

@@ -42,6 +42,20 @@ def _layout_key(leaves: list[Leaf]) -> tuple[Any, ...]:
     return tuple((leaf.kind, leaf.dtype, leaf.shape) for leaf in leaves)
 
 
+def memfd_tensor(name: str, n: int) -> tuple[int, Any]:
+    """``(fd, tensor)``: a new memfd of ``max(n, 1)`` bytes and a torch uint8 tensor over its
+    mapping; the caller owns the fd (another process maps the same bytes by it)."""
+    import torch
+
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, max(n, 1))
+        return fd, torch.frombuffer(mmap.mmap(fd, max(n, 1)), dtype=torch.uint8)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class StagingBuffer:
     """The reused host buffer of one writer. Not thread-safe: the writer guarantees that
     a copy-in never overlaps the background thread reading the previous contents."""
@@ -88,13 +102,7 @@ class StagingBuffer:
             if self.fd is not None:
                 os.close(self.fd)
                 self.fd = None
-            fd = os.memfd_create("datapipe-ckpt-staging", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, max(total, 1))
-                buf = torch.frombuffer(mmap.mmap(fd, max(total, 1)), dtype=torch.uint8)
-            except BaseException:
-                os.close(fd)
-                raise
+            fd, buf = memfd_tensor("datapipe-ckpt-staging", total)
             self.fd, pinned = fd, False
             self.buffer_id += 1
         else:
