@@ -12,7 +12,7 @@ import json
 import re
 from typing import Any
 
-from ..checksum import checksum
+from ..checksum import Hasher, checksum
 from ..errors import CorruptCheckpointError
 
 __all__ = [
@@ -75,12 +75,19 @@ def chunk_key(step: int, attempt: str, rank: int, index: int) -> str:
     return f"{step_dir(step)}/{attempt}/rank-{rank:05d}/chunk-{index:06d}.bin"
 
 
-def block_checksums(data: memoryview, block: int = BLOCK_BYTES) -> dict[str, Any]:
+def block_checksums(data: memoryview, block: int = BLOCK_BYTES, whole: Hasher | None = None) -> dict[str, Any]:
     """An uncompressed chunk record's ``blocks``: ``{"bytes": block, "checksums": [...]}``,
     one per ``block`` bytes (the last may be shorter), so that a range read checks only the
     blocks it touches (reshard.py). Hashed a block at a time: xxhash holds the GIL while it
-    hashes, and the writer's background threads must not hold it for long."""
-    return {"bytes": block, "checksums": [checksum(data[i : i + block]) for i in range(0, len(data), block)]}
+    hashes, and the writer's background threads must not hold it for long. ``whole`` is
+    fed every block too, so the chunk's own checksum comes from the same pass."""
+    sums = []
+    for i in range(0, len(data), block):
+        part = data[i : i + block]
+        if whole is not None:
+            whole.update(part)
+        sums.append(checksum(part))
+    return {"bytes": block, "checksums": sums}
 
 
 def parse_step_dir(name: str) -> int | None:

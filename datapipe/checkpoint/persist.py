@@ -375,9 +375,16 @@ class Persister:
     def _write_chunk(self, tg: _Target, step: int, attempt: str, view: Any, index: int, start: int, end: int,
                      known: dict[int, str], verify: bool) -> dict[str, Any]:
         data = view(start, end)
+        plain = self.compression != "zstd"  # stored as staged: its record lists block checksums
+        blocks = None
         raw_ck = known.get(index) if not verify else None
         if raw_ck is None:
-            raw_ck = _checksum_in_slices(data)
+            if plain:  # one pass over the bytes: the blocks' checksums and the chunk's
+                whole = Hasher()
+                blocks = block_checksums(data, whole=whole)
+                raw_ck = whole.hexdigest()
+            else:
+                raw_ck = _checksum_in_slices(data)
             if verify:
                 if known.get(index) != raw_ck:
                     raise CheckpointError(
@@ -388,7 +395,7 @@ class Persister:
                 known[index] = raw_ck  # the next tier reuses it (one thread per index: no race)
         rec: dict[str, Any] = {"key": chunk_key(step, attempt, tg.rank, index),
                                "offset": start, "bytes": end - start}
-        if self.compression == "zstd":
+        if not plain:
             cctx = getattr(self._tls, "cctx", None)
             if cctx is None:
                 import zstandard
@@ -399,7 +406,8 @@ class Persister:
         else:
             stored = data
             rec["checksum"] = raw_ck
-            rec["blocks"] = block_checksums(data)  # range reads check only the blocks they touch (reshard.py)
+            # range reads check only the blocks they touch (reshard.py)
+            rec["blocks"] = blocks if blocks is not None else block_checksums(data)
         rec["stored_bytes"] = len(stored)
         tg.store.put(rec["key"], stored)
         return rec
