@@ -233,7 +233,7 @@ class DatasetIndex:
                 "re-run the pack that wrote it)"
             )
         try:
-            f = pq.ParquetFile(_VerifiedFile(self.store, self._samples_file, digest, where))
+            f = pq.ParquetFile(_VerifiedFile(self.store, self._samples_file, digest, where), pre_buffer=False)
             md = f.metadata
             rows = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
         except DatapipeError:
@@ -258,7 +258,7 @@ class DatasetIndex:
             if self._pq is None:
                 self._pq = self._samples_parquet()
             try:
-                table = self._pq.read_row_group(g)
+                table = self._pq.read_row_group(g, use_threads=False)  # no Arrow pool: see read_shard_table
             except DatapipeError:
                 raise
             except Exception as e:

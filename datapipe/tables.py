@@ -152,12 +152,14 @@ class ParquetTable:
         once its file is checked to be the one the plan was made from."""
         import pyarrow as pa
 
+        from .pack.sources import read_fragment
+
         frag, rg, rel = self._row_groups[i]
         if self._stat(rel) != self._files[rel]:
             raise ObjectChangedError(f"{self.url}/{rel} changed since the table was opened (its size or version "
                                      "differs): open the dataset again for a plan of the new rows")
         try:
-            table = frag.subset(row_group_ids=[rg]).to_table(schema=self.schema)  # that row group alone
+            table = read_fragment(frag, self.schema, [rg])  # that row group alone
         except (OSError, pa.ArrowException) as e:
             raise FormatError(f"{self.url}/{rel} row group {rg}: cannot be read: {e}") from e
         if self._stat(rel) != self._files[rel]:  # replaced after the check above, or while read

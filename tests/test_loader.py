@@ -592,3 +592,27 @@ def test_a_fetch_cut_off_by_close_has_its_shard_closed_when_it_lands():
     pre._thread.join(10)
     assert not pre._thread.is_alive()
     assert made[0].closed and made[1].closed
+
+
+def test_a_fetch_after_interpreter_shutdown_began_is_an_error_in_its_slot(monkeypatch, caplog):
+    """At interpreter exit concurrent.futures refuses new work before atexit hooks run: a
+    read-ahead still planning then gets that error in the shard's place, not a "Task
+    exception was never retrieved" log line per shard at exit."""
+    import concurrent.futures.thread as cft
+    import gc
+    import logging
+
+    monkeypatch.setattr(cft, "_shutdown", True)  # what Python's exit sets first
+
+    def chunks():
+        for k in range(3):
+            yield Chunk.make(k, np.arange(1), np.array([k]), np.zeros(1, np.int64))
+
+    pre = Prefetcher(chunks(), lambda g: _FakeShard(), lambda g: 1)
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        with pytest.raises(RuntimeError, match="interpreter shutdown"):
+            for c in pre:
+                pre.shard(c.shards[0])
+        pre.close()
+        gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

@@ -103,3 +103,48 @@ def test_a_table_on_s3_streams_in_place(hive, s3):
     rows = list(ds)
     assert sorted(_ids(rows)) == list(range(N))
     assert {s["split"] for s in rows} == {"train", "val"}
+
+
+_NO_POOL = '''
+import os, sys, threading, time
+import datapipe
+from datapipe.loader import StreamingDataset
+
+def native():  # threads no Python code started: Arrow's pools, jemalloc's
+    return set(map(int, os.listdir("/proc/self/task"))) - {t.native_id for t in threading.enumerate()}
+
+if __name__ == "__main__":
+    hive, dest = sys.argv[1:]
+    before = native()
+    datapipe.pack(hive, dest, workers=1)  # the table's rows counted and read here
+    n = sum(1 for _ in datapipe.open_dataset(dest))  # both index tables read
+    rows = sum(1 for _ in StreamingDataset(hive, seed=1))  # the table's row groups read in place
+    # a Python thread that is ending has left threading.enumerate() a moment before the
+    # system's list; Arrow's pool threads never end
+    deadline = time.monotonic() + 10
+    while native() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = []
+    for t in native() - before:
+        try:
+            left.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except OSError:  # ended since
+            pass
+    print(n, rows, len(left), *left)
+'''
+
+
+def test_no_read_starts_arrows_thread_pools(hive, tmp_path):
+    """Reading our index, packing a table and streaming one start none of Arrow's threads:
+    once started, they can abort the process at exit (apache/arrow#34314: "terminate called
+    without an active exception" after a run that succeeded)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_pool.py"
+    script.write_text(_NO_POOL)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, str(script), hive, str(tmp_path / "packed")], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=root), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(N), str(N), "0"]

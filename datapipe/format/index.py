@@ -305,7 +305,9 @@ def read_shard_table(data: bytes, where: str, manifest: dict[str, Any] | None = 
     the compression, non-negative sizes, a well-formed checksum) and, given the
     ``manifest``, consistent with it."""
     try:
-        table = pq.ParquetFile(io.BytesIO(data)).read()  # not read_table: it imports pyarrow.dataset (~0.1 s)
+        # not read_table: it imports pyarrow.dataset (~0.1 s). No pre-buffering, no threads: Arrow's
+        # thread pools, once started, can abort the process at exit (apache/arrow#34314)
+        table = pq.ParquetFile(io.BytesIO(data), pre_buffer=False).read(use_threads=False)
     except (pa.ArrowException, OSError, ValueError, MemoryError) as e:
         raise CorruptIndexError(f"{where}: unreadable shard table: {e}") from None
     for f in SHARD_SCHEMA:

@@ -338,7 +338,18 @@ class Prefetcher:
     async def _load(self, g: int, slot: _Slot, sem: asyncio.Semaphore) -> None:
         with self._lock:
             self._fetching.add(g)
-        fut = self._pool.submit(self._fetch_tracked, g)
+        try:
+            fut = self._pool.submit(self._fetch_tracked, g)
+        except RuntimeError as e:
+            # the pool is shut down: at interpreter exit concurrent.futures shuts every pool
+            # down before atexit hooks run (a read-ahead still planning then). The consumer,
+            # if any, gets the error in the shard's place; nothing is logged as lost.
+            with self._lock:
+                self._fetching.discard(g)
+            slot.error = e
+            sem.release()
+            slot.ready.set()
+            return
         try:
             slot.data = await asyncio.wrap_future(fut)
         except asyncio.CancelledError as e:

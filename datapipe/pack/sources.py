@@ -14,7 +14,7 @@ from ..errors import EmptyInputError, InputFileError, InvalidMemberNameError, Pa
 from ..format.rows import flatten_bytes_structs, row_fields
 from ..format.tar import BLOCK, check_key, padding, split_member_name
 
-__all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table",
+__all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table", "read_fragment",
            "count_table_rows", "source_kind"]
 
 #: how a directory's files become samples: "first-dot" (WebDataset's rule, the default: key =
@@ -83,6 +83,33 @@ def parquet_dataset(path: str, filesystem: Any = None) -> Any:
     if schema.equals(ds.schema):
         return ds
     return pads.FileSystemDataset(fragments, schema, ds.format, filesystem=ds.filesystem)
+
+
+def read_fragment(frag: Any, schema: Any, row_groups: list[int]) -> Any:
+    """Row groups ``row_groups`` of the Parquet file of the dataset fragment ``frag`` as a
+    pyarrow table with ``schema`` (the dataset's): its Hive partition keys as columns,
+    columns the file lacks as nulls. Read by ``pyarrow.parquet`` with no pre-buffering and no
+    threads: pyarrow's dataset scanner starts Arrow's thread pools, whose threads can abort
+    the process at exit ("terminate called without an active exception",
+    apache/arrow#34314), so no datapipe process starts them."""
+    import pyarrow as pa
+    import pyarrow.dataset as pads
+    import pyarrow.parquet as pq
+
+    with pq.ParquetFile(frag.path, filesystem=frag.filesystem, pre_buffer=False) as f:
+        have = set(f.schema_arrow.names)
+        table = f.read_row_groups(row_groups, columns=[n for n in schema.names if n in have], use_threads=False)
+    keys = pads.get_partition_keys(frag.partition_expression)
+    columns = []
+    for column in schema:
+        if column.name in have:
+            col = table.column(column.name)
+            columns.append(col if col.type == column.type else col.cast(column.type))
+        elif column.name in keys:
+            columns.append(pa.array([keys[column.name]] * table.num_rows, column.type))
+        else:
+            columns.append(pa.nulls(table.num_rows, column.type))
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def source_kind(src: str) -> str:
@@ -233,8 +260,8 @@ def count_table_rows(src: str, kind: str) -> int:
             return sum(1 for line in f if line.strip())
     import pyarrow as pa
 
-    try:
-        return int(parquet_dataset(src).count_rows())
+    try:  # from the footers, not a scan (see read_fragment)
+        return sum(int(f.metadata.num_rows) for f in parquet_dataset(src).get_fragments())
     except (pa.ArrowException, OSError) as e:
         raise InputFileError(f"{src}: not a readable Parquet table: {e}") from e
 
@@ -279,14 +306,23 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
     except (pa.ArrowException, OSError) as e:
         raise InputFileError(f"{src}: not a readable Parquet table: {e}") from e
     i = 0
-    for batch in ds.to_batches():
-        n = batch.num_rows
-        if i + n <= start:
-            i += n
-            continue
-        for row in flatten_bytes_structs(batch).to_pylist():
-            if i >= start and (stop is None or i < stop):
-                yield _row_to_sample(row, i, src)
-            i += 1
-            if stop is not None and i >= stop:
-                return
+    for frag in ds.get_fragments():
+        try:
+            meta = frag.metadata
+        except (pa.ArrowException, OSError) as e:
+            raise InputFileError(f"{frag.path}: not a readable Parquet file: {e}") from e
+        for g in range(meta.num_row_groups):  # one row group in memory at a time
+            n = meta.row_group(g).num_rows
+            if i + n <= start:
+                i += n
+                continue
+            try:
+                rows = flatten_bytes_structs(read_fragment(frag, ds.schema, [g])).to_pylist()
+            except (pa.ArrowException, OSError) as e:
+                raise InputFileError(f"{frag.path} row group {g}: cannot be read: {e}") from e
+            for row in rows:
+                if i >= start and (stop is None or i < stop):
+                    yield _row_to_sample(row, i, src)
+                i += 1
+                if stop is not None and i >= stop:
+                    return
