@@ -241,29 +241,35 @@ def _probe_chunk(store: Store, c: dict[str, Any], compressed: bool, where: str) 
 
 
 def _read_chunk(store: Store, c: dict[str, Any], dst: memoryview, compressed: bool, where: str) -> None:
-    key, n = c["key"], c["bytes"]
+    key = c["key"]
     if compressed:
-        import zstandard
-
         # the probed size, not the whole object: one that grew since cannot make us read more
-        stored = store.get_range(key, 0, c["stored_bytes"])
-        if checksum(stored) != c["checksum"]:
-            raise CorruptCheckpointError(f"checksum mismatch in chunk {store.url(key)} of {where}")
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=n)
-        except zstandard.ZstdError as e:
-            raise CorruptCheckpointError(f"chunk {store.url(key)} of {where}: bad zstd data ({e})") from e
-        if len(raw) != n or checksum(raw) != c.get("raw_checksum"):
-            raise CorruptCheckpointError(
-                f"checksum mismatch after decompressing chunk {store.url(key)} of {where}"
-            )
-        dst[:] = raw
+        _check_chunk(c, dst, store.get_range(key, 0, c["stored_bytes"]), store.url(key), where)
         return
     got = store.readinto(key, dst)
-    if got != n:
-        raise CorruptCheckpointError(f"chunk {store.url(key)} of {where} is not {n} bytes long")
-    if checksum(dst) != c["checksum"]:
-        raise CorruptCheckpointError(f"checksum mismatch in chunk {store.url(key)} of {where}")
+    if got != c["bytes"]:
+        raise CorruptCheckpointError(f"chunk {store.url(key)} of {where} is not {c['bytes']} bytes long")
+    _check_chunk(c, dst, None, store.url(key), where)
+
+
+def _check_chunk(c: dict[str, Any], dst: memoryview, stored: Any, url: str, where: str) -> None:
+    """Check chunk ``c`` against its checksums: its raw bytes already in ``dst``
+    (``stored`` None), or its ``stored`` zstd bytes, decompressed into ``dst`` here."""
+    if stored is None:
+        if checksum(dst) != c["checksum"]:
+            raise CorruptCheckpointError(f"checksum mismatch in chunk {url} of {where}")
+        return
+    import zstandard
+
+    if checksum(stored) != c["checksum"]:
+        raise CorruptCheckpointError(f"checksum mismatch in chunk {url} of {where}")
+    try:
+        raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=c["bytes"])
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpointError(f"chunk {url} of {where}: bad zstd data ({e})") from e
+    if len(raw) != c["bytes"] or checksum(raw) != c.get("raw_checksum"):
+        raise CorruptCheckpointError(f"checksum mismatch after decompressing chunk {url} of {where}")
+    dst[:] = raw
 
 
 def _read_data(store: Store, part: dict[str, Any], where: str, threads: int = 4) -> Any:
@@ -357,11 +363,23 @@ def _load_step(store: Store, step: int, rank: int | None, map_location: Any, int
 
         return load_into(store, step, doc, into, rank, map_location)
     r = _resolve_rank(rank, doc["world_size"], where)
+    part = _checked_part(store, doc, r, where)
+    if doc["world_size"] > 1 and any(isinstance(s, dict) and "global" in s for s in part["leaves"]):
+        # pieces of global tensors (replicas this rank did not store): they come back whole
+        from .reshard import load_part_full
+
+        return load_part_full(store, step, doc, r, map_location)
+    return _part_state(part, _read_data(store, part, f"{where} rank {r}"), where, map_location)
+
+
+def _checked_part(store: Store, doc: dict[str, Any], r: int, where: str) -> dict[str, Any]:
+    """The part of rank ``r`` named by the verified manifest ``doc``: its checksum, shape
+    and chunk layout checked; a one-part checkpoint must hold every leaf's bytes."""
     entry = doc["parts"][r]
     pdata, part = _read_doc(store, entry["key"], "part", MAX_PART_BYTES)
     if checksum(pdata) != entry["checksum"]:
         raise CorruptCheckpointError(f"{where}: part {store.url(entry['key'])} does not match its manifest checksum")
-    _check_part(part, entry, step, doc["attempt"], r, doc["world_size"], where)
+    _check_part(part, entry, doc["step"], doc["attempt"], r, doc["world_size"], where)
     if doc["world_size"] == 1:
         empty = [s.get("path") for s in part["leaves"] if isinstance(s, dict) and isinstance(s.get("global"), dict)
                  and s["global"].get("replica") is True]
@@ -371,12 +389,11 @@ def _load_step(store: Store, step: int, rank: int | None, map_location: Any, int
                 "another rank stored their values (a node-local tier written by a multi-rank job with "
                 "Replicated values or replicated DTensors); load this step from a shared tier"
             )
-    if doc["world_size"] > 1 and any(isinstance(s, dict) and "global" in s for s in part["leaves"]):
-        # pieces of global tensors (replicas this rank did not store): they come back whole
-        from .reshard import load_part_full
+    return part
 
-        return load_part_full(store, step, doc, r, map_location)
-    buf = _read_data(store, part, f"{where} rank {r}")
+
+def _part_state(part: dict[str, Any], buf: Any, where: str, map_location: Any) -> Any:
+    """The state a checked part describes, its leaves built on ``buf`` (its verified bytes)."""
     leaves = [_build_leaf(buf, spec, where, map_location) for spec in part["leaves"]]
     return unflatten(part["tree"], leaves, where)
 

@@ -6,9 +6,10 @@ How the ranks agree (one collective round per attempt, over a gloo group made fo
 restore): each rank lists the complete steps it holds (its own folder and the replica it
 keeps in each node-local tier; rank 0 also the shared tiers) and the lists are gathered
 on every rank, so every rank computes the same plan. A rank whose part comes from the
-peer replica gets it from the rank that holds it: the holder reads the stored files
-(manifest, part, chunks) and sends them as they are; the receiver verifies all of them
-exactly as a load from storage does. A copy that fails (missing, incomplete, corrupt) is
+peer replica gets it from the rank that holds it: the holder sends the stored files
+(manifest, part, chunks) as they are, each chunk as soon as it is read; the receiver takes
+each chunk straight into the state's buffer and verifies everything exactly as a load
+from storage does. A copy that fails (missing, incomplete, corrupt) is
 named in a warning on every rank and never tried again; the plan is made again without
 it. Each round removes at least one copy from a finite set, so a restore ends: with a
 state, or with :class:`NoCheckpointError` naming what was skipped (the endless restart
@@ -31,8 +32,17 @@ from ..storage.memory import MemoryStore
 from ..storage.store import join_url
 from ..topology import Topology
 from .commit import scan_steps
-from .format import MAX_PART_BYTES, manifest_key
-from .loader import _check_part, _load_step, _probe_chunk, _read_doc, _read_manifest
+from .format import MAX_PART_BYTES, manifest_key, part_key
+from .loader import (
+    _check_chunk,
+    _check_part,
+    _checked_part,
+    _load_step,
+    _part_state,
+    _probe_chunk,
+    _read_doc,
+    _read_manifest,
+)
 from .tiers import Tier, own_dir, peer_of, replica_dir, resolve_ranks_per_node, source_of
 
 __all__ = ["RestoreResult", "restore_checkpoint", "LOCAL", "PEER_REPLICA", "REMOTE"]
@@ -136,56 +146,11 @@ class _Group:
         return [json.loads(bytes(b[: int(s)].numpy())) for b, s in zip(bufs, sizes)]
 
 
-def _send_files(group: _Group, dst: int, files: list[tuple[str, bytes]] | None, error: str | None) -> list[Any]:
-    """Start sending a replica's stored files (or the reason there are none) to ``dst``:
-    sizes, a JSON header naming each file, then each file's bytes as they are (no copy)."""
-    import torch
-    import torch.distributed as dist
-
-    header = json.dumps({"files": [[k, len(b)] for k, b in files or []], "error": error}).encode()
-    body = sum(len(b) for _k, b in files or [])
-    h = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    sizes = torch.tensor([len(header), body], dtype=torch.int64)
-    reqs = [dist.isend(sizes, dst, group=group.group), dist.isend(h, dst, group=group.group)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "buffer is not writable": gloo only reads what it sends
-        for _k, b in files or []:
-            if b:
-                reqs.append(dist.isend(torch.frombuffer(b, dtype=torch.uint8), dst, group=group.group))
-    return reqs
-
-
-def _recv_files(group: _Group, src: int, limit: int) -> tuple[list[tuple[str, bytes]], str | None]:
-    import torch
-    import torch.distributed as dist
-
-    sizes = torch.empty(2, dtype=torch.int64)
-    dist.recv(sizes, src, group=group.group)
-    nh, nb = int(sizes[0]), int(sizes[1])
-    if not (0 < nh <= MAX_PART_BYTES and 0 <= nb <= limit):
-        raise CheckpointError(f"rank {src} announced {nh} header and {nb} data bytes for a replica")
-    h = torch.empty(nh, dtype=torch.uint8)
-    dist.recv(h, src, group=group.group)
-    header = json.loads(bytes(h.numpy()))
-    files, pos = [], 0
-    for key, n in header["files"]:
-        n = int(n)
-        if not 0 <= n <= nb - pos:
-            raise CheckpointError(f"rank {src} sent a file list that does not add up to {nb} bytes")
-        buf = torch.empty(n, dtype=torch.uint8)
-        if n:
-            dist.recv(buf, src, group=group.group)
-        files.append((str(key), buf.numpy().tobytes()))
-        pos += n
-    if pos != nb:
-        raise CheckpointError(f"rank {src} sent {pos} of the {nb} bytes it announced")
-    return files, header.get("error")
-
-
-def _replica_files(store: Store, step: int, attempt: str) -> list[tuple[str, bytes]]:
-    """The stored files of a one-part checkpoint in a replica folder, read as they are
-    (their checksums are checked by the receiving rank). The small documents are checked
-    here first, so a holder never reads or sends more than the part's chunks hold."""
+def _replica_docs(store: Store, step: int, attempt: str) -> tuple[list[tuple[str, bytes]], list[dict[str, Any]]]:
+    """The stored manifest and part of a one-part checkpoint in a replica folder, as they
+    are, and its chunk records, each chunk's size probed. The documents are checked here
+    first, so a holder never reads or sends more than the part's chunks hold; the
+    receiving rank checks everything again."""
     doc = _read_manifest(store, step)
     if doc["attempt"] != attempt:
         raise CheckpointError(f"{store.url(manifest_key(step))}: attempt {doc['attempt']}, not {attempt}")
@@ -194,11 +159,127 @@ def _replica_files(store: Store, step: int, attempt: str) -> list[tuple[str, byt
     pdata, part = _read_doc(store, entry["key"], "part", MAX_PART_BYTES)
     where = f"replica of step {step} at {store.root}"
     _check_part(part, entry, step, attempt, 0, 1, where)
-    files = [(manifest_key(step), mdata), (entry["key"], pdata)]
     for c in part["chunks"]:
         _probe_chunk(store, c, part.get("compression") == "zstd", where)
-        files.append((c["key"], store.get_range(c["key"], 0, c["stored_bytes"])))
-    return files
+    return [(manifest_key(step), mdata), (entry["key"], pdata)], part["chunks"]
+
+
+def _send_replica(group: _Group, dst: int, store: Store, step: int, attempt: str) -> list[Any]:
+    """Start sending a replica to ``dst``, pipelined: sizes and a JSON header naming each
+    file (or the reason there is none), the manifest and the part as stored, then each
+    chunk as it is read, its send started before the next is read (the receiver takes
+    the first chunk while this rank reads the rest; no send waits on a receive, so two
+    ranks sending each other replicas cannot block). A chunk that fails to read after the
+    header went out is sent as zeros of its size (the receiver's checksum refuses it) and
+    named in a warning here."""
+    import torch
+    import torch.distributed as dist
+
+    docs: list[tuple[str, bytes]] = []
+    chunks: list[dict[str, Any]] = []
+    error = None
+    try:
+        docs, chunks = _replica_docs(store, step, attempt)
+    except Exception as e:  # any failure is sent: the rank that needs the files waits for them
+        error = f"{store.root}: {type(e).__name__}: {e}"
+    files = [[k, len(b)] for k, b in docs] + [[c["key"], c["stored_bytes"]] for c in chunks]
+    header = json.dumps({"files": files, "error": error}).encode()
+    sizes = torch.tensor([len(header), sum(n for _k, n in files)], dtype=torch.int64)
+    reqs = [dist.isend(sizes, dst, group=group.group),
+            dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group.group)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "buffer is not writable": gloo only reads what it sends
+        for _k, b in docs:
+            reqs.append(dist.isend(torch.frombuffer(b, dtype=torch.uint8), dst, group=group.group))
+    for c in chunks:
+        buf = torch.empty(c["stored_bytes"], dtype=torch.uint8)
+        try:
+            if store.readinto(c["key"], buf.numpy().data) != c["stored_bytes"]:
+                raise CheckpointError(f"{store.url(c['key'])} is shorter than its {c['stored_bytes']} bytes")
+        except Exception as e:
+            buf.zero_()
+            warnings.warn(f"restore: sending the replica of step {step} to rank {dst}: {type(e).__name__}: {e}",
+                          stacklevel=3)
+        reqs.append(dist.isend(buf, dst, group=group.group))
+    return reqs
+
+
+def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, attempt: str,
+                  where: str, map_location: Any) -> tuple[Any, int]:
+    """Receive the replica of this rank's part from ``src`` (see :func:`_send_replica`):
+    (its state, its data bytes), everything checked exactly as a load from storage is: manifest and
+    part first, then each chunk received straight into the state's buffer and checked
+    against its checksum while the next arrives. On any failure the rest of what ``src``
+    announced is still received (its sends complete) and then the error is raised."""
+    import torch
+    import torch.distributed as dist
+
+    sizes = torch.empty(2, dtype=torch.int64)
+    dist.recv(sizes, src, group=group.group)
+    nh, nb = int(sizes[0]), int(sizes[1])
+    if not (0 < nh <= MAX_PART_BYTES and 0 <= nb <= 1 << 44):
+        raise CheckpointError(f"rank {src} announced {nh} header and {nb} data bytes for a replica")
+    h = torch.empty(nh, dtype=torch.uint8)
+    dist.recv(h, src, group=group.group)
+    try:
+        header = json.loads(bytes(h.numpy()))
+        files = [(str(k), int(n)) for k, n in header["files"]]
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"rank {src} sent a malformed replica header: {e}") from None
+    if any(n < 0 for _k, n in files) or sum(n for _k, n in files) != nb:
+        raise CheckpointError(f"rank {src} sent a file list that does not add up to {nb} bytes")
+    got = 0  # files received so far
+    pending: list[Any] = []  # the chunks' receives, once posted
+    waited = 0  # of them
+
+    def recv_bytes(n: int) -> bytes:
+        nonlocal got
+        buf = torch.empty(n, dtype=torch.uint8)
+        if n:
+            dist.recv(buf, src, group=group.group)
+        got += 1
+        return buf.numpy().tobytes()
+
+    try:
+        if header.get("error") is not None:
+            raise CheckpointError(str(header["error"]))
+        mkey, pkey = manifest_key(step), part_key(step, attempt, 0)
+        if [k for k, _n in files[:2]] != [mkey, pkey] or any(n > MAX_PART_BYTES for _k, n in files[:2]):
+            raise CheckpointError(f"rank {src} sent {[k for k, _n in files[:2]]!r:.200}, not {mkey} and {pkey}")
+        mem = MemoryStore(f"replica-of-rank-{rank}://")
+        for key, n in files[:2]:
+            mem.put(key, recv_bytes(n))
+        _check_attempt(mem, step, attempt)
+        _check_origin(mem, step, rank, world)
+        part = _checked_part(mem, _read_manifest(mem, step), 0, where)
+        chunks = part["chunks"]
+        if [(c["key"], c["stored_bytes"]) for c in chunks] != files[2:]:
+            raise CheckpointError(f"rank {src} announced chunks that are not the ones its part names")
+        compressed = part.get("compression") == "zstd"
+        data = torch.empty(part["data_bytes"], dtype=torch.uint8)
+        view = data.numpy().data
+        # every receive posted at once: chunk i is checked while the next ones arrive
+        bufs = [torch.empty(c["stored_bytes"], dtype=torch.uint8) if compressed
+                else data[c["offset"]: c["offset"] + c["bytes"]] for c in chunks]
+        pending = [dist.irecv(b, src, group=group.group) for b in bufs]
+        for c, b, q in zip(chunks, bufs, pending):
+            q.wait()
+            waited += 1
+            _check_chunk(c, view[c["offset"]: c["offset"] + c["bytes"]], b.numpy() if compressed else None,
+                         f"{c['key']} (from rank {src})", where)
+        return _part_state(part, data, where, map_location), int(part["data_bytes"])
+    except BaseException:
+        try:  # take the rest of what src sends, so that its sends complete
+            for q in pending[waited:]:  # each once: a second wait on a gloo receive waits for another
+                q.wait()
+            rest = [] if pending else [n for _k, n in files[got:]]
+            scratch = torch.empty(max(rest, default=0), dtype=torch.uint8)
+            for n in rest:
+                if n:
+                    dist.recv(scratch[:n], src, group=group.group)
+        except Exception:  # the connection itself failed: nothing more will come
+            pass
+        raise
 
 
 def _check_attempt(store: Store, step: int, attempt: str) -> None:
@@ -308,12 +389,7 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], skipped: li
             src_rank = source_of(rank, world, rpn)
             c = srcs[src_rank]
             if c is not None and c[0] == PEER_REPLICA:
-                try:
-                    files: list[tuple[str, bytes]] | None = _replica_files(held[c[1]], s, a)
-                    err = None
-                except Exception as e:  # any failure is sent: the rank that needs the files waits for them
-                    files, err = None, f"{held[c[1]].root}: {type(e).__name__}: {e}"
-                reqs = _send_files(group, src_rank, files, err)
+                reqs = _send_replica(group, src_rank, held[c[1]], s, a)
         # 2. this rank's own part
         mine_c = srcs[rank]
         if mine_c is None:  # unreachable: a plan holds a source for every rank
@@ -335,16 +411,7 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], skipped: li
             else:
                 holder = peer_of(rank, world, rpn)  # type: ignore[arg-type]
                 where = f"{join_url(tiers[ti].url, replica_dir(rank))} on rank {holder}"
-                got, err = _recv_files(group, holder, 1 << 44)
-                if err is not None:
-                    raise CheckpointError(err)
-                mem = MemoryStore(f"replica-of-rank-{rank}://")
-                for key, data in got:
-                    mem.put(key, data)
-                _check_attempt(mem, s, a)
-                _check_origin(mem, s, rank, world)
-                state = _load_step(mem, s, 0, map_location)
-                nbytes = _manifest_bytes(mem, s)
+                state, nbytes = _recv_replica(group, holder, rank, world, s, a, where, map_location)
         except Exception as e:  # any failure is agreed on below: a rank that raised here would hang the others
             failure = f"{kind} copy of rank {rank}'s part of step {s} at {where}: {type(e).__name__}: {e}"
         read_s = time.perf_counter() - t0
