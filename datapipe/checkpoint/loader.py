@@ -255,10 +255,15 @@ def _read_chunk(store: Store, c: dict[str, Any], dst: memoryview, compressed: bo
 def _check_chunk(c: dict[str, Any], dst: memoryview, stored: Any, url: str, where: str) -> None:
     """Check chunk ``c`` against its checksums: its raw bytes already in ``dst``
     (``stored`` None), or its ``stored`` zstd bytes, decompressed into ``dst`` here."""
-    if stored is None:
-        if checksum(dst) != c["checksum"]:
-            raise CorruptCheckpointError(f"checksum mismatch in chunk {url} of {where}")
-        return
+    if stored is not None:
+        dst[:] = _unzstd_chunk(c, stored, url, where)
+    elif checksum(dst) != c["checksum"]:
+        raise CorruptCheckpointError(f"checksum mismatch in chunk {url} of {where}")
+
+
+def _unzstd_chunk(c: dict[str, Any], stored: Any, url: str, where: str) -> bytes:
+    """The raw bytes of the zstd chunk ``c`` from its ``stored`` bytes, the stored and the
+    raw checksum both checked."""
     import zstandard
 
     if checksum(stored) != c["checksum"]:
@@ -269,7 +274,7 @@ def _check_chunk(c: dict[str, Any], dst: memoryview, stored: Any, url: str, wher
         raise CorruptCheckpointError(f"chunk {url} of {where}: bad zstd data ({e})") from e
     if len(raw) != c["bytes"] or checksum(raw) != c.get("raw_checksum"):
         raise CorruptCheckpointError(f"checksum mismatch after decompressing chunk {url} of {where}")
-    dst[:] = raw
+    return raw
 
 
 def _read_data(store: Store, part: dict[str, Any], where: str, threads: int = 4) -> Any:

@@ -41,7 +41,7 @@ from ..topology import Topology
 from .dtensor import LocalShard, Replicated, _dtensor_type, dtensor_box
 from .flatten import unflatten
 from .format import MAX_CHUNK_BYTES, MAX_PART_BYTES
-from .loader import MAX_NDIM, _build_leaf, _check_part, _confine, _is_int, _leaf_dtype, _read_doc
+from .loader import MAX_NDIM, _build_leaf, _check_part, _confine, _is_int, _leaf_dtype, _read_doc, _unzstd_chunk
 
 __all__ = ["SavedStep", "load_into", "load_part_full", "is_sharded", "SLAB_BYTES"]
 
@@ -255,17 +255,7 @@ class SavedStep:
         key, url = c["key"], self.store.url(c["key"])
         self._chunk_size(r, i)
         if part.get("compression") == "zstd":
-            import zstandard
-
-            stored = self.store.get_range(key, 0, c["stored_bytes"])
-            if checksum(stored) != c["checksum"]:
-                raise CorruptCheckpointError(f"checksum mismatch in chunk {url} of {self.where}")
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=c["bytes"])
-            except zstandard.ZstdError as e:
-                raise CorruptCheckpointError(f"chunk {url} of {self.where}: bad zstd data ({e})") from e
-            if len(raw) != c["bytes"] or checksum(raw) != c.get("raw_checksum"):
-                raise CorruptCheckpointError(f"checksum mismatch after decompressing chunk {url} of {self.where}")
+            raw = _unzstd_chunk(c, self.store.get_range(key, 0, c["stored_bytes"]), url, self.where)
             dst[:] = np.frombuffer(raw, np.uint8, hi - lo, lo)
             return
         got = self.store.readinto(key, dst.data, lo)
