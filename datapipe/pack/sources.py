@@ -317,12 +317,13 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
                 i += n
                 continue
             try:
-                rows = flatten_bytes_structs(read_fragment(frag, ds.schema, [g])).to_pylist()
+                table = flatten_bytes_structs(read_fragment(frag, ds.schema, [g]))
             except (pa.ArrowException, OSError) as e:
                 raise InputFileError(f"{frag.path} row group {g}: cannot be read: {e}") from e
-            for row in rows:
-                if i >= start and (stop is None or i < stop):
-                    yield _row_to_sample(row, i, src)
-                i += 1
-                if stop is not None and i >= stop:
-                    return
+            for batch in table.to_batches(max_chunksize=1024):  # Python objects for 1024 rows at a time
+                for row in batch.to_pylist():
+                    if i >= start and (stop is None or i < stop):
+                        yield _row_to_sample(row, i, src)
+                    i += 1
+                    if stop is not None and i >= stop:
+                        return
