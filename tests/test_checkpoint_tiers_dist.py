@@ -168,3 +168,51 @@ def test_every_rank_restores_from_its_peer_while_it_sends_its_peer_one(tmp_path,
     directions cannot block each other); raw chunks land straight in the state's buffer,
     zstd ones are checked and decompressed."""
     mp.spawn(_both_ways_worker, args=(_free_port(), str(tmp_path), compression), nprocs=WORLD, join=True)
+
+
+def _holder_read_failure_worker(rank: int, port: int, root: str) -> None:
+    from datapipe.checkpoint import CheckpointWriter, Tier, restore_checkpoint
+    from datapipe.checkpoint.tiers import own_dir
+    from datapipe.storage.local import LocalStore
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tiers = [Tier(os.path.join(root, f"node{rank}"), every=1, keep_last=2, replicate=1),
+             Tier(os.path.join(root, "remote"), every=1, keep_last=2)]
+    with CheckpointWriter(tiers=tiers, ranks_per_node=1, chunk_bytes=4096, commit_timeout=60) as w:
+        for step in (1, 2):
+            w.save(step, _state(rank, step)).wait()
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(os.path.join(tiers[0].url, own_dir(1)))
+    else:  # the disk holding rank 1's replica fails after the holder has announced its chunks
+        real = LocalStore.readinto
+
+        def readinto(self, key, buf, start=0):
+            if "replica-of-rank-00001" in self.root and key.endswith("chunk-000001.bin"):
+                raise OSError("injected: the replica's disk went away")
+            return real(self, key, buf, start)
+
+        LocalStore.readinto = readinto
+    dist.barrier()
+    # a warning turned into an error stops every rank at the same point, none waits for another
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match=r"rank 0 sending a peer replica of step 2: .*injected"):
+            restore_checkpoint(tiers, ranks_per_node=1, timeout_s=60)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = restore_checkpoint(tiers, ranks_per_node=1, timeout_s=60)
+    assert r.step == 2 and r.sources == ["local", "remote"], r.sources
+    assert torch.equal(r.state["w"], _state(rank, 2)["w"])
+    text = [str(x.message) for x in seen]
+    assert any("injected" in t for t in text) and any("checksum" in t and "peer replica" in t for t in text), text
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_holder_that_cannot_read_what_it_announced_still_sends_it_all(tmp_path):
+    """The holder's disk fails mid-replica: it still sends every chunk it announced (zeros
+    from the zero page), the receiver's checksum refuses the copy, every rank names the
+    holder's error alike, and the restore takes the remote tier; no rank waits on another."""
+    mp.spawn(_holder_read_failure_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)

@@ -259,7 +259,7 @@ def drill(a: argparse.Namespace) -> dict[str, Any]:
     ratio = r2["read_s"] / r2["disk_s"] if r2["disk_s"] > 0 else float("nan")
     print(f"restore of rank {node1[0]} ({r2['source']}): {r2['read_s']:.3f} s for {r2['bytes']:,} bytes, "
           f"whole restore {r2['restore_s']:.3f} s; reading the same {r2['disk_bytes']:,} bytes from local disk "
-          f"once into a new buffer: {r2['disk_s']:.4f} s (ratio {ratio:.1f}x)")
+          f"(page cache) once into a new buffer: {r2['disk_s']:.4f} s (ratio {ratio:.1f}x)")
     r0 = restored[0]
     print(f"restore of rank 0 ({r0['source']}, read and verified from its own disk): {r0['read_s']:.3f} s "
           f"for {r0['bytes']:,} bytes; peer replica / local: {r2['read_s'] / r0['read_s']:.2f}x")

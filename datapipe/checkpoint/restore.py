@@ -20,6 +20,7 @@ loop of a ``latest`` pointing at a partial folder plus a corrupt replica cannot 
 from __future__ import annotations
 
 import json
+import mmap
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from ..storage.memory import MemoryStore
 from ..storage.store import join_url
 from ..topology import Topology
 from .commit import scan_steps
-from .format import MAX_PART_BYTES, manifest_key, part_key
+from .format import MAX_CHUNK_BYTES, MAX_PART_BYTES, manifest_key, part_key
 from .loader import (
     _check_chunk,
     _check_part,
@@ -164,14 +165,16 @@ def _replica_docs(store: Store, step: int, attempt: str) -> tuple[list[tuple[str
     return [(manifest_key(step), mdata), (entry["key"], pdata)], part["chunks"]
 
 
-def _send_replica(group: _Group, dst: int, store: Store, step: int, attempt: str) -> list[Any]:
+def _send_replica(group: _Group, dst: int, store: Store, step: int, attempt: str) -> tuple[list[Any], str | None]:
     """Start sending a replica to ``dst``, pipelined: sizes and a JSON header naming each
     file (or the reason there is none), the manifest and the part as stored, then each
     chunk as it is read, its send started before the next is read (the receiver takes
     the first chunk while this rank reads the rest; no send waits on a receive, so two
-    ranks sending each other replicas cannot block). A chunk that fails to read after the
-    header went out is sent as zeros of its size (the receiver's checksum refuses it) and
-    named in a warning here."""
+    ranks sending each other replicas cannot block). Returns the sends and what went wrong
+    here after the header went out, if anything: from then on every chunk announced is
+    still sent, a chunk that could not be read (or allocated) as zeros of its size from a
+    read-only map of the zero page, so the receiver's checksum refuses it and neither
+    side waits for what never comes."""
     import torch
     import torch.distributed as dist
 
@@ -187,21 +190,25 @@ def _send_replica(group: _Group, dst: int, store: Store, step: int, attempt: str
     sizes = torch.tensor([len(header), sum(n for _k, n in files)], dtype=torch.int64)
     reqs = [dist.isend(sizes, dst, group=group.group),
             dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group.group)]
+    failed: str | None = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "buffer is not writable": gloo only reads what it sends
         for _k, b in docs:
             reqs.append(dist.isend(torch.frombuffer(b, dtype=torch.uint8), dst, group=group.group))
-    for c in chunks:
-        buf = torch.empty(c["stored_bytes"], dtype=torch.uint8)
-        try:
-            if store.readinto(c["key"], buf.numpy().data) != c["stored_bytes"]:
-                raise CheckpointError(f"{store.url(c['key'])} is shorter than its {c['stored_bytes']} bytes")
-        except Exception as e:
-            buf.zero_()
-            warnings.warn(f"restore: sending the replica of step {step} to rank {dst}: {type(e).__name__}: {e}",
-                          stacklevel=3)
-        reqs.append(dist.isend(buf, dst, group=group.group))
-    return reqs
+        for c in chunks:
+            n = c["stored_bytes"]
+            buf = None
+            if failed is None:
+                try:
+                    buf = torch.empty(n, dtype=torch.uint8)
+                    if store.readinto(c["key"], buf.numpy().data) != n:
+                        raise CheckpointError(f"{store.url(c['key'])} is shorter than its {n} bytes")
+                except Exception as e:
+                    failed, buf = f"{store.url(c['key'])}: {type(e).__name__}: {e}", None
+            if buf is None:
+                buf = torch.frombuffer(mmap.mmap(-1, n, prot=mmap.PROT_READ), dtype=torch.uint8)
+            reqs.append(dist.isend(buf, dst, group=group.group))
+    return reqs, failed
 
 
 def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, attempt: str,
@@ -226,8 +233,9 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
         files = [(str(k), int(n)) for k, n in header["files"]]
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"rank {src} sent a malformed replica header: {e}") from None
-    if any(n < 0 for _k, n in files) or sum(n for _k, n in files) != nb:
-        raise CheckpointError(f"rank {src} sent a file list that does not add up to {nb} bytes")
+    if any(not 0 < n <= MAX_CHUNK_BYTES + (1 << 20) for _k, n in files) or sum(n for _k, n in files) != nb:
+        raise CheckpointError(f"rank {src} sent a file list of sizes that are not a replica's or do not add up "
+                              f"to {nb} bytes")
     got = 0  # files received so far
     pending: list[Any] = []  # the chunks' receives, once posted
     waited = 0  # of them
@@ -251,7 +259,10 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
             mem.put(key, recv_bytes(n))
         _check_attempt(mem, step, attempt)
         _check_origin(mem, step, rank, world)
-        part = _checked_part(mem, _read_manifest(mem, step), 0, where)
+        doc = _read_manifest(mem, step)
+        if doc["world_size"] != 1:
+            raise CheckpointError(f"rank {src} sent a checkpoint of {doc['world_size']} parts as a replica")
+        part = _checked_part(mem, doc, 0, where)
         chunks = part["chunks"]
         if [(c["key"], c["stored_bytes"]) for c in chunks] != files[2:]:
             raise CheckpointError(f"rank {src} announced chunks that are not the ones its part names")
@@ -263,8 +274,8 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
                 else data[c["offset"]: c["offset"] + c["bytes"]] for c in chunks]
         pending = [dist.irecv(b, src, group=group.group) for b in bufs]
         for c, b, q in zip(chunks, bufs, pending):
+            waited += 1  # before the wait: one that raised is not waited again
             q.wait()
-            waited += 1
             _check_chunk(c, view[c["offset"]: c["offset"] + c["bytes"]], b.numpy() if compressed else None,
                          f"{c['key']} (from rank {src})", where)
         return _part_state(part, data, where, map_location), int(part["data_bytes"])
@@ -384,12 +395,13 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], skipped: li
         read_s = 0.0
         nbytes = 0
         reqs: list[Any] = []
+        holder_error: str | None = None
         # 1. as a holder: read the replicas of the ranks that need them and start sending
         if rpn is not None:
             src_rank = source_of(rank, world, rpn)
             c = srcs[src_rank]
             if c is not None and c[0] == PEER_REPLICA:
-                reqs = _send_replica(group, src_rank, held[c[1]], s, a)
+                reqs, holder_error = _send_replica(group, src_rank, held[c[1]], s, a)
         # 2. this rank's own part
         mine_c = srcs[rank]
         if mine_c is None:  # unreachable: a plan holds a source for every rank
@@ -417,8 +429,14 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], skipped: li
         read_s = time.perf_counter() - t0
         for q in reqs:
             q.wait()
-        # 3. agree: a copy that failed anywhere is skipped everywhere
-        results = group.all_gather_json(failure)
+        # 3. agree: a copy that failed anywhere is skipped everywhere; a holder's failure to
+        # read what it sent is named on every rank alike (a warning turned into an error
+        # then stops every rank at once, never one while the others wait for it)
+        agreed = group.all_gather_json([failure, holder_error])
+        results = [f for f, _h in agreed]
+        for r, (_f, h) in enumerate(agreed):
+            if h is not None:
+                warnings.warn(f"restore: rank {r} sending a peer replica of step {s}: {h}", stacklevel=2)
         failed = [(r, f) for r, f in enumerate(results) if f is not None]
         if not failed:
             return RestoreResult(state, s, kind, where, [c[0] for c in srcs if c is not None], notes,

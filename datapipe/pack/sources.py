@@ -96,17 +96,18 @@ def read_fragment(frag: Any, schema: Any, row_groups: list[int]) -> Any:
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
-    with pq.ParquetFile(frag.path, filesystem=frag.filesystem, pre_buffer=False) as f:
-        have = set(f.schema_arrow.names)
-        table = f.read_row_groups(row_groups, columns=[n for n in schema.names if n in have], use_threads=False)
+    # a Hive key wins over a column of the same name in the file, as in pyarrow's scanner
     keys = pads.get_partition_keys(frag.partition_expression)
+    with pq.ParquetFile(frag.path, filesystem=frag.filesystem, metadata=frag.metadata, pre_buffer=False) as f:
+        have = set(f.schema_arrow.names) - set(keys)
+        table = f.read_row_groups(row_groups, columns=[n for n in schema.names if n in have], use_threads=False)
     columns = []
     for column in schema:
-        if column.name in have:
+        if column.name in keys:
+            columns.append(pa.array([keys[column.name]] * table.num_rows, column.type))
+        elif column.name in have:
             col = table.column(column.name)
             columns.append(col if col.type == column.type else col.cast(column.type))
-        elif column.name in keys:
-            columns.append(pa.array([keys[column.name]] * table.num_rows, column.type))
         else:
             columns.append(pa.nulls(table.num_rows, column.type))
     return pa.Table.from_arrays(columns, schema=schema)
