@@ -144,7 +144,10 @@ def test_no_read_starts_arrows_thread_pools(hive, tmp_path):
     script = tmp_path / "no_pool.py"
     script.write_text(_NO_POOL)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # OpenMP and BLAS start their pools lazily on a large enough op: one thread each here, so
+    # that a thread left over can only be Arrow's (its CPU pool also takes OMP_NUM_THREADS)
+    one = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     out = subprocess.run([sys.executable, str(script), hive, str(tmp_path / "packed")], capture_output=True,
-                         text=True, env=dict(os.environ, PYTHONPATH=root), timeout=120)
+                         text=True, env=dict(os.environ, PYTHONPATH=root, **one), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [str(N), str(N), "0"]
