@@ -673,29 +673,23 @@ def test_any_batch_comes_out_of_a_slot_as_it_went_in(batches):
     """Written into a ring of two slots in turn (through a real pickle, as the queue carries
     it), each batch opens equal to what went in, while the batch before it is still held;
     slots grow as needed and come back as batches are dropped."""
-    # Everything alive before this example (torch, earlier examples) is frozen, so the
-    # collection below scans only what this example made (the ring, the opened batches and
-    # any cycle holding a slot): a full collection over the whole heap took ~0.15-0.3 s per
-    # example, most of this test's time. A cycle made here is still collected; a frozen
-    # object never references this example's batches.
-    gc.freeze()
-    try:
-        ring = _ring(2)
-        previous = None
-        for batch in batches:
-            rb = ring.write(0, batch)
-            assert rb is not None  # one batch held, one being written: two slots suffice
-            got = _through(ring, rb)
-            _assert_same_batch(got, batch)
-            if previous is not None:  # the batch before is intact after this one was written
-                _assert_same_batch(previous[1], previous[0])
-            previous = (batch, got)
-            del got
-        del previous
-        gc.collect()
-        assert ring.free[0].get_value() == 2  # every slot came back
-    finally:
-        gc.unfreeze()
+    ring = _ring(2)
+    previous = None
+    for batch in batches:
+        rb = ring.write(0, batch)
+        assert rb is not None  # one batch held, one being written: two slots suffice
+        got = _through(ring, rb)
+        _assert_same_batch(got, batch)
+        if previous is not None:  # the batch before is intact after this one was written
+            _assert_same_batch(previous[1], previous[0])
+        previous = (batch, got)
+        del got
+    del previous
+    # scans only what was made since this test started: conftest froze everything alive
+    # before it (a full
+    # collection of the suite's heap per example was most of this test's time)
+    gc.collect()
+    assert ring.free[0].get_value() == 2  # every slot came back
 
 
 @settings(deadline=None, max_examples=200)
