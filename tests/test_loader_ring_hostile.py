@@ -686,8 +686,7 @@ def test_any_batch_comes_out_of_a_slot_as_it_went_in(batches):
         del got
     del previous
     # scans only what was made since this test started: conftest froze everything alive
-    # before it (a full
-    # collection of the suite's heap per example was most of this test's time)
+    # before it (a full collection of the suite's heap per example was most of its time)
     gc.collect()
     assert ring.free[0].get_value() == 2  # every slot came back
 
