@@ -1,3 +1,4 @@
+import gc
 import os
 import shutil
 import subprocess
@@ -8,6 +9,19 @@ from pathlib import Path
 import pytest
 
 from tools.s3_endpoint import LocalS3
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before each test: collect the garbage of the tests before it, then freeze what is
+    still alive (imported modules, torch, boto and moto, session and module fixtures) so
+    that Python's automatic full collections scan only what this test makes. Unfrozen, a
+    full collection of the suite's heap took 0.3-0.5 s and ran several times in an S3-heavy
+    test (a quarter of the S3 tests' time). Nothing a test makes is frozen before it ends,
+    so its own gc.collect() and finalizers behave as before; objects that stay alive
+    across a test boundary are only no longer rescanned."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

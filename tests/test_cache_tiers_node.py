@@ -215,23 +215,29 @@ def test_reads_complete_through_503s_and_the_limit_goes_down_then_back(tmp_path,
     cache.close()
 
 
-# 12 examples: a garbage not_before may hold a request for the longest pause (5 s), and the
-# suite's time is shared (30 took 25 s)
+# 12 examples: a garbage not_before may hold a request for the longest pause, and the
+# suite's time is shared (30 took 25 s). The longest pause is shortened from 5 s to 0.5 s
+# (see the test): the same clamp is exercised, and an unclamped not_before still hangs.
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(doc=st.binary(max_size=100) | st.dictionaries(
     st.sampled_from(["prefix", "limit", "not_before", "streak", "min_limit", "throttled", "x"]),
     st.none() | st.booleans() | st.integers(-10**18, 10**18) | st.floats() | st.text(max_size=5),
     max_size=6).map(lambda d: json.dumps({**d, "prefix": "s3://b/ds"}).encode()))
-def test_a_pacing_state_file_with_garbage_never_stops_requests(tmp_path, doc):
+def test_a_pacing_state_file_with_garbage_never_stops_requests(tmp_path, monkeypatch, doc):
     """Whatever the node's state file says, a request goes out within the longest pause
     and the limit stays within [1, ceiling]."""
-    root = tmp_path / os.urandom(6).hex()
-    pacer = ColdPacer(str(root), ceiling=4)
-    p = "s3://b/ds"
-    (root / "pacing" / (pacer._name(p) + ".json")).write_bytes(doc)
-    assert pacer.call(p, lambda: "answered") == "answered"
-    assert 1 <= pacer.limit(p) <= 4
-    pacer.close()
+    from datapipe.cache import pacing
+
+    assert pacing._BACKOFF_MAX_S == 5.0  # what this shortens: a far not_before waited 5 s
+    with monkeypatch.context() as m:  # per example: restored before the next one
+        m.setattr(pacing, "_BACKOFF_MAX_S", 0.5)
+        root = tmp_path / os.urandom(6).hex()
+        pacer = ColdPacer(str(root), ceiling=4)
+        p = "s3://b/ds"
+        (root / "pacing" / (pacer._name(p) + ".json")).write_bytes(doc)
+        assert pacer.call(p, lambda: "answered") == "answered"
+        assert 1 <= pacer.limit(p) <= 4
+        pacer.close()
 
 
 def test_a_request_that_waits_past_its_attempt_gives_up_without_taking_a_slot(tmp_path):

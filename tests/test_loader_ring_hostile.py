@@ -281,12 +281,17 @@ def test_a_write_that_fails_midway_keeps_its_slot():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ctx", ["fork", "spawn"])
-def test_a_worker_killed_mid_pass_raises_and_leaves_nothing(url, ctx):
+def test_a_worker_killed_mid_pass_raises_and_leaves_nothing(url, ctx, monkeypatch):
     """SIGKILL one worker after the second batch: the loader raises a RuntimeError naming a
     worker (not the ConnectionRefusedError that fetching a slot's descriptor from the dead
     worker hit), and again on the next pass, never hangs, and leaves no file in /dev/shm
-    (slots are memfds). About 6 s: torch notices
-    a dead worker of a resumed pass after its 5 s status interval."""
+    (slots are memfds). torch notices a dead worker of a resumed pass when its status
+    check runs: every 5 s (MP_STATUS_CHECK_INTERVAL, bound as _try_get_data's default
+    timeout), here every 0.5 s; the same check, sooner (it was ~5 s of this test's ~6 s)."""
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    assert _MultiProcessingDataLoaderIter._try_get_data.__defaults__ == (5.0,)  # what this shortens
+    monkeypatch.setattr(_MultiProcessingDataLoaderIter._try_get_data, "__defaults__", (0.5,))
     shm = set(os.listdir("/dev/shm"))
     _, loader = _plain_loader(url, ctx, num_workers=2, batch_size=4)
     got = 0
@@ -680,6 +685,8 @@ def test_any_batch_comes_out_of_a_slot_as_it_went_in(batches):
         previous = (batch, got)
         del got
     del previous
+    # scans only what was made since this test started: conftest froze everything alive
+    # before it (a full collection of the suite's heap per example was most of its time)
     gc.collect()
     assert ring.free[0].get_value() == 2  # every slot came back
 
