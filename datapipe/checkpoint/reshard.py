@@ -53,6 +53,7 @@ __all__ = ["SavedStep", "load_into", "load_part_full", "is_sharded", "SLAB_BYTES
 
 SLAB_BYTES = 16 << 20  # source span one read task covers (memory in flight: threads x this)
 READ_THREADS = 8
+INDEX_FRAMING_BYTES = 4096  # a parts index's bytes besides its part documents (plus 2 per part)
 
 
 def is_sharded(part: dict[str, Any]) -> bool:
@@ -185,6 +186,11 @@ class SavedStep:
                 raise CorruptCheckpointError(
                     f"part {r} lies at {off!r:.40} + {n!r:.40} bytes, not after byte {end} inside its {size} bytes")
             end = off + n
+        framing = size - sum(e["doc_bytes"] for e in entries)
+        if framing > INDEX_FRAMING_BYTES + 2 * len(entries):
+            # the header, separators and end hold a few bytes: reading the index never reads
+            # much more than the part files it stands for
+            raise CorruptCheckpointError(f"its {size} bytes hold {framing} bytes besides the part documents")
         _confine(self.store, key, url)
         got = self.store.size(key)
         if got != size:
