@@ -18,6 +18,7 @@ import os
 import shutil
 import threading
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ from datapipe.checksum import checksum
 from datapipe.errors import NoCheckpointError
 from datapipe.storage import open_store
 from datapipe.storage.local import LocalStore
+from datapipe.storage.remote import FsspecStore
 
 WORLD = 4
 W = torch.arange(16 * 5, dtype=torch.float32).reshape(16, 5)  # Shard(0): 4 rows per saving rank
@@ -43,7 +45,7 @@ def _state(r: int) -> dict:
             "loader": {"epoch": 1, "pos": [r, 5]}}
 
 
-def _save(url: str, steps: tuple[int, ...] = (1,), run_id: str = "fixed", **kw) -> None:
+def _save(url: str, steps: tuple[int, ...] = (1,), run_id: str = "fixed", **kw: Any) -> None:
     writers = [CheckpointWriter(url, rank=r, world_size=WORLD, run_id=run_id, **kw) for r in range(WORLD)]
     try:
         for step in steps:
@@ -66,20 +68,20 @@ def _check(out: dict, into: dict, rank: int) -> None:
 
 
 class Reads:
-    """Every call of LocalStore's read methods (get, get_range, readinto) by key."""
+    """Every call of a store class's read methods (get, get_range, readinto) by key."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, cls: type = LocalStore) -> None:
         self.calls: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         for name in ("get", "get_range", "readinto"):
-            real = getattr(LocalStore, name)
+            real = getattr(cls, name)
 
             def counted(store, key, *a, _real=real, _name=name, **k):
                 with self._lock:
                     self.calls.append((_name, key))
                 return _real(store, key, *a, **k)
 
-            monkeypatch.setattr(LocalStore, name, counted)
+            monkeypatch.setattr(cls, name, counted)
 
     def clear(self) -> None:
         self.calls.clear()
@@ -155,13 +157,28 @@ def test_a_resharding_load_reads_the_parts_through_one_index_request(url, monkey
         reads.clear()
         into = _into(rank)
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # no fallback on a good checkpoint
+            warnings.simplefilter("error", UserWarning)  # no fallback on a good checkpoint
             out = load_checkpoint(url, into=into, rank=rank)
         _check(out, into, rank)
         print(f"loading rank {rank}: {len(reads.of_parts())} part-document reads, "
               f"{len(reads.of_index())} parts-index reads")
         assert reads.of_parts() == []
         assert len(reads.of_index()) == 1
+
+
+def test_on_s3_a_resharding_load_makes_one_request_for_the_parts(s3, monkeypatch):
+    root, opts = s3
+    url = f"{root}/ckpt"
+    _save(url, storage_options=opts)
+    reads = Reads(monkeypatch, FsspecStore)
+    for rank in (0, 1):
+        reads.clear()
+        into = _into(rank)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            out = load_checkpoint(url, into=into, rank=rank, storage_options=opts)
+        _check(out, into, rank)
+        assert reads.of_parts() == [] and len(reads.of_index()) == 1
 
 
 # -- (2) a damaged index ------------------------------------------------------------------------
