@@ -2,8 +2,10 @@
 
 The commit rule: a checkpoint exists once ``step-N/manifest.json`` exists and verifies.
 Rank 0 writes it only after finding every rank's part document in storage; a rank writes
-its part only after all of its chunks are durable. Coordination goes through storage
-alone, never through the training process group. ``latest`` moves after the manifest;
+its part only after all of its chunks are durable. In between, rank 0 writes the parts
+index of a multi-rank step (the part documents it just read, in one object), so that a
+reader of every part makes one request instead of one per rank. Coordination goes through
+storage alone, never through the training process group. ``latest`` moves after the manifest;
 retention runs after that and deletes a manifest before the data it names.
 """
 
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from ..checksum import checksum
 from ..errors import CheckpointError, ObjectNotFoundError, StorageError
 from ..storage import Store
 from .format import (
@@ -23,15 +26,17 @@ from .format import (
     MAX_LATEST_BYTES,
     decode_doc,
     encode_doc,
+    encode_parts_index,
     is_data_key,
     manifest_key,
     parse_step_dir,
     part_key,
+    parts_index_key,
     step_dir,
 )
 
-__all__ = ["sync_dirs", "await_parts", "write_manifest", "write_latest", "apply_retention", "scan_steps",
-           "read_latest_step"]
+__all__ = ["sync_dirs", "await_parts", "write_parts_index", "write_manifest", "write_latest", "apply_retention",
+           "scan_steps", "read_latest_step"]
 
 
 def sync_dirs(store: Store, key: str) -> None:
@@ -41,13 +46,14 @@ def sync_dirs(store: Store, key: str) -> None:
     store.sync_parents(key)
 
 
-def await_parts(store: Store, step: int, attempt: str, world_size: int, timeout: float) -> list[dict[str, Any]]:
-    """Poll storage until every rank's part document of this attempt exists; return
-    ``[{rank, key, checksum-free doc bytes info}]`` in rank order."""
-    from ..checksum import checksum
-
+def await_parts(store: Store, step: int, attempt: str, world_size: int,
+                timeout: float) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """Poll storage until every rank's part document of this attempt exists; return the
+    manifest's entries ``{rank, key, checksum, doc_bytes, data_bytes, stored_bytes}`` and
+    the documents' bytes, both in rank order."""
     deadline = time.monotonic() + timeout
     found: dict[int, dict[str, Any]] = {}
+    docs: dict[int, bytes] = {}
     delay = 0.005
     while True:
         for r in range(world_size):
@@ -67,10 +73,11 @@ def await_parts(store: Store, step: int, attempt: str, world_size: int, timeout:
                     f"rank {doc.get('rank')}/{doc.get('world_size')}, expected step {step} attempt "
                     f"{attempt!r} rank {r}/{world_size}"
                 )
-            found[r] = {"rank": r, "key": key, "checksum": checksum(data),
+            found[r] = {"rank": r, "key": key, "checksum": checksum(data), "doc_bytes": len(data),
                         "data_bytes": doc["data_bytes"], "stored_bytes": doc["stored_bytes"]}
+            docs[r] = data
         if len(found) == world_size:
-            return [found[r] for r in range(world_size)]
+            return [found[r] for r in range(world_size)], [docs[r] for r in range(world_size)]
         if time.monotonic() > deadline:
             missing = sorted(set(range(world_size)) - set(found))
             raise CheckpointError(
@@ -84,10 +91,27 @@ def await_parts(store: Store, step: int, attempt: str, world_size: int, timeout:
         delay = min(delay * 1.25, 0.5)
 
 
+def write_parts_index(store: Store, step: int, attempt: str, parts: list[dict[str, Any]],
+                      docs: list[bytes]) -> dict[str, Any]:
+    """Write the parts index of this attempt (every part document, byte for byte, in rank
+    order) and return the manifest's record of it, ``{key, bytes, checksum}``; each entry
+    of ``parts`` gets the ``index_offset`` of its document. Written before the manifest
+    and durable when ``put`` returns: an attempt killed here has no manifest, so nothing
+    about it looks complete, and retention deletes the index with the attempt."""
+    data, offsets = encode_parts_index(step, attempt, docs)
+    key = parts_index_key(step, attempt)
+    store.put(key, data)
+    for entry, off in zip(parts, offsets):
+        entry["index_offset"] = off
+    return {"key": key, "bytes": len(data), "checksum": checksum(data)}
+
+
 def write_manifest(store: Store, step: int, attempt: str, world_size: int,
-                   parts: list[dict[str, Any]], origin: dict[str, int] | None = None) -> None:
+                   parts: list[dict[str, Any]], origin: dict[str, int] | None = None,
+                   parts_index: dict[str, Any] | None = None) -> None:
     """``origin``: in a node-local tier, the job rank and world size whose one part this
-    one-part checkpoint holds (docs/CHECKPOINT_FORMAT.md, "Tiers")."""
+    one-part checkpoint holds (docs/CHECKPOINT_FORMAT.md, "Tiers"). ``parts_index``: the
+    record :func:`write_parts_index` returned, if the step has one."""
     doc: dict[str, Any] = {
         "step": step,
         "attempt": attempt,
@@ -99,6 +123,8 @@ def write_manifest(store: Store, step: int, attempt: str, world_size: int,
     }
     if origin is not None:
         doc["origin"] = origin
+    if parts_index is not None:
+        doc["parts_index"] = parts_index
     # The step directory and its entry in the root are durable already (the chunks'
     # sync_dirs); publishing fsyncs the step directory with the manifest's entry.
     store.put(manifest_key(step), encode_doc(doc, "manifest"))

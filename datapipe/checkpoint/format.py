@@ -1,5 +1,6 @@
 """The on-storage layout of a checkpoint (docs/CHECKPOINT_FORMAT.md): object keys and the
-two JSON documents, the per-rank *part* and the commit *manifest*.
+two JSON documents, the per-rank *part* and the commit *manifest*, plus the *parts index*
+(every part document of a multi-rank step in one object, for readers of all parts).
 
 Both documents carry a checksum of their own canonical JSON, so a flipped byte in
 metadata is caught like one in tensor data. Nothing here imports torch: the format is
@@ -22,6 +23,8 @@ __all__ = [
     "step_dir",
     "manifest_key",
     "part_key",
+    "parts_index_key",
+    "encode_parts_index",
     "chunk_key",
     "parse_step_dir",
     "parse_attempt",
@@ -41,6 +44,7 @@ FORMAT = "datapipe.checkpoint"
 VERSION = 1
 LATEST_KEY = "latest"
 MANIFEST_NAME = "manifest.json"
+PARTS_INDEX_NAME = "parts-index.json"
 
 _STEP_RE = re.compile(r"^step-(\d{12})$")
 # <run_id>-<n>: run_id as run_id.agree_run_id allows it, n the writer's save count
@@ -71,6 +75,35 @@ def part_key(step: int, attempt: str, rank: int) -> str:
     return f"{step_dir(step)}/{attempt}/part-{rank:05d}.json"
 
 
+def parts_index_key(step: int, attempt: str) -> str:
+    return f"{step_dir(step)}/{attempt}/{PARTS_INDEX_NAME}"
+
+
+def encode_parts_index(step: int, attempt: str, docs: list[bytes]) -> tuple[bytes, list[int]]:
+    """The parts index of one attempt: ``docs`` (each rank's part document, its exact
+    bytes, in rank order) inside one JSON object, and the offset of each document in it.
+
+    The documents are copied byte for byte, so a reader slices rank ``r``'s out at
+    ``[offset, offset + len)`` and checks it against the checksum the manifest already
+    records for that part file; the object stays valid JSON for tools (each part is a JSON
+    object, joined as the items of ``"parts"``). It carries no checksum of its own: the
+    manifest records its size and checksum."""
+    head = json.dumps({"format": FORMAT, "kind": "parts_index", "version": VERSION, "step": step,
+                       "attempt": attempt, "world_size": len(docs)}, sort_keys=True)
+    out = [head[:-1].encode() + b', "parts": [\n']
+    pos = len(out[0])
+    offsets = []
+    for i, doc in enumerate(docs):
+        if i:
+            out.append(b",\n")
+            pos += 2
+        offsets.append(pos)
+        out.append(doc)
+        pos += len(doc)
+    out.append(b"\n]}\n")
+    return b"".join(out), offsets
+
+
 def chunk_key(step: int, attempt: str, rank: int, index: int) -> str:
     return f"{step_dir(step)}/{attempt}/rank-{rank:05d}/chunk-{index:06d}.bin"
 
@@ -97,13 +130,14 @@ def parse_step_dir(name: str) -> int | None:
 
 
 _DATA_KEY_RE = re.compile(
-    r"^step-\d{12}/[A-Za-z0-9_]{1,64}-\d{1,9}/(part-\d{5}\.json|rank-\d{5}/chunk-\d{6}\.bin)$"
+    r"^step-\d{12}/[A-Za-z0-9_]{1,64}-\d{1,9}/(part-\d{5}\.json|parts-index\.json|rank-\d{5}/chunk-\d{6}\.bin)$"
 )
 
 
 def is_data_key(key: str) -> bool:
-    """Whether ``key`` is a part or chunk name this format writes (retention deletes
-    only such keys and manifests, never a file someone else put in the folder)."""
+    """Whether ``key`` is a part, parts index or chunk name this format writes inside an
+    attempt (retention deletes only such keys and manifests, never a file someone else
+    put in the folder)."""
     return bool(_DATA_KEY_RE.match(key))
 
 

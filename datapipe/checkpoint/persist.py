@@ -23,7 +23,15 @@ from ..checksum import Hasher
 from ..errors import CheckpointError
 from ..storage import Store, open_store
 from ..storage.store import join_url
-from .commit import apply_retention, await_parts, scan_steps, sync_dirs, write_latest, write_manifest
+from .commit import (
+    apply_retention,
+    await_parts,
+    scan_steps,
+    sync_dirs,
+    write_latest,
+    write_manifest,
+    write_parts_index,
+)
 from .format import MAX_PART_BYTES, block_checksums, chunk_key, encode_doc, manifest_key, parse_attempt, part_key
 from .lease import Lease
 from .replicate import PeerLink
@@ -299,9 +307,13 @@ class Persister:
         m.update(write_s=t1 - t0, write_gbps=total / (t1 - t0) / 1e9 if t1 > t0 else float("inf"),
                  stored_bytes=doc["stored_bytes"])
         if tg.commits:
-            parts = await_parts(tg.store, step, attempt, tg.world_size, self.commit_timeout)
+            parts, docs = await_parts(tg.store, step, attempt, tg.world_size, self.commit_timeout)
+            # A reader of every part (a load onto another world size) then makes one
+            # request, not world_size; a one-part checkpoint needs no index.
+            index = write_parts_index(tg.store, step, attempt, parts, docs) if tg.world_size > 1 else None
+            del docs
             tg.lease.check(f"committing step {step}")  # type: ignore[union-attr]
-            write_manifest(tg.store, step, attempt, tg.world_size, parts, tg.origin)
+            write_manifest(tg.store, step, attempt, tg.world_size, parts, tg.origin, index)
             m["committed"] = True
             try:
                 write_latest(tg.store, step, attempt)

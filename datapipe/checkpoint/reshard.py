@@ -17,6 +17,11 @@ path and rank, the same dtype and global shape in every part, boxes inside the g
 shape, a stored piece holding exactly its box's bytes inside its rank's data, and the
 stored pieces of a tensor tiling it exactly (no overlap, nothing missing). A defect is a
 :class:`CorruptCheckpointError` naming the part file.
+
+The part documents come from the step's parts index when the manifest names one (one
+request per reader instead of one per saved rank), each document sliced out of it and
+checked against the checksum the manifest records for that part file; an index that is
+missing or fails a check is a warning naming it, and the parts are then read one by one.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import concurrent.futures as cf
 import math
 import sys
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,18 +41,19 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..checksum import checksum
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, StorageError
 from ..storage import Store
 from ..topology import Topology
 from .dtensor import LocalShard, Replicated, _dtensor_type, dtensor_box
 from .flatten import unflatten
-from .format import MAX_CHUNK_BYTES, MAX_PART_BYTES
+from .format import MAX_CHUNK_BYTES, MAX_PART_BYTES, decode_doc, parts_index_key
 from .loader import MAX_NDIM, _build_leaf, _check_part, _confine, _is_int, _leaf_dtype, _read_doc, _unzstd_chunk
 
 __all__ = ["SavedStep", "load_into", "load_part_full", "is_sharded", "SLAB_BYTES"]
 
 SLAB_BYTES = 16 << 20  # source span one read task covers (memory in flight: threads x this)
 READ_THREADS = 8
+INDEX_FRAMING_BYTES = 4096  # a parts index's bytes besides its part documents (plus 2 per part)
 
 
 def is_sharded(part: dict[str, Any]) -> bool:
@@ -120,8 +127,11 @@ class SavedStep:
         self.store, self.step, self.where, self.threads = store, step, where, threads
         ws = manifest["world_size"]
         self.world_size = ws
-        with cf.ThreadPoolExecutor(max(1, min(threads, ws)), thread_name_prefix="datapipe-ckpt-meta") as pool:
-            self.parts = list(pool.map(lambda r: self._read_part(manifest, r), range(ws)))
+        parts = self._parts_from_index(manifest)
+        if parts is None:
+            with cf.ThreadPoolExecutor(max(1, min(threads, ws)), thread_name_prefix="datapipe-ckpt-meta") as pool:
+                parts = list(pool.map(lambda r: self._read_part(manifest, r), range(ws)))
+        self.parts = parts
         self.part_urls = [store.url(e["key"]) for e in manifest["parts"]]
         self.chunk_starts = [[c["offset"] for c in p["chunks"]] for p in self.parts]
         self._sizes: dict[tuple[int, int], int] = {}
@@ -139,6 +149,64 @@ class SavedStep:
             why = _tiles(gt, self.part_urls)
             if why is not None:
                 raise CorruptCheckpointError(f"{self.where}: global tensor {gt.path!r:.100}: {why}")
+
+    def _parts_from_index(self, manifest: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Every part, checked, from the parts index the manifest names; None when it names
+        none (a checkpoint written before the index existed) or the index fails a check
+        (a warning names it): the caller then reads each part file."""
+        record = manifest.get("parts_index")
+        if record is None:
+            return None
+        key = parts_index_key(self.step, manifest["attempt"])
+        try:
+            return self._read_parts_index(manifest, record, key)
+        except (CorruptCheckpointError, StorageError) as e:
+            # The part files are the truth the manifest commits to; the index is a copy of
+            # them for speed, so a damaged or lost copy costs requests, not the checkpoint.
+            warnings.warn(f"{self.where}: parts index {self.store.url(key)} not used ({e}); reading the "
+                          f"{self.world_size} part documents one by one", stacklevel=2)
+            return None
+
+    def _read_parts_index(self, manifest: dict[str, Any], record: Any, key: str) -> list[dict[str, Any]]:
+        """The parts sliced out of the index. Before a byte is read: the manifest's record
+        names this attempt's index, its slices lie in order inside its size, and the object
+        in the store has that size. Then the whole object against the manifest's checksum,
+        and each slice against the checksum the manifest records for that part file (so it
+        is that file's exact bytes) before it is parsed and checked like a part file."""
+        url = self.store.url(key)
+        entries = manifest["parts"]
+        if not (isinstance(record, dict) and record.get("key") == key and _is_int(record.get("bytes"))
+                and isinstance(record.get("checksum"), str)):
+            raise CorruptCheckpointError(f"the manifest's record of it is malformed ({record!r:.200})")
+        size = record["bytes"]
+        end = 0
+        for r, e in enumerate(entries):
+            off, n = e.get("index_offset"), e.get("doc_bytes")
+            if not (_is_int(off) and _is_int(n, 1, MAX_PART_BYTES) and off >= end and off + n <= size):
+                raise CorruptCheckpointError(
+                    f"part {r} lies at {off!r:.40} + {n!r:.40} bytes, not after byte {end} inside its {size} bytes")
+            end = off + n
+        framing = size - sum(e["doc_bytes"] for e in entries)
+        if framing > INDEX_FRAMING_BYTES + 2 * len(entries):
+            # the header, separators and end hold a few bytes: reading the index never reads
+            # much more than the part files it stands for
+            raise CorruptCheckpointError(f"its {size} bytes hold {framing} bytes besides the part documents")
+        _confine(self.store, key, url)
+        got = self.store.size(key)
+        if got != size:
+            raise CorruptCheckpointError(f"it holds {got} bytes, the manifest records {size}")
+        data = memoryview(self.store.get_range(key, 0, size))  # the probed size, even if it grew since
+        if checksum(data) != record["checksum"]:
+            raise CorruptCheckpointError("it does not match its manifest checksum")
+        parts = []
+        for r, e in enumerate(entries):
+            doc = data[e["index_offset"] : e["index_offset"] + e["doc_bytes"]]
+            if checksum(doc) != e["checksum"]:
+                raise CorruptCheckpointError(f"its bytes of part {r} do not match the checksum of {e['key']}")
+            part = decode_doc(bytes(doc), "part", self.store.url(e["key"]))
+            _check_part(part, e, self.step, manifest["attempt"], r, self.world_size, self.where)
+            parts.append(part)
+        return parts
 
     def _read_part(self, manifest: dict[str, Any], r: int) -> dict[str, Any]:
         entry = manifest["parts"][r]
