@@ -147,6 +147,7 @@ def test_full_disk_reads_through_with_a_warning(tmp_path):
     assert proc.exitcode == 0
     assert sums == [checksum(open(u, "rb").read()) for u in urls]
     assert stats["cold_reads"] == 3 and stats["warm_fills"] == 0
+    assert stats["warm_not_admitted"] == 3  # each read went through, as a refused one does
     assert stats["warnings_warm_full"] == 3
     assert len([m for m in warns if "reading through" in m]) == 1  # warned once
     assert os.listdir(tmp_path / "warm" / "tmp") == []

@@ -114,10 +114,12 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
                     state.warn("warm_full", f"warm cache {warm.root} is full ({e}); reading through")
                     if pin and not read_through:
                         raise CacheBudgetError(f"cannot keep a local copy of {url}: {e}") from e
+                    state.stats.update({f"{tier}_not_admitted": 1})  # read through, as a refusal is
                     return data
                 if e.errno in BROKEN_DIR_ERRNOS and (not pin or read_through):
                     if level == 0:
                         state.warm_broken(e)
+                    state.stats.update({f"{tier}_not_admitted": 1})
                     return data
                 raise StorageError(f"warm cache {warm.root}: could not keep the copy of "
                                    f"{url} ({e})") from e
