@@ -323,3 +323,65 @@ def _index_path_of(url: str, step: int) -> str:
     sdir = os.path.join(url, f"step-{step:012d}")
     (attempt,) = [d for d in os.listdir(sdir) if os.path.isdir(os.path.join(sdir, d))]
     return os.path.join(sdir, attempt, INDEX)
+
+
+def test_an_unreadable_index_falls_back_to_the_part_files(url, monkeypatch):
+    """An I/O error on the index itself (EIO, EACCES on a local disk: a plain OSError)
+    costs requests, not the load."""
+    import errno
+
+    real = LocalStore.get_range
+
+    def get_range(store, key, *a, **k):
+        if key.endswith("/" + INDEX):
+            raise OSError(errno.EIO, "injected: Input/output error")
+        return real(store, key, *a, **k)
+
+    monkeypatch.setattr(LocalStore, "get_range", get_range)
+    reads = Reads(monkeypatch)
+    out, into, msgs = _load_warned(url, 0)
+    _check(out, into, 0)
+    assert any("injected" in m and INDEX in m for m in msgs), msgs
+    assert len(reads.of_parts()) == WORLD
+
+
+def test_an_index_that_cannot_be_written_does_not_cost_the_save(tmp_path, monkeypatch):
+    """The index is a copy for speed: a save whose index write fails (a full disk) commits
+    without it, with a warning, and loads through the part files."""
+    import errno
+
+    real = LocalStore.put
+
+    def put(store, key, data, *a, **k):
+        if key.endswith("/" + INDEX):
+            raise OSError(errno.ENOSPC, "injected: No space left on device")
+        return real(store, key, data, *a, **k)
+
+    monkeypatch.setattr(LocalStore, "put", put)
+    url = str(tmp_path / "c")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _save(url)
+    assert any("parts index could not be written" in str(w.message) for w in caught)
+    assert [(c.step, c.complete) for c in list_checkpoints(url)] == [(1, True)]
+    m = _manifest(url)
+    assert "parts_index" not in m and all("index_offset" not in p for p in m["parts"])
+    out, into, msgs = _load_warned(url, 1)
+    _check(out, into, 1)
+    assert not msgs
+
+
+def test_part_documents_past_the_cap_get_no_index(tmp_path, monkeypatch):
+    """Above PARTS_INDEX_MAX_BYTES of part documents rank 0 keeps none of them in memory
+    and writes no index (here the cap is set below this step's documents)."""
+    from datapipe.checkpoint import persist
+
+    monkeypatch.setattr(persist, "PARTS_INDEX_MAX_BYTES", 100)
+    url = str(tmp_path / "c")
+    _save(url)
+    m = _manifest(url)
+    assert "parts_index" not in m and sum(p["doc_bytes"] for p in m["parts"]) > 100
+    assert not any(f == INDEX for _d, _s, fs in os.walk(url) for f in fs)
+    out, into, msgs = _load_warned(url, 0)
+    _check(out, into, 0)
+    assert not msgs

@@ -47,13 +47,15 @@ def sync_dirs(store: Store, key: str) -> None:
 
 
 def await_parts(store: Store, step: int, attempt: str, world_size: int,
-                timeout: float) -> tuple[list[dict[str, Any]], list[bytes]]:
+                timeout: float, keep_docs: int = 0) -> tuple[list[dict[str, Any]], list[bytes] | None]:
     """Poll storage until every rank's part document of this attempt exists; return the
     manifest's entries ``{rank, key, checksum, doc_bytes, data_bytes, stored_bytes}`` and
-    the documents' bytes, both in rank order."""
+    the documents' bytes, both in rank order; the bytes only while they add up to at most
+    ``keep_docs`` (else None: none are kept past that)."""
     deadline = time.monotonic() + timeout
     found: dict[int, dict[str, Any]] = {}
-    docs: dict[int, bytes] = {}
+    docs: dict[int, bytes] | None = {}
+    kept = 0
     delay = 0.005
     while True:
         for r in range(world_size):
@@ -75,9 +77,14 @@ def await_parts(store: Store, step: int, attempt: str, world_size: int,
                 )
             found[r] = {"rank": r, "key": key, "checksum": checksum(data), "doc_bytes": len(data),
                         "data_bytes": doc["data_bytes"], "stored_bytes": doc["stored_bytes"]}
-            docs[r] = data
+            kept += len(data)
+            if docs is not None:
+                docs[r] = data
+                if kept > keep_docs:
+                    docs = None
         if len(found) == world_size:
-            return [found[r] for r in range(world_size)], [docs[r] for r in range(world_size)]
+            return [found[r] for r in range(world_size)], (None if docs is None else
+                                                            [docs[r] for r in range(world_size)])
         if time.monotonic() > deadline:
             missing = sorted(set(range(world_size)) - set(found))
             raise CheckpointError(

@@ -24,6 +24,7 @@ __all__ = [
     "manifest_key",
     "part_key",
     "parts_index_key",
+    "PARTS_INDEX_MAX_BYTES",
     "encode_parts_index",
     "chunk_key",
     "parse_step_dir",
@@ -45,6 +46,9 @@ VERSION = 1
 LATEST_KEY = "latest"
 MANIFEST_NAME = "manifest.json"
 PARTS_INDEX_NAME = "parts-index.json"
+#: a step whose part documents add up to more gets no parts index: rank 0 would hold them
+#: twice while writing it, and each reader would fetch that much in one request anyway
+PARTS_INDEX_MAX_BYTES = 1 << 30
 
 _STEP_RE = re.compile(r"^step-(\d{12})$")
 # <run_id>-<n>: run_id as run_id.agree_run_id allows it, n the writer's save count
@@ -52,7 +56,7 @@ _ATTEMPT_RE = re.compile(r"^([A-Za-z0-9_]{1,64})-(\d{1,9})$")
 
 # Bounds a reader enforces before it parses or allocates anything named by a document.
 # A writer never produces more (writer.py refuses such states at save()).
-MAX_MANIFEST_BYTES = 64 << 20  # ~400k ranks
+MAX_MANIFEST_BYTES = 64 << 20  # ~270k ranks (~245 bytes per part entry)
 MAX_PART_BYTES = 256 << 20
 MAX_LATEST_BYTES = 64 << 10
 MAX_JSON_DEPTH = 400  # a state nested 100 containers deep encodes to ~302 levels

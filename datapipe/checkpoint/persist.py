@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checksum import Hasher
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StorageError
 from ..storage import Store, open_store
 from ..storage.store import join_url
 from .commit import (
@@ -32,7 +32,16 @@ from .commit import (
     write_manifest,
     write_parts_index,
 )
-from .format import MAX_PART_BYTES, block_checksums, chunk_key, encode_doc, manifest_key, parse_attempt, part_key
+from .format import (
+    MAX_PART_BYTES,
+    PARTS_INDEX_MAX_BYTES,
+    block_checksums,
+    chunk_key,
+    encode_doc,
+    manifest_key,
+    parse_attempt,
+    part_key,
+)
 from .lease import Lease
 from .replicate import PeerLink
 from .tiers import Tier, own_dir, replica_dir
@@ -307,10 +316,20 @@ class Persister:
         m.update(write_s=t1 - t0, write_gbps=total / (t1 - t0) / 1e9 if t1 > t0 else float("inf"),
                  stored_bytes=doc["stored_bytes"])
         if tg.commits:
-            parts, docs = await_parts(tg.store, step, attempt, tg.world_size, self.commit_timeout)
             # A reader of every part (a load onto another world size) then makes one
             # request, not world_size; a one-part checkpoint needs no index.
-            index = write_parts_index(tg.store, step, attempt, parts, docs) if tg.world_size > 1 else None
+            parts, docs = await_parts(tg.store, step, attempt, tg.world_size, self.commit_timeout,
+                                      keep_docs=PARTS_INDEX_MAX_BYTES if tg.world_size > 1 else 0)
+            index = None
+            if docs is not None and tg.world_size > 1:
+                try:
+                    index = write_parts_index(tg.store, step, attempt, parts, docs)
+                except (OSError, StorageError) as e:  # a copy for speed: the step commits without it
+                    for p in parts:
+                        p.pop("index_offset", None)
+                    warnings.warn(f"step {step}: the parts index could not be written at {tg.store.root} "
+                                  f"({type(e).__name__}: {e}); committing without it (a load onto another "
+                                  "world size reads each part document)", stacklevel=1)
             del docs
             tg.lease.check(f"committing step {step}")  # type: ignore[union-attr]
             write_manifest(tg.store, step, attempt, tg.world_size, parts, tg.origin, index)

@@ -160,7 +160,7 @@ class SavedStep:
         key = parts_index_key(self.step, manifest["attempt"])
         try:
             return self._read_parts_index(manifest, record, key)
-        except (CorruptCheckpointError, StorageError) as e:
+        except (CorruptCheckpointError, StorageError, OSError) as e:
             # The part files are the truth the manifest commits to; the index is a copy of
             # them for speed, so a damaged or lost copy costs requests, not the checkpoint.
             warnings.warn(f"{self.where}: parts index {self.store.url(key)} not used ({e}); reading the "
