@@ -81,8 +81,8 @@ def _confine(store: Store, key: str, where: str) -> None:
             )
 
 
-def _read_doc(store: Store, key: str, kind: str, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
-    """A document's bytes and its verified JSON, its size probed before it is read."""
+def _read_doc_bytes(store: Store, key: str, kind: str, max_bytes: int) -> bytes:
+    """A document's bytes, its size probed before it is read."""
     url = store.url(key)
     _confine(store, key, url)
     size = store.size(key)
@@ -91,7 +91,25 @@ def _read_doc(store: Store, key: str, kind: str, max_bytes: int) -> tuple[bytes,
     data = store.get(key)
     if len(data) > max_bytes:
         raise CorruptCheckpointError(f"{url}: grew past {max_bytes} bytes while read")
-    return data, decode_doc(data, kind, url)
+    return data
+
+
+def _read_doc(store: Store, key: str, kind: str, max_bytes: int) -> tuple[bytes, dict[str, Any]]:
+    """A document's bytes and its verified JSON, its size probed before it is read."""
+    data = _read_doc_bytes(store, key, kind, max_bytes)
+    return data, decode_doc(data, kind, store.url(key))
+
+
+def _part_of(pdata: bytes, entry: dict[str, Any], step: int, attempt: str, r: int, ws: int, url: str,
+             where: str) -> dict[str, Any]:
+    """The part document ``pdata`` that the manifest's ``entry`` names (read from its file,
+    or sliced out of the parts index): checked against the entry's checksum before it is
+    parsed, then its shape and chunk layout checked."""
+    if checksum(pdata) != entry["checksum"]:
+        raise CorruptCheckpointError(f"{where}: part {url} does not match its manifest checksum")
+    part = decode_doc(pdata, "part", url)
+    _check_part(part, entry, step, attempt, r, ws, where)
+    return part
 
 
 def _read_manifest(store: Store, step: int) -> dict[str, Any]:
@@ -381,10 +399,8 @@ def _checked_part(store: Store, doc: dict[str, Any], r: int, where: str) -> dict
     """The part of rank ``r`` named by the verified manifest ``doc``: its checksum, shape
     and chunk layout checked; a one-part checkpoint must hold every leaf's bytes."""
     entry = doc["parts"][r]
-    pdata, part = _read_doc(store, entry["key"], "part", MAX_PART_BYTES)
-    if checksum(pdata) != entry["checksum"]:
-        raise CorruptCheckpointError(f"{where}: part {store.url(entry['key'])} does not match its manifest checksum")
-    _check_part(part, entry, doc["step"], doc["attempt"], r, doc["world_size"], where)
+    pdata = _read_doc_bytes(store, entry["key"], "part", MAX_PART_BYTES)
+    part = _part_of(pdata, entry, doc["step"], doc["attempt"], r, doc["world_size"], store.url(entry["key"]), where)
     if doc["world_size"] == 1:
         empty = [s.get("path") for s in part["leaves"] if isinstance(s, dict) and isinstance(s.get("global"), dict)
                  and s["global"].get("replica") is True]

@@ -46,8 +46,17 @@ from ..storage import Store
 from ..topology import Topology
 from .dtensor import LocalShard, Replicated, _dtensor_type, dtensor_box
 from .flatten import unflatten
-from .format import MAX_CHUNK_BYTES, MAX_PART_BYTES, decode_doc, parts_index_key
-from .loader import MAX_NDIM, _build_leaf, _check_part, _confine, _is_int, _leaf_dtype, _read_doc, _unzstd_chunk
+from .format import MAX_CHUNK_BYTES, MAX_PART_BYTES, parts_index_key
+from .loader import (
+    MAX_NDIM,
+    _build_leaf,
+    _confine,
+    _is_int,
+    _leaf_dtype,
+    _part_of,
+    _read_doc_bytes,
+    _unzstd_chunk,
+)
 
 __all__ = ["SavedStep", "load_into", "load_part_full", "is_sharded", "SLAB_BYTES"]
 
@@ -200,22 +209,16 @@ class SavedStep:
             raise CorruptCheckpointError("it does not match its manifest checksum")
         parts = []
         for r, e in enumerate(entries):
-            doc = data[e["index_offset"] : e["index_offset"] + e["doc_bytes"]]
-            if checksum(doc) != e["checksum"]:
-                raise CorruptCheckpointError(f"its bytes of part {r} do not match the checksum of {e['key']}")
-            part = decode_doc(bytes(doc), "part", self.store.url(e["key"]))
-            _check_part(part, e, self.step, manifest["attempt"], r, self.world_size, self.where)
-            parts.append(part)
+            doc = bytes(data[e["index_offset"] : e["index_offset"] + e["doc_bytes"]])
+            parts.append(_part_of(doc, e, self.step, manifest["attempt"], r, self.world_size,
+                                  f"{self.store.url(e['key'])} (part {r}'s bytes in the parts index)", self.where))
         return parts
 
     def _read_part(self, manifest: dict[str, Any], r: int) -> dict[str, Any]:
         entry = manifest["parts"][r]
-        data, part = _read_doc(self.store, entry["key"], "part", MAX_PART_BYTES)
-        if checksum(data) != entry["checksum"]:
-            raise CorruptCheckpointError(
-                f"{self.where}: part {self.store.url(entry['key'])} does not match its manifest checksum")
-        _check_part(part, entry, self.step, manifest["attempt"], r, manifest["world_size"], self.where)
-        return part
+        data = _read_doc_bytes(self.store, entry["key"], "part", MAX_PART_BYTES)
+        return _part_of(data, entry, self.step, manifest["attempt"], r, manifest["world_size"],
+                        self.store.url(entry["key"]), self.where)
 
     def _index_part(self, r: int) -> None:
         part, url = self.parts[r], self.part_urls[r]
