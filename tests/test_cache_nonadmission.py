@@ -48,6 +48,19 @@ def _cached(cache, url):
     return False
 
 
+def _a_and_b_resident(tmp_path, s3):
+    """A warm tier of two objects holding a and b, under the schedule a, b, c, a, b (c is
+    never read again after its one read: Belady would not admit it)."""
+    blobs = _objects(s3, ["a", "b", "c"])
+    a, b, c = sorted(blobs)
+    cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=2 * SIZE, storage_options=s3[1])
+    cache.set_schedule([a, b, c, a, b], lookahead=0)
+    for u in (a, b):
+        assert isinstance(cache.pin_or_read(u), str)  # room for them: pinned copies
+        cache.release(u)
+    return cache, blobs, (a, b, c)
+
+
 def test_a_read_belady_would_not_admit_is_read_through_and_leaves_the_residents(tmp_path, s3):
     blobs = _objects(s3, ["a", "b", "c"])
     a, b, c = sorted(blobs)
@@ -76,13 +89,7 @@ def test_a_read_belady_would_not_admit_is_read_through_and_leaves_the_residents(
 
 
 def test_a_read_through_is_verified_against_the_checksum(tmp_path, s3):
-    blobs = _objects(s3, ["a", "b", "c"])
-    a, b, c = sorted(blobs)
-    cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=2 * SIZE, storage_options=s3[1])
-    cache.set_schedule([a, b, c, a, b], lookahead=0)
-    for u in (a, b):
-        assert isinstance(cache.pin_or_read(u), str)
-        cache.release(u)
+    cache, _blobs, (a, b, c) = _a_and_b_resident(tmp_path, s3)
     with pytest.raises(IntegrityError):
         cache.pin_or_read(c, checksum=checksum(b"not c"))
     assert cache.stats()["warm_used_bytes"] == 2 * SIZE
@@ -113,13 +120,7 @@ def test_room_held_by_pins_reads_through_without_waiting_for_it(tmp_path, s3):
 
 
 def test_local_path_still_always_admits(tmp_path, s3):
-    blobs = _objects(s3, ["a", "b", "c"])
-    a, b, c = sorted(blobs)
-    cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=2 * SIZE, storage_options=s3[1])
-    cache.set_schedule([a, b, c, a, b], lookahead=0)
-    for u in (a, b):
-        assert isinstance(cache.pin_or_read(u), str)  # room for them
-        cache.release(u)
+    cache, blobs, (_a, _b, c) = _a_and_b_resident(tmp_path, s3)
     with cache.pinned(c) as path:  # never read again: pin_or_read would not admit it
         with open(path, "rb") as f:
             assert f.read() == blobs[c]
