@@ -6,13 +6,17 @@ The state is HSDP-style: float32 DTensors on a 2x2 CPU mesh with placements
 The load fills DTensors on another mesh (1-D, Shard(0) over the 4 ranks), so both systems
 reshard. A floor row times the disk alone at datapipe's parallelism: each rank writes a
 quarter of the unique bytes with ``io_threads`` threads, one file each, and fsyncs them
-(median of the rounds). DCP runs twice: at its defaults (``dcp``: one writer
-thread per rank) and at datapipe's setting (``dcp_threads``: ``FileSystemWriter(thread_count=4)``,
-datapipe's ``io_threads``). Each round saves and loads with every system (each goes first
-in turn); a time is the slowest rank's, from a barrier before to a barrier after (for datapipe:
-save() until the step is durable and committed). Both write with fsync (datapipe's local
-store, DCP's sync_files=True); the loads read what the saves just wrote (page cache for
-both). datapipe's writer runs here at normal priority (nice=0), as DCP does.
+(median of the rounds). DCP runs twice: at its defaults (``dcp``: one writer thread per
+rank) and at datapipe's setting (``dcp_threads``: ``FileSystemWriter(thread_count=4)``,
+datapipe's ``io_threads``). Each round saves and loads with every system, each going
+first in turn; a first round warms all up and is not counted; each step is deleted after
+its load, outside the timing (datapipe's retention deletes nothing). A time is the slowest
+rank's, from a barrier before to a barrier after (for datapipe: save() until the step is
+durable and committed). Both write with fsync (datapipe's local store, DCP's
+sync_files=True); the loads read what the saves just wrote (page cache for both).
+datapipe's writer runs here at normal priority (nice=0), as DCP does. ``--tensors``
+splits the same bytes over more tensors (a model's parameters and its Adam moments are
+hundreds); ``--dir /dev/shm`` leaves the disk out and times the systems' own work.
 
     python -m benchmarks.bench_reshard                 # ~384 MiB of unique state
     python -m benchmarks.bench_reshard --mib 64 --rounds 1   # quick
@@ -38,7 +42,6 @@ import torch.multiprocessing as mp
 from benchmarks.output import print_json
 
 ROWS = 4096  # rows of each tensor; columns follow from the size asked for
-TENSORS = 12
 
 
 def _free_port() -> int:
@@ -66,7 +69,7 @@ def _timed(fn: Any) -> float:
     return float(t.item())
 
 
-def _worker(rank: int, world: int, port: int, root: str, cols: int, rounds: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int, rounds: int, out: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -84,11 +87,11 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, rounds: int,
         c = mesh2.get_coordinate()[1]  # the Shard(0) coordinate; the Replicate one does not matter
         return {"model": {f"layer{i}.weight": DTensor.from_local(
             _full(i, cols)[c * half : (c + 1) * half].clone(), mesh2, [Rep(), Shard(0)], run_check=False)
-            for i in range(TENSORS)}}
+            for i in range(tensors)}}
 
     def target_state() -> dict[str, Any]:
         return {"model": {f"layer{i}.weight": DTensor.from_local(
-            torch.zeros(ROWS // world, cols), mesh1, [Shard(0)], run_check=False) for i in range(TENSORS)}}
+            torch.zeros(ROWS // world, cols), mesh1, [Shard(0)], run_check=False) for i in range(tensors)}}
 
     state = saved_state()
     systems = ["datapipe", "dcp", "dcp_threads"]
@@ -96,13 +99,15 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, rounds: int,
     written: dict[str, int] = {}
     stages: list[Any] = []  # datapipe's phases per save and rank: staging, write (+fsync), commit
     ours_dir, dcp_dir = os.path.join(root, "datapipe"), os.path.join(root, "dcp")
-    writer = CheckpointWriter(ours_dir, keep_last=1, commit_timeout=600, nice=0)
+    # keep_last above the rounds: datapipe deletes nothing inside its timed saves (DCP deletes
+    # nothing either); every system's step is deleted after its load, outside the timing
+    writer = CheckpointWriter(ours_dir, keep_last=rounds + 2, commit_timeout=600, nice=0)
     last: dict[str, Any] = {}
 
     def save_ours(step: int) -> None:
         last.update(writer.save(step, state).wait())
 
-    for rnd in range(rounds):
+    for rnd in range(rounds + 1):  # round 0 warms every system up and is not counted
         order = systems[rnd % 3:] + systems[:rnd % 3]  # each system goes first in turn
         for system in order:
             target = target_state()
@@ -118,27 +123,38 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, rounds: int,
                 fs_writer = dcp.FileSystemWriter(step_dir, thread_count=writer_threads, sync_files=True)
                 save = partial(dcp.save, state, storage_writer=fs_writer)
                 load = partial(dcp.load, target, checkpoint_id=step_dir)
-            rows[system]["save_s"].append(_timed(save))
+            save_s = _timed(save)
             if system == "datapipe":
                 phases: list[Any] = [None] * world
-                mine = {k: last.get(k) for k in ("stall_s", "staging_s", "write_s", "commit_s")}
+                mine = {k: last.get(k) for k in ("stall_s", "staging_s", "write_s", "commit_s", "retention_s",
+                                                 "total_s")}
                 dist.all_gather_object(phases, mine)
-                stages.append(phases)
+                if rnd:
+                    stages.append(phases)
             if rank == 0:
                 written[system] = _dir_bytes(step_dir)
-            rows[system]["load_s"].append(_timed(load))
+            load_s = _timed(load)
+            if rnd:
+                rows[system]["save_s"].append(save_s)
+                rows[system]["load_s"].append(load_s)
             # outside the timing: the loaded boxes are the saved tensors' rows
-            for i in range(TENSORS):
+            for i in range(tensors):
                 t = target["model"][f"layer{i}.weight"].to_local()
                 lo = ROWS // world * rank
                 if not torch.equal(t, _full(i, cols)[lo : lo + t.shape[0]]):
                     raise AssertionError(f"{system}: layer{i} differs after load on rank {rank}")
+            # every system's save writes into memory freed by the last one (page cache, or
+            # tmpfs with --dir /dev/shm), not into memory this VM never touched (~0.5 GB/s)
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(step_dir)
+            dist.barrier()
     writer.close()
 
     # the floor, at datapipe's parallelism: each rank writes a quarter of the unique bytes
     # with io_threads threads, each its own file, and fsyncs them; the median of the rounds
     threads = writer.io_threads
-    share = bytes(ROWS * cols * 4 * TENSORS // world // threads)
+    share = bytes(ROWS * cols * 4 * tensors // world // threads)
     floor_dir = os.path.join(root, "floor")
     os.makedirs(floor_dir, exist_ok=True)
 
@@ -162,26 +178,26 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, rounds: int,
     dist.destroy_process_group()
 
 
-def run(mib: int = 384, rounds: int = 2, directory: str | None = None) -> dict[str, Any]:
-    cols = max(1, mib * (1 << 20) // (4 * ROWS * TENSORS))
+def run(mib: int = 384, rounds: int = 2, directory: str | None = None, tensors: int = 12) -> dict[str, Any]:
+    cols = max(1, mib * (1 << 20) // (4 * ROWS * tensors))
     root = tempfile.mkdtemp(prefix="bench-reshard-", dir=directory)
     try:
         out = os.path.join(root, "result.json")
-        mp.spawn(_worker, args=(4, _free_port(), root, cols, rounds, out), nprocs=4, join=True)
+        mp.spawn(_worker, args=(4, _free_port(), root, cols, tensors, rounds, out), nprocs=4, join=True)
         import json
 
         with open(out) as f:
             res = json.load(f)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    unique = ROWS * cols * 4 * TENSORS
+    unique = ROWS * cols * 4 * tensors
     stalls = [max(r["stall_s"] for r in ranks) for ranks in res["datapipe_phases_s"]]
     times = res["times"]
     best = {s: {k: min(v) for k, v in t.items()} for s, t in times.items()}
     med = {s: {k: statistics.median(v) for k, v in t.items()} for s, t in times.items()}
     return {
         "ranks": 4, "mesh_saved": "2x2 (Replicate, Shard(0))", "mesh_loaded": "4 (Shard(0))",
-        "unique_bytes": unique, "written_bytes": res["written_bytes"], "rounds": rounds,
+        "tensors": tensors, "unique_bytes": unique, "written_bytes": res["written_bytes"], "rounds": rounds,
         "times_s": times, "median_s": med, "datapipe_phases_s": res["datapipe_phases_s"],
         "floor_save_s": res["floor_save_s"],  # 4 ranks x io_threads write + fsync the unique bytes (median)
         # what the training loop waits for: save() returns once the state is staged in
@@ -203,10 +219,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=384, help="unique state size in MiB (default 384)")
     p.add_argument("--rounds", type=int, default=2, help="save+load rounds per system (default 2)")
+    p.add_argument("--tensors", type=int, default=12, help="tensors in the state, the bytes split evenly (default 12)")
     p.add_argument("--dir", help="where to write (default: a temporary directory)")
     p.add_argument("--out", help="also write the figures to this JSON file")
     a = p.parse_args(argv)
-    print_json(run(a.mib, a.rounds, a.dir), a.out)
+    print_json(run(a.mib, a.rounds, a.dir, a.tensors), a.out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import UnsupportedStateError
 from .flatten import Leaf
@@ -92,17 +92,61 @@ def local_data(x: Any) -> Any:
     return x.to_local().detach()
 
 
-def dtensor_box(x: Any, path: str) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]:
-    """``(global_shape, offset, local_shape, replica)`` of a DTensor's local shard on this
-    rank. ``replica``: another rank of the mesh holds the same box (it differs from this
-    rank only in coordinates of ``Replicate`` mesh dimensions) and stores it: of the
-    holders, the one at ``crc32(path) mod holders`` in rank order, the same choice on every
-    holder (paths and the mesh's rank table are the same there), spreading the writes of
-    a replicated state over its holders instead of loading them all on the lowest."""
+class Box(NamedTuple):
+    """Where a DTensor's local shard lies in its global tensor (:func:`dtensor_box`)."""
+
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    replica: bool  # another holder stores it
+    shared: bool  # more than one rank holds it (a Replicate placement over a mesh dim of size > 1)
+
+
+def _mesh_facts(mesh: Any, memo: dict[Any, Any]) -> tuple[Any, Any, int]:
+    """``(coordinate, rank table as a numpy array, rank)`` of a mesh. Reading
+    ``DeviceMesh.mesh`` rebuilds the table on every access (about 0.2 ms): a save of
+    hundreds of DTensors on one mesh reads it once."""
+    key = ("mesh", id(mesh))  # the state holds the mesh while the memo lives: the id is stable
+    facts = memo.get(key)
+    if facts is None:
+        facts = memo[key] = (mesh.get_coordinate(), mesh.mesh.numpy(), mesh.get_rank())
+    return facts
+
+
+def dtensor_box(x: Any, path: str, memo: dict[Any, Any] | None = None) -> Box:
+    """Where a DTensor's local shard on this rank lies. ``replica``: another rank of the
+    mesh holds the same box (it differs from this rank only in coordinates of
+    ``Replicate`` mesh dimensions) and stores it: of the holders, the one at
+    ``crc32(path) mod holders`` in rank order, the same choice on every holder (paths and
+    the mesh's rank table are the same there), spreading the writes of a replicated state
+    over its holders instead of loading them all on the lowest. ``memo``: a dict that
+    lives through one walk of a state, sharing the work of DTensors alike (same mesh,
+    placements and global shape)."""
+    memo = {} if memo is None else memo
+    mesh, placements = x.device_mesh, tuple(x.placements)
+    global_shape = tuple(int(d) for d in x.shape)
+    key = (id(mesh), placements, global_shape)
+    facts = memo.get(key)
+    if facts is None:
+        facts = memo[key] = _box_facts(mesh, placements, global_shape, path, memo)
+    offset, shape, holders, rank = facts
+    local_shape = tuple(int(d) for d in x.to_local().shape)
+    if local_shape != shape:
+        raise UnsupportedStateError(
+            f"state path {path!r}: the DTensor's local tensor has shape {local_shape}, its "
+            f"placements give {shape} (padded shards are not supported)"
+        )
+    replica = rank != holders[zlib.crc32(path.encode()) % len(holders)]
+    return Box(global_shape, offset, shape, replica, len(holders) > 1)
+
+
+def _box_facts(mesh: Any, placements: tuple[Any, ...], global_shape: tuple[int, ...], path: str,
+               memo: dict[Any, Any]) -> tuple[tuple[int, ...], tuple[int, ...], list[int], int]:
+    """``(offset, local shape, holders in rank order, this rank)`` of a box: what every
+    DTensor of this mesh, placements and global shape shares."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    mesh, placements = x.device_mesh, tuple(x.placements)
     for p in placements:
         # _StridedShard (FSDP2 + TP on one dim) subclasses Shard: its local data is not one box
         if type(p) is not Shard and type(p) is not Replicate:
@@ -111,20 +155,13 @@ def dtensor_box(x: Any, path: str) -> tuple[tuple[int, ...], tuple[int, ...], tu
                 "Shard and Replicate hold a box of the global tensor); redistribute it to Shard/Replicate "
                 "placements (dtensor.redistribute(...)) or save dtensor.full_tensor()"
             )
-    coord = mesh.get_coordinate()
+    coord, table, rank = _mesh_facts(mesh, memo)
     if coord is None:
         raise UnsupportedStateError(f"state path {path!r}: this rank is not in the DTensor's mesh")
-    local_shape, offset = compute_local_shape_and_global_offset(x.shape, mesh, placements)
-    if tuple(local_shape) != tuple(x.to_local().shape):
-        raise UnsupportedStateError(
-            f"state path {path!r}: the DTensor's local tensor has shape {tuple(x.to_local().shape)}, its "
-            f"placements give {tuple(local_shape)} (padded shards are not supported)"
-        )
-    holders = mesh.mesh[tuple(slice(None) if isinstance(p, Replicate) else coord[i]
-                              for i, p in enumerate(placements))]
-    ranks = sorted(int(r) for r in holders.flatten().tolist())
-    replica = mesh.get_rank() != ranks[zlib.crc32(path.encode()) % len(ranks)]
-    return tuple(int(d) for d in x.shape), tuple(int(o) for o in offset), tuple(int(d) for d in local_shape), replica
+    local_shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    holders = table[tuple(slice(None) if isinstance(p, Replicate) else coord[i] for i, p in enumerate(placements))]
+    ranks = sorted(int(r) for r in holders.reshape(-1).tolist())
+    return tuple(int(o) for o in offset), tuple(int(d) for d in local_shape), ranks, int(rank)
 
 
 def _check_box(path: str, global_shape: tuple[int, ...], offset: tuple[int, ...], shape: tuple[int, ...]) -> None:
@@ -140,19 +177,11 @@ def _check_box(path: str, global_shape: tuple[int, ...], offset: tuple[int, ...]
             )
 
 
-def _replicated_over_mesh(x: Any) -> bool:
-    """Whether a DTensor's box is held by more than one rank (a ``Replicate`` placement
-    over a mesh dimension of size > 1): the same answer on every rank of the mesh."""
-    from torch.distributed.tensor import Replicate
-
-    sizes = tuple(x.device_mesh.mesh.shape)
-    return any(isinstance(p, Replicate) and sizes[i] > 1 for i, p in enumerate(x.placements))
-
-
-def place(leaf: Leaf, x: Any, rank: int, replicated: bool) -> Leaf:
+def place(leaf: Leaf, x: Any, rank: int, replicated: bool, memo: dict[Any, Any] | None = None) -> Leaf:
     """Give ``leaf`` (built from ``local_data(x)`` or from ``x`` itself) its global record
     when ``x`` is placed or ``replicated``; a replica becomes an empty leaf (no bytes) that
-    still records its box. Other leaves are returned unchanged (per-rank)."""
+    still records its box. Other leaves are returned unchanged (per-rank). ``memo``: see
+    :func:`dtensor_box`."""
     if leaf.kind == "npscalar" or not (replicated or is_placed(x)):
         return leaf
     if isinstance(x, LocalShard):
@@ -160,8 +189,9 @@ def place(leaf: Leaf, x: Any, rank: int, replicated: bool) -> Leaf:
         _check_box(leaf.path, gshape, offset, leaf.shape)
         leaf.held_elsewhere = replica  # only the caller knows; a non-replica rank cannot tell
     elif is_placed(x):
-        gshape, offset, _shape, replica = dtensor_box(x, leaf.path)
-        leaf.held_elsewhere = _replicated_over_mesh(x)
+        box = dtensor_box(x, leaf.path, memo)
+        gshape, offset, replica = box.global_shape, box.offset, box.replica
+        leaf.held_elsewhere = box.shared
     else:  # a plain array the caller declared replicated: all of it, stored by rank 0
         gshape, offset, replica = leaf.shape, (0,) * len(leaf.shape), rank != 0
         leaf.held_elsewhere = True

@@ -169,6 +169,7 @@ def flatten(state: Any, *, allow_meta: bool = False, rank: int | None = None) ->
     torch = sys.modules.get("torch")
     seen: set[int] = set()
     payload = [0]
+    memo: dict[Any, Any] = {}  # dtensor.place: what DTensors alike share
 
     def count(n: int, path: str) -> None:
         payload[0] += n
@@ -205,10 +206,10 @@ def flatten(state: Any, *, allow_meta: bool = False, rank: int | None = None) ->
         if isinstance(x, float):
             return float(x) if math.isfinite(x) else {"float": repr(float(x))}
         if torch is not None and isinstance(x, torch.Tensor):
-            leaves.append(place(_torch_leaf(x, path, torch, allow_meta), placed, rank, replicated))
+            leaves.append(place(_torch_leaf(x, path, torch, allow_meta), placed, rank, replicated, memo))
             return {"leaf": len(leaves) - 1}
         if isinstance(x, np.ndarray):
-            leaves.append(place(_numpy_leaf(x, path, "numpy"), placed, rank, replicated))
+            leaves.append(place(_numpy_leaf(x, path, "numpy"), placed, rank, replicated, memo))
             return {"leaf": len(leaves) - 1}
         if isinstance(x, (bytes, bytearray)):
             count(len(x) * 4 // 3, path)

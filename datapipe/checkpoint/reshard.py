@@ -541,11 +541,11 @@ def _flat_bytes(local: Any, path: str) -> tuple[np.ndarray[Any, Any], Callable[[
     return tmp.reshape(-1).view(torch.uint8).numpy(), back
 
 
-def _target(x: Any, path: str) -> _Target | None:
+def _target(x: Any, path: str, memo: dict[Any, Any]) -> _Target | None:
     dt = _dtensor_type()
     if dt is not None and isinstance(x, dt):
-        _gshape, start, shape, _replica = dtensor_box(x, path)
-        return _Target(path, x, x.to_local(), start, shape)
+        box = dtensor_box(x, path, memo)
+        return _Target(path, x, x.to_local(), box.offset, box.shape)
     if isinstance(x, LocalShard):
         return _Target(path, x, x.tensor, x.offset, tuple(int(d) for d in x.tensor.shape))
     torch_mod = sys.modules.get("torch")
@@ -580,6 +580,7 @@ class _Loader:
         self.copies: list[_Copy] = []
         self.finish: list[Callable[[], None]] = []
         self._index: dict[int, dict[Any, Any] | list[Any] | None] = {}
+        self._boxes: dict[Any, Any] = {}  # dtensor_box's memo over `into`
 
     # a saved leaf, whole, as a new object (values of `into` that are not arrays)
     def materialize(self, r: int, index: int) -> Any:
@@ -655,7 +656,7 @@ class _Loader:
         """The result for ``x``, the value of ``into`` at ``keys`` (``path`` in the state)."""
         if isinstance(x, Replicated):
             return self.fill(x.value, keys, path)
-        t = _target(x, path)
+        t = _target(x, path, self._boxes)
         if t is not None:
             self.fill_target(t)
             return x
