@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from datapipe.checkpoint import CheckpointWriter, list_checkpoints, load_checkpoint
-from datapipe.checkpoint.format import encode_doc, manifest_key
+from datapipe.checkpoint.format import MAX_JSON_DEPTH, encode_doc, json_depth, manifest_key
 from datapipe.checksum import checksum
 from datapipe.errors import CorruptCheckpointError, DatapipeError
 from datapipe.storage import open_store
@@ -260,6 +260,40 @@ def test_deep_json_manifest_is_skipped_and_listed(tmp_path):
     infos = list_checkpoints(url)
     assert [(i.step, i.complete) for i in infos] == [(1, True), (2, False), (3, False)]
     assert "JSON" in infos[1].reason and "JSON" in infos[2].reason
+
+
+def _walk_depth(doc) -> int:
+    if isinstance(doc, dict):
+        return 1 + max((_walk_depth(v) for v in doc.values()), default=0)
+    if isinstance(doc, list):
+        return 1 + max((_walk_depth(v) for v in doc), default=0)
+    return 0
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet='[]{}"\\/ab\x00\u00e9\n'),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(alphabet='[]{}"\\a'), kids, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_json, st.booleans())
+def test_json_depth_of_the_text_is_the_depth_of_the_document(doc, ascii_only):
+    """The depth is read from the text (strings dropped, brackets counted): strings full
+    of brackets, quotes and backslashes, escaped or not, do not count."""
+    text = json.dumps(doc, ensure_ascii=ascii_only).encode()
+    assert json_depth(text) == _walk_depth(doc)
+
+
+def test_manifest_nested_deeper_than_the_limit_but_parseable_is_skipped(tmp_path):
+    url = str(tmp_path / "ckpt")
+    make_checkpoints(url)
+    store = open_store(url)
+    deep = MAX_JSON_DEPTH + 1  # json.loads parses it; our walks over the tree must not see it
+    store.put(manifest_key(3), b'{"a":' * (deep - 1) + b'{"s":"]]]}}}"}' + b"}" * (deep - 1))
+    with pytest.warns(UserWarning, match="nested deeper"):
+        assert same(load_checkpoint(url), state_of(2))
 
 
 def test_zstd_chunk_declaring_more_than_its_frame_is_refused_before_allocating(tmp_path):

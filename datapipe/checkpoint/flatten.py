@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import math
 import sys
 import warnings
@@ -76,13 +77,19 @@ def torch_dtype_name(dtype: Any) -> str:
 
 
 def torch_dtype_from_name(name: str, where: str) -> Any:
+    value = _torch_dtype(name)
+    if value is None:
+        raise CorruptCheckpointError(f"{where}: unknown torch dtype {name!r}")
+    return value
+
+
+@functools.lru_cache(maxsize=64)  # a load looks up each leaf's dtype; the names are few
+def _torch_dtype(name: str) -> Any:
     import torch
 
     # A whitelist of real dtypes, never a free getattr on a name read from storage.
     value = getattr(torch, name, None) if name.isidentifier() else None
-    if not isinstance(value, torch.dtype):
-        raise CorruptCheckpointError(f"{where}: unknown torch dtype {name!r}")
-    return value
+    return value if isinstance(value, torch.dtype) else None
 
 
 _COPYABLE: dict[Any, bool] = {}

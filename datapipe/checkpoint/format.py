@@ -9,6 +9,7 @@ JSON plus raw bytes, and a reader never runs code from storage.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Any
@@ -151,17 +152,16 @@ def parse_attempt(name: Any) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
-def json_depth(doc: Any) -> int:
-    """Nesting depth of parsed JSON, without recursion (a hostile document is deep)."""
-    depth, stack = 0, [(doc, 1)]
-    while stack:
-        node, d = stack.pop()
-        if isinstance(node, (dict, list)):
-            depth = max(depth, d)
-            if depth > MAX_JSON_DEPTH:
-                return depth
-            stack.extend((v, d + 1) for v in (node.values() if isinstance(node, dict) else node))
-    return depth
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(text: bytes) -> int:
+    """Nesting depth of JSON text that parsed: its strings dropped, the brackets left are
+    the containers' (a hostile document is deep; a large one has many strings, which a
+    walk of the parsed document would visit one by one)."""
+    brackets = _JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKETS)
+    return max(itertools.accumulate(1 if b in b"[{" else -1 for b in brackets), default=0)
 
 
 def _refuse_constant(name: str) -> Any:
@@ -191,7 +191,7 @@ def decode_doc(data: bytes, kind: str, where: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({str(e)[:200]})") from None
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{where}: expected a JSON object")
-    if json_depth(doc) > MAX_JSON_DEPTH:
+    if json_depth(data) > MAX_JSON_DEPTH:
         raise CorruptCheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     if doc.get("format") != FORMAT or doc.get("kind") != kind:
         raise CorruptCheckpointError(

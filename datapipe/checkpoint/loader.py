@@ -41,6 +41,7 @@ from .format import (
     parse_attempt,
     part_key,
 )
+from .gcpause import collections_paused
 
 MAX_WORLD_SIZE = 1 << 20
 MAX_NDIM = 64
@@ -379,6 +380,11 @@ def _build_leaf(buf: Any, spec: Any, where: str, map_location: Any) -> Any:
 
 
 def _load_step(store: Store, step: int, rank: int | None, map_location: Any, into: Any = None) -> Any:
+    with collections_paused():
+        return _load_step_paused(store, step, rank, map_location, into)
+
+
+def _load_step_paused(store: Store, step: int, rank: int | None, map_location: Any, into: Any) -> Any:
     where = f"checkpoint step {step} at {store.root}"
     doc = _read_manifest(store, step)
     if into is not None:  # any world size: global tensors are read by overlap (reshard.py)
