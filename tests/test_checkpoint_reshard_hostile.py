@@ -100,7 +100,7 @@ def test_block_checksums_check_what_is_read(tmp_path):
     covers it); damage inside the rows read is caught, naming the chunk."""
     url = str(tmp_path / "b")
     big = torch.arange(1024 * 1024, dtype=torch.float32).reshape(1024, 1024)
-    with CheckpointWriter(url) as w:
+    with CheckpointWriter(url, io_threads=1) as w:  # one thread: one chunk (more would split it)
         w.save(1, {"big": big})
     chunk = next(os.path.join(d, f) for d, _, fs in os.walk(url) for f in fs if f.endswith(".bin"))
 

@@ -356,3 +356,32 @@ def test_a_symlink_planted_as_the_lease_is_refused_and_its_target_untouched(tmp_
         CheckpointWriter(str(url))
     assert victim.read_text() == "precious user data\n"
     assert os.path.islink(url / LEASE_KEY)
+
+
+# -- chunks per save ---------------------------------------------------------------------------
+
+def test_chunk_size_leaves_no_io_thread_without_a_chunk():
+    from datapipe.checkpoint.persist import chunk_bytes_for
+
+    mib = 1 << 20
+    assert chunk_bytes_for(96 * mib, 64 * mib, 4) == 24 * mib  # was 64 + 32: two threads idle
+    assert chunk_bytes_for(1000 * mib, 64 * mib, 4) == 64 * mib  # enough chunks: as asked
+    assert chunk_bytes_for(6 * mib, 64 * mib, 4) == 2 * mib  # whole 1 MiB blocks
+    assert chunk_bytes_for(10, 64 * mib, 4) == mib  # tiny: one chunk
+    assert chunk_bytes_for(96 * mib, 4096, 4) == 4096  # smaller than asked: never larger
+
+
+@pytest.mark.parametrize("background", ["thread", "process"])
+def test_a_part_smaller_than_io_threads_chunks_is_split_for_them(tmp_path, background):
+    url = str(tmp_path / "ckpt")
+    state = {"w": torch.arange(6 * (1 << 20) // 4, dtype=torch.float32), "b": torch.ones(7)}
+    with CheckpointWriter(url, io_threads=4, background=background, nice=0) as w:
+        w.save(1, state).wait()
+    part = next(os.path.join(d, f) for d, _, fs in os.walk(url) for f in fs if f.startswith("part"))
+    with open(part) as f:
+        doc = json.load(f)
+    # 6 MiB and a few bytes over 4 threads: 1.5 MiB each, rounded up to whole 1 MiB blocks
+    assert doc["chunk_bytes"] == 2 << 20
+    assert [c["bytes"] for c in doc["chunks"]] == [2 << 20] * 3 + [doc["data_bytes"] - (6 << 20)]
+    got = load_checkpoint(url)
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])

@@ -212,7 +212,7 @@ def main() -> None:
     tiers = [Tier(**t) for t in cfg["tiers"]]
     try:
         p = Persister(tiers, cfg["rank"], cfg["world_size"], cfg["run_id"], cfg["ranks_per_node"],
-                      compression=cfg["compression"], zstd_level=cfg["zstd_level"], chunk_bytes=cfg["chunk_bytes"],
+                      compression=cfg["compression"], zstd_level=cfg["zstd_level"],
                       io_threads=cfg["io_threads"], commit_timeout=cfg["commit_timeout"], nice=0,
                       lease_ttl=cfg["lease_ttl"], lease_wait=cfg["lease_wait"])
     except BaseException as e:
@@ -244,7 +244,7 @@ def main() -> None:
                 return v[a:b]
 
             job = PersistJob(msg["step"], msg["attempt"], msg["tree"], msg["specs"], msg["total"],
-                             [by_url[u] for u in msg["due"]], msg["t_start"], msg["order"])
+                             [by_url[u] for u in msg["due"]], msg["t_start"], msg["order"], msg["chunk_bytes"])
             for step, n, order in msg["saved_at"]:
                 p.saved_at[(step, n)] = order
             if msg.get("received") is not None:

@@ -26,7 +26,7 @@ from ..storage import open_store
 from ..topology import Topology
 from .flatten import flatten
 from .format import MAX_CHUNK_BYTES
-from .persist import Persister, PersistJob, lower_thread_priority, replica_header
+from .persist import Persister, PersistJob, chunk_bytes_for, lower_thread_priority, replica_header
 from .run_id import agree_run_id
 from .staging import StagingBuffer
 from .tiers import Tier, resolve_ranks_per_node
@@ -229,7 +229,7 @@ class CheckpointWriter:
         config: dict[str, Any] = dict(
             tiers=tiers, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
             ranks_per_node=self.ranks_per_node, compression=compression, zstd_level=zstd_level,
-            chunk_bytes=chunk_bytes, io_threads=io_threads, commit_timeout=commit_timeout, nice=nice,
+            io_threads=io_threads, commit_timeout=commit_timeout, nice=nice,
             lease_ttl=lease_ttl, lease_wait=lease_wait)
         if background == "thread":
             self._persister = Persister(**config, link=self._link)
@@ -384,7 +384,8 @@ class CheckpointWriter:
         self._current = h
         job = PersistJob(step, f"{self.run_id}-{n}", tree,
                          [leaf.spec(off) for leaf, off in zip(leaves, self._staging.offsets)], total, due,
-                         time.monotonic() - (time.perf_counter() - t0), self._calls)
+                         time.monotonic() - (time.perf_counter() - t0), self._calls,
+                         chunk_bytes_for(total, self.chunk_bytes, self.io_threads))
         del leaves  # no reference to the caller's tensors beyond this call
         if self._persister is not None:
             self._persister.saved_at[(step, n)] = self._calls
@@ -393,6 +394,7 @@ class CheckpointWriter:
             self._in_flight[job.order] = h
             msg = {"step": job.step, "attempt": job.attempt, "tree": job.tree, "specs": job.specs,
                    "total": job.total, "due": [t.url for t in due], "t_start": job.t_start, "order": job.order,
+                   "chunk_bytes": job.chunk_bytes,
                    "saved_at": [[step, n, self._calls]]}
             if self._link is not None and any(t.replicate for t in due):
                 self._queue.put((job, h))  # the link thread exchanges with the peer, then submits
@@ -451,7 +453,7 @@ class CheckpointWriter:
             msg = self._link_msgs.pop(job.order)
             t0 = time.perf_counter()
             try:
-                header = replica_header(job, self.rank, self.world_size, self.chunk_bytes, self._staging.view)
+                header = replica_header(job, self.rank, self.world_size, self._staging.view)
                 msg["raw_checksums"] = header["raw_checksums"]  # the writer process reuses them
                 hdr, data = link.exchange(header, self._staging.tensor(job.total))
                 msg["received"] = {"header": hdr, "bytes": len(data)}
