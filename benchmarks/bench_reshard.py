@@ -148,6 +148,9 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(step_dir)
+                # the deletion's journal commit (and its discards: this machine's root is
+                # mounted with `discard`) happen here, not inside the next system's fsyncs
+                os.sync()
             dist.barrier()
     writer.close()
 
