@@ -59,6 +59,22 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
+def _device_flushes(path: str) -> int | None:
+    """Cache-flush requests the block device under ``path`` has served (Linux
+    /proc/diskstats, the 16th count; None for tmpfs or where the kernel does not count them):
+    an fsync costs one or more, and on a virtual disk each is a round trip."""
+    st = os.stat(path)
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                fields = line.split()
+                if (int(fields[0]), int(fields[1])) == (os.major(st.st_dev), os.minor(st.st_dev)):
+                    return int(fields[18]) if len(fields) > 18 else None  # major, minor, name, 15 counts, flushes
+    except OSError:
+        pass
+    return None
+
+
 def _timed(fn: Any) -> float:
     dist.barrier()
     t0 = time.perf_counter()
@@ -96,6 +112,7 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int
     state = saved_state()
     systems = ["datapipe", "dcp", "dcp_threads"]
     rows: dict[str, dict[str, list[float]]] = {s: {"save_s": [], "load_s": []} for s in systems}
+    flushes: dict[str, list[int]] = {s: [] for s in systems}  # device flushes per save (rank 0 counts)
     written: dict[str, int] = {}
     stages: list[Any] = []  # datapipe's phases per save and rank: staging, write (+fsync), commit
     ours_dir, dcp_dir = os.path.join(root, "datapipe"), os.path.join(root, "dcp")
@@ -123,7 +140,9 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int
                 fs_writer = dcp.FileSystemWriter(step_dir, thread_count=writer_threads, sync_files=True)
                 save = partial(dcp.save, state, storage_writer=fs_writer)
                 load = partial(dcp.load, target, checkpoint_id=step_dir)
+            f0 = _device_flushes(root)
             save_s = _timed(save)
+            f1 = _device_flushes(root)
             if system == "datapipe":
                 phases: list[Any] = [None] * world
                 mine = {k: last.get(k) for k in ("stall_s", "staging_s", "write_s", "commit_s", "retention_s",
@@ -135,6 +154,8 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int
                 written[system] = _dir_bytes(step_dir)
             load_s = _timed(load)
             if rnd:
+                if f0 is not None and f1 is not None:
+                    flushes[system].append(f1 - f0)
                 rows[system]["save_s"].append(save_s)
                 rows[system]["load_s"].append(load_s)
             # outside the timing: the loaded boxes are the saved tensors' rows
@@ -177,7 +198,7 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int
 
         with open(out, "w") as f:
             json.dump({"times": rows, "written_bytes": written, "datapipe_phases_s": stages,
-                       "floor_save_s": floor_s}, f)
+                       "floor_save_s": floor_s, "device_flushes": flushes}, f)
     dist.destroy_process_group()
 
 
@@ -203,6 +224,10 @@ def run(mib: int = 384, rounds: int = 2, directory: str | None = None, tensors: 
         "tensors": tensors, "unique_bytes": unique, "written_bytes": res["written_bytes"], "rounds": rounds,
         "times_s": times, "median_s": med, "datapipe_phases_s": res["datapipe_phases_s"],
         "floor_save_s": res["floor_save_s"],  # 4 ranks x io_threads write + fsync the unique bytes (median)
+        # cache flushes the disk served per save, all ranks together (rank 0's counts from
+        # barrier to barrier; none on tmpfs): a median per system
+        "device_flushes_per_save": {s: statistics.median(v) if v else None
+                                    for s, v in res["device_flushes"].items()},
         # what the training loop waits for: save() returns once the state is staged in
         # host memory (the slowest rank's stall per save); DCP's save blocks throughout
         "datapipe_stall_s": stalls,

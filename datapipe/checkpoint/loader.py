@@ -451,6 +451,10 @@ def load_checkpoint(url: str | None = None, step: int | None = None, map_locatio
     from any tier, each rank's part from its own node-local copy, else its peer's
     replica, else a shared tier (:func:`datapipe.checkpoint.restore_checkpoint`, which
     also says where each part came from). Not with ``into``.
+
+    Python's cyclic garbage collector is paused while a step loads (and enabled again
+    after, if it was): the load's own metadata would otherwise tip full collections of
+    the whole heap into it.
     """
     if tiers is not None:
         if url is not None or step is not None or storage_options is not None or into is not None:
