@@ -53,7 +53,8 @@ def _worker(rank: int, port: int, root: str, background: str, compression: str |
             assert m["tiers"][tiers[0].url]["replica"]["of_rank"] == (rank - RPN) % WORLD
     dist.barrier()
     node = tiers[0].url
-    own, held = _part_doc(os.path.join(node, own_dir(rank))), _part_doc(os.path.join(node, replica_dir((rank - RPN) % WORLD)))
+    own = _part_doc(os.path.join(node, own_dir(rank)))
+    held = _part_doc(os.path.join(node, replica_dir((rank - RPN) % WORLD)))
     # each copy in its writer's chunks: 1 MiB on node 0's ranks, 3 MiB on node 1's
     assert own["chunk_bytes"] == (MIB if rank < RPN else 3 * MIB)
     assert held["chunk_bytes"] == (3 * MIB if rank < RPN else MIB)
