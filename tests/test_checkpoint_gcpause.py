@@ -4,6 +4,7 @@ load builds its metadata and back as it was afterwards, whatever the load's outc
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import pytest
@@ -88,4 +89,35 @@ def test_overlapping_pauses_enable_the_collector_when_the_last_ends():
     assert not gc.isenabled(), "the other thread's load is still inside its pause"
     release.set()
     t.join(10)
+    assert gc.isenabled()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+def test_a_child_forked_during_another_threads_load_collects_again():
+    """A DataLoader worker forked while another thread loads a checkpoint: the child runs
+    none of the load, so its collector is on (as it was in the parent before the load) and
+    a pause of its own works (the lock is not inherited held)."""
+    inside, release = threading.Event(), threading.Event()
+
+    def other():
+        with collections_paused():
+            inside.set()
+            release.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        assert inside.wait(10) and not gc.isenabled()
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit status only
+            code = 0 if gc.isenabled() else 3
+            with collections_paused():
+                code = code or (0 if not gc.isenabled() else 4)
+            code = code or (0 if gc.isenabled() else 5)
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "3: collector off in the child; 4/5: its own pause"
+    finally:
+        release.set()
+        t.join(10)
     assert gc.isenabled()

@@ -435,3 +435,45 @@ def test_any_edit_loads_a_saved_state_or_raises_a_datapipe_error(pristine, tmp_p
     if got is not None:
         assert isinstance(got, dict) and got.get("step") in (1, 2, 3)
         assert same(got, state_of(got["step"])), f"loaded a state no step saved: {got!r:.200}"
+
+
+def _signed_doc_text(body: dict) -> str:
+    """``body`` as a part document with a valid self-checksum, not ASCII-escaped."""
+    from datapipe.checkpoint.format import FORMAT, VERSION, _canonical
+
+    doc = dict(body, format=FORMAT, kind="part", version=VERSION)
+    doc["checksum"] = checksum(_canonical(doc))
+    return json.dumps(doc, ensure_ascii=False, sort_keys=True)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16-be", "utf-16", "utf-32"])
+def test_deep_document_in_utf16_or_32_is_refused(encoding):
+    """json.loads reads bytes in UTF-16/32 too: there U+2200 has a quote byte (0x22), which
+    upset the strings a text-depth count drops and hid a document 450 deep."""
+    from datapipe.checkpoint.format import decode_doc
+
+    deep = MAX_JSON_DEPTH + 50
+    data = _signed_doc_text({"a": "\u2200\u5d5d", "deep": json.loads("[" * deep + "]" * deep)}).encode(encoding)
+    with pytest.raises(CorruptCheckpointError):
+        decode_doc(data, "part", "part 0")
+
+
+@settings(max_examples=200, deadline=None)
+@given(_json, st.sampled_from(["utf-8", "utf-8-sig", "utf-16-le", "utf-16-be", "utf-32-le"]))
+def test_decoded_document_is_never_deeper_than_the_limit(doc, encoding):
+    """Whatever the encoding and strings, a document decode_doc returns is no deeper than
+    MAX_JSON_DEPTH; anything else is a CorruptCheckpointError."""
+    from datapipe.checkpoint.format import decode_doc
+
+    deep = MAX_JSON_DEPTH + 1
+    wrapped = json.loads("[" * deep + "0" + "]" * deep)
+    data = _signed_doc_text({"a": doc, "b": wrapped, "c": doc}).encode(encoding)
+    with pytest.raises(CorruptCheckpointError):
+        decode_doc(data, "part", "part 0")
+    shallow = _signed_doc_text({"a": doc}).encode(encoding)
+    try:
+        got = decode_doc(shallow, "part", "part 0")
+    except CorruptCheckpointError:
+        assert encoding != "utf-8"
+    else:
+        assert _walk_depth(got) <= MAX_JSON_DEPTH

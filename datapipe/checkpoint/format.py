@@ -157,7 +157,7 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def json_depth(text: bytes) -> int:
-    """Nesting depth of JSON text that parsed: its strings dropped, the brackets left are
+    """Nesting depth of UTF-8 JSON text that parsed: its strings dropped, the brackets left are
     the containers' (a hostile document is deep; a large one has many strings, which a
     walk of the parsed document would visit one by one)."""
     brackets = _JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKETS)
@@ -185,8 +185,11 @@ def decode_doc(data: bytes, kind: str, where: str) -> dict[str, Any]:
     :class:`CorruptCheckpointError` naming ``where`` on any defect."""
     try:
         # NaN/Infinity are not JSON and the writer never emits them (allow_nan=False);
-        # RecursionError: a document nested deeper than the parser's stack
-        doc = json.loads(data, parse_constant=_refuse_constant)
+        # RecursionError: a document nested deeper than the parser's stack.
+        # UTF-8 only (the writer emits ASCII): json.loads of bytes also reads UTF-16/32,
+        # where a character's bytes can be a quote or a bracket, and json_depth's count
+        # of the text would no longer be the document's depth
+        doc = json.loads(data.decode("utf-8"), parse_constant=_refuse_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: not valid JSON ({str(e)[:200]})") from None
     if not isinstance(doc, dict):

@@ -14,6 +14,7 @@ happen on our account.
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,22 @@ __all__ = ["collections_paused"]
 _lock = threading.Lock()
 _depth = 0  # loads inside the pause, in any thread
 _reenable = False  # whether the collector was enabled when the first of them began
+
+
+def _after_fork_in_child() -> None:
+    """A child forked while another thread was inside a pause (a DataLoader worker started
+    during a load) runs none of those loads: its collector is as it was before them, and
+    the lock, which that thread may have held at the fork, is a new one."""
+    global _lock, _depth
+    _lock = threading.Lock()
+    if _depth:
+        _depth = 0
+        if _reenable:
+            gc.enable()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager

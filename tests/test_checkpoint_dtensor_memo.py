@@ -1,0 +1,94 @@
+"""dtensor_box shares the work of DTensors alike (same mesh, placements and global shape)
+through a memo that lives for one walk: the answers with the memo are those without it,
+the replica choice stays per path (one holder stores each box), and the refusals (a
+_StridedShard after an equal-looking Shard, a padded local tensor, a rank outside the
+mesh) still fire for every DTensor. 4 real ranks over gloo on a 2x2 CPU mesh."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _refused(fn) -> str:
+    from datapipe.errors import UnsupportedStateError
+
+    try:
+        fn()
+    except UnsupportedStateError as e:
+        return str(e)
+    return "accepted"
+
+
+def _worker(rank: int, port: int, root: str) -> None:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from datapipe.checkpoint.dtensor import dtensor_box
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    mesh = init_device_mesh("cpu", (2, 2))
+    coord = mesh.get_coordinate()
+    memo: dict = {}
+    boxes = {}
+    for i in range(24):  # alike: one mesh, (Replicate, Shard(0)), global (8, 3)
+        x = DTensor.from_local(torch.full((4, 3), float(i)), mesh, [Replicate(), Shard(0)], run_check=False)
+        got = dtensor_box(x, f"model.layer{i}", memo)
+        assert got == dtensor_box(x, f"model.layer{i}")  # without the memo: the same
+        assert got.offset == (4 * coord[1], 0) and got.shape == (4, 3) and got.shared
+        boxes[f"model.layer{i}"] = got.replica
+    out = {"replica": boxes}
+    # equal-looking but not alike: a _StridedShard on the same mesh and global shape
+    strided = DTensor.from_local(torch.zeros(4, 3), mesh, [Replicate(), _StridedShard(0, split_factor=2)],
+                                 run_check=False)
+    out["strided"] = _refused(lambda: dtensor_box(strided, "strided", memo))
+    # alike but padded: the local tensor is not the box the placements give
+    padded = DTensor.from_local(torch.zeros(5, 3), mesh, [Replicate(), Shard(0)], run_check=False,
+                                shape=torch.Size((8, 3)), stride=(3, 1))
+    out["padded"] = _refused(lambda: dtensor_box(padded, "padded", memo))
+    # a mesh of ranks 0 and 1: ranks 2 and 3 are outside it, every time
+    half = DeviceMesh("cpu", [0, 1])
+    if rank >= 2:
+        outsider = DTensor.from_local(torch.zeros(2), half, [Shard(0)], run_check=False,
+                                      shape=torch.Size((4,)), stride=(1,))
+        out["outside"] = [_refused(lambda j=j: dtensor_box(outsider, f"o{j}", memo)) for j in range(2)]
+    with open(os.path.join(root, f"r{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_memoised_boxes_agree_and_refusals_still_fire(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    got = [json.load(open(tmp_path / f"r{r}.json")) for r in range(WORLD)]
+    # ranks r and r+2 hold the same box (they differ in the Replicate coordinate): exactly
+    # one of them stores each path, and the choice is spread over both
+    stores = {r: 0 for r in range(WORLD)}
+    for path in got[0]["replica"]:
+        for a, b in ((0, 2), (1, 3)):
+            assert got[a]["replica"][path] != got[b]["replica"][path], path
+        for r in range(WORLD):
+            stores[r] += not got[r]["replica"][path]
+    assert all(n > 0 for n in stores.values()), stores
+    for r in range(WORLD):
+        assert "_StridedShard" in got[r]["strided"] and "'strided'" in got[r]["strided"]
+        assert "padded shards" in got[r]["padded"] and "'padded'" in got[r]["padded"]
+    for r in (2, 3):
+        assert len(got[r]["outside"]) == 2
+        assert all("not in the DTensor's mesh" in m for m in got[r]["outside"]), got[r]["outside"]
