@@ -125,13 +125,14 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int
         last.update(writer.save(step, state).wait())
 
     for rnd in range(rounds + 1):  # round 0 warms every system up and is not counted
-        order = systems[rnd % 3:] + systems[:rnd % 3]  # each system goes first in turn
+        k = (rnd - 1) % 3  # each system goes first in turn, from the first counted round
+        order = systems[k:] + systems[:k]
         for system in order:
             target = target_state()
             if system == "datapipe":
                 step_dir = os.path.join(ours_dir, f"step-{rnd + 1:012d}")
                 save = partial(save_ours, rnd + 1)
-                load = partial(load_checkpoint, ours_dir, into=target)
+                load = partial(load_checkpoint, ours_dir, step=rnd + 1, into=target)  # DCP gets its folder
             else:
                 step_dir = os.path.join(dcp_dir, f"{system}-step-{rnd + 1}")
                 # dcp: its defaults (one writer thread per rank); dcp_threads: datapipe's

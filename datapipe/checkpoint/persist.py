@@ -112,10 +112,12 @@ def _checksum_in_slices(data: memoryview, piece: int = 1 << 20) -> str:
 
 
 def chunk_bytes_for(total: int, chunk_bytes: int, io_threads: int) -> int:
-    """The chunk size of a save of ``total`` bytes: ``chunk_bytes``, or less (whole
-    blocks) when that would leave some of the ``io_threads`` without a chunk to write:
-    a 96 MiB part in 64 MiB chunks kept two of four threads idle and took 1.7x as long
-    to write."""
+    """The chunk size of a save of ``total`` bytes: ``chunk_bytes``, or less when that
+    would leave the ``io_threads`` unevenly loaded: a ``total / io_threads`` share rounded
+    up to whole 1 MiB blocks (so a thread's share is at most one block over the even one;
+    9 MiB over 4 threads is 3 chunks of 3 MiB). A 96 MiB part in 64 MiB chunks kept two of
+    four threads idle and took 1.8x as long to write as 4 chunks of 24 MiB (0.305 s vs 0.170 s
+    for 4 ranks, a microbenchmark on this machine)."""
     per_thread = -(-total // io_threads)
     return min(chunk_bytes, max(BLOCK_BYTES, -(-per_thread // BLOCK_BYTES) * BLOCK_BYTES))
 
