@@ -6,9 +6,10 @@ collector promotes what survives two young collections to the oldest generation,
 enough has been promoted it runs a full collection, whose cost grows with the whole heap
 (a trainer with torch loaded: 0.2-0.3 s here), in the middle of whichever load happened
 to tip it. Paused, the young collections do not run, nothing of ours is
-promoted, and what we free (by reference counts: this code makes no cycles) leaves the
-collector's counts as they were: the full collection is not moved to later, it does not
-happen on our account.
+promoted, and what we free by reference counts leaves the collector's counts as they
+were: the full collection is not moved to later, it does not happen on our account. (A
+load without ``into=`` leaves a few objects of cyclic garbage, a recursive closure, for
+the next collection.)
 """
 
 from __future__ import annotations
