@@ -73,22 +73,34 @@ def test_a_collector_the_caller_disabled_stays_disabled(tmp_path):
         gc.enable()
 
 
-def test_overlapping_pauses_enable_the_collector_when_the_last_ends():
-    inside, release = threading.Event(), threading.Event()
+class _PausedElsewhere:
+    """Another thread inside a pause (a load in progress) until ``release()``."""
 
-    def other():
+    def __init__(self) -> None:
+        self._inside, self._release = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._hold)
+
+    def _hold(self) -> None:
         with collections_paused():
-            inside.set()
-            release.wait(10)
+            self._inside.set()
+            self._release.wait(10)
 
-    t = threading.Thread(target=other)
+    def start(self) -> None:
+        self._thread.start()
+        assert self._inside.wait(10)
+
+    def release(self) -> None:
+        self._release.set()
+        self._thread.join(10)
+
+
+def test_overlapping_pauses_enable_the_collector_when_the_last_ends():
+    other = _PausedElsewhere()
     with collections_paused():
-        t.start()
-        assert inside.wait(10)
+        other.start()
         assert not gc.isenabled()
     assert not gc.isenabled(), "the other thread's load is still inside its pause"
-    release.set()
-    t.join(10)
+    other.release()
     assert gc.isenabled()
 
 
@@ -97,17 +109,10 @@ def test_a_child_forked_during_another_threads_load_collects_again():
     """A DataLoader worker forked while another thread loads a checkpoint: the child runs
     none of the load, so its collector is on (as it was in the parent before the load) and
     a pause of its own works (the lock is not inherited held)."""
-    inside, release = threading.Event(), threading.Event()
-
-    def other():
-        with collections_paused():
-            inside.set()
-            release.wait(10)
-
-    t = threading.Thread(target=other)
-    t.start()
+    other = _PausedElsewhere()
+    other.start()
     try:
-        assert inside.wait(10) and not gc.isenabled()
+        assert not gc.isenabled()
         pid = os.fork()
         if pid == 0:  # the child: report through the exit status only
             code = 0 if gc.isenabled() else 3
@@ -118,6 +123,5 @@ def test_a_child_forked_during_another_threads_load_collects_again():
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, "3: collector off in the child; 4/5: its own pause"
     finally:
-        release.set()
-        t.join(10)
+        other.release()
     assert gc.isenabled()
