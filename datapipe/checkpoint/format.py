@@ -152,15 +152,19 @@ def parse_attempt(name: Any) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_STRING = re.compile(rb'"[^"]*"')  # once no escaped quote is left in the text
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def json_depth(text: bytes) -> int:
     """Nesting depth of UTF-8 JSON text that parsed: its strings dropped, the brackets left are
     the containers' (a hostile document is deep; a large one has many strings, which a
-    walk of the parsed document would visit one by one)."""
-    brackets = _JSON_STRING.sub(b"", text).translate(None, _NOT_BRACKETS)
+    walk of the parsed document would visit one by one). Backslashes occur only in strings'
+    escapes, which pair up left to right: dropping escaped backslashes, then escaped quotes
+    (each a pass in C, where a regex stepping over escapes went at ~25 MB/s) leaves strings
+    that end at their next quote."""
+    unescaped = text.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = _JSON_STRING.sub(b"", unescaped).translate(None, _NOT_BRACKETS)
     return max(itertools.accumulate(1 if b in b"[{" else -1 for b in brackets), default=0)
 
 
