@@ -5,6 +5,11 @@ smallest power-of-four domain that holds ``m``, with cycle walking back into ``[
 maps any index to its image in a handful of integer operations and needs no memory. The
 domain is at most 4m, so cycle walking takes under 4 steps on average.
 
+The permutation is part of the data order that resume states point into: its values
+never change between versions (a test pins them). Only how fast they are computed may:
+one domain and key per call runs on scalars in reused buffers, and the last few values of
+a walk on Python ints, since a numpy call costs about a microsecond whatever its size.
+
 Every function accepts per-element parameters (domain size and key as arrays), so one call
 can evaluate positions that fall into many different windows of an epoch at once.
 """
@@ -55,16 +60,91 @@ def _half_bits(m: Int64s) -> Int64s:
     return np.maximum((bits + 1) // 2, 1)
 
 
-def _feistel_round_trip(x: UInt64s, half_bits: Int64s, key: UInt64s) -> UInt64s:
-    h = half_bits.astype(_U64)
-    mask = (_U64(1) << h) - _U64(1)
-    left = x >> h
-    right = x & mask
-    with np.errstate(over="ignore"):
-        for r in range(_ROUNDS):
-            f = splitmix64(right ^ (key + _U64(r) * _GOLDEN)) & mask
-            left, right = right, left ^ f
+_M64 = (1 << 64) - 1
+_GOLDEN_INT, _M1_INT, _M2_INT = int(_GOLDEN), int(_M1), int(_M2)
+#: below this many values a cycle-walking step runs on Python ints: a numpy call costs
+#: about a microsecond whatever its size, and the last steps of a walk hold a few values
+_FEW = 16
+_S30, _S27, _S31 = _U64(30), _U64(27), _U64(31)
+
+
+def _round_keys(key: int) -> list[int]:
+    return [(key + r * _GOLDEN_INT) & _M64 for r in range(_ROUNDS)]
+
+
+def _round_trip_few(x: int, h: int, mask: int, round_keys: list[int]) -> int:
+    """:func:`_round_trip` of one value, on Python ints."""
+    left, right = x >> h, x & mask
+    for rk in round_keys:
+        z = ((right ^ rk) + _GOLDEN_INT) & _M64
+        z = ((z ^ (z >> 30)) * _M1_INT) & _M64
+        z = ((z ^ (z >> 27)) * _M2_INT) & _M64
+        left, right = right, left ^ ((z ^ (z >> 31)) & mask)
     return (left << h) | right
+
+
+def _round_trip(x: UInt64s, h: UInt64s | np.uint64, mask: UInt64s | np.uint64,
+                round_keys: list[UInt64s] | list[np.uint64]) -> UInt64s:
+    """One pass of the Feistel network over the ``4**h`` domain: ``_ROUNDS`` rounds of
+    ``left, right = right, left ^ (splitmix64(right ^ round_key) & mask)``, computed in place
+    in three buffers (a round allocates nothing)."""
+    left = np.right_shift(x, h)
+    right = np.bitwise_and(x, mask)
+    f = np.empty_like(x)
+    t = np.empty_like(x)
+    for rk in round_keys:
+        np.bitwise_xor(right, rk, out=f)
+        f += _GOLDEN
+        np.right_shift(f, _S30, out=t)
+        f ^= t
+        f *= _M1
+        np.right_shift(f, _S27, out=t)
+        f ^= t
+        f *= _M2
+        np.right_shift(f, _S31, out=t)
+        f ^= t
+        f &= mask
+        f ^= left  # the new right half; the old left's buffer takes the next round's f
+        left, right, f = right, f, left
+    np.left_shift(left, h, out=left)
+    left |= right
+    return left
+
+
+def _walk(out: UInt64s, m: int, h: int, key: int) -> None:
+    """Cycle walking, in place, for values of one domain size ``m`` and one key: re-apply
+    the permutation of the ``4**h`` domain until each value lands in ``[0, m)``. Because
+    it is a permutation of the larger domain, this is a bijection on ``[0, m)``."""
+    mask = (1 << h) - 1
+    ints = _round_keys(key)
+    keys = [_U64(k) for k in ints]
+    hh, mm = _U64(h), _U64(mask)
+    todo = np.arange(out.size)
+    x = out
+    while todo.size >= _FEW:
+        y = _round_trip(x, hh, mm, keys)
+        out[todo] = y
+        still = y >= _U64(m)
+        todo, x = todo[still], y[still]
+    for i, v in zip(todo.tolist(), x.tolist()):
+        v = _round_trip_few(v, h, mask, ints)
+        while v >= m:
+            v = _round_trip_few(v, h, mask, ints)
+        out[i] = v
+
+
+def _walk_mixed(out: UInt64s, m_arr: Int64s, h: Int64s, key_arr: UInt64s) -> None:
+    """:func:`_walk` for values whose domain sizes and keys differ from one to the next."""
+    todo = np.arange(out.size)
+    hu = h.astype(_U64)
+    mu = m_arr.astype(_U64)
+    masks = (_U64(1) << hu) - _U64(1)
+    with np.errstate(over="ignore"):
+        rks = [key_arr + _U64(r) * _GOLDEN for r in range(_ROUNDS)]
+    while todo.size:
+        y = _round_trip(out[todo], hu[todo], masks[todo], [k[todo] for k in rks])
+        out[todo] = y
+        todo = todo[y >= mu[todo]]
 
 
 def feistel_permute(index: ArrayLike, m: ArrayLike, key: ArrayLike) -> Int64s:
@@ -79,14 +159,10 @@ def feistel_permute(index: ArrayLike, m: ArrayLike, key: ArrayLike) -> Int64s:
     key_arr = np.broadcast_to(np.asarray(key, dtype=_U64), idx.shape)
     h = _half_bits(m_arr)
     out = idx.astype(_U64)
-    todo = np.arange(idx.size)
-    mu = m_arr.astype(_U64)
-    # Cycle walking: re-apply the permutation of the 4**h domain until the value lands in
-    # [0, m). Because it is a permutation of the larger domain, this is a bijection on [0, m).
-    while todo.size:
-        x = out[todo]
-        y = _feistel_round_trip(x, h[todo], key_arr[todo])
-        out[todo] = y
-        still = y >= mu[todo]
-        todo = todo[still]
+    flat_m, flat_k = m_arr.reshape(-1), key_arr.reshape(-1)
+    if (flat_m == flat_m[0]).all() and (flat_k == flat_k[0]).all():
+        # one domain and one key (a chunk inside one window): scalars all the way
+        _walk(out.reshape(-1), int(flat_m[0]), int(h.reshape(-1)[0]), int(flat_k[0]))
+    else:
+        _walk_mixed(out.reshape(-1), flat_m, h.reshape(-1), flat_k)
     return out.astype(np.int64)

@@ -65,6 +65,12 @@ class NoShuffle:
         return shard, p - self.starts[shard]
 
 
+_GOLDEN = 0x9E3779B97F4A7C15
+_M64 = (1 << 64) - 1
+#: positions spread over fewer windows than this are permuted one window at a time
+_FEW_WINDOWS = 8
+
+
 class WindowShuffle:
     """Shard order permuted, samples shuffled across windows of ``window`` shards."""
 
@@ -97,9 +103,18 @@ class WindowShuffle:
         p = _check_positions(positions, self.num_samples)
         w = self.window_of(p)
         start = self.window_starts[w]
-        with np.errstate(over="ignore"):
-            keys = self._base_key ^ (w.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-        inner = feistel_permute(p - start, self.window_sizes[w], keys)
+        lo, hi = (int(w.min()), int(w.max())) if w.size else (0, -1)
+        if hi - lo < _FEW_WINDOWS:
+            # a chunk's positions lie in one window or two: one call per window, on scalars
+            inner = np.empty_like(p)
+            for v in range(lo, hi + 1):
+                sel = w == v if hi > lo else slice(None)
+                key = int(self._base_key) ^ ((v * _GOLDEN) & _M64)
+                inner[sel] = feistel_permute(p[sel] - start[sel], int(self.window_sizes[v]), key)
+        else:
+            with np.errstate(over="ignore"):
+                keys = self._base_key ^ (w.astype(np.uint64) * np.uint64(_GOLDEN))
+            inner = feistel_permute(p - start, self.window_sizes[w], keys)
         q = start + inner
         slot = np.searchsorted(self.slot_starts, q, side="right") - 1
         return self.shard_order[slot], q - self.slot_starts[slot]
