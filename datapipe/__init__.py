@@ -1,24 +1,60 @@
 """datapipe: pack small files into shards, cache them in tiers, stream them into training,
 and checkpoint without stalling."""
 
-from typing import Any
+import sys
+import types
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
+from . import errors as errors  # `except datapipe.errors.DatapipeError` after `import datapipe`
+from ._lazy import lazy_exports
 from ._version import __version__
-from .cache import TieredCache
-from .checkpoint import (
-    CheckpointInfo,
-    CheckpointWriter,
-    LocalShard,
-    Replicated,
-    SaveHandle,
-    list_checkpoints,
-    load_checkpoint,
-)
-from .dataset import Dataset, DatasetIndex, open_index
-from .pack import PackResult, ShardWriter, join_parts, pack
-from .storage import set_storage_options
-from .tarindex import IndexResult, index_shards, open_dataset
-from .verify import VerifyReport, verify_dataset
+
+if TYPE_CHECKING:  # what type checkers and editors see; at run time each comes on first use
+    from .cache import TieredCache
+    from .checkpoint import (
+        CheckpointInfo,
+        CheckpointWriter,
+        LocalShard,
+        Replicated,
+        SaveHandle,
+        list_checkpoints,
+        load_checkpoint,
+    )
+    from .dataset import Dataset, DatasetIndex, open_index
+    from .loader import Stream, StreamingDataset
+    from .loader.dataloader import StreamingDataLoader
+    from .pack import PackResult, ShardWriter, join_parts, pack
+    from .storage import set_storage_options
+    from .tarindex import IndexResult, index_shards, open_dataset
+    from .verify import VerifyReport, verify_dataset
+
+#: public name -> the submodule that defines it, imported on first use (see _lazy.py)
+_WHERE = {
+    "CheckpointInfo": "checkpoint",
+    "CheckpointWriter": "checkpoint",
+    "Dataset": "dataset",
+    "DatasetIndex": "dataset",
+    "IndexResult": "tarindex",
+    "LocalShard": "checkpoint",
+    "PackResult": "pack",
+    "Replicated": "checkpoint",
+    "SaveHandle": "checkpoint",
+    "ShardWriter": "pack",
+    "Stream": "loader",
+    "StreamingDataLoader": "loader.dataloader",
+    "StreamingDataset": "loader",
+    "TieredCache": "cache",
+    "VerifyReport": "verify",
+    "index_shards": "tarindex",
+    "join_parts": "pack",
+    "list_checkpoints": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "open_dataset": "tarindex",
+    "open_index": "dataset",
+    "set_storage_options": "storage",
+    "verify_dataset": "verify",
+}
 
 __all__ = [
     "__version__",
@@ -49,15 +85,22 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # The loader imports torch when it is installed: load it on first use, so that
-    # `datapipe pack` and friends start fast and torch stays optional.
-    if name in ("StreamingDataset", "Stream"):
-        from . import loader
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _WHERE)
 
-        return getattr(loader, name)
-    if name == "StreamingDataLoader":
-        from .loader.dataloader import StreamingDataLoader
 
-        return StreamingDataLoader
-    raise AttributeError(f"module 'datapipe' has no attribute {name!r}")
+class _Package(types.ModuleType):
+    """``datapipe.pack`` is the function, though ``datapipe.pack`` is also a subpackage,
+    whose import binds the package's attribute to the module: the attribute ignores that
+    binding (``sys.modules["datapipe.pack"]`` holds the module, which every import of it
+    reads)."""
+
+    @property
+    def pack(self) -> Any:
+        return import_module(".pack", __name__).pack
+
+    @pack.setter
+    def pack(self, value: Any) -> None:
+        pass
+
+
+sys.modules[__name__].__class__ = _Package

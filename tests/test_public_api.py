@@ -72,3 +72,19 @@ def test_cli_help_lists_commands():
                          capture_output=True, text=True, check=True).stdout
     for cmd in ("pack", "join", "inspect", "verify", "cache"):
         assert cmd in out
+
+
+def test_each_part_imports_only_what_it_needs():
+    # The checkpoint writer process starts as `python -m datapipe.checkpoint.process` once
+    # per writer: it must not pay for the packer, the cache, the tar indexer or the loader
+    # (importing all of them took 0.38 s of its 0.4 s start here).
+    probe = ("import sys, datapipe.checkpoint.process; "
+             "print(sorted(m for m in ('datapipe.pack', 'datapipe.cache', 'datapipe.tarindex', 'datapipe.loader', "
+             "'datapipe.verify', 'datapipe.dataset', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
+    # and a name is the same object however it is reached, before and after its module loads
+    probe = ("import datapipe; a = datapipe.CheckpointWriter; import datapipe.checkpoint as c; "
+             "print(a is c.CheckpointWriter, 'CheckpointWriter' in dir(datapipe), datapipe.pack is not None)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "True", "True"]

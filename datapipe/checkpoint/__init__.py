@@ -16,11 +16,25 @@ place), ``dtensor`` (pieces of global tensors: DTensor, ``LocalShard``, ``Replic
 ``state_dict()``/``load_state_dict()``.
 """
 
-from .dtensor import LocalShard, Replicated
-from .loader import CheckpointInfo, list_checkpoints, load_checkpoint
-from .restore import RestoreResult, restore_checkpoint
-from .tiers import Tier
-from .writer import CheckpointWriter, SaveHandle
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .dtensor import LocalShard, Replicated
+    from .loader import CheckpointInfo, list_checkpoints, load_checkpoint
+    from .restore import RestoreResult, restore_checkpoint
+    from .tiers import Tier
+    from .writer import CheckpointWriter, SaveHandle
 
 __all__ = ["CheckpointWriter", "SaveHandle", "CheckpointInfo", "load_checkpoint", "list_checkpoints",
            "Tier", "restore_checkpoint", "RestoreResult", "LocalShard", "Replicated"]
+
+#: public name -> the submodule that defines it, imported on first use: the writer process
+#: (``python -m datapipe.checkpoint.process``) needs none of the trainer's side
+_WHERE = {"CheckpointWriter": "writer", "SaveHandle": "writer", "CheckpointInfo": "loader",
+          "load_checkpoint": "loader", "list_checkpoints": "loader", "Tier": "tiers",
+          "restore_checkpoint": "restore", "RestoreResult": "restore", "LocalShard": "dtensor",
+          "Replicated": "dtensor"}
+
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _WHERE)

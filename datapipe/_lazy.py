@@ -1,0 +1,30 @@
+"""Package attributes imported on first use (PEP 562): a process that needs one part of
+datapipe (``datapipe pack``, the checkpoint writer process) does not pay for importing
+the others, and torch stays optional. Type checkers see the names through the package's
+``if TYPE_CHECKING:`` imports."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import import_module
+from typing import Any
+
+
+def lazy_exports(package: str, namespace: dict[str, Any],
+                 where: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """``(__getattr__, __dir__)`` for ``package``, whose name ``n`` lives in its submodule
+    ``where[n]``; a name once imported is kept in ``namespace`` (the package's globals), so
+    later lookups do not come here."""
+
+    def __getattr__(name: str) -> Any:
+        module = where.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(import_module(f".{module}", package), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted({*namespace, *where})
+
+    return __getattr__, __dir__
