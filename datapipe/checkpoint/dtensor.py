@@ -13,7 +13,9 @@ A state may hold three kinds of arrays (docs/CHECKPOINT_FORMAT.md, "Global tenso
 Each becomes a leaf with a ``global`` record (global shape, offset, region). A region that
 several ranks hold (replicas) is stored once, by one of them chosen by the leaf's path
 (so the writes of a replicated model spread over its holders); the others record it with
-``replica: true`` and store no bytes. Plain tensors outside
+``replica: true`` and store no bytes in a shared tier. A node-local part is a one-part
+checkpoint that must be whole on its own, so there every holder stores its copy
+(``Leaf.copy``, staged only when a node-local tier is due). Plain tensors outside
 :class:`Replicated` stay per-rank leaves, as before.
 
 No collective is used: mesh coordinates and rank lists are local knowledge.
@@ -23,6 +25,7 @@ already loaded).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import zlib
 from typing import Any, NamedTuple
@@ -187,16 +190,16 @@ def place(leaf: Leaf, x: Any, rank: int, replicated: bool, memo: dict[Any, Any] 
     if isinstance(x, LocalShard):
         gshape, offset, replica = x.global_shape, x.offset, x.replica
         _check_box(leaf.path, gshape, offset, leaf.shape)
-        leaf.held_elsewhere = replica  # only the caller knows; a non-replica rank cannot tell
     elif is_placed(x):
         box = dtensor_box(x, leaf.path, memo)
         gshape, offset, replica = box.global_shape, box.offset, box.replica
-        leaf.held_elsewhere = box.shared
     else:  # a plain array the caller declared replicated: all of it, stored by rank 0
         gshape, offset, replica = leaf.shape, (0,) * len(leaf.shape), rank != 0
-        leaf.held_elsewhere = True
     leaf.shard = {"shape": list(gshape), "offset": list(offset), "region": list(leaf.shape), "replica": replica}
     if replica:
+        # This rank holds the bytes too: a node-local part stores them (it must be whole on
+        # its own); a shared part records the box and stores nothing (its holder does).
+        leaf.copy = dataclasses.replace(leaf, shard=dict(leaf.shard, replica=False))
         if leaf.kind == "torch":
             import torch
 

@@ -52,9 +52,10 @@ class Leaf:
     device: str = "cpu"
     # a piece of a global tensor (dtensor.place): {shape, offset, region, replica}
     shard: dict[str, Any] | None = None
-    # the same box is held by other ranks too (a Replicated value, a DTensor replicated over
-    # a mesh dimension of size > 1): decided alike on every rank, unlike shard["replica"]
-    held_elsewhere: bool = False
+    # a replica (shard["replica"]) keeps here the leaf of this rank's own copy of its bytes
+    # (region == shape, replica False): stored only in node-local parts, which must be whole
+    # on their own (writer.py stages it after the shared layout, and only when one is due)
+    copy: Leaf | None = None
 
     def spec(self, offset: int) -> dict[str, Any]:
         d: dict[str, Any] = {

@@ -413,8 +413,9 @@ def _checked_part(store: Store, doc: dict[str, Any], r: int, where: str) -> dict
         if empty:
             raise CorruptCheckpointError(
                 f"{where}: a one-part checkpoint holds replica leaves without bytes ({empty[:5]!r:.300}): "
-                "another rank stored their values (a node-local tier written by a multi-rank job with "
-                "Replicated values or replicated DTensors); load this step from a shared tier"
+                "another rank stored their values (a node-local part written by a datapipe from before "
+                "node-local parts held replicated values, or a one-rank save of a LocalShard marked "
+                "replica); load this step from a shared tier"
             )
     return part
 

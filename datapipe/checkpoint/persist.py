@@ -74,11 +74,27 @@ class PersistJob:
     due: list[Tier]  # the tiers this save goes to, in the writer's order
     t_start: float  # time.monotonic() at save(): comparable across processes (CLOCK_MONOTONIC)
     order: int  # position of this save() call among the writer's calls
-    chunk_bytes: int  # of this save: chunk_bytes_for(...), in every tier and the replica
-    raw_checksums: dict[int, str] = field(default_factory=dict)  # chunk -> raw checksum, shared by tiers
+    chunk_bytes: int  # of this save's shared layout: chunk_bytes_for(total, ...)
+    # (start, end) of a chunk of the staged bytes -> its raw checksum, shared by the tiers
+    # (and the replica header) whose chunks cover the same range
+    raw_checksums: dict[tuple[int, int], str] = field(default_factory=dict)
+    # The node-local layout, when it differs from the shared one: the leaves' records with
+    # this rank's copies of the values it holds with other ranks (staged after ``total``),
+    # its byte count and chunk size. A node-local part must be whole on its own; a shared
+    # tier stores each such value once, by its owner, so it writes only ``[0, total)``.
+    local_specs: list[dict[str, Any]] | None = None
+    local_total: int = 0
+    local_chunk_bytes: int = 0
     # a writer process's replica, exchanged in the training process: (header, bytes), or why not
     received: tuple[dict[str, Any], memoryview] | None = None
     link_error: str | None = None
+
+    def layout(self, node_local: bool) -> tuple[list[dict[str, Any]], int, int]:
+        """``(specs, total, chunk_bytes)`` of this save's part in a node-local tier (and its
+        peer replica) or in a shared one."""
+        if node_local and self.local_specs is not None:
+            return self.local_specs, self.local_total, self.local_chunk_bytes
+        return self.specs, self.total, self.chunk_bytes
 
 
 @dataclass
@@ -125,18 +141,19 @@ def chunk_bytes_for(total: int, chunk_bytes: int, io_threads: int) -> int:
 def replica_header(job: PersistJob, rank: int, world_size: int,
                    staged: Callable[[int, int], memoryview]) -> dict[str, Any]:
     """The header a save's part is sent to the peer with (by a thread writer here, by a
-    writer process's link thread in the training process): what the save is and the raw
-    checksum of every chunk, against which the receiver checks each chunk before writing
-    it. Checksums missing from ``job.raw_checksums`` are computed (1 MiB per GIL hold)
-    and kept there for this rank's own copy."""
-    chunk_bytes = job.chunk_bytes
-    ranges = [(a, min(a + chunk_bytes, job.total)) for a in range(0, job.total, chunk_bytes)]
-    for i, (a, b) in enumerate(ranges):
-        if i not in job.raw_checksums:
-            job.raw_checksums[i] = _checksum_in_slices(staged(a, b))
+    writer process's link thread in the training process): what the save is (its
+    node-local layout: the replica is a copy of this rank's node-local part, whole on its
+    own) and the raw checksum of every chunk, against which the receiver checks each chunk
+    before writing it. Checksums missing from ``job.raw_checksums`` are computed (1 MiB
+    per GIL hold) and kept there for this rank's own copy."""
+    specs, total, chunk_bytes = job.layout(node_local=True)
+    ranges = [(a, min(a + chunk_bytes, total)) for a in range(0, total, chunk_bytes)]
+    for r in ranges:
+        if r not in job.raw_checksums:
+            job.raw_checksums[r] = _checksum_in_slices(staged(*r))
     return {"step": job.step, "attempt": job.attempt, "rank": rank, "world_size": world_size,
-            "total": job.total, "chunk_bytes": chunk_bytes, "tree": job.tree, "leaves": job.specs,
-            "raw_checksums": [job.raw_checksums[i] for i in range(len(ranges))]}
+            "total": total, "chunk_bytes": chunk_bytes, "tree": job.tree, "leaves": specs,
+            "raw_checksums": [job.raw_checksums[r] for r in ranges]}
 
 
 class Persister:
@@ -214,14 +231,13 @@ class Persister:
         save then raises naming each failed tier. Metrics of the first due tier are the
         save's top-level ones (as for a single-URL writer); each tier's are in
         ``metrics["tiers"][url]``."""
-        specs = job.specs
         m["tiers"] = {}
         errors: list[tuple[str, BaseException]] = []
         for tier in job.due:
             tm: dict[str, Any] = {}
             m["tiers"][tier.url] = tm
             try:
-                self._persist_tier(job, tier, specs, tm, view, tensor)
+                self._persist_tier(job, tier, tm, view, tensor)
             except BaseException as e:
                 errors.append((tier.url, e))
                 tm["error"] = f"{type(e).__name__}: {e}"
@@ -239,7 +255,7 @@ class Persister:
                 + "; ".join(f"{url}: {type(e).__name__}: {e}" for url, e in errors)
             ) from errors[0][1]
 
-    def _persist_tier(self, job: PersistJob, tier: Tier, specs: list[dict[str, Any]], tm: dict[str, Any],
+    def _persist_tier(self, job: PersistJob, tier: Tier, tm: dict[str, Any],
                       staged: Callable[[int, int], memoryview], tensor: Callable[[int], Any]) -> None:
         own, *replica = self._targets[tier.url]
         received: tuple[dict[str, Any], memoryview] | None = None
@@ -249,7 +265,7 @@ class Persister:
             header = replica_header(job, self.rank, self.world_size, staged)
             t0 = time.perf_counter()
             try:
-                received = self._link.exchange(header, tensor(job.total))
+                received = self._link.exchange(header, tensor(header["total"]))
                 tm["exchange_s"] = time.perf_counter() - t0
             except BaseException as e:
                 link_error = e
@@ -257,7 +273,8 @@ class Persister:
             link_error = CheckpointError(job.link_error)
         elif replica and job.received is not None:
             received = job.received
-        self._persist_to(own, job, job.step, job.attempt, staged, job.total, job.chunk_bytes, job.tree,
+        specs, total, chunk_bytes = job.layout(bool(tier.node_local))
+        self._persist_to(own, job, job.step, job.attempt, staged, total, chunk_bytes, job.tree,
                          specs, job.raw_checksums, False, tm)
         tm["durable_s"] = time.monotonic() - job.t_start
         # This save's own copy is durable: a replica that failed (sent or received) is
@@ -294,16 +311,18 @@ class Persister:
                 f"(step {job.step}, attempt {job.attempt}): the ranks are not saving the same steps"
             )
         rm: dict[str, Any] = {}
+        ranges = [(a, min(a + cb, len(data))) for a in range(0, len(data), cb)]
         self._persist_to(rtg, job, job.step, job.attempt, lambda a, b: data[a:b], len(data),
-                         cb, hdr["tree"], hdr["leaves"], dict(enumerate(sent)), True, rm)
+                         cb, hdr["tree"], hdr["leaves"], dict(zip(ranges, sent)), True, rm)
         tm["replica"] = {"of_rank": src, "bytes": len(data), **rm}
 
     def _persist_to(self, tg: _Target, job: PersistJob, step: int, attempt: str, view: Any, total: int, cb: int,
-                    tree: Any, specs: list[dict[str, Any]], known: dict[int, str], verify: bool,
+                    tree: Any, specs: list[dict[str, Any]], known: dict[tuple[int, int], str], verify: bool,
                     m: dict[str, Any]) -> None:
         """Write one copy (chunks, part; commit if this process commits there) to one store.
-        ``known``: raw chunk checksums already computed (reused), or, with ``verify``,
-        those a peer sent (each chunk is hashed again and must match)."""
+        ``known``: raw checksums of chunks by their ``(start, end)``, already computed
+        (reused), or, with ``verify``, those a peer sent (each chunk is hashed again and
+        must match)."""
         t0 = time.perf_counter()
         ranges = [(a, min(a + cb, total)) for a in range(0, total, cb)]
         chunks = self._write_chunks(tg, step, attempt, view, ranges, known, verify)
@@ -385,7 +404,7 @@ class Persister:
             m["retention_s"] = time.perf_counter() - t2
 
     def _write_chunks(self, tg: _Target, step: int, attempt: str, view: Any, ranges: list[tuple[int, int]],
-                      known: dict[int, str], verify: bool) -> list[dict[str, Any]]:
+                      known: dict[tuple[int, int], str], verify: bool) -> list[dict[str, Any]]:
         """Write the chunks on ``io_threads`` threads of this save. Own threads, not a pool:
         a pool refuses work once the interpreter starts to exit, and a flush at exit must
         still write. Returns only when every thread is done, failed or not: the staging
@@ -418,11 +437,11 @@ class Persister:
         return results
 
     def _write_chunk(self, tg: _Target, step: int, attempt: str, view: Any, index: int, start: int, end: int,
-                     known: dict[int, str], verify: bool) -> dict[str, Any]:
+                     known: dict[tuple[int, int], str], verify: bool) -> dict[str, Any]:
         data = view(start, end)
         plain = self.compression != "zstd"  # stored as staged: its record lists block checksums
         blocks = None
-        raw_ck = known.get(index) if not verify else None
+        raw_ck = known.get((start, end)) if not verify else None
         if raw_ck is None:
             if plain:  # one pass over the bytes: the blocks' checksums and the chunk's
                 whole = Hasher()
@@ -431,13 +450,15 @@ class Persister:
             else:
                 raw_ck = _checksum_in_slices(data)
             if verify:
-                if known.get(index) != raw_ck:
+                if known.get((start, end)) != raw_ck:
                     raise CheckpointError(
                         f"step {step}: chunk {index} of the replica for {tg.store.root} does not match "
-                        f"the checksum its rank sent ({known.get(index)!r:.40}, got {raw_ck}): not written"
+                        f"the checksum its rank sent ({known.get((start, end))!r:.40}, got {raw_ck}): not written"
                     )
             else:
-                known[index] = raw_ck  # the next tier reuses it (one thread per index: no race)
+                # the next tier reuses it (one thread per range: no race); a range is the
+                # same bytes of the one staging buffer in the shared and node-local layouts
+                known[(start, end)] = raw_ck
         rec: dict[str, Any] = {"key": chunk_key(step, attempt, tg.rank, index),
                                "offset": start, "bytes": end - start}
         if not plain:

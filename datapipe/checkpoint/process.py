@@ -245,13 +245,17 @@ def main() -> None:
 
             job = PersistJob(msg["step"], msg["attempt"], msg["tree"], msg["specs"], msg["total"],
                              [by_url[u] for u in msg["due"]], msg["t_start"], msg["order"], msg["chunk_bytes"])
+            if msg.get("local") is not None:  # the node-local layout (persist.PersistJob)
+                job.local_specs = msg["local"]["specs"]
+                job.local_total, job.local_chunk_bytes = msg["local"]["total"], msg["local"]["chunk_bytes"]
             for step, n, order in msg["saved_at"]:
                 p.saved_at[(step, n)] = order
             if msg.get("received") is not None:
                 rbytes = msg["received"]["bytes"]
                 job.received = (msg["received"]["header"], memoryview(mapped["replica"])[:rbytes])
             job.link_error = msg.get("link_error")
-            job.raw_checksums = dict(enumerate(msg.get("raw_checksums") or []))  # hashed for the replica header
+            # hashed for the replica header, by chunk range
+            job.raw_checksums = {(int(a), int(b)): str(ck) for a, b, ck in msg.get("raw_checksums") or []}
             m: dict[str, Any] = {}
             error = None
             try:

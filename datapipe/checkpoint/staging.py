@@ -73,6 +73,8 @@ class StagingBuffer:
         self.pinned = False
         self._key: tuple[Any, ...] | None = None
         self._views: list[Any] = []
+        self._all_offsets: list[int] = []  # of the cached layout (views); offsets/total: of the last staged
+        self._all_total = 0
         self.offsets: list[int] = []
         self.total = 0
         self.allocations = 0  # host buffers taken so far: a reused buffer keeps it unchanged
@@ -136,6 +138,7 @@ class StagingBuffer:
             else:
                 views.append(npbuf[off : off + leaf.nbytes].view(np.dtype(leaf.dtype)).reshape(leaf.shape))
         self._views = views
+        self._all_offsets, self._all_total = offsets, total
         self.offsets, self.total = offsets, total
 
     def prepare(self, leaves: list[Leaf]) -> float:
@@ -161,7 +164,8 @@ class StagingBuffer:
 
         key = _layout_key(leaves)
         with self._lock:
-            if key != self._key:
+            n = len(key)
+            if self._key is None or key != self._key[:n]:
                 offsets, total = plan_layout(leaves)
                 self._check_budget(total)
                 pinned = any(leaf.device.startswith("cuda") for leaf in leaves)
@@ -169,7 +173,15 @@ class StagingBuffer:
                 self._reserve(total, pinned, touch=False)
                 self._build_views(leaves, offsets, total)
                 self._key = key
-            views = self._views
+            # A prefix of the cached layout has the same offsets: a save without a node-local
+            # tier due stages the leaves of one with it minus the copies at the end (writer.py),
+            # and reuses its views instead of building them again at every other save.
+            views = self._views[:n]
+            self.offsets = self._all_offsets[:n]
+            if n == len(self._key or ()):
+                self.total = self._all_total
+            else:
+                self.total = self.offsets[-1] + leaves[-1].nbytes if n else 0
             with torch.no_grad():
                 cuda = [i for i, leaf in enumerate(leaves) if leaf.kind == "torch" and leaf.obj.device.type == "cuda"]
                 if cuda:

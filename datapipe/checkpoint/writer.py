@@ -24,11 +24,11 @@ from typing import Any
 from ..errors import CheckpointError, TopologyError
 from ..storage import open_store
 from ..topology import Topology
-from .flatten import flatten
+from .flatten import Leaf, flatten
 from .format import MAX_CHUNK_BYTES
 from .persist import Persister, PersistJob, chunk_bytes_for, lower_thread_priority, replica_header
 from .run_id import agree_run_id
-from .staging import StagingBuffer
+from .staging import StagingBuffer, plan_layout
 from .tiers import Tier, resolve_ranks_per_node
 
 __all__ = ["CheckpointWriter", "SaveHandle"]
@@ -76,6 +76,12 @@ class SaveHandle:
     def __repr__(self) -> str:
         state = "skipped" if self.skipped else ("done" if self.done() else "running")
         return f"SaveHandle(step={self.step}, {state})"
+
+
+def _copies(leaves: list[Leaf]) -> list[Leaf]:
+    """This rank's copies of the values it holds but another rank stores for the shared
+    tiers (``Leaf.copy``), in state order: what a node-local part holds on top."""
+    return [leaf.copy for leaf in leaves if leaf.copy is not None]
 
 
 def _close_at_exit(ref: Any) -> None:
@@ -289,6 +295,8 @@ class CheckpointWriter:
     def _prepare(self, state_or_layout: Any, block: bool) -> None:
         self._check_open()
         _tree, leaves = flatten(state_or_layout, allow_meta=True, rank=self.rank)
+        if any(t.node_local for t in self.tiers):  # room for a node-local save's copies too
+            leaves += _copies(leaves)
         self._join_prepare()
         prev = self._current
 
@@ -342,7 +350,6 @@ class CheckpointWriter:
             h._finish()
             return h
         tree, leaves = flatten(state, rank=self.rank)  # unsupported objects fail here, before any write
-        self._refuse_replicas_in_node_local(due, leaves)
         for t in due:
             for root in self._roots[t.url]:
                 top = self._max_steps.get(root, -1)
@@ -371,9 +378,24 @@ class CheckpointWriter:
         self._join_prepare()
         ts = time.perf_counter()
         allocations = self._staging.allocations
-        self._staging.stage(leaves)
+        # A node-local part must be whole on its own: when a node-local tier is due, this
+        # rank also stages its copies of the values it holds with other ranks (whose bytes
+        # their owner stages for the shared tiers), after the shared layout, so that the
+        # shared tiers still write [0, shared total) exactly as without them.
+        copies = _copies(leaves) if any(t.node_local for t in due) else []
+        self._staging.stage(leaves + copies)
         staging_s = time.perf_counter() - ts
         total = self._staging.total
+        specs = [leaf.spec(off) for leaf, off in zip(leaves, self._staging.offsets)]
+        shared_total = total
+        local_specs = None
+        if copies:
+            shared_total = plan_layout(leaves)[1]
+            local_specs = list(specs)
+            at = iter(self._staging.offsets[len(leaves):])
+            for i, leaf in enumerate(leaves):
+                if leaf.copy is not None:
+                    local_specs[i] = leaf.copy.spec(next(at))
         n = self._attempts.get(step, 0)
         self._attempts[step] = n + 1
         self._calls += 1
@@ -382,11 +404,13 @@ class CheckpointWriter:
                          staging_allocated=self._staging.allocations > allocations,
                          staging_gbps=total / staging_s / 1e9 if staging_s > 0 else float("inf"))
         self._current = h
-        job = PersistJob(step, f"{self.run_id}-{n}", tree,
-                         [leaf.spec(off) for leaf, off in zip(leaves, self._staging.offsets)], total, due,
+        job = PersistJob(step, f"{self.run_id}-{n}", tree, specs, shared_total, due,
                          time.monotonic() - (time.perf_counter() - t0), self._calls,
-                         chunk_bytes_for(total, self.chunk_bytes, self.io_threads))
-        del leaves  # no reference to the caller's tensors beyond this call
+                         chunk_bytes_for(shared_total, self.chunk_bytes, self.io_threads))
+        if local_specs is not None:
+            job.local_specs, job.local_total = local_specs, total
+            job.local_chunk_bytes = chunk_bytes_for(total, self.chunk_bytes, self.io_threads)
+        del leaves, copies  # no reference to the caller's tensors beyond this call
         if self._persister is not None:
             self._persister.saved_at[(step, n)] = self._calls
             self._queue.put((job, h))
@@ -395,6 +419,8 @@ class CheckpointWriter:
             msg = {"step": job.step, "attempt": job.attempt, "tree": job.tree, "specs": job.specs,
                    "total": job.total, "due": [t.url for t in due], "t_start": job.t_start, "order": job.order,
                    "chunk_bytes": job.chunk_bytes,
+                   "local": None if local_specs is None else {
+                       "specs": local_specs, "total": total, "chunk_bytes": job.local_chunk_bytes},
                    "saved_at": [[step, n, self._calls]]}
             if self._link is not None and any(t.replicate for t in due):
                 self._queue.put((job, h))  # the link thread exchanges with the peer, then submits
@@ -413,25 +439,6 @@ class CheckpointWriter:
             # the peer's link (and so on around the ring).
             self._raise_failed()
         return h
-
-    def _refuse_replicas_in_node_local(self, due: list[Tier], leaves: list[Any]) -> None:
-        """A node-local tier stores each rank's part as a one-part checkpoint that must be
-        whole on its own, but a value held by several ranks is staged (its bytes) by one
-        rank only: refuse the combination (on every rank alike, before anything is staged)
-        instead of writing parts that restore as empty arrays."""
-        if self.world_size == 1:
-            return
-        local = [t.url for t in due if t.node_local]
-        shared = sorted({leaf.path for leaf in leaves if leaf.held_elsewhere})
-        if local and shared:
-            raise CheckpointError(
-                f"step save refused: node-local tier(s) {local} cannot hold values replicated across ranks "
-                f"(Replicated arrays, DTensors with a Replicate placement): {shared[:5]}"
-                f"{' ...' if len(shared) > 5 else ''}. Only one rank stores such a value's bytes, so the "
-                "other ranks' node-local parts would restore it empty. Save those values to a shared tier "
-                "only (a second writer without node-local tiers), or save them as plain per-rank tensors "
-                "(without Replicated / redistributed to Shard placements)"
-            )
 
     def _submit(self, msg: dict[str, Any], with_replica: bool) -> None:
         st = self._staging
@@ -454,8 +461,9 @@ class CheckpointWriter:
             t0 = time.perf_counter()
             try:
                 header = replica_header(job, self.rank, self.world_size, self._staging.view)
-                msg["raw_checksums"] = header["raw_checksums"]  # the writer process reuses them
-                hdr, data = link.exchange(header, self._staging.tensor(job.total))
+                # the writer process reuses them, by chunk range (its tiers' chunks may differ)
+                msg["raw_checksums"] = [[a, b, ck] for (a, b), ck in job.raw_checksums.items()]
+                hdr, data = link.exchange(header, self._staging.tensor(header["total"]))
                 msg["received"] = {"header": hdr, "bytes": len(data)}
                 handle.metrics["exchange_s"] = time.perf_counter() - t0
             except BaseException as e:
