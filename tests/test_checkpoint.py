@@ -215,7 +215,8 @@ def test_resaving_a_step_replaces_it_whole(tmp_path):
 
 def test_backpressure_waits_or_skips(tmp_path):
     gate = threading.Event()
-    w = CheckpointWriter(str(tmp_path))
+    # threads: the slow store is patched into this process (the rule is the training side's)
+    w = CheckpointWriter(str(tmp_path), background="thread")
     put = w.store.put
 
     def slow_put(key, data):

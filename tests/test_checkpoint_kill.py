@@ -12,7 +12,8 @@ import warnings
 import pytest
 import torch
 
-from datapipe.checkpoint import list_checkpoints, load_checkpoint
+from datapipe.checkpoint import CheckpointWriter, list_checkpoints, load_checkpoint
+from datapipe.errors import CheckpointError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,7 +81,9 @@ import resource, signal, sys, torch
 from datapipe.checkpoint import CheckpointWriter
 from datapipe.errors import CheckpointError
 url = sys.argv[1]
-w = CheckpointWriter(url)
+# threads: the limit set below must bind the writes (a writer process started before it
+# keeps the limit it had; the full disk of a writer process is a full tmpfs, below)
+w = CheckpointWriter(url, background="thread")
 w.save(1, {"x": torch.ones(1000)}).wait()
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # get EFBIG from write(), like ENOSPC
 resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
@@ -104,6 +107,45 @@ def test_write_failure_surfaces_and_previous_stays(tmp_path):
         state = load_checkpoint(url)
     assert torch.equal(state["x"], torch.ones(1000))
     assert [(s, c) for s, c in list_checkpoints(url)] in ([(1, True), (2, False)], [(1, True)])
+
+
+def test_a_full_disk_under_the_writer_process_surfaces_and_previous_stays(tmp_path, tmpfs):
+    disk = tmpfs("1m")
+    url = str(disk.path / "ckpt")
+    with CheckpointWriter(url) as w:
+        assert w.background == "process"
+        w.save(1, {"x": torch.ones(1000)}).wait()
+        with pytest.raises(CheckpointError, match=r"step 2.*No space left"):
+            w.save(2, {"x": torch.ones(1_000_000) * 2}).wait()
+        w.save(3, {"x": torch.ones(1000) * 3}).wait()  # the writer process goes on after a failure
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(load_checkpoint(url)["x"], torch.ones(1000) * 3)
+    assert [s for s, c in list_checkpoints(url) if c] == [1, 3]
+
+
+def test_a_file_size_limit_under_shared_staging_is_named(tmp_path):
+    # a memfd counts against RLIMIT_FSIZE: staging for the writer process cannot grow past
+    # it, and the error says so and what to use instead (not a bare OSError)
+    out = subprocess.run([sys.executable, "-c", CHILD_FSIZE_STAGING, str(tmp_path / "ckpt")], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "CheckpointError" in out.stdout and "ulimit -f" in out.stdout and "background='thread'" in out.stdout
+    assert [(s, c) for s, c in list_checkpoints(str(tmp_path / "ckpt"))] == [(1, True)]
+
+
+CHILD_FSIZE_STAGING = r"""
+import resource, signal, sys, torch
+from datapipe.checkpoint import CheckpointWriter
+with CheckpointWriter(sys.argv[1]) as w:
+    w.save(1, {"x": torch.ones(1000)}).wait()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        w.save(2, {"x": torch.ones(1_000_000) * 2})
+    except Exception as e:
+        print(type(e).__name__, e)
+"""
 
 
 CHILD_EXIT_WITHOUT_CLOSE = r"""

@@ -361,7 +361,7 @@ def test_an_index_that_cannot_be_written_does_not_cost_the_save(tmp_path, monkey
     url = str(tmp_path / "c")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _save(url)
+        _save(url, background="thread")  # the failing put is patched into this process
     assert any("parts index could not be written" in str(w.message) for w in caught)
     assert [(c.step, c.complete) for c in list_checkpoints(url)] == [(1, True)]
     m = _manifest(url)
@@ -378,7 +378,7 @@ def test_part_documents_past_the_cap_get_no_index(tmp_path, monkeypatch):
 
     monkeypatch.setattr(persist, "PARTS_INDEX_MAX_BYTES", 100)
     url = str(tmp_path / "c")
-    _save(url)
+    _save(url, background="thread")  # the cap is patched into this process
     m = _manifest(url)
     assert "parts_index" not in m and sum(p["doc_bytes"] for p in m["parts"]) > 100
     assert not any(f == INDEX for _d, _s, fs in os.walk(url) for f in fs)

@@ -106,3 +106,58 @@ def test_trainer_killed_writer_process_exits_and_frees_the_url(tmp_path):
     with CheckpointWriter(url) as w:  # the lease died with it
         w.save(2, {"x": torch.ones(3)}).wait()
     assert [c.step for c in list_checkpoints(url)] == [1, 2]
+
+
+def test_auto_runs_a_writer_process_where_one_can_do_the_work(tmp_path):
+    with CheckpointWriter(str(tmp_path / "a")) as w:
+        assert w.background == "process" and _alive(w._process.pid)
+        w.save(1, {"x": torch.ones(4)}).wait()
+    # objects in this process's memory: a writer process would write into a memory of its own
+    with CheckpointWriter("memory://dp-auto-bg") as w:
+        assert w.background == "thread" and w._process is None
+        w.save(1, {"x": torch.ones(4)}).wait()
+    assert torch.equal(load_checkpoint("memory://dp-auto-bg")["x"], torch.ones(4))
+    with pytest.raises(CheckpointError, match=r"background='process' is not possible here: tier 'memory://dp-p'"):
+        CheckpointWriter("memory://dp-p", background="process")
+    # options a writer process could not be sent
+    odd = [Tier(str(tmp_path / "b"), storage_options={"opener": object()})]
+    with CheckpointWriter(tiers=odd) as w:
+        assert w.background == "thread"
+    with pytest.raises(CheckpointError, match="not JSON"):
+        CheckpointWriter(tiers=odd, background="process")
+
+
+TRAINER_MID_SAVE = r"""
+import sys, torch
+from datapipe.checkpoint import CheckpointWriter
+w = CheckpointWriter(sys.argv[1], compression="zstd", zstd_level=19, chunk_bytes=1 << 20)
+w.save(1, {"x": torch.ones(3)}).wait()
+g = torch.Generator().manual_seed(0)
+w.save(2, {"x": torch.randint(0, 4, (64 << 20,), dtype=torch.uint8, generator=g)})  # seconds of zstd -19
+print(w._process.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_trainer_killed_mid_save_takes_the_writer_process_with_it(tmp_path):
+    # a writer process left finishing a save for a dead trainer would hold the URL's lease
+    # against the job restarted in its place
+    url = str(tmp_path / "ckpt")
+    p = subprocess.Popen([sys.executable, "-c", TRAINER_MID_SAVE, url], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT), text=True)
+    writer_pid = int(p.stdout.readline())
+    time.sleep(0.3)  # into the save
+    assert _alive(writer_pid)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    p.stdin.close()
+    p.stdout.close()
+    t0 = time.monotonic()
+    while _alive(writer_pid) and time.monotonic() - t0 < 30:
+        time.sleep(0.01)
+    gone_after = time.monotonic() - t0
+    assert not _alive(writer_pid)
+    assert gone_after < 2.0, f"the writer process outlived its trainer by {gone_after:.1f} s"
+    assert [(s, c) for s, c in list_checkpoints(url)] in ([(1, True)], [(1, True), (2, False)])
+    with CheckpointWriter(url) as w:  # the lease died with it
+        w.save(3, {"x": torch.ones(3)}).wait()

@@ -291,8 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--extra-mb", type=int, default=16, help="MiB of extra state per rank (default 16)")
     p.add_argument("--step-sleep", type=float, default=0.05, help="seconds per step spent 'on the accelerator'")
     p.add_argument("--timeout", type=float, default=240.0, help="give up after this many seconds per phase")
-    p.add_argument("--background", choices=["thread", "process"], default="thread",
-                   help="the checkpoint writer's background work: threads or a writer process (default thread)")
+    p.add_argument("--background", choices=["auto", "thread", "process"], default="auto",
+                   help="the checkpoint writer's background work: threads or a writer process "
+                        "(default auto, the library's: a writer process here)")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
     # one rank of the drill (started by the drill itself)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -18,11 +18,14 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import select
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -33,6 +36,8 @@ from .staging import memfd_tensor
 __all__ = ["WriterProcess", "SharedBytes", "main"]
 
 _PREFIX = struct.Struct("<Q")
+#: warning categories the writer process reports by name (any other is a UserWarning)
+_WARNINGS: dict[str, type[Warning]] = {c.__name__: c for c in (UserWarning, RuntimeWarning, ResourceWarning)}
 MAX_FRAME = 1 << 31  # a part document is at most 256 MiB; a tree travels once per save
 
 
@@ -128,7 +133,8 @@ class WriterProcess:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
             self.proc = subprocess.Popen([sys.executable, "-m", "datapipe.checkpoint.process", str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+                                         pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL)  # holds no pipe of the trainer's
         finally:
             theirs.close()
         self.sock = ours
@@ -179,6 +185,9 @@ class WriterProcess:
                 return
             for fd in fds:
                 os.close(fd)
+            for category, text in msg.get("warnings") or []:
+                # raised here, under this process's filters, before the save is seen done
+                warnings.warn(str(text), _WARNINGS.get(category, UserWarning), stacklevel=1)
             self._on_done(int(msg["order"]), msg.get("metrics") or {}, msg.get("error"))
 
     def close(self, timeout: float = 600.0) -> None:
@@ -197,12 +206,37 @@ class WriterProcess:
         self.sock.close()
 
 
+def _die_with_trainer(sock: socket.socket) -> None:
+    """End this process the moment the training process's end of the socket closes, also
+    in the middle of a save (which then stays an incomplete step, as with a writer thread
+    killed with its process): a writer left running for a dead trainer would hold the
+    store's lease against the job restarted in its place. A thread waits for the hang-up
+    alone (POLLRDHUP: frames arriving do not wake it); where there is none it checks the
+    parent every half second."""
+    rdhup = getattr(select, "POLLRDHUP", 0)
+    parent = os.getppid()
+
+    def watch() -> None:
+        if rdhup:
+            poller = select.poll()
+            poller.register(sock.fileno(), rdhup)
+            while not poller.poll():
+                pass
+        else:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="datapipe-ckpt-watchdog", daemon=True).start()
+
+
 def main() -> None:
     """The writer process: config, then jobs until ``close`` or the socket closes."""
     from .persist import Persister, PersistJob
     from .tiers import Tier
 
     sock = socket.socket(fileno=int(sys.argv[1]))
+    _die_with_trainer(sock)
     cfg, _ = _recv(sock)
     if cfg["nice"] > 0 and hasattr(os, "setpriority"):
         try:  # the whole process: the trainer keeps the cores when they are scarce
@@ -258,15 +292,18 @@ def main() -> None:
             job.raw_checksums = {(int(a), int(b)): str(ck) for a, b, ck in msg.get("raw_checksums") or []}
             m: dict[str, Any] = {}
             error = None
-            try:
-                p.persist(job, view, no_tensor, m)
-            except BaseException as e:
-                error = str(e) if isinstance(e, CheckpointError) else (
-                    f"saving step {job.step} failed ({type(e).__name__}: {e}); the previous complete "
-                    "checkpoint is untouched")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")  # the training process's filters decide
+                try:
+                    p.persist(job, view, no_tensor, m)
+                except BaseException as e:
+                    error = str(e) if isinstance(e, CheckpointError) else (
+                        f"saving step {job.step} failed ({type(e).__name__}: {e}); the previous complete "
+                        "checkpoint is untouched")
             del buf, view
             job.received = None
-            _send(sock, {"order": job.order, "metrics": m, "error": error})
+            said = [[w.category.__name__, str(w.message)] for w in caught]
+            _send(sock, {"order": job.order, "metrics": m, "error": error, "warnings": said})
     finally:
         p.release()
 

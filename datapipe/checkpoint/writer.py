@@ -12,6 +12,7 @@ the wait. A failure in the background is kept and raised at the next ``save()``,
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import queue
 import sys
@@ -22,7 +23,7 @@ import weakref
 from typing import Any
 
 from ..errors import CheckpointError, TopologyError
-from ..storage import open_store
+from ..storage import in_this_process, open_store
 from ..topology import Topology
 from .flatten import Leaf, flatten
 from .format import MAX_CHUNK_BYTES
@@ -95,6 +96,31 @@ def _close_at_exit(ref: Any) -> None:
             print(f"datapipe: checkpoint writer for {w.url} failed at exit: {e}", file=sys.stderr)
 
 
+def choose_background(background: str, tiers: list[Tier]) -> str:
+    """Where a writer's background work runs: ``"auto"`` is a writer process wherever one
+    can do the work (a memfd to share the staging buffer through; every tier a store
+    another process can open, with storage options it can be sent as JSON), else threads
+    of this process. ``"process"`` where one cannot is refused, naming the tier."""
+    if background == "thread":
+        return background
+    why = None if hasattr(os, "memfd_create") else "this platform has no memfd to share the staging buffer through"
+    for t in tiers:
+        if why is not None:
+            break
+        if in_this_process(open_store(t.url, t.storage_options)):
+            why = f"tier {t.url!r} lives in this process's memory, which a writer process cannot see"
+        else:
+            try:
+                json.dumps(t.storage_options)
+            except (TypeError, ValueError) as e:
+                why = f"the storage_options of tier {t.url!r} are not JSON ({e}), as a writer process is sent them"
+    if why is None:
+        return "process"
+    if background == "process":
+        raise CheckpointError(f"background='process' is not possible here: {why}; use background='thread'")
+    return "thread"
+
+
 class CheckpointWriter:
     """Nonblocking checkpoints to a local directory or any fsspec URL, or to several tiers.
 
@@ -109,12 +135,18 @@ class CheckpointWriter:
     same steps, so ``if_busy="skip"`` is refused, and the process group must stay
     initialised while the writer is open.
 
-    ``background="thread"`` (default) does the background work (checksums, compression,
-    writes, commit, retention) in threads of this process; ``background="process"`` does
-    it in a writer process of its own that reads the staging buffer from shared memory (a
-    memfd, reused across saves), so it never takes this process's GIL (process.py; with
-    ``replicate=1`` the peer exchange stays in a thread of this process that waits in gloo
-    without the GIL; the shared staging buffer is not pinned on GPU hosts).
+    ``background="auto"`` (default) runs the background work (checksums, compression,
+    writes, commit, retention) in a writer process of its own, which reads the staging
+    buffer from shared memory (a memfd, reused across saves; registered as pinned memory
+    where the state is on a CUDA device), so it never takes this process's GIL and a
+    Python-heavy training loop cannot starve it (process.py). Where no writer process can
+    do the work (a ``memory://`` tier, storage options that are not JSON, no memfd) it runs
+    in threads of this process; ``background="thread"`` asks for threads, and
+    ``background="process"`` refuses to fall back. ``self.background`` says which ran.
+    Warnings of the writer process (a ``latest`` pointer that could not be updated, a tier
+    skipped) are raised again in this process as the save they belong to finishes. With
+    ``replicate=1`` the peer exchange stays in a thread of this process that waits in
+    gloo without the GIL.
 
     ``compression`` is None or ``"zstd"`` (per chunk); ``if_busy`` is ``"wait"`` or
     ``"skip"`` for a save that finds the previous one still writing. ``rank``/``world_size``
@@ -130,7 +162,7 @@ class CheckpointWriter:
                  chunk_bytes: int = 64 << 20, io_threads: int = 4, if_busy: str = "wait",
                  commit_timeout: float = 600.0, zstd_level: int = 3, nice: int = 10,
                  lease_ttl: float = 60.0, lease_wait: float = 0.0, tiers: list[Tier] | None = None,
-                 ranks_per_node: int | None = None, background: str = "thread") -> None:
+                 ranks_per_node: int | None = None, background: str = "auto") -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
             raise CheckpointError(
                 f"keep_last must be an int >= 1 (the last good checkpoint is always kept), got {keep_last!r}"
@@ -145,8 +177,8 @@ class CheckpointWriter:
             raise CheckpointError(f"io_threads must be an int >= 1, got {io_threads!r}")
         if if_busy not in ("wait", "skip"):
             raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
-        if background not in ("thread", "process"):
-            raise CheckpointError(f"background must be 'thread' or 'process', got {background!r}")
+        if background not in ("auto", "thread", "process"):
+            raise CheckpointError(f"background must be 'auto', 'thread' or 'process', got {background!r}")
         if tiers is None:
             if url is None:
                 raise CheckpointError("CheckpointWriter needs a url or tiers=[Tier(...), ...]")
@@ -162,6 +194,7 @@ class CheckpointWriter:
                 raise CheckpointError(f"two tiers share a URL: {[t.url for t in tiers]}")
         self.tiers: list[Tier] = tiers
         self.url = tiers[0].url
+        background = choose_background(background, tiers)
         try:
             self.rank, self.world_size = Topology.resolve(rank, world_size, environment=False)
         except TopologyError as e:

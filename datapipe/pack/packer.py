@@ -40,7 +40,7 @@ from ..format import (
 )
 from ..format.shard import STAGING_BYTES
 from ..progress import progress_bar
-from ..storage import MemoryStore, Store, open_store
+from ..storage import Store, in_this_process, open_store
 from .commit import check_destination, write_index
 from .journal import Journal, fingerprint
 from .lock import WriterLock
@@ -445,7 +445,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     # as cores overlap those waits (measured here, cold page cache: 4 workers 6.7 s vs
     # 2 workers 8.6 s for 30k samples on 2 cores; warm: 2.7 s vs 2.2 s).
     nworkers = max(1, min(workers or 2 * (os.cpu_count() or 1), len(todo) or 1))
-    if _process_memory(lock.base):
+    if in_this_process(lock.base):
         # worker processes would write into their own copies of this process's memory and
         # the shards would be lost with them: pack here
         nworkers = 1
@@ -509,11 +509,6 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
         poller.join()
         bar.close()
     return commit_shards(lock, work, names, done, opts["compression"], result)
-
-
-def _process_memory(store: Store) -> bool:
-    """Whether ``store`` lives in this process's memory (``memory://``, a MemoryStore)."""
-    return isinstance(store, MemoryStore) or getattr(store, "protocol", None) == "memory"
 
 
 def _worker_lost(store: Store, new_shards: int) -> PackError:

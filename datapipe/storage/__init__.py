@@ -17,7 +17,7 @@ Imports: errors and checksum only. It knows no tar, no cache, no pack or checkpo
 
 from .local import LocalStore
 from .memory import MemoryStore
-from .opening import open_store
+from .opening import in_this_process, open_store
 from .options import set_storage_options, storage_options_for
 from .remote import FsspecStore
 from .retry import RetryPolicy
@@ -29,6 +29,7 @@ __all__ = [
     "LocalStore",
     "FsspecStore",
     "open_store",
+    "in_this_process",
     "split_url",
     "join_url",
     "RetryPolicy",

@@ -7,11 +7,12 @@ from typing import Any
 
 from ..errors import StorageError
 from .local import LocalStore
+from .memory import MemoryStore
 from .options import storage_options_for
 from .remote import FsspecStore
 from .store import Store, is_local_url
 
-__all__ = ["open_store", "refuse_chained_url"]
+__all__ = ["open_store", "refuse_chained_url", "in_this_process"]
 
 
 def refuse_chained_url(url: str) -> None:
@@ -34,3 +35,10 @@ def open_store(url: str | os.PathLike[str], storage_options: dict[str, Any] | No
     if is_local_url(url):
         return LocalStore(url)
     return FsspecStore(url, storage_options_for(url, storage_options))
+
+
+def in_this_process(store: Store) -> bool:
+    """Whether ``store`` lives in this process's memory (a :class:`MemoryStore`, fsspec's
+    ``memory://``): another process that opens the same URL sees other objects, so work on
+    it cannot move to a worker or writer process."""
+    return isinstance(store, MemoryStore) or getattr(store, "protocol", None) == "memory"
