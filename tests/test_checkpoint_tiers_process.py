@@ -161,3 +161,40 @@ def test_trainer_killed_mid_save_takes_the_writer_process_with_it(tmp_path):
     assert [(s, c) for s, c in list_checkpoints(url)] in ([(1, True)], [(1, True), (2, False)])
     with CheckpointWriter(url) as w:  # the lease died with it
         w.save(3, {"x": torch.ones(3)}).wait()
+
+
+WARNINGS_AS_ERRORS = r"""
+import os, shutil, sys, torch
+from datapipe.checkpoint import CheckpointWriter
+from datapipe.errors import CheckpointError
+url = sys.argv[1]
+with CheckpointWriter(url, keep_last=1) as w:
+    assert w.background == "process"
+    w.save(1, {"x": 1}).wait()
+    os.unlink(os.path.join(url, "latest"))
+    os.mkdir(os.path.join(url, "latest"))  # the rename onto `latest` fails: a warning
+    open(os.path.join(url, "latest", "x"), "w").close()
+    try:
+        w.save(2, {"x": 2}).wait()
+    except CheckpointError as e:
+        print("raised:", e)
+    shutil.rmtree(os.path.join(url, "latest"))
+    w.save(3, {"x": 3}).wait()
+    print("saved 3")
+"""
+
+
+def test_a_relayed_warning_that_the_filters_make_an_error_fails_its_save_not_the_writer(tmp_path):
+    # under `python -W error` (pytest's filterwarnings = error) the writer process's warning,
+    # raised again in the reader thread, is an exception there: it must not end the reader
+    # before the save is seen done (every later wait() would hang)
+    url = str(tmp_path / "ckpt")
+    try:
+        out = subprocess.run([sys.executable, "-W", "error", "-c", WARNINGS_AS_ERRORS, url], capture_output=True,
+                             text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a save whose relayed warning is an error under the trainer's filters never finished")
+    assert out.returncode == 0, out.stderr
+    assert "raised:" in out.stdout and "updating `latest`" in out.stdout and "UserWarning" in out.stdout
+    assert "saved 3" in out.stdout
+    assert load_checkpoint(url) == {"x": 3}

@@ -185,10 +185,15 @@ class WriterProcess:
                 return
             for fd in fds:
                 os.close(fd)
+            error = msg.get("error")
             for category, text in msg.get("warnings") or []:
                 # raised here, under this process's filters, before the save is seen done
-                warnings.warn(str(text), _WARNINGS.get(category, UserWarning), stacklevel=1)
-            self._on_done(int(msg["order"]), msg.get("metrics") or {}, msg.get("error"))
+                try:
+                    warnings.warn(str(text), _WARNINGS.get(category, UserWarning), stacklevel=1)
+                except Exception as e:  # a filter made it an error: the save's, as in a writer thread
+                    error = error or (f"a warning of the checkpoint writer process is an error under this "
+                                      f"process's warning filters ({type(e).__name__}: {e})")
+            self._on_done(int(msg["order"]), msg.get("metrics") or {}, error)
 
     def close(self, timeout: float = 600.0) -> None:
         if self.proc.poll() is None:
