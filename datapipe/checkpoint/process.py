@@ -216,8 +216,10 @@ def _die_with_trainer(sock: socket.socket) -> None:
     in the middle of a save (which then stays an incomplete step, as with a writer thread
     killed with its process): a writer left running for a dead trainer would hold the
     store's lease against the job restarted in its place. A thread waits for the hang-up
-    alone (POLLRDHUP: frames arriving do not wake it); where there is none it checks the
-    parent every half second."""
+    alone (POLLRDHUP: frames arriving do not wake it), and checks the parent every half
+    second: a process forked from the trainer after the writer started (a fork Pool, a
+    DataLoader worker) holds the trainer's end too, so no hang-up comes while it lives.
+    Where there is no POLLRDHUP it checks the parent alone."""
     rdhup = getattr(select, "POLLRDHUP", 0)
     parent = os.getppid()
 
@@ -225,7 +227,7 @@ def _die_with_trainer(sock: socket.socket) -> None:
         if rdhup:
             poller = select.poll()
             poller.register(sock.fileno(), rdhup)
-            while not poller.poll():
+            while not poller.poll(500) and os.getppid() == parent:
                 pass
         else:
             while os.getppid() == parent:
