@@ -85,7 +85,12 @@ __all__ = [
 ]
 
 
-__getattr__, __dir__ = lazy_exports(__name__, globals(), _WHERE)
+#: the submodules that `import datapipe` bound when it imported its parts eagerly: code that
+#: reaches them as attributes (`datapipe.cache.Tier`) imports them on first use
+_SUBMODULES = frozenset({"cache", "checkpoint", "checksum", "dataset", "decode", "format", "progress", "storage",
+                         "tarindex", "topology", "verify"})
+
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _WHERE, _SUBMODULES)
 
 
 class _Package(types.ModuleType):

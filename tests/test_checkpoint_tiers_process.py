@@ -161,3 +161,84 @@ def test_trainer_killed_mid_save_takes_the_writer_process_with_it(tmp_path):
     assert [(s, c) for s, c in list_checkpoints(url)] in ([(1, True)], [(1, True), (2, False)])
     with CheckpointWriter(url) as w:  # the lease died with it
         w.save(3, {"x": torch.ones(3)}).wait()
+
+
+WARNINGS_AS_ERRORS = r"""
+import os, shutil, sys, torch
+from datapipe.checkpoint import CheckpointWriter
+from datapipe.errors import CheckpointError
+url = sys.argv[1]
+with CheckpointWriter(url, keep_last=1) as w:
+    assert w.background == "process"
+    w.save(1, {"x": 1}).wait()
+    os.unlink(os.path.join(url, "latest"))
+    os.mkdir(os.path.join(url, "latest"))  # the rename onto `latest` fails: a warning
+    open(os.path.join(url, "latest", "x"), "w").close()
+    try:
+        w.save(2, {"x": 2}).wait()
+    except CheckpointError as e:
+        print("raised:", e)
+    shutil.rmtree(os.path.join(url, "latest"))
+    w.save(3, {"x": 3}).wait()
+    print("saved 3")
+"""
+
+
+def test_a_relayed_warning_that_the_filters_make_an_error_fails_its_save_not_the_writer(tmp_path):
+    # under `python -W error` (pytest's filterwarnings = error) the writer process's warning,
+    # raised again in the reader thread, is an exception there: it must not end the reader
+    # before the save is seen done (every later wait() would hang)
+    url = str(tmp_path / "ckpt")
+    try:
+        out = subprocess.run([sys.executable, "-W", "error", "-c", WARNINGS_AS_ERRORS, url], capture_output=True,
+                             text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a save whose relayed warning is an error under the trainer's filters never finished")
+    assert out.returncode == 0, out.stderr
+    assert "raised:" in out.stdout and "updating `latest`" in out.stdout and "UserWarning" in out.stdout
+    assert "saved 3" in out.stdout
+    assert load_checkpoint(url) == {"x": 3}
+
+
+TRAINER_WITH_A_FORKED_CHILD = r"""
+import os, sys, time, torch
+from datapipe.checkpoint import CheckpointWriter
+w = CheckpointWriter(sys.argv[1])
+w.save(1, {"x": torch.ones(3)}).wait()
+child = os.fork()  # a worker forked after the writer (a fork Pool, a DataLoader worker): it holds the socket
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print(w._process.pid, child, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_trainer_killed_with_a_forked_child_alive_takes_the_writer_process_with_it(tmp_path):
+    # the forked child keeps the trainer's end of the socket open: the hang-up alone does
+    # not come while it lives, and the writer process would hold the lease that long
+    url = str(tmp_path / "ckpt")
+    p = subprocess.Popen([sys.executable, "-c", TRAINER_WITH_A_FORKED_CHILD, url], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT), text=True)
+    writer_pid, child_pid = map(int, p.stdout.readline().split())
+    try:
+        assert _alive(writer_pid)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        t0 = time.monotonic()
+        while _alive(writer_pid) and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        gone_after = time.monotonic() - t0
+        assert not _alive(writer_pid), "the writer process outlived its trainer while a forked child lived"
+        assert gone_after < 2.0, f"the writer process outlived its trainer by {gone_after:.1f} s"
+    finally:
+        p.stdin.close()
+        p.stdout.close()
+        for pid in (child_pid, writer_pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    with CheckpointWriter(url) as w:  # the lease died with it
+        w.save(2, {"x": torch.ones(3)}).wait()
+    assert [c.step for c in list_checkpoints(url)] == [1, 2]

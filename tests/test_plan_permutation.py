@@ -120,3 +120,17 @@ def test_window_order_is_the_same_however_positions_are_grouped(counts, seed, wi
     alone = [order.locate(np.array([p])) for p in asked.tolist()]
     assert together[0].tolist() == [int(a[0][0]) for a in alone]
     assert together[1].tolist() == [int(a[1][0]) for a in alone]
+
+
+def test_index_arrays_of_any_memory_order_are_permuted():
+    # a transposed (Fortran-ordered) index array: the flat view of its copy must be the
+    # one permuted, else the call returns the indices themselves
+    idx = np.arange(48).reshape(6, 8)
+    for m, key in ((48, 5), (10**10, 2**64 - 1)):
+        for x in (idx, idx.T, np.asfortranarray(idx), idx.T[::2], idx[:, ::3]):
+            want = [[reference(int(i), m, key) for i in row] for row in x.tolist()]
+            assert feistel_permute(x, m, key).tolist() == want, (m, x.flags["C_CONTIGUOUS"])
+            # per-element domains and keys, shaped (and ordered) like the indices
+            keys = np.asfortranarray(np.arange(x.size, dtype=np.uint64).reshape(x.shape) + np.uint64(key % 7))
+            want = [[reference(int(i), m, int(k)) for i, k in zip(r, kr)] for r, kr in zip(x.tolist(), keys.tolist())]
+            assert feistel_permute(x, np.full(x.shape, m), keys).tolist() == want

@@ -88,3 +88,19 @@ def test_each_part_imports_only_what_it_needs():
              "print(a is c.CheckpointWriter, 'CheckpointWriter' in dir(datapipe), datapipe.pack is not None)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "True", "True"]
+
+
+def test_subpackages_are_attributes_after_a_plain_import():
+    # `import datapipe` used to import these parts: code (and the README's
+    # `local_tiers=[datapipe.cache.Tier(...)]`) reaches them as attributes, so the lazy
+    # imports must import them on first use instead of raising AttributeError
+    probe = ("import datapipe, datapipe.checkpoint as c; "
+             "print(datapipe.cache.Tier.__name__, datapipe.checkpoint.Tier.__name__, "
+             "datapipe.storage.LocalStore.__name__, "
+             "datapipe.verify.verify_dataset.__name__, datapipe.dataset.open_index.__name__, "
+             "datapipe.tarindex.index_shards.__name__, c.writer.CheckpointWriter.__name__, c.staging.ALIGN, "
+             "callable(datapipe.pack), hasattr(datapipe, 'no_such_part'))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["Tier", "Tier", "LocalStore", "verify_dataset", "open_index", "index_shards",
+                                  "CheckpointWriter", "64", "True", "False"]

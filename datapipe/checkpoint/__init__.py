@@ -37,4 +37,8 @@ _WHERE = {"CheckpointWriter": "writer", "SaveHandle": "writer", "CheckpointInfo"
           "restore_checkpoint": "restore", "RestoreResult": "restore", "LocalShard": "dtensor",
           "Replicated": "dtensor"}
 
-__getattr__, __dir__ = lazy_exports(__name__, globals(), _WHERE)
+#: the submodules the eager imports bound (`datapipe.checkpoint.writer.CheckpointWriter`)
+_SUBMODULES = frozenset({"commit", "dtensor", "flatten", "format", "gcpause", "lease", "loader", "persist",
+                         "replicate", "restore", "run_id", "staging", "tiers", "writer"})
+
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _WHERE, _SUBMODULES)

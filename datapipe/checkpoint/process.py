@@ -185,10 +185,15 @@ class WriterProcess:
                 return
             for fd in fds:
                 os.close(fd)
+            error = msg.get("error")
             for category, text in msg.get("warnings") or []:
                 # raised here, under this process's filters, before the save is seen done
-                warnings.warn(str(text), _WARNINGS.get(category, UserWarning), stacklevel=1)
-            self._on_done(int(msg["order"]), msg.get("metrics") or {}, msg.get("error"))
+                try:
+                    warnings.warn(str(text), _WARNINGS.get(category, UserWarning), stacklevel=1)
+                except Exception as e:  # a filter made it an error: the save's, as in a writer thread
+                    error = error or (f"a warning of the checkpoint writer process is an error under this "
+                                      f"process's warning filters ({type(e).__name__}: {e})")
+            self._on_done(int(msg["order"]), msg.get("metrics") or {}, error)
 
     def close(self, timeout: float = 600.0) -> None:
         if self.proc.poll() is None:
@@ -211,8 +216,10 @@ def _die_with_trainer(sock: socket.socket) -> None:
     in the middle of a save (which then stays an incomplete step, as with a writer thread
     killed with its process): a writer left running for a dead trainer would hold the
     store's lease against the job restarted in its place. A thread waits for the hang-up
-    alone (POLLRDHUP: frames arriving do not wake it); where there is none it checks the
-    parent every half second."""
+    alone (POLLRDHUP: frames arriving do not wake it), and checks the parent every half
+    second: a process forked from the trainer after the writer started (a fork Pool, a
+    DataLoader worker) holds the trainer's end too, so no hang-up comes while it lives.
+    Where there is no POLLRDHUP it checks the parent alone."""
     rdhup = getattr(select, "POLLRDHUP", 0)
     parent = os.getppid()
 
@@ -220,7 +227,7 @@ def _die_with_trainer(sock: socket.socket) -> None:
         if rdhup:
             poller = select.poll()
             poller.register(sock.fileno(), rdhup)
-            while not poller.poll():
+            while not poller.poll(500) and os.getppid() == parent:
                 pass
         else:
             while os.getppid() == parent:

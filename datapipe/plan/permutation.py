@@ -158,7 +158,9 @@ def feistel_permute(index: ArrayLike, m: ArrayLike, key: ArrayLike) -> Int64s:
         raise ValueError("feistel_permute: an index lies outside [0, m)")
     key_arr = np.broadcast_to(np.asarray(key, dtype=_U64), idx.shape)
     h = _half_bits(m_arr)
-    out = idx.astype(_U64)
+    # C order: the walks below write through out.reshape(-1), a view only of a C-ordered
+    # array (of a transposed one it is a copy, and out would stay the indices)
+    out = idx.astype(_U64, order="C")
     flat_m, flat_k = m_arr.reshape(-1), key_arr.reshape(-1)
     if (flat_m == flat_m[0]).all() and (flat_k == flat_k[0]).all():
         # one domain and one key (a chunk inside one window): scalars all the way
