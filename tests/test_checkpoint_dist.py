@@ -29,7 +29,9 @@ def _worker(rank: int, world: int, port: int, port2: int, url: str) -> None:
     from datapipe.errors import CheckpointError
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    w = CheckpointWriter(url, keep_last=2, commit_timeout=60, chunk_bytes=4096)  # agrees on run_id
+    # commit_timeout is set to 1.5 s below for step 3: 600 s would run past the test's timeout if the
+    # writer process kept the one it started with
+    w = CheckpointWriter(url, keep_last=2, commit_timeout=600, chunk_bytes=4096)  # agrees on run_id
     assert (w.rank, w.world_size) == (rank, world)
     # From here on the training group is gone: the background must not need it.
     dist.barrier()

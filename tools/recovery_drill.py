@@ -136,6 +136,13 @@ def run_rank(a: argparse.Namespace) -> None:
         writer.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
                            "loader": loader.state_dict(), "step": step, "ballast": ballast})
         time.sleep(a.step_sleep)
+        if step == a.hold_at:
+            # where the drill strikes: the saves made so far are durable (as a job whose
+            # writer keeps up with its cadence has them) and this rank waits to be killed;
+            # the other node blocks in the next all_reduce, so no rank passes this step
+            writer.wait()
+            open(os.path.join(a.work, "log", f"held-rank-{rank}"), "w").close()
+            time.sleep(a.timeout * 10)
     writer.close()
     log.close()
     dist.destroy_process_group()
@@ -143,7 +150,8 @@ def run_rank(a: argparse.Namespace) -> None:
 
 # -- the drill ------------------------------------------------------------------------------
 
-def _launch(a: argparse.Namespace, work: str, phase: str, port: int) -> list[subprocess.Popen[bytes]]:
+def _launch(a: argparse.Namespace, work: str, phase: str, port: int,
+            hold_at: dict[int, int] | None = None) -> list[subprocess.Popen[bytes]]:
     procs = []
     for rank in range(WORLD):
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -152,11 +160,38 @@ def _launch(a: argparse.Namespace, work: str, phase: str, port: int) -> list[sub
         cmd = [sys.executable, "-m", "tools.recovery_drill", "--worker", "--rank", str(rank), "--port", str(port),
                "--work", work, "--phase", phase, "--batch", str(a.batch), "--local-every", str(a.local_every),
                "--remote-every", str(a.remote_every), "--step-sleep", str(a.step_sleep),
-               "--extra-mb", str(a.extra_mb), "--background", a.background]
+               "--extra-mb", str(a.extra_mb), "--background", a.background,
+               "--hold-at", str((hold_at or {}).get(rank, 0)), "--timeout", str(a.timeout)]
         # each rank's output in its own file: the killed run's survivors end with gloo errors
         with open(os.path.join(work, "log", f"{phase}-rank-{rank}.out"), "wb") as out:
-            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT))
+            # a session of its own: a rank and every process it starts (its checkpoint writer
+            # process, DataLoader workers) are one group, killed together as a node's are
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
     return procs
+
+
+def _kill_all(procs: list[subprocess.Popen[bytes]], timeout: float = 30.0) -> None:
+    """SIGKILL to every process of these ranks (each rank's group) and wait until none is
+    left: a node that fails takes all its processes with it, and a writer process still
+    finishing a file would race the deletion of the node's tier and the restart's lease."""
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        p.wait()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        while True:
+            try:
+                os.killpg(p.pid, 0)
+            except ProcessLookupError:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"processes of rank pid {p.pid}'s group outlived SIGKILL for {timeout} s")
+            time.sleep(0.01)
 
 
 def _log(work: str, phase: str, rank: int) -> list[dict[str, Any]]:
@@ -172,9 +207,8 @@ def _log(work: str, phase: str, rank: int) -> list[dict[str, Any]]:
     return out
 
 
-def _last_step(work: str, ranks: list[int]) -> int:
-    steps = [e[-1]["step"] if (e := _log(work, "train", r)) else 0 for r in ranks]
-    return min(steps)
+def _held(work: str, ranks: list[int]) -> bool:
+    return all(os.path.exists(os.path.join(work, "log", f"held-rank-{r}")) for r in ranks)
 
 
 WORK_SUBDIRS = ("node0", "node1", "remote", "log", "data", "corpus")
@@ -207,32 +241,29 @@ def drill(a: argparse.Namespace) -> dict[str, Any]:
     generate_corpus(os.path.join(work, "corpus"), a.samples, mean_bytes=1024)
     packed = datapipe.pack(os.path.join(work, "corpus"), os.path.join(work, "data"), shard_samples=64, workers=1)
     steps_per_epoch = a.samples // WORLD // a.batch
-    kill_at = a.kill_at or (steps_per_epoch * 2 // 3 // a.local_every * a.local_every + a.local_every // 2 + 1)
+    # mid-interval after the local save 2/3 into the epoch (never on a step the local tier is due)
+    kill_at = a.kill_at or (steps_per_epoch * 2 // 3 // a.local_every * a.local_every + (a.local_every + 1) // 2)
     t0 = time.perf_counter()
     print(f"drill: {a.samples} samples in {packed.shards} shards; {NODES} nodes x {RANKS_PER_NODE} ranks (gloo); "
           f"{steps_per_epoch} steps; local tier every {a.local_every} steps with replicate=1, remote every "
           f"{a.remote_every}; writer background: {a.background}; node 1 is killed at step {kill_at}")
 
-    procs = _launch(a, work, "train", _free_port())
     node1 = [r for r in range(WORLD) if r // RANKS_PER_NODE == 1]
+    procs = _launch(a, work, "train", _free_port(), hold_at=dict.fromkeys(node1, kill_at))
     deadline = time.monotonic() + a.timeout
-    while _last_step(work, node1) < kill_at:
+    while not _held(work, node1):
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            for p in procs:
-                p.kill()
+            _kill_all(procs)
             raise SystemExit(f"the training run ended or stalled before step {kill_at}: exit codes "
                              f"{[p.poll() for p in procs]} (output: {os.path.join(work, 'log')})")
         time.sleep(0.01)
-    for r in node1:
-        os.kill(procs[r].pid, signal.SIGKILL)
+    _kill_all([procs[r] for r in node1])
     failed_at = max(e[-1]["step"] for r in range(WORLD) if (e := _log(work, "train", r)))
     shutil.rmtree(os.path.join(work, "node1"))
     print(f"train: SIGKILL to ranks {node1} (node 1) at step {failed_at}; deleted node 1's local tier; "
           "node 0's ranks are stopped for the restart")
     # the job is restarted as a whole, as a scheduler does when one node fails
-    for p in procs:
-        p.kill()
-        p.wait()
+    _kill_all(procs)
 
     t_fail = time.perf_counter()
     procs = _launch(a, work, "resume", _free_port())
@@ -301,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--phase", choices=["train", "resume"], help=argparse.SUPPRESS)
+    p.add_argument("--hold-at", type=int, default=0, help=argparse.SUPPRESS)  # the step a rank waits to be killed at
     a = p.parse_args(argv)
     if a.worker:
         run_rank(a)

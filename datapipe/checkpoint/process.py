@@ -31,6 +31,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..errors import CheckpointError
+from ..storage import storage_options_for
 from .staging import memfd_tensor
 
 __all__ = ["WriterProcess", "SharedBytes", "main"]
@@ -83,6 +84,9 @@ def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
 
 def _tier_doc(t: Any) -> dict[str, Any]:
     d = asdict(t)
+    # the options that reach its store here, set_storage_options' included: those are this
+    # process's, and the writer process opens the store with what it is sent
+    d["storage_options"] = storage_options_for(t.url, t.storage_options)
     try:
         json.dumps(d)
     except (TypeError, ValueError) as e:
@@ -295,6 +299,7 @@ def main() -> None:
                 rbytes = msg["received"]["bytes"]
                 job.received = (msg["received"]["header"], memoryview(mapped["replica"])[:rbytes])
             job.link_error = msg.get("link_error")
+            p.commit_timeout = float(msg.get("commit_timeout", p.commit_timeout))
             # hashed for the replica header, by chunk range
             job.raw_checksums = {(int(a), int(b)): str(ck) for a, b, ck in msg.get("raw_checksums") or []}
             m: dict[str, Any] = {}

@@ -23,7 +23,7 @@ import weakref
 from typing import Any
 
 from ..errors import CheckpointError, TopologyError
-from ..storage import in_this_process, open_store
+from ..storage import in_this_process, open_store, storage_options_for
 from ..topology import Topology
 from .flatten import Leaf, flatten
 from .format import MAX_CHUNK_BYTES
@@ -111,7 +111,7 @@ def choose_background(background: str, tiers: list[Tier]) -> str:
             why = f"tier {t.url!r} lives in this process's memory, which a writer process cannot see"
         else:
             try:
-                json.dumps(t.storage_options)
+                json.dumps(storage_options_for(t.url, t.storage_options))  # set_storage_options' too
             except (TypeError, ValueError) as e:
                 why = f"the storage_options of tier {t.url!r} are not JSON ({e}), as a writer process is sent them"
     if why is None:
@@ -302,7 +302,7 @@ class CheckpointWriter:
 
     @commit_timeout.setter
     def commit_timeout(self, seconds: float) -> None:
-        # the background's own copy too (a writer process keeps the one it started with)
+        # the background's own copy too (a writer process is sent it with each job)
         self._commit_timeout = float(seconds)
         persister: Persister | None = getattr(self, "_persister", None)
         if persister is not None:
@@ -475,6 +475,7 @@ class CheckpointWriter:
 
     def _submit(self, msg: dict[str, Any], with_replica: bool) -> None:
         st = self._staging
+        msg["commit_timeout"] = self._commit_timeout  # as it is now: the setter may have changed it
         buffers = {"staging": (st.buffer_id, st.fd, st.capacity)}
         if with_replica:
             rb = self._replica_bytes
