@@ -261,7 +261,8 @@ def _flat_state(mb: int) -> dict[str, Any]:
     return {"w": torch.randn(mb << 18, generator=g), "b": torch.randn(1 << 16, generator=g), "step": 0}
 
 
-def bench_busy_trainer(work: str, mb: int, saves: int, background: str = "auto", nice: int = 10) -> dict[str, Any]:
+def bench_busy_trainer(work: str, mb: int, saves: int, background: str = "auto",
+                       nice: int | None = None) -> dict[str, Any]:
     """Save() to durable in a node-local tier with an idle trainer (the caller waits), then
     with a trainer that keeps both cores busy: this thread runs GIL-holding Python steps
     and calls save() every few steps, and spinning processes take the other cores. Step
@@ -271,7 +272,8 @@ def bench_busy_trainer(work: str, mb: int, saves: int, background: str = "auto",
 
     state = _flat_state(mb)
     url = os.path.join(work, "busy-local")
-    w = CheckpointWriter(tiers=[Tier(url, every=1, keep_last=1, node_local=True)], background=background, nice=nice)
+    niced = {} if nice is None else {"nice": nice}  # None: the library's default
+    w = CheckpointWriter(tiers=[Tier(url, every=1, keep_last=1, node_local=True)], background=background, **niced)
     w.save(0, state).wait()  # the staging buffer is taken once: measure the steady state
     idle = [w.save(i, state).wait()["tiers"][url]["durable_s"] for i in range(1, saves + 1)]
     ctx = mp.get_context("spawn")
@@ -355,8 +357,8 @@ def run_tiers(cfg: dict[str, Any]) -> dict[str, Any]:
     try:
         out: dict[str, Any] = {"cpus": os.cpu_count(), "loadavg_before": os.getloadavg()}
         bg = cfg.get("background") or "auto"
-        nice = 10 if cfg.get("nice") is None else cfg["nice"]
-        out["background"], out["nice"] = bg, nice
+        nice = cfg.get("nice")
+        out["background"], out["nice"] = bg, "default" if nice is None else nice
         out["busy"] = bench_busy_trainer(work, cfg.get("busy_mb") or 64, cfg.get("saves") or 3, bg, nice)
         out["rss"] = bench_rss(work, cfg.get("rss_mb") or 200, cfg.get("rss_saves") or 100, bg)
         out["loadavg_after"] = os.getloadavg()
@@ -486,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rss-saves", type=int, help="saves in a row for the memory row (default 100)")
     p.add_argument("--background", choices=["auto", "thread", "process"],
                    help="the writer's background work (default auto, the library's: a writer process here)")
-    p.add_argument("--nice", type=int, help="the writer's nice increment for the busy/idle rows (default 10)")
+    p.add_argument("--nice", type=int, help="the writer's nice increment, busy/idle rows (default: the library's)")
     a = p.parse_args(argv)
     if a.tiers:
         out = run_tiers(vars(a))
