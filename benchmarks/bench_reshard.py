@@ -14,7 +14,8 @@ its load, outside the timing (datapipe's retention deletes nothing). A time is t
 rank's, from a barrier before to a barrier after (for datapipe: save() until the step is
 durable and committed). Both write with fsync (datapipe's local store, DCP's
 sync_files=True); the loads read what the saves just wrote (page cache for both).
-datapipe's writer runs here at normal priority (nice=0), as DCP does. ``--tensors``
+datapipe's writer runs here at normal priority (nice=0), as DCP does, in a writer process
+per rank (the library's default; ``--background thread`` for threads). ``--tensors``
 splits the same bytes over more tensors (a model's parameters and its Adam moments are
 hundreds); ``--dir /dev/shm`` leaves the disk out and times the systems' own work.
 
@@ -85,7 +86,8 @@ def _timed(fn: Any) -> float:
     return float(t.item())
 
 
-def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int, rounds: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int, rounds: int, out: str,
+            background: str = "auto") -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -118,7 +120,7 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int
     ours_dir, dcp_dir = os.path.join(root, "datapipe"), os.path.join(root, "dcp")
     # keep_last above the rounds: datapipe deletes nothing inside its timed saves (DCP deletes
     # nothing either); every system's step is deleted after its load, outside the timing
-    writer = CheckpointWriter(ours_dir, keep_last=rounds + 2, commit_timeout=600, nice=0)
+    writer = CheckpointWriter(ours_dir, keep_last=rounds + 2, commit_timeout=600, nice=0, background=background)
     last: dict[str, Any] = {}
 
     def save_ours(step: int) -> None:
@@ -203,12 +205,13 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int
     dist.destroy_process_group()
 
 
-def run(mib: int = 384, rounds: int = 2, directory: str | None = None, tensors: int = 12) -> dict[str, Any]:
+def run(mib: int = 384, rounds: int = 2, directory: str | None = None, tensors: int = 12,
+        background: str = "auto") -> dict[str, Any]:
     cols = max(1, mib * (1 << 20) // (4 * ROWS * tensors))
     root = tempfile.mkdtemp(prefix="bench-reshard-", dir=directory)
     try:
         out = os.path.join(root, "result.json")
-        mp.spawn(_worker, args=(4, _free_port(), root, cols, tensors, rounds, out), nprocs=4, join=True)
+        mp.spawn(_worker, args=(4, _free_port(), root, cols, tensors, rounds, out, background), nprocs=4, join=True)
         import json
 
         with open(out) as f:
@@ -222,7 +225,8 @@ def run(mib: int = 384, rounds: int = 2, directory: str | None = None, tensors: 
     med = {s: {k: statistics.median(v) for k, v in t.items()} for s, t in times.items()}
     return {
         "ranks": 4, "mesh_saved": "2x2 (Replicate, Shard(0))", "mesh_loaded": "4 (Shard(0))",
-        "tensors": tensors, "unique_bytes": unique, "written_bytes": res["written_bytes"], "rounds": rounds,
+        "tensors": tensors, "background": background, "unique_bytes": unique, "written_bytes": res["written_bytes"],
+        "rounds": rounds,
         "times_s": times, "median_s": med, "datapipe_phases_s": res["datapipe_phases_s"],
         "floor_save_s": res["floor_save_s"],  # 4 ranks x io_threads write + fsync the unique bytes (median)
         # cache flushes the disk served per save, all ranks together (rank 0's counts from
@@ -250,9 +254,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2, help="save+load rounds per system (default 2)")
     p.add_argument("--tensors", type=int, default=12, help="tensors in the state, the bytes split evenly (default 12)")
     p.add_argument("--dir", help="where to write (default: a temporary directory)")
+    p.add_argument("--background", choices=["auto", "thread", "process"], default="auto",
+                   help="datapipe's writer: a writer process or threads (default auto, the library's)")
     p.add_argument("--out", help="also write the figures to this JSON file")
     a = p.parse_args(argv)
-    print_json(run(a.mib, a.rounds, a.dir, a.tensors), a.out)
+    print_json(run(a.mib, a.rounds, a.dir, a.tensors, a.background), a.out)
 
 
 if __name__ == "__main__":
