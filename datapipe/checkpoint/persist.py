@@ -138,6 +138,12 @@ def chunk_bytes_for(total: int, chunk_bytes: int, io_threads: int) -> int:
     return min(chunk_bytes, max(BLOCK_BYTES, -(-per_thread // BLOCK_BYTES) * BLOCK_BYTES))
 
 
+def chunk_ranges(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each chunk of a part of ``total`` bytes: what is written, hashed
+    and sent chunk by chunk (a chunk's raw checksum is known by its range)."""
+    return [(a, min(a + chunk_bytes, total)) for a in range(0, total, chunk_bytes)]
+
+
 def replica_header(job: PersistJob, rank: int, world_size: int,
                    staged: Callable[[int, int], memoryview]) -> dict[str, Any]:
     """The header a save's part is sent to the peer with (by a thread writer here, by a
@@ -147,7 +153,7 @@ def replica_header(job: PersistJob, rank: int, world_size: int,
     before writing it. Checksums missing from ``job.raw_checksums`` are computed (1 MiB
     per GIL hold) and kept there for this rank's own copy."""
     specs, total, chunk_bytes = job.layout(node_local=True)
-    ranges = [(a, min(a + chunk_bytes, total)) for a in range(0, total, chunk_bytes)]
+    ranges = chunk_ranges(total, chunk_bytes)
     for r in ranges:
         if r not in job.raw_checksums:
             job.raw_checksums[r] = _checksum_in_slices(staged(*r))
@@ -311,7 +317,7 @@ class Persister:
                 f"(step {job.step}, attempt {job.attempt}): the ranks are not saving the same steps"
             )
         rm: dict[str, Any] = {}
-        ranges = [(a, min(a + cb, len(data))) for a in range(0, len(data), cb)]
+        ranges = chunk_ranges(len(data), cb)
         self._persist_to(rtg, job, job.step, job.attempt, lambda a, b: data[a:b], len(data),
                          cb, hdr["tree"], hdr["leaves"], dict(zip(ranges, sent)), True, rm)
         tm["replica"] = {"of_rank": src, "bytes": len(data), **rm}
@@ -324,7 +330,7 @@ class Persister:
         (reused), or, with ``verify``, those a peer sent (each chunk is hashed again and
         must match)."""
         t0 = time.perf_counter()
-        ranges = [(a, min(a + cb, total)) for a in range(0, total, cb)]
+        ranges = chunk_ranges(total, cb)
         chunks = self._write_chunks(tg, step, attempt, view, ranges, known, verify)
         if chunks:
             sync_dirs(tg.store, chunks[0]["key"])

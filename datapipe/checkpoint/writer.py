@@ -29,7 +29,7 @@ from .flatten import Leaf, flatten
 from .format import MAX_CHUNK_BYTES
 from .persist import Persister, PersistJob, chunk_bytes_for, lower_thread_priority, replica_header
 from .run_id import agree_run_id
-from .staging import StagingBuffer, plan_layout
+from .staging import StagingBuffer
 from .tiers import Tier, resolve_ranks_per_node
 
 __all__ = ["CheckpointWriter", "SaveHandle"]
@@ -425,7 +425,8 @@ class CheckpointWriter:
         shared_total = total
         local_specs = None
         if copies:
-            shared_total = plan_layout(leaves)[1]
+            # the copies come after the shared layout, whose end is its last leaf's
+            shared_total = self._staging.offsets[len(leaves) - 1] + leaves[-1].nbytes if leaves else 0
             local_specs = list(specs)
             at = iter(self._staging.offsets[len(leaves):])
             for i, leaf in enumerate(leaves):

@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import PlanError
-from .arrays import ArrayLike, Int64s
+from .arrays import ArrayLike, Int64s, UInt64s
 from .permutation import derive_key, feistel_permute
 
 __all__ = ["ALGORITHMS", "EpochOrder", "NoShuffle", "WindowShuffle", "check_counts", "epoch_order"]
@@ -65,8 +65,6 @@ class NoShuffle:
         return shard, p - self.starts[shard]
 
 
-_GOLDEN = 0x9E3779B97F4A7C15
-_M64 = (1 << 64) - 1
 #: positions spread over fewer windows than this are permuted one window at a time
 _FEW_WINDOWS = 8
 
@@ -96,6 +94,12 @@ class WindowShuffle:
         base = derive_key(self.seed, self.epoch, 2)
         self._base_key = np.uint64(base)
 
+    def _window_keys(self, w: Int64s) -> UInt64s:
+        """The permutation key of each window in ``w``."""
+        with np.errstate(over="ignore"):
+            keys: UInt64s = self._base_key ^ (w.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+        return keys
+
     def window_of(self, positions: ArrayLike) -> Int64s:
         return np.searchsorted(self.window_starts, positions, side="right") - 1
 
@@ -107,14 +111,12 @@ class WindowShuffle:
         if hi - lo < _FEW_WINDOWS:
             # a chunk's positions lie in one window or two: one call per window, on scalars
             inner = np.empty_like(p)
-            for v in range(lo, hi + 1):
+            keys = self._window_keys(np.arange(lo, hi + 1)).tolist()
+            for v, key in zip(range(lo, hi + 1), keys):
                 sel = w == v if hi > lo else slice(None)
-                key = int(self._base_key) ^ ((v * _GOLDEN) & _M64)
                 inner[sel] = feistel_permute(p[sel] - start[sel], int(self.window_sizes[v]), key)
         else:
-            with np.errstate(over="ignore"):
-                keys = self._base_key ^ (w.astype(np.uint64) * np.uint64(_GOLDEN))
-            inner = feistel_permute(p - start, self.window_sizes[w], keys)
+            inner = feistel_permute(p - start, self.window_sizes[w], self._window_keys(w))
         q = start + inner
         slot = np.searchsorted(self.slot_starts, q, side="right") - 1
         return self.shard_order[slot], q - self.slot_starts[slot]
