@@ -25,10 +25,23 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return bench_loader.run(cfg)
 
 
+def floor_dir(run: dict) -> str:
+    return os.path.join(run["config"]["workdir"], "fmt", next(
+        d for d in os.listdir(os.path.join(run["config"]["workdir"], "fmt"))
+        if d.startswith("datapipe-") and not d.endswith(".done")))
+
+
 def test_sweep_every_system_reads_every_sample_once(quick_run: dict) -> None:
     cell = quick_run["cells"]["q1k-256K"]
     n = bench_loader.QUICK_CELLS["q1k-256K"][0]
     assert cell["samples"] == n and cell["payload_MB"] > 0
+    # the read floor: every shard file of datapipe's format, each pass the whole format
+    floor = cell["read_floor"]
+    fmt = cell["systems"]["datapipe"]["format"]
+    assert floor["threads"] == (os.cpu_count() or 1) and len(floor["seconds"]) == 2
+    assert floor["files"] == sum(1 for f in os.listdir(floor_dir(quick_run)) if f.endswith(".tar"))
+    assert floor["files"] > 1 and floor["bytes"] <= fmt["bytes"]
+    assert floor["samples_per_s"] == pytest.approx(n / min(floor["seconds"])) and floor["GB_per_s"] > 0
     # each peer at our shard size and at its own documented default
     assert set(cell["systems"]) == {"datapipe", "litdata", "litdata@default"}
     assert cell["systems"]["litdata"]["format_settings"] == {"chunk_bytes": 256 << 10}
