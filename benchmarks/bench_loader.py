@@ -391,8 +391,9 @@ def read_floor(d: str, passes: int, threads: int) -> dict[str, Any]:
     """The cell's floor for any reader of datapipe's format: every shard file read once from
     the (warmed) page cache into buffers touched beforehand and kept across passes, by
     ``threads`` threads (one per core: the parallelism a reader has here), no parsing, no
-    checksum, nothing handed out. An epoch of a reader that reads whole shards cannot be
-    faster; ``passes`` timed passes."""
+    checksum, nothing handed out: the fastest rate at which epochs that each read every
+    shard once can follow one another (one epoch can beat it by what was read ahead during
+    the epoch before, at most the prefetch budget). ``passes`` timed passes."""
     from concurrent.futures import ThreadPoolExecutor
 
     files = sorted(p for p in glob.glob(os.path.join(d, "*.tar")) if os.path.isfile(p))
@@ -771,7 +772,7 @@ def target_checks(result: dict[str, Any]) -> list[dict[str, Any]]:
             floor = c.get("read_floor", {}).get("samples_per_s")
             if bar_of is not None and floor and bar_of * lit > floor:
                 text += (f"; {bar_of:g}x is {bar_of * lit:,.0f} samples/s, above this cell's read floor "
-                         f"{floor:,.0f} samples/s")
+                         f"{floor:,.0f} samples/s (epochs that each read every shard once)")
             return ours / lit, text
         return f
 

@@ -146,7 +146,9 @@ def loader_md(r: dict[str, Any]) -> str:
         lines += ["samples/s; LitData is the faster of its two settings (ours, or its default where marked); "
                   "x = datapipe / that LitData figure (batched: / LitData one process). Read floor: every shard "
                   "file of datapipe's format read once from the page cache into buffers touched beforehand, one "
-                  "thread per core, nothing parsed or checked; no reader of whole shards can pass it in an epoch.",
+                  "thread per core, nothing parsed or checked (best pass): the fastest rate at which epochs that "
+                  "each read every shard once can follow one another. One epoch can beat it by what was read "
+                  "ahead during the epoch before (at most prefetch_bytes), never epoch after epoch.",
                   "",
                   _table(["samples x size, shard", "read floor", "datapipe 1 proc", "LitData 1 proc", "x",
                           "datapipe batched", "x",
