@@ -1,6 +1,6 @@
 """datapipe on Ray Data, on a real local Ray instance (``ray.init(num_cpus=2)``): pack
 through Ray, a SIGKILLed write task, read -> map_batches -> write, tar indexes, and the
-driver's cleanup. Marked ``ray``: deselected by default, run with ``pytest -m ray``."""
+driver's cleanup. Marked ``ray``: deselected by default, run with ``pytest -m ray -n 0``."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[tests,ray]' && pytest -m ray")
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[tests,ray]' && pytest -m ray -n 0")
 pytest.importorskip("ray.data", reason="Ray Data is not installed: pip install -e '.[tests,ray]'")
 
 import datapipe  # noqa: E402

@@ -1,12 +1,12 @@
 """datapipe on a Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``):
 write tasks really run on both nodes, and the result is one verified dataset. Marked
-``ray``: deselected by default, run with ``pytest -m ray``."""
+``ray``: deselected by default, run with ``pytest -m ray -n 0``."""
 
 import os
 
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[tests,ray]' && pytest -m ray")
+ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[tests,ray]' && pytest -m ray -n 0")
 pytest.importorskip("ray.data", reason="Ray Data is not installed: pip install -e '.[tests,ray]'")
 
 from ray.cluster_utils import Cluster  # noqa: E402
