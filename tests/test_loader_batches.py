@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from datapipe import ShardWriter
 from datapipe.loader import StreamingDataLoader, StreamingDataset
 from datapipe.loader.batch import Batch, Column
+from datapipe.loader.readers import _distinct
 
 N = 300
 
@@ -99,6 +100,34 @@ def test_column_api(urls):
     assert len(pickle.dumps(col)) < sum(map(len, want)) + 1000
     assert pickle.loads(pickle.dumps(col)).tolist() == want
     assert "jpg" in b and set(b.keys()) == {"__key__", "jpg", "cls", "json"} and len(b) == 8
+
+
+@given(which=st.lists(st.integers(0, 40), max_size=300), extra=st.integers(0, 5))
+def test_distinct_buffers_of_a_batch_match_numpy_unique(which, extra):
+    w = np.array(which, dtype=np.intp)
+    used, place = _distinct(w, max(which, default=-1) + 1 + extra)
+    want_used, want_place = np.unique(w, return_inverse=True)
+    assert used == want_used.tolist() and place.tolist() == want_place.reshape(-1).tolist()
+
+
+@settings(deadline=None, max_examples=60)
+@given(sizes=st.lists(st.integers(1, 3 << 13), min_size=1, max_size=4), data=st.data())
+def test_gather_into_copies_each_sample_in_order(sizes, data):
+    # samples of a few bytes to many KiB: both ways of gathering (joined, or one slice
+    # assignment each) must give the samples one after the other, from one or many buffers
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    buffers = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    n = data.draw(st.integers(0, 40))
+    which = rng.integers(0, len(buffers), n)
+    starts = np.array([rng.integers(0, sizes[w]) for w in which], dtype=np.int64)
+    ends = np.array([rng.integers(a, sizes[w] + 1) for a, w in zip(starts, which)], dtype=np.int64)
+    col = Column(buffers, starts, ends, which)
+    want = b"".join(bytes(buffers[w][a:b]) for w, a, b in zip(which, starts, ends))
+    out = bytearray(len(want) + 7)
+    offsets = col.gather_into(memoryview(out))
+    assert bytes(out[: len(want)]) == want and offsets[-1] == len(want)
+    assert offsets.tolist() == [0, *np.cumsum(ends - starts).tolist()]
+    assert col.contiguous()[0].tobytes() == want
 
 
 @settings(deadline=None, max_examples=25, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -229,6 +229,16 @@ def laid_out_batches(readers: Sequence[ShardReader], loc: NDArray[Any], samples:
     return _cut_batches(laid, loc, samples, batch_size, positions)
 
 
+def _distinct(which: NDArray[Any], n: int) -> tuple[list[int], NDArray[np.intp]]:
+    """(the distinct values of ``which``, all in ``[0, n)``, in increasing order; each
+    entry's place among them): ``np.unique(which, return_inverse=True)`` by marking, not
+    sorting (half the time for a batch of 256 over a few dozen buffers, measured here)."""
+    present = np.zeros(n, dtype=bool)
+    present[which] = True
+    place = np.cumsum(present, dtype=np.intp) - 1
+    return np.flatnonzero(present).tolist(), place[which]
+
+
 def _cut_batches(readers: list[LaidOutShardReader], loc: NDArray[Any], samples: NDArray[Any], batch_size: int,
                  positions: bool) -> Iterator[Batch]:
     table, keys = _chunk_rows(readers, loc, samples)
@@ -243,8 +253,8 @@ def _cut_batches(readers: list[LaidOutShardReader], loc: NDArray[Any], samples: 
         fields: dict[str, Any] = {"__key__": keys[i:j].tolist()}
         mine, w = buffers, None
         if which is not None:  # only the buffers this batch reads: a batch held pins no others
-            used, w = np.unique(which[i:j], return_inverse=True)
-            mine = [buffers[u] for u in used.tolist()]
+            used, w = _distinct(which[i:j], len(buffers))
+            mine = [buffers[u] for u in used]
         for k, name in enumerate(names):
             fields[name] = Column(mine, table[i:j, 2 * k], table[i:j, 2 * k + 1], w)
         if shard_ids is not None:
