@@ -231,3 +231,40 @@ def test_hostile_global_records_raise_corrupt_naming_the_part(pristine, tmp_path
             _check_full(out, into)
         else:
             assert torch.equal(out["w"], W) and torch.equal(out["c"], C) and np.array_equal(out["r"], R)
+
+
+@pytest.mark.parametrize("declared", ["huge", "wrong"])
+def test_a_zstd_chunk_whose_frame_declares_another_size_is_refused_before_it_is_decompressed(tmp_path, declared):
+    # python-zstandard allocates what a frame header declares, whatever max_output_size
+    # says: a chunk re-signed by hand (its checksums recomputed) must not make a load
+    # allocate it, through the range reader (into=) as through the plain load
+    import resource
+    import struct
+
+    url = str(tmp_path / "c")
+    with CheckpointWriter(url, chunk_bytes=4096, compression="zstd") as w:
+        w.save(1, {"w": torch.arange(4096, dtype=torch.float32)}).wait()
+    size = 1 << 45 if declared == "huge" else 4096 * 4 + 8
+    # one frame: single segment, the content size declared, one RLE block of zeros
+    frame = (struct.pack("<I", 0xFD2FB528) + bytes([0xE0]) + struct.pack("<Q", size)
+             + (1 | (1 << 1) | (4096 << 3)).to_bytes(3, "little") + b"\0")
+    store = open_store(url)
+    key = _part_keys(store)[0]
+    part = json.loads(store.get(key))
+    c = part["chunks"][0]
+    store.put(c["key"], frame)
+    part["stored_bytes"] += len(frame) - c["stored_bytes"]
+    c["stored_bytes"], c["checksum"] = len(frame), checksum(frame)
+    part.pop("checksum")
+    data = encode_doc(part, "part")
+    store.put(key, data)
+    m = json.loads(store.get(manifest_key(1)))
+    m.pop("checksum")
+    m["parts"][0].update(checksum=checksum(data), doc_bytes=len(data), stored_bytes=part["stored_bytes"])
+    m["stored_bytes"] = part["stored_bytes"]
+    store.put(manifest_key(1), encode_doc(m, "manifest"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for kw in ({}, {"into": {"w": torch.zeros(4096)}}):
+        with pytest.raises(CorruptCheckpointError, match="zstd frame declares"):
+            load_checkpoint(url, step=1, **kw)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: nothing was allocated

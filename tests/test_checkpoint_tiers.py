@@ -4,7 +4,9 @@ restore from the best place, and damaged manifests in a tier (hypothesis)."""
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import shutil
 import warnings
 
@@ -93,6 +95,12 @@ def test_remote_tier_on_s3(tmp_path, s3):
 # -- damaged manifests in a tier ---------------------------------------------------------
 
 def _damage(path, how: str, pos: int, value: int) -> None:
+    if not path.is_file():  # replaced by something that is not a file before
+        return
+    if how in ("fifo", "loop"):  # a FIFO would block a reader forever; a symlink loop is an OSError
+        path.unlink()
+        os.mkfifo(path) if how == "fifo" else os.symlink(path, path)
+        return
     data = bytearray(path.read_bytes())
     if not data:  # truncated to nothing before
         return
@@ -124,9 +132,10 @@ def saved_tiers(tmp_path_factory):
     return base
 
 
+@pytest.mark.timeout(300)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(victims=st.lists(st.tuples(st.sampled_from(["local3", "local4", "remote2", "remote4"]),
-                                  st.sampled_from(["flip", "truncate", "resign"]),
+                                  st.sampled_from(["flip", "truncate", "resign", "fifo", "loop"]),
                                   st.integers(0, 1 << 16), st.integers(0, 255)), min_size=1, max_size=4))
 def test_damaged_manifests_in_tiers(saved_tiers, tmp_path_factory, victims):
     base = tmp_path_factory.mktemp("case")
@@ -152,3 +161,32 @@ def test_damaged_manifests_in_tiers(saved_tiers, tmp_path_factory, victims):
               3 if "local3" not in damaged else None, 2 if "remote2" not in damaged else None]
     newest_intact = max((x for x in intact if x is not None), default=None)
     assert newest_intact is None or s >= newest_intact
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["part-fifo", "manifest-loop", "attempt-is-a-file"])
+def test_a_step_holding_what_is_not_a_file_is_skipped_by_name(saved_tiers, tmp_path_factory, what):
+    base = tmp_path_factory.mktemp("odd")
+    shutil.copytree(saved_tiers, base, dirs_exist_ok=True)
+    tiers = [Tier(str(base / "local"), every=1, keep_last=2, node_local=True), Tier(str(base / "remote"), every=2)]
+    step4 = base / "local/rank-00000/step-000000000004"
+    if what == "part-fifo":
+        victim = glob.glob(str(step4 / "*" / "part-00000.json"))[0]
+        os.unlink(victim)
+        os.mkfifo(victim)
+    elif what == "manifest-loop":
+        victim = str(step4 / "manifest.json")
+        os.unlink(victim)
+        os.symlink(victim, victim)
+    else:
+        victim = glob.glob(str(step4 / "*-*"))[0]
+        shutil.rmtree(victim)
+        open(victim, "wb").close()
+    with pytest.warns(UserWarning, match="step-000000000004") as seen:
+        r = restore_checkpoint(tiers)
+    assert (r.step, r.source) == (4, "remote") and torch.equal(r.state["w"], _state(4)["w"])
+    assert any(os.path.basename(victim) in str(w.message) or "step-000000000004" in str(w.message) for w in seen)
+    local = str(base / "local/rank-00000")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert load_checkpoint(local)["step"] == 3  # the folder alone: the next older step

@@ -75,6 +75,26 @@ def _worker(rank: int, port: int, root: str, background: str) -> None:
         dist.destroy_process_group()
         return
 
+    # a copy only rank 1 lists as damaged (its own manifest of step 6): with warnings as
+    # errors every rank raises the same warning at the same point, none is left waiting
+    man = os.path.join(root, "node0", "rank-00001", "step-000000000006", "manifest.json")
+    good = open(man, "rb").read()
+    dist.barrier()
+    if rank == 0:
+        _flip(man)
+    dist.barrier()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        try:
+            restore_checkpoint(tiers, ranks_per_node=RPN, timeout_s=60)
+            raise AssertionError("restored without the warning")
+        except UserWarning as e:
+            assert "rank-00001" in str(e) and "manifest.json" in str(e), e
+    dist.barrier()
+    if rank == 0:
+        open(man, "wb").write(good)
+    dist.barrier()
+
     # #5281: a `latest` naming a partial step 7 on node 0, and rank 2's replica of step 6 corrupt
     node0 = os.path.join(root, "node0")
     if rank == 0:

@@ -2,6 +2,7 @@
 
 import os
 import pickle
+import stat
 import uuid
 
 import pytest
@@ -151,6 +152,39 @@ class TestLocalStore(StoreConformance):
         with pytest.raises(StorageError, match="letters and digits"):
             store.for_writer("../x")
 
+
+    @pytest.mark.timeout(60)
+    @pytest.mark.parametrize("kind", ["fifo", "device", "loop", "through-a-file", "directory"])
+    def test_what_is_not_a_file_is_refused_by_name_without_blocking(self, store, tmp_path, kind):
+        # a FIFO would block open() forever and /dev/zero read until memory ran out; a
+        # symlink loop or a failing disk is an OSError that no caller of a Store expects
+        root = tmp_path / "root"
+        root.mkdir()
+        where = root / "obj"
+        if kind == "fifo":
+            os.mkfifo(where)
+        elif kind == "device":
+            try:
+                os.mknod(where, 0o644 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero's numbers
+            except PermissionError:
+                pytest.skip("mknod needs privileges here")
+        elif kind == "loop":
+            os.symlink(where, where)
+        elif kind == "directory":
+            where.mkdir()
+        else:
+            (root / "f").write_bytes(b"x")
+        key = "f/obj" if kind == "through-a-file" else "obj"
+        missing = kind in ("through-a-file", "directory")
+        err = ObjectNotFoundError if missing else StorageError
+        buf = memoryview(bytearray(8))
+        for call in (lambda: store.get(key), lambda: store.size(key), lambda: store.stat(key),
+                     lambda: store.get_range(key, 0, 4), lambda: store.get_range_at(key, 0, 4, None),
+                     lambda: store.readinto(key, buf)):
+            with pytest.raises(err) as e:
+                call()
+            assert str(where if not missing else store.path(key)) in str(e.value)
+        assert not store.exists(key)
 
 class TestFsspecMemoryStore(StoreConformance):
     @pytest.fixture

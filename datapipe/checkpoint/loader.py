@@ -287,6 +287,15 @@ def _unzstd_chunk(c: dict[str, Any], stored: Any, url: str, where: str) -> bytes
 
     if checksum(stored) != c["checksum"]:
         raise CorruptCheckpointError(f"checksum mismatch in chunk {url} of {where}")
+    # the frame's declared size first: python-zstandard allocates what a frame header
+    # declares, whatever max_output_size says (a forged chunk would allocate terabytes)
+    try:
+        declared = zstandard.frame_content_size(memoryview(stored)[:18])  # 18: the longest header
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpointError(f"chunk {url} of {where}: bad zstd frame header ({e})") from None
+    if declared != c["bytes"]:
+        raise CorruptCheckpointError(f"chunk {url} of {where}: its zstd frame declares {declared} raw bytes, "
+                                     f"its part records {c['bytes']}")
     try:
         raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=c["bytes"])
     except zstandard.ZstdError as e:

@@ -79,10 +79,12 @@ def _complete(store: Store, origin: tuple[int, int] | None, world_size: int,
               skipped: list[str]) -> list[list[Any]]:
     """``[[step, attempt], ...]`` of the steps in ``store`` whose manifest verifies (and,
     in a node-local folder, names the expected job rank and world size)."""
+    # Any failure here is a note, never raised: this runs before the ranks first agree,
+    # and a rank that raised would leave the others waiting out their timeout.
     out: list[list[Any]] = []
     try:
         by_step = scan_steps(store)
-    except StorageError as e:
+    except Exception as e:
         skipped.append(f"{store.root}: cannot list ({type(e).__name__}: {e})")
         return out
     for s, keys in sorted(by_step.items(), reverse=True):
@@ -92,6 +94,9 @@ def _complete(store: Store, origin: tuple[int, int] | None, world_size: int,
             doc = _read_manifest(store, s)
         except (CheckpointError, StorageError) as e:
             skipped.append(f"{store.url(manifest_key(s))}: {e}")
+            continue
+        except Exception as e:
+            skipped.append(f"{store.url(manifest_key(s))}: {type(e).__name__}: {e}")
             continue
         if origin is not None:
             got = doc.get("origin")
@@ -351,18 +356,21 @@ def restore_checkpoint(tiers: list[Tier], *, rank: int | None = None, world_size
     }
     group = _Group(rank, world, timeout_s)
     try:
-        return _restore(group, tiers, mine, skipped, rank, world, rpn, own, held, shared, map_location, t_start)
+        return _restore(group, tiers, mine, rank, world, rpn, own, held, shared, map_location, t_start)
     finally:
         group.close()
 
 
-def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], skipped: list[str], rank: int, world: int,
+def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, world: int,
              rpn: int | None, own: dict[int, Store], held: dict[int, Store], shared: dict[int, Store],
              map_location: Any, t_start: float) -> RestoreResult:
     """restore_checkpoint's collective part, over ``group``."""
     infos = group.all_gather_json(mine)
+    # every rank warns of every rank's skipped copies, in the same order: a warning
+    # turned into an error then stops all ranks at this point, never one while the
+    # others wait for it in the next collective
     notes = [s for info in infos for s in info["skipped"]]
-    for note in skipped:
+    for note in notes:
         warnings.warn(f"restore: skipping {note}", stacklevel=2)
 
     # (kind, tier, rank) -> set of (step, attempt) it holds

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import posixpath
+import stat
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -22,6 +23,34 @@ _TMP_MARK = ".tmp-"
 
 def _file_version(st: os.stat_result) -> str:
     return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+@contextmanager
+def _reading(path: str) -> Iterator[None]:
+    """OS errors reading ``path`` as the store's errors: missing (no file, a directory, a
+    path through a file) as :class:`ObjectNotFoundError`, any other (a failing disk, no
+    permission, a symlink loop) as :class:`StorageError`, each naming the path."""
+    try:
+        yield
+    except (FileNotFoundError, NotADirectoryError) as e:
+        if isinstance(e, StorageError):
+            raise
+        raise ObjectNotFoundError(f"no file at {path}") from None
+    except IsADirectoryError:
+        raise ObjectNotFoundError(f"{path} is a directory, not an object") from None
+    except OSError as e:
+        if isinstance(e, StorageError):
+            raise
+        raise StorageError(f"cannot read {path}: {e.strerror or e} (errno {e.errno})") from e
+
+
+def _regular(path: str, st: os.stat_result) -> os.stat_result:
+    if stat.S_ISDIR(st.st_mode):
+        raise ObjectNotFoundError(f"{path} is a directory, not an object")
+    if not stat.S_ISREG(st.st_mode):
+        raise StorageError(f"{path} is not a regular file (a FIFO, socket or device where an object "
+                           "should be): refused unread; remove it")
+    return st
 
 
 class LocalStore(Store):
@@ -82,13 +111,25 @@ class LocalStore(Store):
                     pass  # gone already, or not ours to remove after all
         return n
 
-    def _open_read(self, key: str) -> io.FileIO:
-        try:
-            return open(self.path(key), "rb", buffering=0)
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"no file at {self.path(key)}") from None
-        except IsADirectoryError:
-            raise ObjectNotFoundError(f"{self.path(key)} is a directory, not an object") from None
+    def _status(self, key: str) -> os.stat_result:
+        """The status of the regular file at ``key``; anything else there (nothing, a
+        directory, a FIFO, a device) is refused by name, as is a failing disk."""
+        path = self.path(key)
+        with _reading(path):
+            st = os.stat(path)
+        return _regular(path, st)
+
+    @contextmanager
+    def _open_read(self, key: str) -> Iterator[io.FileIO]:
+        """The regular file at ``key``, open for reading; every OS error while it is open
+        becomes a :class:`StorageError` naming it. O_NONBLOCK: opening a FIFO put where an
+        object was would otherwise block forever (it is then refused as not a file)."""
+        path = self.path(key)
+        with _reading(path):
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+            with open(fd, "rb", buffering=0, closefd=True) as f:
+                _regular(path, os.fstat(fd))
+                yield f
 
     def get(self, key: str) -> bytes:
         with self._open_read(key) as f:
@@ -106,10 +147,7 @@ class LocalStore(Store):
         return data
 
     def stat(self, key: str) -> tuple[int, str | None]:
-        try:
-            st = os.stat(self.path(key))
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"no file at {self.path(key)}") from None
+        st = self._status(key)
         return st.st_size, _file_version(st)
 
     def get_range_at(self, key: str, start: int, end: int, version: str | None) -> bytes:
@@ -188,10 +226,7 @@ class LocalStore(Store):
         return os.path.isfile(self.path(key))
 
     def size(self, key: str) -> int:
-        try:
-            return os.stat(self.path(key)).st_size
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"no file at {self.path(key)}") from None
+        return self._status(key).st_size
 
     def delete(self, key: str) -> None:
         try:
