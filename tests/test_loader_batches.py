@@ -354,3 +354,82 @@ def test_a_batch_of_skipped_samples_is_not_yielded_in_one_process(tmp_path):
     with pytest.warns(RuntimeWarning, match="skipped 16"):
         batches = list(ds)
     assert [len(b) for b in batches] == [8] * 6 and all("__key__" in b for b in batches)
+
+
+def test_passes_of_workers_that_are_not_persistent_open_every_batch(tmp_path):
+    # a worker that is not persistent may exit (told by torch once it reads the worker's
+    # end-of-pass marker) before its last batch, kept back to be handed out in order, is
+    # opened: the batch's slot must not depend on the worker still being there
+    with ShardWriter(str(tmp_path / "d"), max_samples=7) as w:
+        for i in range(27):
+            w.write({"__key__": f"k{i:03d}", "cls": str(i).encode()})
+    for _ in range(8):
+        loader = StreamingDataLoader(StreamingDataset(str(tmp_path / "d"), decode=None), batch_size=10,
+                                     num_workers=2, persistent_workers=False)
+        assert sorted(k for b in loader for k in b["__key__"]) == [f"k{i:03d}" for i in range(27)]
+
+
+def _collect():
+    gc.collect()
+
+
+def test_a_forked_child_collecting_a_dropped_batch_leaves_the_slot_to_the_parent(tmp_path):
+    import multiprocessing
+
+    with ShardWriter(str(tmp_path / "d"), max_samples=20) as w:
+        for i in range(400):
+            w.write({"__key__": f"k{i:04d}", "jpg": bytes([i % 256]) * 64})
+    ref = {f"k{i:04d}": bytes([i % 256]) * 64 for i in range(400)}
+    loader = StreamingDataLoader(StreamingDataset(str(tmp_path / "d"), decode=None, shuffle=False), batch_size=4,
+                                 num_workers=1, prefetch_factor=1)  # one persistent worker, 3 slots
+    gc.disable()  # collected by hand, as training loops often do
+    try:
+        it = iter(loader)
+        b = next(it)
+        cycle = [b]
+        cycle.append(cycle)
+        del b, cycle  # garbage in a cycle, not collected yet
+        held = [next(it)]
+        child = multiprocessing.get_context("fork").Process(target=_collect)  # collects its copy of it
+        child.start()
+        child.join()
+        held += [next(it) for _ in range(6)]
+        gc.collect()  # the parent's own collection frees that slot, once
+        held += [next(it) for _ in range(20)]
+        changed = [k for b in held for k, v in zip(b["__key__"], b["jpg"]) if bytes(v) != ref[k]]
+        assert changed == []
+        del it
+    finally:
+        gc.enable()
+
+
+def test_no_batching_through_workers_keeps_the_stream_order_and_resumes_exactly(tmp_path):
+    with ShardWriter(str(tmp_path / "d"), max_samples=10) as w:
+        for i in range(40):
+            w.write({"__key__": f"k{i:03d}", "cls": str(i).encode()})
+    url = str(tmp_path / "d")
+    stream = [s["__key__"] for s in StreamingDataset(url, decode=None, shuffle=False)]
+    # a dataset that was batched before: the loader without batching takes it one sample at a time
+    loader = StreamingDataLoader(StreamingDataset(url, decode=None, shuffle=False, batch_size=4),
+                                 batch_size=None, num_workers=2)
+    assert [s["__key__"] for s in loader] == stream
+    it = iter(loader)
+    head = [next(it)["__key__"] for _ in range(6)]
+    state = loader.state_dict()
+    it.close()
+    again = StreamingDataLoader(StreamingDataset(url, decode=None, shuffle=False, batch_size=4),
+                                batch_size=None, num_workers=2)
+    again.load_state_dict(state)
+    assert head + [s["__key__"] for s in again] == stream
+
+
+@pytest.mark.parametrize("kind", ["laid", "zstd"])
+def test_positions_are_tensors_however_the_shards_are_stored(urls, kind):
+    for workers in (0, 2):
+        loader = StreamingDataLoader(StreamingDataset(urls[kind], decode=None, return_position=True),
+                                     batch_size=8, num_workers=workers)
+        b = next(iter(loader))
+        assert isinstance(b["__shard__"], torch.Tensor) and isinstance(b["__sample__"], torch.Tensor)
+        assert b["__sample__"].dtype == torch.int64 and len(b["__sample__"]) == 8
+    b = next(iter(StreamingDataset(urls[kind], decode=None, return_position=True, batched=True, batch_size=8)))
+    assert isinstance(b["__sample__"], torch.Tensor) and b["__shard__"].dtype == torch.int64

@@ -547,7 +547,7 @@ def test_a_batch_whose_worker_exited_is_refused_clearly_and_dropped_quietly(monk
     unraisable = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     rb = pickle.loads(raw[0])
-    assert rb.fd is not None
+    assert rb.fd is None and rb.fd_error  # fetched as it was unpickled: the worker had gone
     with pytest.raises(RuntimeError, match="worker 0 could not hand over its slot 0"):
         ring.open(rb)
     dropped = pickle.loads(raw[1])

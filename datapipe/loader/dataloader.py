@@ -99,8 +99,9 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
         # layouts and ring slots: a new worker pays for all of them again (fresh memory,
         # hashing, parsing). set_epoch()/load_state_dict() reach them through a PassControl.
         kwargs.setdefault("persistent_workers", int(kwargs.get("num_workers", 0)) > 0)
-        if batch_size is not None:
-            dataset.batch_size = int(batch_size)
+        # the workers share the stream out in blocks of the batch size; without batching
+        # torch takes one sample from each worker in turn, so the blocks are one sample
+        dataset.batch_size = 1 if batch_size is None else int(batch_size)
         collate = kwargs.pop("collate_fn", None)
         #: batches cut by the dataset and passed through shared memory (no collate_fn given)
         self.columnar = collate is None and batch_size is not None

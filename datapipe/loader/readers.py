@@ -241,6 +241,8 @@ def _distinct(which: NDArray[Any], n: int) -> tuple[list[int], NDArray[np.intp]]
 
 def _cut_batches(readers: list[LaidOutShardReader], loc: NDArray[Any], samples: NDArray[Any], batch_size: int,
                  positions: bool) -> Iterator[Batch]:
+    if positions:
+        import torch
     table, keys = _chunk_rows(readers, loc, samples)
     names = readers[0].layout.fields
     # numpy views of the shard buffers: while a batch views one, the buffer pool cannot
@@ -257,8 +259,9 @@ def _cut_batches(readers: list[LaidOutShardReader], loc: NDArray[Any], samples: 
             mine = [buffers[u] for u in used]
         for k, name in enumerate(names):
             fields[name] = Column(mine, table[i:j, 2 * k], table[i:j, 2 * k + 1], w)
-        if shard_ids is not None:
-            fields["__shard__"], fields["__sample__"] = shard_ids[i:j], samples[i:j]
+        if shard_ids is not None:  # tensors, as default_collate makes of the samples' numbers
+            fields["__shard__"] = torch.from_numpy(shard_ids[i:j].copy())
+            fields["__sample__"] = torch.from_numpy(samples[i:j].astype(np.int64))
         yield Batch(fields, j - i)
 
 

@@ -5,8 +5,8 @@ on the fresh memory it lands in (about 0.5 GB/s on some machines: slower than th
 Here each worker owns a few *slots*: shared-memory files (``memfd``) it writes whole batches
 into. What travels through the DataLoader's queue is a :class:`RingBatch`: the slot's
 number, where each field lies in it, and small values; the slot's file descriptor travels
-once, with the first batch written into it (and again only if the slot had to grow). The
-main process maps each slot once and hands out a :class:`~.batch.Batch` whose columns and
+once, with the first batch written into it (and again only if the slot had to grow), and the
+main process takes it as it unpickles that batch. The main process maps each slot once and hands out a :class:`~.batch.Batch` whose columns and
 tensors view the slot.
 
 A slot is reused only once nothing in the main process views it: every view of a batch
@@ -71,18 +71,34 @@ class RingBatch:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.opened = False
-        self._main = True  # unpickled: in the main process (or its pin-memory thread)
+        self._main = os.getpid()  # unpickled: in the main process (or its pin-memory thread)
+        # The slot's file now, while its worker is sure to be alive: it sent this batch
+        # before its end-of-pass marker, and torch lets a worker that is not persistent exit
+        # once it reads that marker, which can be before this batch (kept back to be handed
+        # out in order) is opened.
+        self.fd_error: str | None = None
+        if self.fd is not None:
+            try:
+                self.fd = self.fd.detach()
+            except OSError as e:
+                self.fd, self.fd_error = None, str(e)
 
     def __del__(self) -> None:
         # A batch the DataLoader drops unopened (a pass ended early; persistent workers
         # reset) must still give its slot back, or its worker loses that slot for good.
-        if not self.opened and self.__dict__.get("_main"):
-            try:
-                ring = _MAIN_RINGS.get(self.ring)
-            except Exception:  # interpreter shutdown: nothing left to give back to
-                return
-            if ring is not None:
-                ring.discard(self)
+        # Only in the process that unpickled it: a forked child collecting its copy of
+        # the parent's garbage must not free (or take) the parent's slot.
+        if self.opened or self.__dict__.get("_main") != os.getpid():
+            return
+        try:
+            ring = _MAIN_RINGS.get(self.ring)
+        except Exception:  # interpreter shutdown: nothing left to give back to
+            ring = None
+        if ring is not None:
+            ring.discard(self)
+        elif isinstance(self.fd, int):
+            os.close(self.fd)
+            self.fd = None
 
 
 #: rings by id, in the process that opens their batches (weakly: a ring dies with its loader)
@@ -224,7 +240,7 @@ class BatchRing:
         mm = self._map(rb)
         rb.opened = True
         base = np.frombuffer(mm, dtype=np.uint8)
-        weakref.finalize(base, _release, mm, self.free[rb.worker])
+        weakref.finalize(base, _release, mm, self.free[rb.worker], os.getpid())
         fields: dict[str, Any] = {}
         for name, spec in rb.fields.items():
             kind = spec[0]
@@ -247,13 +263,17 @@ class BatchRing:
 
     def _map(self, rb: RingBatch) -> mmap.mmap:
         key = (rb.worker, rb.slot)
-        if rb.fd is not None:
+        error = getattr(rb, "fd_error", None)
+        if rb.fd is not None and not isinstance(rb.fd, int):  # not unpickled: fetch it now
             try:
-                fd = rb.fd.detach()  # fetched from the worker, over a socket it serves
+                rb.fd = rb.fd.detach()  # from the worker, over a socket it serves
             except OSError as e:
-                raise RuntimeError(f"batch ring: DataLoader worker {rb.worker} could not hand over its slot "
-                                   f"{rb.slot} ({e}); the worker process has exited (was it killed?)") from e
-            rb.fd = None
+                rb.fd, error = None, str(e)
+        if error is not None:
+            raise RuntimeError(f"batch ring: DataLoader worker {rb.worker} could not hand over its slot "
+                               f"{rb.slot} ({error}); the worker process has exited (was it killed?)")
+        if rb.fd is not None:
+            fd, rb.fd = rb.fd, None
             try:
                 mm = mmap.mmap(fd, rb.size)
             finally:
@@ -279,8 +299,12 @@ class BatchRing:
         self._maps.clear()
 
 
-def _release(mm: mmap.mmap, free: Any) -> None:
-    """Finalizer of a slot's base array: the slot is free for its worker again."""
+def _release(mm: mmap.mmap, free: Any, pid: int | None = None) -> None:
+    """Finalizer of a slot's base array: the slot is free for its worker again. Nothing
+    in a forked child (``pid`` is the process that opened the batch): the slot is still
+    the parent's, which may hold this batch, or one written into the slot since."""
+    if pid is not None and os.getpid() != pid:
+        return
     try:
         mm[0] = _FREE
     except ValueError:  # the map was closed: the worker has replaced the slot
