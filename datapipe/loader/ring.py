@@ -7,8 +7,7 @@ into. What travels through the DataLoader's queue is a :class:`RingBatch`: the s
 number, where each field lies in it, and small values; the slot's file descriptor travels
 once, with the first batch written into it (and again only if the slot had to grow), and the
 main process takes it as it unpickles that batch. The main process maps each slot once and
-hands out a :class:`~.batch.Batch` whose columns and
-tensors view the slot.
+hands out a :class:`~.batch.Batch` whose columns and tensors view the slot.
 
 A slot is reused only once nothing in the main process views it: every view of a batch
 derives from one numpy array per slot, and when that array is collected (the batch, its
