@@ -258,9 +258,13 @@ def test_bad_counter_files_and_an_unwritable_stats_dir(tmp_path):
     assert warm_dir_stats(warm)["counters"]["cold_reads"] == 1
     c.close()
 
-    # stats/ is a file: the cache still reads, warns once, and node stats are its own
+    # stats/ is a file in a cache's folder: the cache still reads, warns once, and node
+    # stats are its own (a folder made by a cache: one it did not make is refused)
     warm2 = tmp_path / "warm2"
+    from datapipe.cache.warm import MARKER, _write_meta
+
     warm2.mkdir()
+    _write_meta(str(warm2), 1 << 20, MARKER)
     (warm2 / "stats").write_text("in the way")
     c2 = TieredCache(warm_dir=warm2, warm_bytes=1 << 20)
     with warnings.catch_warnings(record=True) as w:

@@ -465,3 +465,30 @@ def test_a_holder_that_is_a_zombie_here_is_taken_over_at_once(tmp_path):
         lease.release()
     finally:
         child.wait()
+
+
+@pytest.mark.parametrize("tier", ["warm_dir", "shared_dir"])
+def test_a_folder_of_someone_elses_files_is_refused_untouched(tmp_path, tier):
+    # a cache cleans its temporaries and evicts its copies: pointed at a folder it did
+    # not make, it would delete the files there; it refuses the folder instead
+    from datapipe.errors import StorageError
+
+    src = tmp_path / "obj.bin"
+    src.write_bytes(b"x" * 1000)
+    mine = tmp_path / "mine"
+    for rel, data in (("tmp/draft.txt", b"draft"), ("objects/model.pt", b"weights"), ("meta.json", b"{}")):
+        (mine / rel).parent.mkdir(parents=True, exist_ok=True)
+        (mine / rel).write_bytes(data)
+    before = {p: p.read_bytes() for p in mine.rglob("*") if p.is_file()}
+    kw = {"warm_dir": mine, "warm_bytes": 1500} if tier == "warm_dir" else {"shared_dir": mine, "shared_bytes": 1500}
+    with pytest.raises(StorageError, match="did not write"):
+        TieredCache(**kw).read(str(src))
+    assert {p: p.read_bytes() for p in mine.rglob("*") if p.is_file()} == before
+    # an empty folder, or one a cache made, is used
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    kw = {"warm_dir": empty, "warm_bytes": 1500} if tier == "warm_dir" else {"shared_dir": empty, "shared_bytes": 1500}
+    for _ in range(2):
+        c = TieredCache(**kw)
+        assert c.read(str(src)) == b"x" * 1000
+        c.close()

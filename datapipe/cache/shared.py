@@ -40,7 +40,17 @@ from ..errors import DatapipeError, StorageError
 from ..storage.lease import MAX_LEASE_BYTES, SharedFileLease
 from .cold import CHANGE_RESTARTS, SizeChanged
 from .eviction import VictimChooser
-from .warm import DISK_FULL_ERRNOS, WarmDir, _check_warm_dir, _open_regular, dir_meta, url_key, valid_record
+from .warm import (
+    DISK_FULL_ERRNOS,
+    SHARED_FORMAT,
+    WarmDir,
+    _check_warm_dir,
+    _open_regular,
+    claim_dir,
+    dir_meta,
+    url_key,
+    valid_record,
+)
 
 __all__ = ["SharedDir", "SharedTier", "shared_dir_stats", "clear_shared_dir", "is_shared_dir", "SHARED_MARKER",
            "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SHARED_WAIT_S"]
@@ -48,7 +58,7 @@ __all__ = ["SharedDir", "SharedTier", "shared_dir_stats", "clear_shared_dir", "i
 if TYPE_CHECKING:
     from .process import ProcessState
 
-SHARED_MARKER = {"format": "datapipe-shared-cache", "version": 1}
+SHARED_MARKER = {"format": SHARED_FORMAT, "version": 1}
 DEFAULT_LEASE_TIMEOUT_S = 30.0
 DEFAULT_SHARED_WAIT_S = 300.0
 _MAX_RECORD_BYTES = 4096
@@ -68,7 +78,7 @@ class SharedDir(WarmDir):
     def __init__(self, root: str, budget_bytes: int, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S) -> None:
         self.lease_timeout_s = float(lease_timeout_s)
         self.marker = {**SHARED_MARKER, "lease_timeout_s": self.lease_timeout_s}  # meta.json says it too
-        root = os.path.abspath(root)
+        root = claim_dir(root, self.marker, int(budget_bytes))  # before the folders below are made in it
         self.leases = os.path.join(root, "leases")
         self.records_dir = os.path.join(root, "records")
         self.gets = os.path.join(root, "gets")

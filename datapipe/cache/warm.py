@@ -66,6 +66,7 @@ BROKEN_DIR_ERRNOS = DISK_FULL_ERRNOS | {errno.ENOENT, errno.EACCES, errno.EPERM,
                                         errno.ESTALE, errno.EIO}
 FILL_XATTR = "user.datapipe.fill"
 MARKER = {"format": "datapipe-warm-cache", "version": 1}
+SHARED_FORMAT = "datapipe-shared-cache"  # shared.SHARED_MARKER's (shared imports this module)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
@@ -232,8 +233,8 @@ class WarmDir:
     sync_before_publish = False
 
     def __init__(self, root: str, budget_bytes: int) -> None:
-        self.root = os.path.abspath(root)
         self.budget = int(budget_bytes)
+        self.root = claim_dir(root, self.marker, self.budget)
         self.objects = os.path.join(self.root, "objects")
         self.tmpdir = os.path.join(self.root, "tmp")
         self.locks = os.path.join(self.root, "locks")
@@ -246,10 +247,6 @@ class WarmDir:
         # (dev, ino) -> (signature when verified, digests it matched); per process
         self._verified: dict[tuple[int, int], tuple[tuple[int, int, int, int, int], set[str]]] = {}
         self.cleaned = self.clean_dead_tmp()
-        try:
-            _write_meta(self.root, self.budget, self.marker)
-        except OSError:
-            pass  # only informational; a full disk must not stop reads
 
     def path(self, key: str) -> str:
         return os.path.join(self.objects, key)
@@ -540,6 +537,43 @@ def dir_meta(root: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return meta if isinstance(meta, dict) else None
+
+
+#: what a cache directory holds at its top (meta.json's temporaries start with ".meta.")
+_LAYOUT = {"objects", "tmp", "locks", "stats", "leases", "records", "gets", "meta.json"}
+
+
+def claim_dir(root: str, marker: dict[str, Any], budget: int) -> str:
+    """``root`` as a cache directory this process may clean and evict in, created and
+    marked by its meta.json first (so a process opening it meanwhile finds it marked):
+    absent, empty, marked as one of its kind, or holding nothing but the layout's empty
+    folders and meta.json's temporaries (one whose creator is about to mark it). Anything
+    else is a folder of someone else's files, and a cache would delete them (its dead
+    temporaries, its evictions): refused with a :class:`StorageError` naming it."""
+    root = os.path.abspath(root)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        names = []
+    except OSError as e:
+        raise StorageError(f"cannot use {root} as a cache directory: {e}") from None
+    meta = dir_meta(root) if "meta.json" in names else None
+    ours = [n for n in names if n in _LAYOUT and n != "meta.json" and os.path.isdir(os.path.join(root, n))]
+    if (meta is not None and all(meta.get(k) == marker.get(k) for k in ("format", "version"))) or (
+            meta is None and all(n in ours or n.startswith(".meta.") for n in names)
+            and not any(os.listdir(os.path.join(root, n)) for n in ours)):
+        try:
+            os.makedirs(root, exist_ok=True)
+            _write_meta(root, budget, marker)
+        except OSError:
+            pass  # only a mark; a full disk must not stop reads (the layout's folders say why)
+        return root
+    kind = "shared" if marker.get("format") == SHARED_FORMAT else "warm"
+    raise StorageError(
+        f"{root} holds files a datapipe {kind} cache did not write ({', '.join(sorted(names)[:5])}"
+        f"{', ...' if len(names) > 5 else ''}) and no meta.json marking it as one: a cache cleans and "
+        "evicts in its folder, so it refuses this one. Give it an empty folder (or a new path) of its own"
+    )
 
 
 def _check_warm_dir(root: str, marker: dict[str, Any] = MARKER, what: str = "warm",
