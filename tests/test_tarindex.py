@@ -456,3 +456,54 @@ def test_a_key_repeated_across_tar_shards_is_refused_by_get(tmp_path):
     assert len(d) == 4 and d.get("only1")["txt"] == b"only1-1"
     with pytest.raises(KeyError, match="more than one sample with key 'same'"):
         d.get("same")
+
+
+def _header12(name: str, size: int) -> bytes:
+    """A ustar header whose size field holds 12 octal digits and no terminator (as
+    libarchive and star write large sizes; tarfile and GNU tar read them)."""
+    h = bytearray(tarfile.TarInfo(name).tobuf(format=tarfile.USTAR_FORMAT))
+    h[124:136] = b"%012o" % size
+    h[148:156] = b"        "
+    h[148:156] = b"%06o\0 " % sum(h)
+    return bytes(h)
+
+
+def test_sizes_written_with_twelve_digits_read_whole_on_every_path(tmp_path):
+    shard = tmp_path / "shard-000.tar"
+    body = b""
+    for i in range(3):
+        data = bytes([65 + i]) * (100 + i)
+        body += _header12(f"s{i}.txt", len(data)) + data + bytes(-len(data) % 512)
+    shard.write_bytes(body + bytes(1024))
+    want = {f"s{i}": bytes([65 + i]) * (100 + i) for i in range(3)}
+    with tarfile.open(shard) as t:  # the reference reader agrees with the file
+        assert {m.name[:-4]: t.extractfile(m).read() for m in t.getmembers()} == want
+    ix = str(tmp_path / "ix")
+    index_shards(str(shard), ix, workers=1)
+    assert {s["__key__"]: bytes(s["txt"]) for s in open_dataset(ix)} == want
+    for batched in (False, True):  # the laid-out fast paths read the 12th digit too
+        ds = StreamingDataset(ix, shuffle=False, decode=None, batched=batched, batch_size=2)
+        got = ({k: bytes(v) for b in ds for k, v in zip(b["__key__"], b["txt"])} if batched
+               else {s["__key__"]: s["txt"] for s in ds})
+        assert got == want
+
+
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs GNU tar")
+@pytest.mark.parametrize("version", ["0.0", "1.0"])
+def test_gnu_sparse_members_are_refused_at_index_time(tmp_path, version):
+    # a sparse member's stored bytes are a map plus the data, not the file: readers that
+    # expand it and readers that do not would see other samples
+    src = tmp_path / "src" / "dir"
+    src.mkdir(parents=True)
+    with open(src / "a.bin", "wb") as f:
+        f.write(b"HEAD")
+        f.seek(1 << 20)
+        f.write(b"TAIL")
+    (src / "a.txt").write_bytes(b"hi\n")
+    shard = tmp_path / "sparse.tar"
+    made = subprocess.run(["tar", "--sparse", f"--sparse-version={version}", "--format=pax", "-cf", str(shard),
+                           "-C", str(tmp_path / "src"), "dir/a.bin", "dir/a.txt"], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"this tar writes no PAX sparse files: {made.stderr[:200]!r}")
+    with pytest.raises(CorruptShardError, match="sparse"):
+        index_shards(str(shard), str(tmp_path / "ix"), workers=1)

@@ -129,7 +129,8 @@ def _plain_fields(src: Any, off: int, end: int, key: str) -> tuple[str, ...] | N
         name = header[:100].split(b"\0", 1)[0]
         digits = header[124:135]
         if header[156] != 48 or header[345] != 0 or not name.startswith(keydot) or b"/" in name[len(keydot):] \
-                or header[len(name) : 100].strip(b"\0") or not all(48 <= c <= 55 for c in digits):
+                or header[len(name) : 100].strip(b"\0") or not all(48 <= c <= 55 for c in digits) \
+                or header[135] not in (0, 32):  # 12 digits (libarchive, star): the strict parse reads them
             return None
         try:
             fields.append(name[len(keydot):].decode("utf-8"))
@@ -178,7 +179,8 @@ def fast_layout(src: Any, offs: list[int], ends: list[int], keys: list[str]) -> 
             if not np.array_equal(arr[pos[:, None] + _NAME], want):
                 return None
             digits = arr[pos[:, None] + (124 + np.arange(11))].astype(np.int64) - 48
-            if np.any((digits < 0) | (digits > 7)):
+            # 11 digits and a terminator; a 12th digit (libarchive, star) is the strict parse's
+            if np.any((digits < 0) | (digits > 7)) or np.any((arr[pos + 135] != 0) & (arr[pos + 135] != 32)):
                 return None
             size = digits @ _POW8
             table[:, 2 * m] = pos + BLOCK

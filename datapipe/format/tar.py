@@ -200,7 +200,7 @@ def walk_members(buf: bytes | memoryview, where: str = "tar",
 
     Only what the packer writes is accepted: regular files, their PAX or GNU long-name
     headers. Links, directories, devices, and PAX records that would make another tar
-    reader see other bytes (a ``size`` that differs from the header's) are errors, so that
+    reader see other bytes (a ``size`` that differs from the header's, GNU sparse maps) are errors, so that
     no reader of the shard sees a sample this one does not.
 
     ``directories``: yield directory members too (their names ending in ``/``, so that no
@@ -251,6 +251,13 @@ def walk_members(buf: bytes | memoryview, where: str = "tar",
             raise CorruptShardError(
                 f"{where}: member at byte {at} is of tar type {kind!r} (a link, directory, device or "
                 "global header): datapipe shards hold regular files only"
+            )
+        sparse = next((k for k in pax if k.startswith("GNU.sparse.")), None)
+        if sparse is not None:
+            raise CorruptShardError(
+                f"{where}: the member at byte {at} is a GNU sparse file (PAX record {sparse[:40]!r}): "
+                "its stored bytes are not the file's, and readers disagree on them; write the tar "
+                "without --sparse"
             )
         if "size" in pax and pax["size"] != str(size):
             raise CorruptShardError(
