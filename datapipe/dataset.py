@@ -151,9 +151,9 @@ class DatasetIndex:
         try:
             manifest_bytes = self.store.get(MANIFEST)
         except ObjectNotFoundError:
-            raise ObjectNotFoundError(_no_manifest_message(self.url, self.store)) from None
-        except NotADirectoryError:  # a local file given where a dataset folder belongs
-            raise ObjectNotFoundError(
+            if self.store.local_path("") is None or not os.path.isfile(self.store.root):
+                raise ObjectNotFoundError(_no_manifest_message(self.url, self.store)) from None
+            raise ObjectNotFoundError(  # a local file given where a dataset folder belongs
                 f"no dataset at {self.url}: it is a file, not a dataset folder. For tar shards, pass "
                 "the shard URLs (or a pattern such as shard-{000000..000099}.tar) to open_dataset / "
                 "StreamingDataset, which index them on first use, or run `datapipe index URL... "

@@ -539,15 +539,19 @@ def dir_meta(root: str) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) else None
 
 
-#: what a cache directory holds at its top (meta.json's temporaries start with ".meta.")
-_LAYOUT = {"objects", "tmp", "locks", "stats", "leases", "records", "gets", "meta.json"}
+#: what a cache directory holds at its top (meta.json's temporaries start with ".meta."),
+#: and the folders of it a cache deletes files in (evictions, dead temporaries, locks);
+#: "tar-index": the indexes of tar shards read through the cache (tarindex.resolve)
+_LAYOUT = {"objects", "tmp", "locks", "stats", "leases", "records", "gets", "tar-index", "meta.json"}
+_CLEANED = ("objects", "tmp", "locks")
 
 
 def claim_dir(root: str, marker: dict[str, Any], budget: int) -> str:
     """``root`` as a cache directory this process may clean and evict in, created and
     marked by its meta.json first (so a process opening it meanwhile finds it marked):
-    absent, empty, marked as one of its kind, or holding nothing but the layout's empty
-    folders and meta.json's temporaries (one whose creator is about to mark it). Anything
+    absent, empty, marked as one of its kind, or holding nothing but the layout's folders
+    (those it deletes in empty) and meta.json's temporaries (one whose creator is about to
+    mark it, or where datapipe put tar indexes before a cache opened it). Anything
     else is a folder of someone else's files, and a cache would delete them (its dead
     temporaries, its evictions): refused with a :class:`StorageError` naming it."""
     root = os.path.abspath(root)
@@ -561,7 +565,7 @@ def claim_dir(root: str, marker: dict[str, Any], budget: int) -> str:
     ours = [n for n in names if n in _LAYOUT and n != "meta.json" and os.path.isdir(os.path.join(root, n))]
     if (meta is not None and all(meta.get(k) == marker.get(k) for k in ("format", "version"))) or (
             meta is None and all(n in ours or n.startswith(".meta.") for n in names)
-            and not any(os.listdir(os.path.join(root, n)) for n in ours)):
+            and not any(os.listdir(os.path.join(root, n)) for n in ours if n in _CLEANED)):
         try:
             os.makedirs(root, exist_ok=True)
             _write_meta(root, budget, marker)
