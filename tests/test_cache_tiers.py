@@ -492,3 +492,23 @@ def test_a_folder_of_someone_elses_files_is_refused_untouched(tmp_path, tier):
         c = TieredCache(**kw)
         assert c.read(str(src)) == b"x" * 1000
         c.close()
+
+
+def test_a_range_of_a_warm_copy_damaged_in_place_is_read_again_from_below(tmp_path):
+    # the same rule as read(): a copy is trusted once verified whole while its identity
+    # holds; one written into in place (same size, same fill record) is refused
+    src = tmp_path / "obj.bin"
+    good = bytes(range(256)) * 16
+    src.write_bytes(good)
+    warm = tmp_path / "warm"
+    filler = TieredCache(warm_dir=warm, warm_bytes=1 << 20)
+    filler.read(str(src))
+    filler.close()
+    with open(warm / "objects" / url_key(str(src)), "r+b") as f:
+        f.write(b"\xff" * 16)
+    reader = TieredCache(warm_dir=warm, warm_bytes=1 << 20)
+    assert reader.read_range(str(src), 0, 16) == good[:16]
+    assert reader.read_range(str(src), 100, 300) == good[100:300]  # the copy filled again: a hit
+    stats = reader.stats()
+    assert stats["warm_corrupt"] == 1 and stats["warm_hits"] == 1
+    reader.close()

@@ -376,20 +376,17 @@ class TieredCache:
         fd: int | None = warm.open_pinned(key)
         if fd is not None:
             try:
-                size = os.fstat(fd).st_size
-                record = warm.record_of(key, fd)
-                if record is not None and record[0] != size:
-                    pass  # a copy truncated or grown in place: never a hit
-                elif record is None and warm.records:
-                    pass  # not a fill's copy (planted, or replaced behind our back): never a hit
-                elif end <= size:
+                # trusted as read() trusts it: verified whole (hashed once while its identity
+                # holds, so later ranges cost one pread), else refused and filled again
+                if read_verified(state, warm, url, fd, None, want_bytes=False) is not None:
+                    size = os.fstat(fd).st_size
+                    if end > size:  # the copy is the whole object: a bad range
+                        _slice(b"", start, end, url, size)
                     part = os.pread(fd, end - start, start)
                     if len(part) == end - start:
                         state.stats.update(warm_hits=1, warm_bytes=end - start)
                         return part
-                elif record is not None or size == size_below(state, url):  # the copy is whole: a bad range
-                    _slice(b"", start, end, url, size)
-                state.stats.update(warm_corrupt=1)  # a copy shorter than the object
+                    state.stats.update(warm_corrupt=1)  # shrunk since it was verified
                 warm.discard(key, fd)
                 fd = None
             finally:
