@@ -185,3 +185,37 @@ def test_pack_without_progress_leaves_no_thread_behind(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "['MainThread']"
+
+
+def test_files_at_the_names_a_pack_writes_are_not_replaced_unasked(tmp_path):
+    # no dataset and no journal of a pack: a shard-like file there is someone's
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(3):
+        (src / f"s{i}.txt").write_bytes(b"%d" % i)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "shard-000000.tar").write_bytes(b"my own file")
+    (dest / ".tmp-x").write_bytes(b"also mine")
+    with pytest.raises(DestinationExistsError, match=r"shard-000000\.tar"):
+        datapipe.pack(str(src), str(dest))
+    assert (dest / "shard-000000.tar").read_bytes() == b"my own file"
+    r = datapipe.pack(str(src), str(dest), overwrite=True)  # asked: replaced
+    assert r.samples == 3 and (dest / ".tmp-x").read_bytes() == b"also mine"
+    assert sorted(s["__key__"] for s in datapipe.open_dataset(str(dest))) == ["s0", "s1", "s2"]
+
+
+@pytest.mark.parametrize("name", ["c..d", "h..json"])
+def test_a_file_whose_field_cannot_be_stored_is_skipped_or_named_when_listed(tmp_path, name):
+    from datapipe.errors import InvalidMemberNameError
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(2):
+        (src / f"s{i}.txt").write_bytes(b"ok")
+    (src / name).write_bytes(b"bad")
+    r = datapipe.pack(str(src), str(tmp_path / "a"), skip_errors=True)
+    assert r.samples == 2 and [os.path.basename(p) for p, _why in r.skipped] == [name]
+    with pytest.raises(InvalidMemberNameError, match=name.replace(".", r"\.")):
+        datapipe.pack(str(src), str(tmp_path / "b"))
+    assert not (tmp_path / "b" / "_pack").exists()  # refused while listing: nothing left behind

@@ -90,6 +90,22 @@ def check_destination(store: Store, overwrite: bool, resumable: bool = False) ->
                 "(pass overwrite=True / --overwrite to replace it)"
             )
         retract_dataset(store)
+        return
+    # No dataset: files at the names a pack publishes are someone's (or a retraction that
+    # was cut short), unless a pack's journal accounts for them; a pack would replace them
+    keys = store.list()
+    if any(k.startswith(f"{WORK}/") and k not in (LOCK, LEASE) for k in keys):
+        return  # a killed pack's journal: the pack (its Journal) decides what is its own
+    theirs = [k for k in keys if _OWN.match(k) and k not in (LOCK, LEASE)]
+    if theirs:
+        if not overwrite:
+            shown = ", ".join(theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+            raise DestinationExistsError(
+                f"{store.root} holds no dataset but files at names a pack writes ({shown}): a pack "
+                "would replace them. Pack into another folder, or pass overwrite=True / --overwrite "
+                "to delete them first"
+            )
+        retract_dataset(store)
 
 
 # What a pack writes, and so all that --overwrite may delete: never anything else that

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import EmptyInputError, InputFileError, InvalidMemberNameError, PackError
 from ..format.rows import flatten_bytes_structs, row_fields
-from ..format.tar import BLOCK, check_key, padding, split_member_name
+from ..format.tar import BLOCK, check_key, member_name, padding, split_member_name
 
 __all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table", "read_fragment",
            "count_table_rows", "source_kind"]
@@ -219,8 +219,10 @@ def list_directory(root: str, skip_errors: bool = False, follow_links: bool = Fa
                     rel.encode("utf-8")
                     check_key(cut[0])
                     checked.add(cut[0])
+                member_name(cut[0], cut[1])  # the field too (c..d: field ".d"), here, not in a worker
             except (UnicodeEncodeError, InvalidMemberNameError) as e:
-                reason = f"file name cannot be stored in tar as UTF-8: {e}"
+                reason = (f"file name cannot be stored in tar as UTF-8: {e}" if isinstance(e, UnicodeEncodeError)
+                          else f"file name cannot be stored in tar: {e}")
                 if not skip_errors:
                     raise InvalidMemberNameError(f"{path!r}: {reason} (rename it, or pass --skip-errors)") from None
                 out.bad.append((path, reason))
