@@ -377,8 +377,10 @@ class Dataset:
         sample = decode_sample(data, self.index.compression, where, limit=info.tar_bytes)
         if sample["__key__"] != key:
             raise CorruptShardError(f"{where}: the tar members name key {sample['__key__']!r}, the index {key!r}")
+        # (a name "<key>.<...>/..." is another sample's: foo.v2/img.txt after foo.txt)
         keydot = (key + ".").encode("utf-8")
-        if after[: len(keydot)] == keydot:
+        name = after[:100].split(b"\0", 1)[0]
+        if name.startswith(keydot) and b"/" not in name[len(keydot):]:
             raise CorruptShardError(f"{where}: the member after the sample's range has its key too: "
                                     "the index cuts the sample short")
         return sample if self._decode.is_identity else self._decode(sample, info.url)

@@ -5,6 +5,7 @@ locally and from moto S3 with the index under another prefix; resume, damage, re
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -507,3 +508,19 @@ def test_gnu_sparse_members_are_refused_at_index_time(tmp_path, version):
         pytest.skip(f"this tar writes no PAX sparse files: {made.stderr[:200]!r}")
     with pytest.raises(CorruptShardError, match="sparse"):
         index_shards(str(shard), str(tmp_path / "ix"), workers=1)
+
+
+def test_a_sample_followed_by_a_key_that_extends_it_with_a_folder_reads(tmp_path):
+    # foo.txt, then foo.v2/img.txt: two samples (a dot in a folder's name); the check that
+    # the index does not cut a sample short must not take the second for part of the first
+    shard = tmp_path / "shard-000.tar"
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as t:
+        for name, data in (("foo.txt", b"first sample"), ("foo.v2/img.txt", b"second sample")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    ix = str(tmp_path / "ix")
+    index_shards(str(shard), ix, workers=1)
+    ds = open_dataset(ix)
+    assert [(s["__key__"], bytes(s["txt"])) for s in (ds[0], ds[1])] == [("foo", b"first sample"),
+                                                                      ("foo.v2/img", b"second sample")]
