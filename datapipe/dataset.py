@@ -379,8 +379,8 @@ class Dataset:
             raise CorruptShardError(f"{where}: the tar members name key {sample['__key__']!r}, the index {key!r}")
         # (a name "<key>.<...>/..." is another sample's: foo.v2/img.txt after foo.txt)
         keydot = (key + ".").encode("utf-8")
-        name = after[:100].split(b"\0", 1)[0]
-        if name.startswith(keydot) and b"/" not in name[len(keydot):]:
+        nxt = after[:100].split(b"\0", 1)[0]
+        if nxt.startswith(keydot) and b"/" not in nxt[len(keydot):]:
             raise CorruptShardError(f"{where}: the member after the sample's range has its key too: "
                                     "the index cuts the sample short")
         return sample if self._decode.is_identity else self._decode(sample, info.url)

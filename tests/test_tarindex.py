@@ -524,3 +524,26 @@ def test_a_sample_followed_by_a_key_that_extends_it_with_a_folder_reads(tmp_path
     ds = open_dataset(ix)
     assert [(s["__key__"], bytes(s["txt"])) for s in (ds[0], ds[1])] == [("foo", b"first sample"),
                                                                       ("foo.v2/img", b"second sample")]
+
+
+@pytest.mark.parametrize("how", ["append", "concatenate"])
+def test_a_tar_changed_outside_its_samples_since_indexed_is_said_so(tmp_path, how):
+    # its samples still match their own checksums and are read; the change is not silent
+    shard = tmp_path / "shard-000.tar"
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as t:
+        for i in range(3):
+            info = tarfile.TarInfo(f"s{i}.txt")
+            info.size = 4
+            t.addfile(info, io.BytesIO(b"%4d" % i))
+    ix = str(tmp_path / "ix")
+    index_shards(str(shard), ix, workers=1)
+    if how == "append":  # as tar -rf does: over the end-of-archive blocks
+        with tarfile.open(shard, "a") as t:
+            info = tarfile.TarInfo("s3.txt")
+            info.size = 4
+            t.addfile(info, io.BytesIO(b"   3"))
+    else:
+        shard.write_bytes(shard.read_bytes() * 2)
+    with pytest.warns(RuntimeWarning, match="changed since it was indexed"):
+        got = sorted(s["__key__"] for s in StreamingDataset(ix, shuffle=False, decode=None))
+    assert got == ["s0", "s1", "s2"]

@@ -31,6 +31,7 @@ import os
 import stat
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
 from functools import cached_property
@@ -323,6 +324,8 @@ class ShardSource:
         self.find_layouts = True
         #: idle private buffers for local shard bytes, reused across shards and epochs
         self.buffers = BufferPool(max_pooled_bytes)
+        #: shards said to have changed since they were indexed (warned once each)
+        self._changed: set[str] = set()
         if self.num_samples == 0:
             raise PlanError(f"{', '.join(self.urls)}: the dataset holds no sample; nothing to stream")
 
@@ -372,6 +375,12 @@ class ShardSource:
             buf, closer, verified = self._bytes(ix, info, cache)
         except (IntegrityError, CorruptShardError) as e:
             buf, closer, error, verified = memoryview(b""), None, e, False
+        if not verified and error is None and info.checksum and info.url not in self._changed:
+            self._changed.add(info.url)
+            warnings.warn(f"shard {info.url} no longer matches its index (its checksum or its size of "
+                          f"{info.bytes} bytes): it changed since it was indexed. Each sample is checked on "
+                          "its own; members added since are not read. Index or pack it again",
+                          RuntimeWarning, stacklevel=2)
         data = ShardData(g, info.url, buf, list(table.keys), np.asarray(table.offsets, np.int64),
                          np.asarray(table.lengths, np.int64), list(table.checksums or []),
                          ix.compression, closer, error, verified, tar_bytes=info.tar_bytes)
@@ -461,7 +470,9 @@ class ShardSource:
                 pool.give(mm)
 
         before, after = _identity(st0), _identity(st1)
-        whole = len(buf) == int(info.bytes) and bool(info.checksum)
+        # a file longer than the index says holds members the index never saw: the first
+        # bytes may still match, but the shard is not the one indexed
+        whole = len(buf) == int(info.bytes) == st0.st_size and bool(info.checksum)
         known = whole and before == after and self._verified.get(path) == (before, info.checksum)
         ok = known or (whole and checksum(buf) == info.checksum)
         if ok and not known and before == after and st0.st_ctime_ns < t0 - _RACY_NS:
