@@ -558,9 +558,7 @@ def claim_dir(root: str, marker: dict[str, Any], budget: int) -> str:
     try:
         names = os.listdir(root)
     except FileNotFoundError:
-        names = []
-    except OSError as e:
-        raise StorageError(f"cannot use {root} as a cache directory: {e}") from None
+        names = []  # any other OSError: an unusable folder, as the caller says (it reads through)
     meta = dir_meta(root) if "meta.json" in names else None
     ours = [n for n in names if n in _LAYOUT and n != "meta.json" and os.path.isdir(os.path.join(root, n))]
     if (meta is not None and all(meta.get(k) == marker.get(k) for k in ("format", "version"))) or (
