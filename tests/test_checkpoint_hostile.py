@@ -6,6 +6,7 @@ more than the folder's files hold (checked under an address-space limit)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -327,7 +328,9 @@ HOSTILE_VALUES = st.one_of(
                      "step-000000000002/a-0/part-00000.json", "\\..\\x", "a" * 300]),
     st.text(max_size=20),
     st.lists(st.integers(-3, 5000), max_size=4),
-    st.just({"leaf": 0}), st.just({"bytes": "%%%"}), st.just([[[[[[[[]]]]]]]]),
+    # fresh objects for every draw (copies): an edit that placed one shared dict inside
+    # itself (chunks[0] := D, then chunks[0]["bytes"] := D) made a document no JSON holds
+    st.sampled_from([{"leaf": 0}, {"bytes": "%%%"}, [[[[[[[[]]]]]]]]]).map(copy.deepcopy),
 )
 
 
