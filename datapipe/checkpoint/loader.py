@@ -234,6 +234,21 @@ def _check_part(part: dict[str, Any], entry: dict[str, Any], step: int, attempt:
         raise bad(f"chunks cover {pos} of {total} bytes ({stored_sum} of {stored} stored)")
 
 
+def _check_frame(head: Any, c: dict[str, Any], url: str, where: str) -> None:
+    """The zstd frame header ``head`` (a chunk's first 18 bytes: the longest header) declares
+    the raw size chunk ``c`` records."""
+    import zstandard
+
+    try:
+        raw = zstandard.frame_content_size(head)
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpointError(f"chunk {url} of {where}: bad zstd frame header ({e})") from None
+    if raw != c["bytes"]:
+        raise CorruptCheckpointError(
+            f"chunk {url} of {where}: its zstd frame declares {raw} raw bytes, its part records {c['bytes']}"
+        )
+
+
 def _probe_chunk(store: Store, c: dict[str, Any], compressed: bool, where: str) -> None:
     """Sizes from the store, before a byte of the rank's buffer is allocated: the file
     holds exactly the recorded stored bytes, and a zstd frame declares the raw size."""
@@ -245,18 +260,7 @@ def _probe_chunk(store: Store, c: dict[str, Any], compressed: bool, where: str) 
             f"chunk {store.url(key)} of {where} holds {size} bytes, its part records {c['stored_bytes']}"
         )
     if compressed:
-        import zstandard
-
-        head = store.get_range(key, 0, min(size, 18))  # 18: the longest zstd frame header
-        try:
-            raw = zstandard.frame_content_size(head)
-        except zstandard.ZstdError as e:
-            raise CorruptCheckpointError(f"chunk {store.url(key)} of {where}: bad zstd frame header ({e})") from None
-        if raw != c["bytes"]:
-            raise CorruptCheckpointError(
-                f"chunk {store.url(key)} of {where}: its zstd frame declares {raw} raw bytes, "
-                f"its part records {c['bytes']}"
-            )
+        _check_frame(store.get_range(key, 0, min(size, 18)), c, store.url(key), where)
 
 
 def _read_chunk(store: Store, c: dict[str, Any], dst: memoryview, compressed: bool, where: str) -> None:
@@ -289,13 +293,7 @@ def _unzstd_chunk(c: dict[str, Any], stored: Any, url: str, where: str) -> bytes
         raise CorruptCheckpointError(f"checksum mismatch in chunk {url} of {where}")
     # the frame's declared size first: python-zstandard allocates what a frame header
     # declares, whatever max_output_size says (a forged chunk would allocate terabytes)
-    try:
-        declared = zstandard.frame_content_size(memoryview(stored)[:18])  # 18: the longest header
-    except zstandard.ZstdError as e:
-        raise CorruptCheckpointError(f"chunk {url} of {where}: bad zstd frame header ({e})") from None
-    if declared != c["bytes"]:
-        raise CorruptCheckpointError(f"chunk {url} of {where}: its zstd frame declares {declared} raw bytes, "
-                                     f"its part records {c['bytes']}")
+    _check_frame(memoryview(stored)[:18], c, url, where)
     try:
         raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=c["bytes"])
     except zstandard.ZstdError as e:

@@ -298,13 +298,6 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
         raise
 
 
-def _wait_all(reqs: list[Any]) -> list[Any]:
-    """Wait for each of ``reqs`` once; returns what is left to wait for (nothing)."""
-    for q in reqs:
-        q.wait()
-    return []
-
-
 def _check_attempt(store: Store, step: int, attempt: str) -> None:
     doc = _read_manifest(store, step)
     if doc["attempt"] != attempt:
@@ -427,7 +420,9 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, 
             # the slowest rank: the replica goes first, then this rank's own part. (A rank
             # that itself waits for a replica does not wait here: two ranks holding each
             # other's replicas would each wait for a receive the other has not posted.)
-            reqs = _wait_all(reqs)
+            for q in reqs:
+                q.wait()
+            reqs = []  # each waited once
         where = ""
         t0 = time.perf_counter()
         try:
@@ -448,7 +443,8 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, 
         except Exception as e:  # any failure is agreed on below: a rank that raised here would hang the others
             failure = f"{kind} copy of rank {rank}'s part of step {s} at {where}: {type(e).__name__}: {e}"
         read_s = time.perf_counter() - t0
-        _wait_all(reqs)
+        for q in reqs:
+            q.wait()
         # 3. agree: a copy that failed anywhere is skipped everywhere; a holder's failure to
         # read what it sent is named on every rank alike (a warning turned into an error
         # then stops every rank at once, never one while the others wait for it)

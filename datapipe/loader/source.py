@@ -25,10 +25,8 @@ file keeps the identity it had then (see :meth:`ShardSource._read_local`).
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
-import stat
 import threading
 import time
 import warnings
@@ -52,6 +50,7 @@ from ..errors import (
     StorageError,
 )
 from ..format.layout import find_layout
+from ..storage.local import open_regular
 from ..storage.retry import RetryPolicy, call_with_retry
 from ..tables import ParquetTable, is_parquet_source
 from .layouts import LayoutCache
@@ -262,12 +261,8 @@ def _read_into(path: str, limit: int, pool: BufferPool) -> tuple[mmap.mmap | Non
     """(the first ``min(size, limit)`` bytes of ``path`` in a pooled buffer, or None when
     there are none; the file's status before and after the read). A file that shrinks while
     it is read gives a shorter buffer, never an error or a signal."""
-    # O_NONBLOCK: a FIFO put where a shard was would block open() forever; refused below
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    with open(fd, "rb", buffering=0, closefd=True) as f:
-        st0 = os.fstat(f.fileno())
-        if not stat.S_ISREG(st0.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
+    f, st0 = open_regular(path)  # a FIFO or device where a shard was: refused, never waited on
+    with f:
         want = max(0, min(st0.st_size, limit))
         if want == 0:
             return None, st0, os.fstat(f.fileno())
@@ -457,6 +452,9 @@ class ShardSource:
         t0 = time.time_ns()
         try:
             mm, st0, st1 = _read_into(path, int(info.bytes), self.buffers)
+        except StorageError as e:  # a directory, FIFO or device where the file was (open_regular)
+            self._verified.pop(path, None)
+            raise StorageError(f"cannot read {what}: {e}") from None
         except FileNotFoundError:
             self._verified.pop(path, None)
             raise ObjectNotFoundError(f"{what} is missing (listed in {listed_in})") from None

@@ -14,7 +14,7 @@ from typing import BinaryIO
 from ..errors import ObjectChangedError, ObjectNotFoundError, StorageError, TruncatedReadError
 from .store import Store, changed_message, check_range
 
-__all__ = ["LocalStore"]
+__all__ = ["LocalStore", "open_regular"]
 
 
 #: temporaries are named ``.tmp-<writer>-<name>``; listings hide them
@@ -51,6 +51,20 @@ def _regular(path: str, st: os.stat_result) -> os.stat_result:
         raise StorageError(f"{path} is not a regular file (a FIFO, socket or device where an object "
                            "should be): refused unread; remove it")
     return st
+
+
+def open_regular(path: str) -> tuple[io.FileIO, os.stat_result]:
+    """``path`` open for reading, and its status, if it is a regular file. O_NONBLOCK:
+    opening a FIFO put where a file was would otherwise block forever. Anything else there
+    (a directory, a FIFO, a device) raises :class:`ObjectNotFoundError` or
+    :class:`StorageError` naming it; OS errors are the caller's to name."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    f = open(fd, "rb", buffering=0, closefd=True)
+    try:
+        return f, _regular(path, os.fstat(fd))
+    except BaseException:
+        f.close()
+        raise
 
 
 class LocalStore(Store):
@@ -121,14 +135,12 @@ class LocalStore(Store):
 
     @contextmanager
     def _open_read(self, key: str) -> Iterator[io.FileIO]:
-        """The regular file at ``key``, open for reading; every OS error while it is open
-        becomes a :class:`StorageError` naming it. O_NONBLOCK: opening a FIFO put where an
-        object was would otherwise block forever (it is then refused as not a file)."""
+        """The regular file at ``key`` (:func:`open_regular`), open for reading; every OS
+        error while it is open becomes a :class:`StorageError` naming it."""
         path = self.path(key)
         with _reading(path):
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-            with open(fd, "rb", buffering=0, closefd=True) as f:
-                _regular(path, os.fstat(fd))
+            f, _st = open_regular(path)
+            with f:
                 yield f
 
     def get(self, key: str) -> bytes:
