@@ -1,4 +1,5 @@
 import gc
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -8,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.ranks import PRELOAD
 from tools.s3_endpoint import LocalS3
+
+# Before anything in this process starts a forkserver: it imports torch once, and every rank
+# of a multi-rank test (tests/ranks.py) and every forkserver child after it is forked from it
+# with torch already imported, where a spawned process spends 2.7 s of CPU importing it.
+multiprocessing.set_forkserver_preload(PRELOAD)
 
 
 @pytest.hookimpl(tryfirst=True)

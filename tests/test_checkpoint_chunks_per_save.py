@@ -9,22 +9,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.ranks import free_port, spawn_ranks
 
 RPN = 2
 WORLD = 4
 MIB = 1 << 20
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state(rank: int, step: int):
@@ -73,7 +68,7 @@ def _worker(rank: int, port: int, root: str, background: str, compression: str |
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("background", "compression"), [("thread", None), ("process", "zstd")])
 def test_peer_replicas_keep_their_senders_chunk_size(tmp_path, background, compression):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), background, compression), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp_path), background, compression), WORLD)
 
 
 def test_chunks_smaller_than_a_block_and_an_empty_state_load(tmp_path):

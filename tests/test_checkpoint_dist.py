@@ -3,19 +3,13 @@ storage only (the process group is destroyed before the saves), per-rank loading
 
 from __future__ import annotations
 
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ranks import free_port, spawn_ranks
 
 
 def _rank_state(rank: int, step: int):
@@ -69,8 +63,8 @@ def _worker(rank: int, world: int, port: int, port2: int, url: str) -> None:
 @pytest.mark.timeout(120)
 def test_two_ranks_gloo(tmp_path):
     url = str(tmp_path / "ckpt")
-    port = _free_port()
-    mp.spawn(_worker, args=(2, port, _free_port(), url), nprocs=2, join=True)
+    port = free_port()
+    spawn_ranks(_worker, (2, port, free_port(), url), 2)
     from datapipe.checkpoint import load_checkpoint
     from datapipe.errors import CheckpointError
 

@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.ranks import free_port, spawn_ranks
 
 WORLD = 4
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _refused(fn) -> str:
@@ -75,7 +70,7 @@ def _worker(rank: int, port: int, root: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_memoised_boxes_agree_and_refusals_still_fire(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD)
     got = [json.load(open(tmp_path / f"r{r}.json")) for r in range(WORLD)]
     # ranks r and r+2 hold the same box (they differ in the Replicate coordinate): exactly
     # one of them stores each path, and the choice is spread over both

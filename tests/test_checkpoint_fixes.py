@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -13,12 +12,7 @@ import pytest
 from datapipe.checkpoint import CheckpointWriter, Tier, load_checkpoint
 from datapipe.checkpoint.dtensor import Replicated
 from datapipe.errors import CorruptCheckpointError
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.ranks import free_port, spawn_ranks
 
 
 # -- 1: a Replicated value in a node-local tier of a multi-rank job ---------------------------
@@ -122,9 +116,8 @@ def _broken_link_worker(rank: int, port: int, root: str, background: str) -> Non
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("background", ["thread", "process"])
 def test_broken_replica_link_does_not_break_the_peer(tmp_path, background):
-    import torch.multiprocessing as mp
 
-    mp.spawn(_broken_link_worker, args=(_free_port(), str(tmp_path), background), nprocs=2, join=True)
+    spawn_ranks(_broken_link_worker, (free_port(), str(tmp_path), background), 2)
 
 
 # -- 3: a failed load into= leaves no unverified bytes in the caller's tensors -----------------
@@ -184,9 +177,8 @@ def _process_header_worker(rank: int, port: int, root: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_process_writer_replica_is_checked_against_the_sender(tmp_path):
-    import torch.multiprocessing as mp
 
-    mp.spawn(_process_header_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_process_header_worker, (free_port(), str(tmp_path)), 2)
 
 
 # -- 6/7: any failure of a rank's copy in a restore is agreed on, never a hang ------------------
@@ -227,9 +219,8 @@ def _restore_failure_worker(rank: int, port: int, root: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_restore_agrees_on_any_failure_and_destroys_its_group(tmp_path):
-    import torch.multiprocessing as mp
 
-    mp.spawn(_restore_failure_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_restore_failure_worker, (free_port(), str(tmp_path)), 2)
 
 
 # -- 5: a rank that fails constructing its writer leaves no other rank in a collective ---------
@@ -252,13 +243,12 @@ def _construct_failure_worker(rank: int, port: int, root: str) -> None:
 
 @pytest.mark.timeout(120)
 def test_writer_construction_failure_on_one_rank_does_not_stall_the_others(tmp_path):
-    import torch.multiprocessing as mp
 
     from datapipe.checkpoint.lease import Lease
     from datapipe.storage import open_store
 
     held = Lease(open_store(str(tmp_path / "node1" / "rank-00001")), "another_run", 600.0, 0.0).acquire()
     try:
-        mp.spawn(_construct_failure_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+        spawn_ranks(_construct_failure_worker, (free_port(), str(tmp_path)), 2)
     finally:
         held.release()

@@ -9,27 +9,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from datapipe import ShardWriter
 from datapipe.checkpoint import CheckpointWriter, Replicated, load_checkpoint
 from datapipe.errors import UnsupportedStateError
 from datapipe.loader import StreamingDataset
+from tests.ranks import free_port, spawn_ranks
 
 N_SAMPLES = 300
 TAKE = 23  # samples each of the 4 saving ranks consumed before the checkpoint
 REP = 20_000  # elements of the Replicated tensor: written twice would show in the byte count
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -195,7 +189,7 @@ def saved(tmp_path_factory, ds_url):
     root = str(tmp_path_factory.mktemp("reshard"))
     with CheckpointWriter(os.path.join(root, "one")) as w:  # no process group: one rank
         w.save(1, _one_state()).wait()
-    mp.spawn(_worker, args=(_free_port(), _free_port(), root, ds_url), nprocs=4, join=True)
+    spawn_ranks(_worker, (free_port(), free_port(), root, ds_url), 4)
     return root
 
 

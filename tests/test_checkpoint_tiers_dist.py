@@ -8,22 +8,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.ranks import free_port, spawn_ranks
 
 RPN = 2
 WORLD = 4
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state(rank: int, step: int):
@@ -148,14 +143,14 @@ def _worker(rank: int, port: int, root: str, background: str) -> None:
 
 @pytest.mark.timeout(180)
 def test_peer_replica_restore_and_corrupt_copies(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), "thread"), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp_path), "thread"), WORLD)
 
 
 @pytest.mark.timeout(180)
 def test_peer_replica_from_writer_processes(tmp_path):
     """The same saves with background="process": the exchange runs in the training
     process, the writer process persists the received part from shared memory."""
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), "process"), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp_path), "process"), WORLD)
 
 
 def _both_ways_worker(rank: int, port: int, root: str, compression: str | None) -> None:
@@ -187,7 +182,7 @@ def test_every_rank_restores_from_its_peer_while_it_sends_its_peer_one(tmp_path,
     sends the part it holds there (pipelined sends never wait on a receive, so the two
     directions cannot block each other); raw chunks land straight in the state's buffer,
     zstd ones are checked and decompressed."""
-    mp.spawn(_both_ways_worker, args=(_free_port(), str(tmp_path), compression), nprocs=WORLD, join=True)
+    spawn_ranks(_both_ways_worker, (free_port(), str(tmp_path), compression), WORLD)
 
 
 def _holder_read_failure_worker(rank: int, port: int, root: str) -> None:
@@ -235,4 +230,4 @@ def test_a_holder_that_cannot_read_what_it_announced_still_sends_it_all(tmp_path
     """The holder's disk fails mid-replica: it still sends every chunk it announced (zeros
     from the zero page), the receiver's checksum refuses the copy, every rank names the
     holder's error alike, and the restore takes the remote tier; no rank waits on another."""
-    mp.spawn(_holder_read_failure_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_holder_read_failure_worker, (free_port(), str(tmp_path)), 2)

@@ -16,24 +16,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from tests.ranks import free_port, spawn_ranks
 
 RPN = 2
 WORLD = 4
 REP = 6000  # float32 elements of the Replicated tensor: a second copy in the shared tier would show
 DT_ROWS, DT_COLS = 40, 6
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rep(step: int) -> torch.Tensor:
@@ -199,4 +194,4 @@ def _worker(rank: int, port: int, root: str, background: str) -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("background", ["thread", "process"])
 def test_node_local_parts_hold_replicated_values(tmp_path, background):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), background), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, (free_port(), str(tmp_path), background), WORLD)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader
 
 from datapipe import ShardWriter
 from datapipe.loader import StreamingDataLoader, StreamingDataset
+from tests.ranks import free_port, spawn_ranks
 
 N = 300
 
@@ -63,11 +62,6 @@ def test_resume_through_dataloader_workers(ds_url):
     assert head + _ids(loader2) == full
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rank_main(rank: int, world: int, port: int, url: str, out_dir: str) -> None:
     import torch.distributed as dist
@@ -88,8 +82,8 @@ def _rank_main(rank: int, world: int, port: int, url: str, out_dir: str) -> None
 
 
 def test_two_ranks_over_gloo(ds_url, tmp_path):
-    port = _free_port()
-    mp.spawn(_rank_main, args=(2, port, ds_url, str(tmp_path)), nprocs=2, join=True)
+    port = free_port()
+    spawn_ranks(_rank_main, (2, port, ds_url, str(tmp_path)), 2)
     per_rank = []
     for r in range(2):
         ids_line, max_line, splits = (tmp_path / f"rank{r}.txt").read_text().splitlines()
