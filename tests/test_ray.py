@@ -175,6 +175,26 @@ def test_duplicate_keys_commit_nothing_and_remove_only_ours(ray_local, tmp_path)
     assert _files(dest) == {"notes.txt"}  # no manifest, no shard, no journal: nothing of ours left
 
 
+def test_files_at_our_names_are_refused_unless_overwrite(ray_local, tmp_path):
+    """A destination with no dataset and no journal, holding a user's file at a name a
+    write would publish, is refused (the write would replace it); with overwrite=True it
+    is deleted first, and nothing else there is touched."""
+    from datapipe.errors import DestinationExistsError
+
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "shard-000000-000000.tar").write_bytes(b"the user's")
+    (dest / "notes.txt").write_text("the user's")
+    rows = ray.data.from_items([{"__key__": f"k{i}", "txt": str(i)} for i in range(6)], override_num_blocks=1)
+    with pytest.raises(DestinationExistsError, match=r"shard-000000-000000\.tar"):
+        dr.write(rows, str(dest))
+    assert (dest / "shard-000000-000000.tar").read_bytes() == b"the user's"
+    assert _files(dest) == {"shard-000000-000000.tar", "notes.txt"}  # nothing of ours left
+    dr.write(rows, str(dest), overwrite=True)
+    assert sorted(datapipe.open_index(str(dest)).keys()) == [f"k{i}" for i in range(6)]
+    assert (dest / "notes.txt").read_text() == "the user's"
+
+
 def test_the_destination_is_locked_during_the_write(ray_local, tmp_path):
     dest = str(tmp_path / "out")
     with WriterLock(open_store(dest)):
@@ -185,15 +205,16 @@ def test_the_destination_is_locked_during_the_write(ray_local, tmp_path):
 def test_driver_removes_shards_of_failed_attempts_it_journaled(ray_local, tmp_path):
     """Write tasks run in this process: task 5's first attempt wrote three shards and
     died; its retry (an upstream that gave fewer rows) wrote two. The third is journaled by
-    this write and unreferenced: removed. A look-alike file the user put there is kept."""
+    this write and unreferenced: removed. A look-alike file that appeared during the write
+    (a destination that holds one is refused before it starts) is not journaled: kept."""
     import pyarrow as pa
     from ray.data._internal.execution.interfaces import TaskContext
 
     dest = tmp_path / "out"
     dest.mkdir()
-    (dest / "shard-000005-000009.tar").write_bytes(b"the user's")
     sink = dr.DatapipeDatasink(str(dest), max_samples=2)
     sink.begin()
+    (dest / "shard-000005-000009.tar").write_bytes(b"the user's")
     ctx = TaskContext(task_idx=5, op_name="Write")
     block = pa.table({"__key__": [f"k{i}" for i in range(6)], "txt": [str(i) for i in range(6)]})
     first = sink.write([block], ctx)
