@@ -20,7 +20,7 @@ from .decode import make_decoder
 from .errors import CorruptIndexError, CorruptShardError, DatapipeError, ObjectNotFoundError
 from .format import MANIFEST, decode_sample, parse_manifest, read_shard_table
 from .format.index import TAR_INDEX, check_shard_rows, is_checksum, sample_rows
-from .format.tar import BLOCK
+from .format.tar import BLOCK, next_member_name
 from .storage import Store, open_store
 from .storage.store import is_local_url, split_url
 
@@ -377,10 +377,11 @@ class Dataset:
         sample = decode_sample(data, self.index.compression, where, limit=info.tar_bytes)
         if sample["__key__"] != key:
             raise CorruptShardError(f"{where}: the tar members name key {sample['__key__']!r}, the index {key!r}")
-        # (a name "<key>.<...>/..." is another sample's: foo.v2/img.txt after foo.txt)
-        keydot = (key + ".").encode("utf-8")
-        nxt = after[:100].split(b"\0", 1)[0]
-        if nxt.startswith(keydot) and b"/" not in nxt[len(keydot):]:
+        # the next member's whole name (PAX path, GNU long name, ustar prefix); a name
+        # "<key>.<...>/..." is another sample's: foo.v2/img.txt after foo.txt
+        nxt = next_member_name(after, lambda a, b: store.get_range(name, a, b), offset + length, info.bytes,
+                               where) if extra else None
+        if nxt is not None and nxt.startswith(key + ".") and "/" not in nxt[len(key) + 1 :]:
             raise CorruptShardError(f"{where}: the member after the sample's range has its key too: "
                                     "the index cuts the sample short")
         return sample if self._decode.is_identity else self._decode(sample, info.url)

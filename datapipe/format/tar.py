@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from zlib import adler32
 
 from ..errors import CorruptShardError, InvalidMemberNameError
@@ -29,6 +29,7 @@ __all__ = [
     "member_header",
     "padding",
     "walk_members",
+    "next_member_name",
 ]
 
 BLOCK = 512
@@ -183,11 +184,85 @@ def _parse_pax(data: bytes, where: str, at: int) -> dict[str, str]:
     return out
 
 
-def _decode_name(raw: bytes, where: str, at: int) -> str:
+def _decode_name(raw: bytes | str, where: str, at: int) -> str:
+    """A member name as text. A NUL inside it is an error: tarfile keeps what follows it in
+    a PAX path and GNU tar cuts the name there, so they would read different names."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptShardError(f"{where}: member name at byte {at} is not valid UTF-8: {raw[:120]!r}") from None
+    if "\0" in raw:
+        raise CorruptShardError(f"{where}: the name of the member at byte {at} holds a NUL byte ({raw[:120]!r}): "
+                                "tar readers disagree on where such a name ends")
+    return raw
+
+
+def _header_ok(header: bytes) -> bool:
+    """Whether a block is a tar header by its checksum."""
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise CorruptShardError(f"{where}: member name at byte {at} is not valid UTF-8: {raw[:120]!r}") from None
+        stored = _parse_octal(header[148:156], "", 0)
+    except CorruptShardError:
+        return False
+    return stored == _byte_sum(header) - sum(header[148:156]) + 8 * 32
+
+
+def _member_name(header: bytes, pax: dict[str, str], long_name: str | None, where: str, at: int) -> str:
+    """The name of the member of ``header``: its PAX path, else its GNU long name, else the
+    header's name field (after the ustar prefix when the header is POSIX ustar). A GNU
+    header keeps times where ustar keeps the prefix: tarfile reads them as a prefix, GNU
+    tar does not, so such a header with anything there is an error."""
+    if "path" in pax:
+        return _decode_name(pax["path"], where, at)
+    if long_name is not None:
+        return long_name
+    raw = header[0:100].split(b"\0", 1)[0]
+    magic = header[257:265]
+    if magic == b"ustar  \0" and header[345] != 0:
+        raise CorruptShardError(f"{where}: the GNU tar header at byte {at} holds bytes where a ustar header keeps "
+                                "its name prefix: tarfile and GNU tar would read different names")
+    prefix = header[345:500].split(b"\0", 1)[0] if magic[:6] == b"ustar\0" else b""
+    return _decode_name((prefix + b"/" + raw) if prefix else raw, where, at)
+
+
+#: the most bytes :func:`next_member_name` reads of an extended header (PAX records, a GNU
+#: long name) to find the name of the member after a sample
+_MAX_EXTENDED = 1 << 20
+
+
+def next_member_name(first: bytes, read: Callable[[int, int], bytes], pos: int, end: int,
+                     where: str) -> str | None:
+    """The whole name of the member whose header starts at byte ``pos`` of a shard of
+    ``end`` bytes (``first``: the block there; ``read(a, b)``: bytes ``a..b`` of the shard,
+    asked for only behind a PAX or GNU long-name header): through its extended header and
+    ustar prefix, as :func:`walk_members` names it. None where no member header starts
+    there (the end-of-archive blocks, bytes that fail the header checksum, an extended
+    header larger than ``_MAX_EXTENDED`` or past the end)."""
+    header = bytes(first)
+    pax: dict[str, str] = {}
+    long_name: str | None = None
+    at = pos
+    for _ in range(2):  # at most one extended header, then the member's own
+        if len(header) < BLOCK or header == _ZERO_BLOCK or not _header_ok(header):
+            return None
+        kind = header[156:157]
+        if kind not in (b"x", b"L"):
+            return _member_name(header, pax, long_name, where, at)
+        size = _parse_octal(header[124:136], where, pos)
+        data_start = pos + BLOCK
+        after = data_start + size + padding(size)
+        if size > _MAX_EXTENDED or after + BLOCK > end:
+            return None
+        more = bytes(read(data_start, after + BLOCK))
+        if len(more) != after + BLOCK - data_start:
+            return None
+        data, header = more[:size], more[after - data_start :]
+        if kind == b"x":
+            pax = _parse_pax(data, where, data_start)
+        else:
+            long_name = _decode_name(data.rstrip(b"\0"), where, pos)
+        pos = after
+    return None
 
 
 def walk_members(buf: bytes | memoryview, where: str = "tar",
@@ -244,6 +319,10 @@ def walk_members(buf: bytes | memoryview, where: str = "tar",
                 raise CorruptShardError(f"{where}: two extended headers in a row at byte {at}")
             long_name = _decode_name(bytes(mv[data_start:data_end]).rstrip(b"\0"), where, at)
             continue
+        if kind == b"\0" and header[0:100].split(b"\0", 1)[0].endswith(b"/"):
+            # an old (V7) directory: no type, a name ending in "/". tarfile reads no data
+            # after it, whatever its size says, so it is one: refused, or passed over empty
+            kind = b"5"
         is_dir = directories and kind == b"5"
         if is_dir and size:
             raise CorruptShardError(f"{where}: directory member at byte {at} claims {size} bytes of data")
@@ -264,14 +343,7 @@ def walk_members(buf: bytes | memoryview, where: str = "tar",
                 f"{where}: PAX size {pax['size'][:30]!r} of the member at byte {at} differs from its "
                 f"header's {size}: other tar readers would see other bytes"
             )
-        if "path" in pax:
-            name = pax["path"]
-        elif long_name is not None:
-            name = long_name
-        else:
-            raw = header[0:100].split(b"\0", 1)[0]
-            prefix = header[345:500].split(b"\0", 1)[0] if header[257:262] == b"ustar" else b""
-            name = _decode_name((prefix + b"/" + raw) if prefix else raw, where, at)
+        name = _member_name(header, pax, long_name, where, at)
         pax, long_name = {}, None
         if is_dir and not name.endswith("/"):
             name += "/"

@@ -1,0 +1,154 @@
+"""Member names as every tar reader sees them: old (V7) directories, NULs inside names, GNU
+headers with bytes where ustar keeps a prefix, and the check of random access that the
+member after a sample does not continue it, through PAX paths, GNU long names and ustar
+prefixes (tars written here block by block, by tarfile, and by datapipe.pack)."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+
+import pytest
+
+import datapipe
+from datapipe.errors import CorruptShardError
+from datapipe.format.tar import walk_members
+from datapipe.loader import StreamingDataset
+
+
+def _header(name: bytes, size: int, kind: bytes = b"0", magic: bytes = b"ustar\x0000",
+            at: dict[int, bytes] | None = None) -> bytes:
+    h = bytearray(512)
+    h[0 : len(name)] = name
+    h[100:108], h[108:116], h[116:124] = b"0000644\0", b"0000000\0", b"0000000\0"
+    h[124:136], h[136:148], h[148:156] = b"%011o\0" % size, b"00000000000\0", b" " * 8
+    h[156:157], h[257:265] = kind, magic
+    for off, val in (at or {}).items():
+        h[off : off + len(val)] = val
+    h[148:156] = b"%06o\0 " % sum(h)
+    return bytes(h)
+
+
+def _member(name: bytes, data: bytes, **kw) -> bytes:
+    return _header(name, len(data), **kw) + data + b"\0" * (-len(data) % 512)
+
+
+def _pax(path: bytes) -> bytes:
+    rec = b" path=" + path + b"\n"
+    n = len(rec) + 2
+    return _member(b"PaxHeader", b"%d" % n + rec, kind=b"x")
+
+
+def _long(name: bytes) -> bytes:
+    return _member(b"././@LongLink", name + b"\0", kind=b"L", magic=b"ustar  \0")
+
+
+def _tar(*members: bytes) -> bytes:
+    t = b"".join(members) + b"\0" * 1024
+    return t + b"\0" * (-len(t) % 10240)
+
+
+def _names(buf: bytes, directories: bool = True) -> list[str]:
+    return [name for name, *_ in walk_members(buf, "t.tar", directories=directories)]
+
+
+def test_an_old_style_directory_holding_data_is_refused():
+    """No type and a name ending in "/" is a directory to tarfile (which then reads the
+    bytes after the header as the next member: here a sample GNU tar and datapipe never
+    see) and to GNU tar: with data, readers disagree, so the tar is refused."""
+    hidden = _member(b"b.txt", b"HIDDEN")
+    buf = _tar(_member(b"a.txt", b"visible"), _header(b"folder/", len(hidden), kind=b"\0") + hidden,
+               _member(b"c.txt", b"third"))
+    with tarfile.open(fileobj=io.BytesIO(buf)) as t:
+        assert "b.txt" in t.getnames()  # what WebDataset's reader makes of it
+    with pytest.raises(CorruptShardError, match="directory member at byte 1024 claims 1024 bytes"):
+        _names(buf)
+    # without data it is an ordinary directory: passed over by the indexer, refused in a shard
+    empty = _tar(_member(b"a.txt", b"x"), _header(b"folder/", 0, kind=b"\0"), _member(b"c.txt", b"y"))
+    assert _names(empty) == ["a.txt", "folder/", "c.txt"]
+    with pytest.raises(CorruptShardError, match="regular files only"):
+        _names(empty, directories=False)
+
+
+@pytest.mark.parametrize("form", ["gnu long name", "pax path", "name field"])
+def test_a_nul_inside_a_name_is_refused(form):
+    """GNU tar cuts a name at its first NUL, tarfile keeps what follows in a PAX path: the
+    field would be "txt" to one and "txt\\0junk" to the other."""
+    if form == "gnu long name":
+        buf = _tar(_long(b"a.txt\0junk"), _member(b"a.txt", b"hello"))
+    elif form == "pax path":
+        buf = _tar(_pax(b"a.txt\0junk"), _member(b"a.txt", b"hello"))
+    else:  # a NUL in the 100-byte field ends the name there for everyone: nothing to refuse
+        buf = _tar(_member(b"a.txt\0junk", b"hello"))
+        assert _names(buf) == ["a.txt"]
+        return
+    with pytest.raises(CorruptShardError, match="holds a NUL byte"):
+        _names(buf)
+
+
+def test_a_gnu_header_with_bytes_where_ustar_keeps_a_prefix_is_refused():
+    """The GNU format keeps access and change times at byte 345, where ustar keeps the name
+    prefix: tarfile reads them as a prefix ("00000001234/a.txt"), GNU tar does not."""
+    buf = _tar(_member(b"a.txt", b"hi", magic=b"ustar  \0", at={345: b"00000001234\0"}))
+    with tarfile.open(fileobj=io.BytesIO(buf)) as t:
+        assert t.getnames() == ["00000001234/a.txt"]
+    with pytest.raises(CorruptShardError, match="GNU tar header at byte 0"):
+        _names(buf)
+    # the same times zeroed (what GNU tar writes by default) and a POSIX prefix both read
+    assert _names(_tar(_member(b"a.txt", b"hi", magic=b"ustar  \0"))) == ["a.txt"]
+    assert _names(_tar(_member(b"a.txt", b"hi", at={345: b"dir\0"}))) == ["dir/a.txt"]
+
+
+@pytest.mark.parametrize("form", ["name field", "pax path", "gnu long name", "ustar prefix"])
+def test_random_access_sees_a_field_of_the_sample_after_its_range(tmp_path, form):
+    """The index says sample "a" is "a.txt"; the member after it was changed in place (same
+    size, outside every indexed sample) into "a.jpg", in each of the ways a tar can spell
+    that name. Every tar reader now sees a second field of "a": ``ds[0]`` must not hand
+    out "a" without it, whichever way the name is written."""
+    prefix = b"dir/" if form == "ustar prefix" else b""
+
+    def first(n: bytes) -> bytes:
+        return _member(n, b"hello", at={345: b"dir\0"}) if prefix else _member(n, b"hello")
+
+    gap = _member(b"README", b"z" * 1500)  # a member that names no sample (no extension)
+    shard = tmp_path / "shard.tar"
+    shard.write_bytes(_tar(first(b"a.txt"), gap, _member(b"b.txt", b"bee")))
+    datapipe.index_shards([str(shard)], str(tmp_path / "ix"), workers=1, progress=False)
+    field = {"name field": _member(b"a.jpg", b"z" * 475), "pax path": _pax(b"a.jpg") + _member(b"x", b"z" * 1),
+             "gnu long name": _long(b"a.jpg") + _member(b"x", b"z" * 1),
+             "ustar prefix": _member(b"a.jpg", b"z" * 475, at={345: b"dir\0"})}[form]
+    assert len(field) <= len(gap)
+    with open(shard, "r+b") as f:
+        f.seek(512 + 512)  # a.txt's header and one block of data, then the gap member
+        f.write(field + _member(b"README", b"z" * (len(gap) - len(field) - 512)) if len(field) < len(gap) else field)
+    with tarfile.open(shard) as t:
+        assert (prefix + b"a.jpg").decode() in t.getnames()
+    ds = datapipe.open_dataset(str(tmp_path / "ix"))
+    with pytest.raises(CorruptShardError, match="cuts the sample short"):
+        ds[0]
+
+
+def test_a_long_name_ending_like_the_key_is_another_sample(tmp_path):
+    """Sample "a" followed by "<101 characters>/a": the second name needs the ustar
+    prefix, and its name field alone reads "a.txt". Random access reads both (it read "a"
+    as cut short before), from datapipe's own pack and from a tar indexed in place."""
+    folder = "a" * 101
+    src = tmp_path / "src"
+    (src / folder).mkdir(parents=True)
+    (src / "a.txt").write_text("top-level a")
+    (src / folder / "a.txt").write_text("a in the long folder")
+    datapipe.pack(str(src), str(tmp_path / "packed"), workers=1, progress=False)
+    shard = tmp_path / "shard.tar"
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as t:
+        for name in ("a.txt", f"{folder}/a.txt"):
+            data = (src / name).read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    datapipe.index_shards([str(shard)], str(tmp_path / "ix"), workers=1, progress=False)
+    for url in (tmp_path / "packed", tmp_path / "ix"):
+        ds = datapipe.open_dataset(str(url))
+        got = {ds[i]["__key__"]: ds[i]["txt"] for i in range(len(ds))}
+        assert got == {"a": b"top-level a", f"{folder}/a": b"a in the long folder"}
+        assert ds.get("a")["txt"] == b"top-level a"
+        assert sorted(s["__key__"] for s in StreamingDataset(str(url), shuffle=False)) == sorted(got)
