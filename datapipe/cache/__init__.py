@@ -13,6 +13,8 @@
 - future.py: the node's merged future (each process's next reads, published in the warm dir);
 - pacing.py: node-wide AIMD limits on cold requests per prefix (503 SlowDown);
 - node_stats.py: counters of every process using one warm directory;
+- lockfds.py: the descriptors this process holds flocks through, closed in a forked child
+  (a DataLoader worker forked mid-download must not keep its parent's locks);
 - report.py: what ``datapipe cache stats DIR...`` shows, per directory and per tier.
 
 Imports: storage, errors, checksum. It knows no tar, no dataset, no loader.

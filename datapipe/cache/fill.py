@@ -59,7 +59,9 @@ def fill(state: ProcessState, warm: WarmDir, url: str, checksum: str | None, cho
                     os.close(fd)
                     state.stats.update({f"{tier}_hits": 1, f"{tier}_bytes": len(data)})
                     return data
-                warm.discard(key, fd)
+                if not warm.discard(key, fd):  # pinned elsewhere: it stays, so read around it
+                    state.stats.update({f"{tier}_read_around": 1})
+                    return fetch_below(state, url, checksum, chooser, into=tier, background=prefetch, level=level + 1)
             size = size_below(state, url)
             if size > warm.budget and level:  # a lower tier too small for it: read through
                 state.stats.update({f"{tier}_not_admitted": 1})
@@ -198,7 +200,9 @@ def _from_lower(state: ProcessState, d: WarmDir, tier: str, level: int, url: str
             os.close(fd)
             state.stats.update({f"{tier}_hits": 1, f"{tier}_bytes": len(data)})
             return data
-        d.discard(key, fd)
+        if not d.discard(key, fd):  # pinned elsewhere: it stays, so read around it
+            state.stats.update({f"{tier}_read_around": 1})
+            return fetch_below(state, url, checksum, chooser, into=tier, level=level + 1)
     state.stats.update({f"{tier}_misses": 1})
     out: bytes = fill(state, d, url, checksum, chooser, tier=tier, level=level)
     return out

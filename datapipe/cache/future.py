@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .eviction import NEVER, Schedule
+from .lockfds import close_lock
 from .node_stats import publish_locked
 
 __all__ = ["FutureBoard", "MergedFuture", "FUTURES_DIR", "PUBLISH_LIMIT", "future_key"]
@@ -86,7 +87,7 @@ class FutureBoard:
                 return
             old, self._fd = self._fd, fd
             if old >= 0:
-                os.close(old)
+                close_lock(old)
             self.published_at = position
 
     def due(self, position: int) -> bool:
@@ -106,7 +107,7 @@ class FutureBoard:
             except OSError:
                 pass
             finally:
-                os.close(fd)
+                close_lock(fd)
 
     # -- the other processes ------------------------------------------------------------
     def others(self) -> dict[str, int]:

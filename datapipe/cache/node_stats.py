@@ -47,6 +47,8 @@ from collections.abc import Mapping
 from multiprocessing import util as mp_util
 from typing import Any
 
+from .lockfds import close_lock, open_lock
+
 __all__ = ["CounterFile", "CounterFlusher", "sum_counter_files", "merge_exited", "new_generation",
            "clear_counter_files", "COUNTER_KEYS", "STATS_DIR", "FLUSH_INTERVAL_S"]
 
@@ -127,16 +129,16 @@ def publish_locked(folder: str, name: str, text: str) -> int:
     tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
-        fd = os.open(tmp, flags, 0o644)
+        fd = open_lock(tmp, flags, 0o644)
     except FileNotFoundError:
         os.makedirs(folder, exist_ok=True)
-        fd = os.open(tmp, flags, 0o644)
+        fd = open_lock(tmp, flags, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # before the rename: the file is never seen unlocked
         os.write(fd, text.encode())
         os.replace(tmp, os.path.join(folder, name))
     except BaseException:
-        os.close(fd)
+        close_lock(fd)
         try:
             os.unlink(tmp)
         except OSError:
@@ -170,7 +172,7 @@ class CounterFile:
         fd = publish_locked(self.dir, self.name, text)
         old, self._fd = self._fd, fd
         if old >= 0:
-            os.close(old)
+            close_lock(old)
 
     def finish(self, counters: Mapping[str, Any]) -> None:
         """The last write: then the file is unlocked and may be merged into the summary."""
@@ -181,7 +183,16 @@ class CounterFile:
             self.closed = True
             fd, self._fd = self._fd, -1
             if fd >= 0:
-                os.close(fd)
+                close_lock(fd)
+
+    def abandon(self) -> None:
+        """Write nothing more: the folder is no longer the cache's (someone else's files
+        are at its path now)."""
+        with self._lock:
+            self.closed = True
+            fd, self._fd = self._fd, -1
+            if fd >= 0:
+                close_lock(fd)
 
     def flush(self, counters: Mapping[str, Any], *, force: bool = False) -> bool:
         """Write the counters if they changed since the last write (or ``force``, which
@@ -338,7 +349,7 @@ def merge_exited(stats_dir: str) -> int:
     returns how many were merged (0 when another process is merging right now)."""
     if not os.path.isdir(stats_dir):
         return 0
-    lock = os.open(os.path.join(stats_dir, _MERGE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    lock = open_lock(os.path.join(stats_dir, _MERGE_LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -363,7 +374,7 @@ def merge_exited(stats_dir: str) -> int:
                 pass
         return len(fresh)
     finally:
-        os.close(lock)
+        close_lock(lock)
 
 
 def clear_counter_files(root: str) -> int:

@@ -40,6 +40,7 @@ import xxhash
 
 from ..storage import Store
 from ..storage.retry import is_throttle
+from .lockfds import close_lock, open_lock
 
 __all__ = ["ColdPacer", "PacedStore", "pacing_prefix", "pacing_state", "PACING_DIR", "DEFAULT_CEILING"]
 
@@ -152,7 +153,7 @@ class ColdPacer:
                 yield self._state(prefix)
                 return
             name = self._name(prefix)
-            fd = os.open(os.path.join(self.dir, name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = open_lock(os.path.join(self.dir, name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 self._seen.pop(prefix, None)  # read it afresh under the lock
@@ -163,7 +164,7 @@ class ColdPacer:
                     json.dump(st.doc(), f)
                 os.replace(tmp, os.path.join(self.dir, name + ".json"))
             finally:
-                os.close(fd)
+                close_lock(fd)
 
     def limit(self, prefix: str) -> float:
         with self._lock:
@@ -233,7 +234,7 @@ class ColdPacer:
             if self.dir is not None:
                 base = os.path.join(self.dir, self._name(prefix))
                 for i in range(self.ceiling):
-                    fds.append(os.open(f"{base}.slot-{i}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+                    fds.append(open_lock(f"{base}.slot-{i}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
             locks = [threading.Lock() for _ in range(self.ceiling)]
             self._slot_fds[prefix], self._slot_locks[prefix] = fds, locks
         return fds, self._slot_locks[prefix]
@@ -305,7 +306,7 @@ class ColdPacer:
         with self._lock:
             for fds in self._slot_fds.values():
                 for fd in fds:
-                    os.close(fd)
+                    close_lock(fd)
             self._slot_fds.clear()
             self._slot_locks.clear()
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from ..errors import DatapipeError
+from ..errors import DatapipeError, StorageError
 from ..storage import RetryPolicy, Store
 from .cold import ColdReader
 from .future import FutureBoard
@@ -145,9 +145,26 @@ class ProcessState:
             repaired = ""
         except OSError as e2:
             repaired = f"; it cannot be re-created ({e2})"
+        except StorageError as e2:  # the path is someone else's folder now: never touched again
+            self._give_up(tier)
+            self.warn(f"{tier}-init", f"{tier} cache {d.root} unusable ({e2}); reading through to the cold tier")
+            return True
         self.warn(f"{tier}_broken", f"{tier} cache {d.root} failed ({e}){repaired}; "
                   "reading through to the cold tier")
         return True
+
+    def _give_up(self, tier: str) -> None:
+        """Stop using a directory tier whose path now holds someone else's folder: reads
+        go through, and nothing of this process writes or deletes in it again."""
+        if tier == "shared":
+            self.shared = None
+            return
+        self.warm, future = None, self.future
+        self.future = None
+        if future is not None:
+            future.close()
+        if self.counters is not None:
+            self.counters.file.abandon()
 
     def notify_prefetcher(self) -> None:
         with self.wake:

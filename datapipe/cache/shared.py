@@ -36,10 +36,11 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from ..checksum import checksum as compute_checksum
-from ..errors import DatapipeError, StorageError
+from ..errors import DatapipeError, ObjectChangedError, StorageError
 from ..storage.lease import MAX_LEASE_BYTES, SharedFileLease
 from .cold import CHANGE_RESTARTS, SizeChanged
 from .eviction import VictimChooser
+from .lockfds import open_lock
 from .warm import (
     DISK_FULL_ERRNOS,
     SHARED_FORMAT,
@@ -88,10 +89,11 @@ class SharedDir(WarmDir):
 
     def repair(self) -> None:
         """Re-create the layout after the directory was deleted under us, the lease, record
-        and GET folders too (without them no fill could take its lease again)."""
+        and GET folders too (without them no fill could take its lease again); claimed
+        first, as the warm tier's (a folder of someone else's is refused untouched)."""
+        super().repair()
         for d in (self.leases, self.records_dir, self.gets):
             os.makedirs(d, exist_ok=True)
-        super().repair()
 
     def lease(self, key: str, **fields: Any) -> SharedFileLease:
         return SharedFileLease(os.path.join(self.leases, key), timeout_s=self.lease_timeout_s, fields=fields)
@@ -155,6 +157,9 @@ class SharedDir(WarmDir):
     def _pin(self, fd: int) -> None:
         pass  # nothing holds a copy against eviction across hosts (see the module doc)
 
+    def _held_by_others(self, fd: int) -> bool:
+        return False  # no pins across hosts: a reader keeps its open file (see the module doc)
+
     def _remove_copy(self, key: str) -> bool | None:
         try:
             os.unlink(self.path(key))
@@ -178,7 +183,7 @@ class SharedDir(WarmDir):
         """``tmp/<key>.<owner>``: alive while the lease of ``key`` is ``owner``'s and beats."""
         owner = owner or uuid.uuid4().hex
         tmp = os.path.join(self.tmpdir, f"{key}.{owner}")
-        return tmp, os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        return tmp, open_lock(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)  # closed as a reservation's
 
     def _clean_dead_tmp_locked(self) -> int:
         try:
@@ -367,8 +372,10 @@ class SharedTier:
             except SizeChanged:
                 res.abort()
                 resized += 1
-                if resized > CHANGE_RESTARTS:
-                    raise
+                if resized > CHANGE_RESTARTS:  # SizeChanged is internal: the caller's error is this
+                    raise ObjectChangedError(
+                        f"{url} changed size {resized} times while being cached in the shared "
+                        f"tier {self.root}; stop rewriting it while it is read, or retry later") from None
                 continue
             except BaseException:
                 res.abort()

@@ -142,6 +142,9 @@ class TieredCache:
                 raise CacheBudgetError(f"local tier {tier.path!s} needs bytes > 0, got {tier.bytes!r}")
         if local_tiers and warm_dir is None:
             raise CacheBudgetError("local_tiers lie below warm_dir; give warm_dir (the fastest) as well")
+        _refuse_shared_folders([("warm_dir", warm_dir)]
+                               + [(f"local_tiers[{i}]", t.path) for i, t in enumerate(local_tiers)]
+                               + [("shared_dir", shared_dir)])
         if max_inflight_bytes <= 0:
             raise CacheBudgetError("max_inflight_bytes must be > 0")
         if prefetch_threads < 1:
@@ -269,6 +272,8 @@ class TieredCache:
                 except OSError as e:
                     if not state.warm_broken(e):
                         raise
+                    if state.warm is not warm:
+                        break  # given up (someone else's folder at its path now)
             self._check_hot_fits(state, url)
             return fetch_below(state, url, checksum, self._shared_chooser(url, index), into="hot")
         fut = state.pending.get(url)
@@ -293,7 +298,9 @@ class TieredCache:
                 os.close(fd)
                 raise
             if data is None:
-                warm.discard(key, fd)
+                if not warm.discard(key, fd):  # pinned elsewhere: it stays, so read around it
+                    state.stats.update(warm_read_around=1)
+                    return fetch_below(state, url, checksum, self._shared_chooser(url, index), into="warm")
             else:
                 os.close(fd)
                 state.stats.update(warm_hits=1, warm_bytes=len(data))
@@ -344,17 +351,18 @@ class TieredCache:
         state = self._state()
         with self._scheduled_read(state, url, exact=True) as index:
             for attempt in (0, 1):
-                part = self._range_once(state, url, start, end, index if attempt == 0 else None)
+                # a warm copy whose range fails is dropped there (only that copy, and only
+                # when nobody holds it pinned; else the range is read around it)
+                part = self._range_once(state, url, start, end, index if attempt == 0 else None, checksum)
                 if checksum_ok(part, checksum):
                     return part
                 state.stats.update(range_refetches=1)
                 state.hot.discard(url)
-                if state.warm is not None:
-                    state.warm.discard(url_key(url))
         verify(part, checksum, f"{url} [{start}, {end})")
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _range_once(self, state: ProcessState, url: str, start: int, end: int, index: int | None) -> bytes:
+    def _range_once(self, state: ProcessState, url: str, start: int, end: int, index: int | None,
+                    checksum: str | None = None) -> bytes:
         hit = state.hot.get(url)
         if hit is not None:
             state.stats.update(hot_hits=1, hot_bytes=end - start)
@@ -364,14 +372,18 @@ class TieredCache:
         if warm is not None:
             for _attempt in (0, 1):  # once more after re-creating a deleted warm directory
                 try:
-                    return self._range_from_warm(state, warm, url, start, end, index)
+                    return self._range_from_warm(state, warm, url, start, end, index, checksum)
                 except OSError as e:
                     if not state.warm_broken(e):
                         raise
+                    if state.warm is not warm:
+                        break  # given up (someone else's folder at its path now)
         return self._range_from_cold(state, url, start, end, index)
 
     def _range_from_warm(self, state: ProcessState, warm: WarmDir, url: str, start: int, end: int,
-                         index: int | None) -> bytes:
+                         index: int | None, checksum: str | None = None) -> bytes:
+        """The range from the warm copy; ``checksum`` (of the range): a copy whose range
+        fails it is dropped and filled again, or, pinned by another process, read around."""
         key = url_key(url)
         fd: int | None = warm.open_pinned(key)
         if fd is not None:
@@ -383,12 +395,15 @@ class TieredCache:
                     if end > size:  # the copy is the whole object: a bad range
                         _slice(b"", start, end, url, size)
                     part = os.pread(fd, end - start, start)
-                    if len(part) == end - start:
+                    if len(part) == end - start and checksum_ok(part, checksum):
                         state.stats.update(warm_hits=1, warm_bytes=end - start)
                         return part
-                    state.stats.update(warm_corrupt=1)  # shrunk since it was verified
-                warm.discard(key, fd)
-                fd = None
+                    if len(part) != end - start:
+                        state.stats.update(warm_corrupt=1)  # shrunk since it was verified
+                kept, fd = fd, None
+                if not warm.discard(key, kept):  # pinned elsewhere: it stays, so read around it
+                    state.stats.update(warm_read_around=1)
+                    return self._range_from_cold(state, url, start, end, index)
             finally:
                 if fd is not None:
                     os.close(fd)
@@ -460,16 +475,36 @@ class TieredCache:
                     with state.lock:
                         state.pins.setdefault(url, []).append(fd)
                     return warm.path(key)
-                warm.discard(key, fd)  # corrupt copy: fill again
+                if not warm.discard(key, fd):  # corrupt copy: fill again, unless pinned elsewhere
+                    return self._pinned_elsewhere(state, url, checksum, index, caller, read_through)
             except OSError as e:
                 if broken is None and state.warm_broken(e):
                     broken = e  # re-created (or not): one more try
-                    continue
+                    if state.warm is warm:
+                        continue
+                    raise StorageError(f"{caller}({url}): warm cache {warm.root} is unusable (its path "
+                                       "holds someone else's folder now); a local copy needs a "
+                                       "warm_dir of its own") from e
                 if broken is not None and not isinstance(e, DatapipeError) and e.errno in BROKEN_DIR_ERRNOS:
                     raise StorageError(f"{caller}({url}): warm cache {warm.root} is unusable "
                                        f"({e}); a local copy needs a writable warm_dir") from e
                 raise
         raise StorageError(f"could not obtain a verified local copy of {url}")
+
+    def _pinned_elsewhere(self, state: ProcessState, url: str, checksum: str | None, index: int | None,
+                          caller: str, read_through: bool) -> bytes:
+        """The warm copy fails verification but another process holds it pinned, so it
+        stays as it is: ``pin_or_read`` reads the object around it; ``local_path``, which
+        needs that very file, cannot have one."""
+        state.stats.update(warm_read_around=1)
+        if read_through:
+            return fetch_below(state, url, checksum, self._shared_chooser(url, index), into="warm")
+        path = state.warm.path(url_key(url)) if state.warm is not None else url
+        raise StorageError(
+            f"{caller}({url}): the warm copy {path} does not match "
+            f"{'checksum ' + checksum if checksum else 'its fill record'} and another process holds it "
+            "pinned, so it is neither removed nor replaced until that process releases it; pass the "
+            "checksum of the object as it is now, or use read()/pin_or_read(), which read around it")
 
     def release(self, url: str) -> None:
         """Drop one pin taken by :meth:`local_path` (or by :meth:`pin_or_read`, when it
@@ -798,6 +833,8 @@ class TieredCache:
         except OSError as e:
             if not state.warm_broken(e):
                 raise
+            if state.warm is not warm:
+                return 0  # given up (someone else's folder at its path now)
             try:
                 return warm.usage()
             except OSError:
@@ -815,6 +852,23 @@ class TieredCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _refuse_shared_folders(tiers: list[tuple[str, str | os.PathLike[str] | None]]) -> None:
+    """Each directory tier needs a folder of its own: two tiers in one folder (or one inside
+    the other) would wait on their own locks and evict each other's copies."""
+    seen: list[tuple[str, str]] = []
+    for name, path in tiers:
+        if path is None:
+            continue
+        real = os.path.realpath(os.fspath(path))
+        for other, other_real in seen:
+            if os.path.commonpath([real, other_real]) in (real, other_real):
+                how = "the same folder" if real == other_real else "folders one inside the other"
+                raise CacheBudgetError(
+                    f"{other}={other_real} and {name}={real} are {how}; each cache tier needs a "
+                    "folder of its own: give them separate paths")
+        seen.append((name, real))
 
 
 def _slice(data: bytes, start: int, end: int, url: str, size: int | None = None) -> bytes:

@@ -28,7 +28,8 @@ shared memory.
   downloading are counted, and usage never exceeds the budget.
 * Pins: a reader holds a shared flock on the copy it reads. Eviction takes an exclusive
   flock without waiting and skips what it cannot lock, so a file being read (or pinned by
-  ``local_path``) is never removed.
+  ``local_path``) is never removed; so does ``discard`` (a reader that refuses a copy
+  another process holds pinned leaves it, and reads around it).
 * Trust: each copy carries the size and digest it was filled with (an extended attribute,
   ``user.datapipe.fill``, where the filesystem has them). A process that verified a copy
   remembers it by (device, inode, size, mtime_ns, ctime_ns), so a copy changed in place
@@ -55,6 +56,7 @@ import xxhash
 
 from ..errors import ObjectNotFoundError, StorageError
 from .eviction import VictimChooser
+from .lockfds import close_lock, forget, open_lock
 from .node_stats import clear_counter_files, sum_counter_files
 
 __all__ = ["WarmDir", "Reservation", "warm_dir_stats", "clear_warm_dir", "DISK_FULL_ERRNOS"]
@@ -206,8 +208,9 @@ class Reservation:
             self.warm.mark_verified(os.fstat(self.fd), digest)  # we wrote these very bytes
         fd, self.fd = self.fd, -1
         if pin:
+            forget(fd)  # a pin now, held as pins are
             return fd
-        os.close(fd)
+        close_lock(fd)
         return None
 
     def abort(self) -> None:
@@ -216,7 +219,7 @@ class Reservation:
                 os.unlink(self.tmp)
             except FileNotFoundError:
                 pass
-            os.close(self.fd)
+            close_lock(self.fd)
             self.fd = -1
 
 
@@ -268,11 +271,14 @@ class WarmDir:
         return fill_record(fd)
 
     def repair(self) -> None:
-        """Re-create the layout after the directory was deleted under us; raises OSError
-        when it cannot be (read-only, gone with its parent unwritable)."""
+        """Re-create the layout after the directory was deleted under us, by the rule a
+        new cache opens a folder by (:func:`claim_dir`): a folder someone else made at the
+        path meanwhile is refused with a StorageError, untouched (the caller gives the
+        tier up). Raises OSError when it cannot be re-created (read-only, gone with its
+        parent unwritable)."""
+        claim_dir(self.root, self.marker, self.budget)
         for d in (self.objects, self.tmpdir, self.locks, os.path.join(self.root, "stats")):
             os.makedirs(d, exist_ok=True)
-        _write_meta(self.root, self.budget, self.marker)
 
     # -- trust ---------------------------------------------------------------------------
     def is_verified(self, st: os.stat_result, digest: str) -> bool:
@@ -333,38 +339,51 @@ class WarmDir:
             if after.st_mtime_ns == stamp and after.st_size == before.st_size:
                 self._verified[(after.st_dev, after.st_ino)] = (stat_signature(after), seen[1])
 
-    def discard(self, key: str, fd: int | None = None) -> None:
-        """Remove a copy found corrupt (the caller's pin, if any, is released)."""
+    def discard(self, key: str, fd: int) -> bool:
+        """Remove the copy the caller examined through ``fd`` (its pin, found corrupt or of
+        another version), and release that pin. True when the copy is gone from the path
+        (removed now, or already replaced by someone else); False when it stays: another
+        process holds it pinned or is reading it (a pinned copy is never removed or
+        changed until released), or the directory cannot be written. On False the caller
+        reads around the copy instead of filling a new one over it."""
         path = self.path(key)
         try:
-            if fd is not None:
-                st = os.fstat(fd)
-                cur = os.stat(path)
-                if (cur.st_ino, cur.st_dev) != (st.st_ino, st.st_dev):
-                    return  # already replaced by someone else
+            st = os.fstat(fd)
+            if self._held_by_others(fd):
+                return False
+            cur = os.stat(path)
+            if (cur.st_ino, cur.st_dev) != (st.st_ino, st.st_dev):
+                return True  # already replaced by someone else: not the copy examined
             os.unlink(path)
+            return True
         except FileNotFoundError:
-            pass
+            return True
         except OSError as e:
             if e.errno not in BROKEN_DIR_ERRNOS:
-                raise  # a read-only mount: the copy stays, and is refused each time
+                raise
+            return False  # a read-only mount: the copy stays, and is refused each time
         finally:
-            if fd is not None:
-                os.close(fd)
+            os.close(fd)
+
+    def _held_by_others(self, fd: int) -> bool:
+        """Whether a process other than the caller holds a lock on the copy open at ``fd``
+        (a pin, a reader): the caller's own shared pin is turned into an exclusive lock,
+        which fails while anyone else holds one (the lock is the caller's to drop anyway)."""
+        return not _try_lock(fd, fcntl.LOCK_EX)
 
     # -- filling -------------------------------------------------------------------------
     @contextmanager
     def fill_lock(self, key: str) -> Iterator[float]:
         """Single flight for ``key`` across processes; yields the seconds spent waiting."""
         stripe = int(key[:8], 16) % N_STRIPES
-        fd = os.open(os.path.join(self.locks, f"{stripe:04d}"), os.O_RDWR | os.O_CREAT, 0o666)
+        fd = open_lock(os.path.join(self.locks, f"{stripe:04d}"), os.O_RDWR | os.O_CREAT, 0o666)
         try:
             t0 = time.monotonic()
             if not _try_lock(fd, fcntl.LOCK_EX):
                 fcntl.flock(fd, fcntl.LOCK_EX)
             yield time.monotonic() - t0
         finally:
-            os.close(fd)
+            close_lock(fd)
 
     def _budget_lock(self) -> AbstractContextManager[None]:
         return _budget_lock(self.root)
@@ -373,11 +392,11 @@ class WarmDir:
         """A new temporary file for ``key`` and its fd, marked live (locked) before the
         budget lock is released; ``owner`` is unused here (the lock says who lives)."""
         tmp = os.path.join(self.tmpdir, f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = open_lock(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except BaseException:
-            os.close(fd)
+            close_lock(fd)
             os.unlink(tmp)
             raise
         return tmp, fd
@@ -479,7 +498,7 @@ class WarmDir:
             try:
                 os.ftruncate(fd, size)
             except BaseException:
-                os.close(fd)
+                close_lock(fd)
                 os.unlink(tmp)
                 raise
             return Reservation(self, key, size, tmp, fd)
@@ -492,12 +511,12 @@ class WarmDir:
 
 @contextmanager
 def _budget_lock(root: str) -> Iterator[None]:
-    fd = os.open(os.path.join(root, "budget.lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    fd = open_lock(os.path.join(root, "budget.lock"), os.O_RDWR | os.O_CREAT, 0o666)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)
+        close_lock(fd)
 
 
 def _clean_dead_tmp(tmpdir: str) -> int:
@@ -540,17 +559,19 @@ def dir_meta(root: str) -> dict[str, Any] | None:
 
 
 #: what a cache directory holds at its top (meta.json's temporaries start with ".meta."),
-#: and the folders of it a cache deletes files in (evictions, dead temporaries, locks);
-#: "tar-index": the indexes of tar shards read through the cache (tarindex.resolve)
+#: and the folders of it a cache deletes files in (evictions, dead temporaries, locks,
+#: counter files, lease takeovers, records and the GET ledger of ``clear_shared_dir``): an
+#: unmarked folder is claimed only while each of these is empty. "tar-index": the indexes
+#: of tar shards read through the cache (tarindex.resolve), which a cache never deletes
 _LAYOUT = {"objects", "tmp", "locks", "stats", "leases", "records", "gets", "tar-index", "meta.json"}
-_CLEANED = ("objects", "tmp", "locks")
+_CLEANED = ("objects", "tmp", "locks", "stats", "leases", "records", "gets")
 
 
 def claim_dir(root: str, marker: dict[str, Any], budget: int) -> str:
     """``root`` as a cache directory this process may clean and evict in, created and
     marked by its meta.json first (so a process opening it meanwhile finds it marked):
     absent, empty, marked as one of its kind, or holding nothing but the layout's folders
-    (those it deletes in empty) and meta.json's temporaries (one whose creator is about to
+    (every one it deletes in empty: ``_CLEANED``) and meta.json's temporaries (one whose creator is about to
     mark it, or where datapipe put tar indexes before a cache opened it). Anything
     else is a folder of someone else's files, and a cache would delete them (its dead
     temporaries, its evictions): refused with a :class:`StorageError` naming it."""
@@ -561,9 +582,12 @@ def claim_dir(root: str, marker: dict[str, Any], budget: int) -> str:
         names = []  # any other OSError: an unusable folder, as the caller says (it reads through)
     meta = dir_meta(root) if "meta.json" in names else None
     ours = [n for n in names if n in _LAYOUT and n != "meta.json" and os.path.isdir(os.path.join(root, n))]
-    if (meta is not None and all(meta.get(k) == marker.get(k) for k in ("format", "version"))) or (
-            meta is None and all(n in ours or n.startswith(".meta.") for n in names)
-            and not any(os.listdir(os.path.join(root, n)) for n in ours if n in _CLEANED)):
+    marked = meta is not None and all(meta.get(k) == marker.get(k) for k in ("format", "version"))
+    foreign: list[str] = []
+    if not marked:  # what a cache would delete or overwrite here that it did not write
+        foreign = [n for n in names if n not in ours and not n.startswith(".meta.")]
+        foreign += [f"{n}/{f}" for n in ours if n in _CLEANED for f in sorted(os.listdir(os.path.join(root, n)))]
+    if marked or not foreign:
         try:
             os.makedirs(root, exist_ok=True)
             _write_meta(root, budget, marker)
@@ -572,8 +596,8 @@ def claim_dir(root: str, marker: dict[str, Any], budget: int) -> str:
         return root
     kind = "shared" if marker.get("format") == SHARED_FORMAT else "warm"
     raise StorageError(
-        f"{root} holds files a datapipe {kind} cache did not write ({', '.join(sorted(names)[:5])}"
-        f"{', ...' if len(names) > 5 else ''}) and no meta.json marking it as one: a cache cleans and "
+        f"{root} holds files a datapipe {kind} cache did not write ({', '.join(sorted(foreign)[:5])}"
+        f"{', ...' if len(foreign) > 5 else ''}) and no meta.json marking it as one: a cache cleans and "
         "evicts in its folder, so it refuses this one. Give it an empty folder (or a new path) of its own"
     )
 

@@ -1,0 +1,59 @@
+"""The file descriptors through which this process holds ``flock``s of the cache (the
+warm tier's stripe locks, budget lock and reservations, the cold pacer's state lock and
+request slots), so that a forked child closes its copies of them.
+
+A ``flock`` belongs to the open file description, which a fork shares with the child: a
+child started while a thread of the parent holds such a lock (a DataLoader worker forked
+during a download) would keep the lock for as long as it lives, after the parent let it
+go, and every reader waiting on it would hang. So each such descriptor is opened through
+:func:`open_lock` (or named with :func:`register`) and closed through :func:`close_lock`,
+and in a forked child every one is closed (never ``LOCK_UN``: that would release the
+parent's lock). The objects that held them belong to the parent: a child never uses them
+(the cache's per-process state is created afresh in each process).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["open_lock", "register", "forget", "close_lock"]
+
+# fd -> None; dict operations are atomic under the GIL, so no lock (a lock held by another
+# thread at the fork would stay locked in the child)
+_held: dict[int, None] = {}
+
+
+def open_lock(path: str, flags: int, mode: int = 0o666) -> int:
+    """``os.open(path, flags, mode)``, registered: closed in a forked child."""
+    return register(os.open(path, flags, mode))
+
+
+def register(fd: int) -> int:
+    _held[fd] = None
+    return fd
+
+
+def forget(fd: int) -> None:
+    """The fd is handed on as something else (a reservation's fd that becomes a pin)."""
+    _held.pop(fd, None)
+
+
+def close_lock(fd: int) -> None:
+    """Close a registered fd (dropping its lock). One this process no longer holds (a
+    forked child closed its copy at the fork) is left alone: its number may be reused."""
+    if fd in _held:
+        del _held[fd]
+        os.close(fd)
+
+
+def _close_in_child() -> None:
+    for fd in list(_held):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_close_in_child)
