@@ -6,16 +6,20 @@ partitions) streamed by row group, without packing.
 
 Each row group is one "shard" of the plan (its row count is all the plan needs), so the
 global shuffle, the exact partition over ranks x workers and resume hold as for packed
-shards. A row is a sample: its ``__key__`` column if it has one (and it is not null), else
-``<file>/<row>``; columns are fields (see :func:`datapipe.format.rows.flatten_bytes_structs`:
-a struct of bytes such as a Hugging Face ``Image`` column becomes ``image.bytes`` and
-``image.path``); the partition keys of Hive folders are columns too.
+shards. A row is a sample: its ``__key__`` column if it has one (and it is not null; a
+binary key is decoded as UTF-8), else ``<file>/<row>``; columns are fields (see
+:func:`datapipe.format.rows.flatten_bytes_structs`: a struct of bytes such as a Hugging Face
+``Image`` column becomes ``image.bytes`` and ``image.path``); the partition keys of Hive
+folders are columns too.
 
 What is trusted: Parquet files carry no checksum of ours. Each file's size and version
 (mtime or etag) are recorded when the table is opened and the plan is made from its row
 groups; a row group's rows are delivered only if its file has that size and version
 before and after they are read (else :class:`~datapipe.errors.ObjectChangedError`), and pyarrow's parse errors are
-:class:`~datapipe.errors.FormatError` naming file and row group.
+:class:`~datapipe.errors.FormatError` naming file and row group. So is a value Python cannot hold
+(a timestamp past ``datetime``'s years, a string that is not UTF-8), naming its row and column
+too: a field's is that row's error (``on_error="skip"`` skips the row), a ``__key__``'s the
+row group's (every row of it raises, or is skipped).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from numpy.typing import NDArray
 from .checksum import checksum
 from .dataset import ShardInfo
 from .errors import DatapipeError, FormatError, ObjectChangedError, ObjectNotFoundError, PlanError
-from .format.rows import flatten_bytes_structs
+from .format.rows import flatten_bytes_structs, key_text, python_values
 from .storage import open_store
 from .storage.opening import refuse_chained_url
 from .storage.options import storage_options_for
@@ -173,6 +177,9 @@ class ParquetTable:
         start = info.first_sample - self._file_first[rel]
         keys = [f"{rel}/{start + j:09d}" for j in range(info.samples)]
         if "__key__" in table.column_names:  # its values, where not null
-            keys = [k if v is None else str(v) for k, v in zip(keys, table.column("__key__").to_pylist())]
+            where = f"{self.url}/{rel} row group {rg}"
+            values = python_values(table.column("__key__"), "__key__", where)
+            keys = [k if v is None else key_text(v, where, j) for j, (k, v) in enumerate(zip(keys, values))]
             table = table.drop_columns(["__key__"])
         return table, keys
+

@@ -35,7 +35,13 @@ def field_bytes(key: str, field: str, value: Any) -> bytes | bytearray | memoryv
     if isinstance(value, (int, float)):
         return str(value).encode()
     if isinstance(value, (dict, list)):
-        return json.dumps(value, ensure_ascii=False).encode("utf-8")
+        try:
+            return json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except (TypeError, ValueError, RecursionError) as e:  # bytes or a datetime inside; a cycle
+            raise InvalidMemberNameError(
+                f"sample {key!r} field {field!r}: a {type(value).__name__} is stored as JSON, and this one "
+                f"cannot be ({e}); store bytes as a field of their own, or encode them (e.g. base64 text)"
+            ) from None
     raise InvalidMemberNameError(
         f"sample {key!r} field {field!r}: cannot store a {type(value).__name__}; "
         "pass bytes, str, a number, or a dict/list (stored as JSON)"

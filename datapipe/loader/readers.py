@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import CorruptIndexError, CorruptShardError, DatapipeError
+from ..errors import CorruptIndexError, CorruptShardError, DatapipeError, FormatError
 from ..format import decode_sample
 from ..format.layout import MemberTable, ShardLayout
-from ..format.rows import row_fields
+from ..format.rows import python_rows, row_fields
 from .batch import Batch, Column
 
 if TYPE_CHECKING:
@@ -331,7 +331,9 @@ class CheckedSampleReader(ShardReader):
 
 class TableRowsReader(ShardReader):
     """A row group of a Parquet table (:mod:`datapipe.tables`): each sample a row, its
-    columns fields (:func:`~datapipe.format.rows.row_fields`)."""
+    columns fields (:func:`~datapipe.format.rows.row_fields`). A row holding a value Python
+    cannot hold (a timestamp past ``datetime``'s years, a string that is not UTF-8) is that
+    row's :class:`~datapipe.errors.FormatError`, raised or skipped where the stream reaches it."""
 
     def __init__(self, shard: int, url: str, table: Any, keys: list[str]) -> None:
         self.shard, self.url, self.table, self.keys = shard, url, table, keys
@@ -339,8 +341,20 @@ class TableRowsReader(ShardReader):
     def items(self, samples: NDArray[Any], steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
               positions: bool) -> Iterator[Any]:
         keys = self.keys
-        rows = self.table.take(samples).to_pylist()
-        for progress.steps, j, row in zip(steps, samples.tolist(), rows):
+        chosen = self.table.take(samples)
+        try:
+            rows: list[dict[str, Any]] | None = python_rows(chosen, self.url)
+        except FormatError:
+            rows = None  # some row does not convert: row by row, so only that one fails
+        for progress.steps, i, j in zip(steps, count(), samples.tolist()):
+            if rows is not None:
+                row = rows[i]
+            else:
+                try:
+                    (row,) = python_rows(chosen.slice(i, 1), self.url, first=j)
+                except FormatError as e:
+                    yield on_error(self.url, keys[j], e)
+                    continue
             sample = {"__key__": keys[j], **row_fields(row)}
             if positions:
                 sample["__shard__"], sample["__sample__"] = self.shard, j

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import EmptyInputError, InputFileError, InvalidMemberNameError, PackError
-from ..format.rows import flatten_bytes_structs, row_fields
+from ..format.rows import flatten_bytes_structs, key_text, python_rows, row_fields
 from ..format.tar import BLOCK, check_key, member_name, padding, split_member_name
 
 __all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table", "read_fragment",
-           "count_table_rows", "source_kind"]
+           "count_table_rows", "check_table_columns", "source_kind"]
 
 #: how a directory's files become samples: "first-dot" (WebDataset's rule, the default: key =
 #: the path up to the first dot of the file name, field = the rest, so files sharing that
@@ -257,24 +257,63 @@ def list_directory(root: str, skip_errors: bool = False, follow_links: bool = Fa
     return out
 
 
+def _json_leaf(t: Any) -> bool:
+    """Whether values of the pyarrow type ``t`` are JSON as Python gives them (a nested
+    column's values are stored as JSON): text, booleans, numbers, nulls, and containers of them."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        return _json_leaf(t.value_type)
+    if t.num_fields:  # list, map, struct, union: their children
+        return all(_json_leaf(t.field(k).type) for k in range(t.num_fields))
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+                or pa.types.is_boolean(t) or pa.types.is_integer(t) or pa.types.is_floating(t)
+                or pa.types.is_null(t))
+
+
+def check_table_columns(schema: Any, src: str) -> None:
+    """Refuse, before any row is packed, a column of the pyarrow ``schema`` (of the table
+    ``src``) that no sample could keep: a name starting with ``__`` other than ``__key__``
+    (fields so named are not stored: it would vanish from every sample), or a list, map or
+    struct holding bytes, dates, times or decimals (a nested value is stored as JSON, which
+    has none of them; a struct of bytes at the top is one field per child instead, see
+    :func:`~datapipe.format.rows.flatten_bytes_structs`)."""
+    for f in flatten_bytes_structs(schema.empty_table()).schema:
+        if f.name.startswith("__") and f.name != "__key__":
+            raise InputFileError(f"{src}: column {f.name!r}: names starting with '__' are reserved ('__key__' "
+                                 "names the sample), so it would be dropped from every sample; rename the column")
+        if f.type.num_fields and not _json_leaf(f.type):
+            raise InputFileError(
+                f"{src}: column {f.name!r} ({f.type}): a list, map or struct is stored as JSON, which holds no "
+                "bytes, dates, times or decimals; make each such value a top-level column (a struct of bytes "
+                "at the top becomes one field per child), or encode them (e.g. base64 text) before packing")
+
+
 def count_table_rows(src: str, kind: str) -> int:
+    """The rows of a JSONL or Parquet table (a Parquet table's columns checked first:
+    :func:`check_table_columns`)."""
     if kind == "jsonl":
         with open(src, "rb") as f:
             return sum(1 for line in f if line.strip())
     import pyarrow as pa
 
     try:  # from the footers, not a scan (see read_fragment)
-        return sum(int(f.metadata.num_rows) for f in parquet_dataset(src).get_fragments())
+        ds = parquet_dataset(src)
+        rows = sum(int(f.metadata.num_rows) for f in ds.get_fragments())
     except (pa.ArrowException, OSError) as e:
         raise InputFileError(f"{src}: not a readable Parquet table: {e}") from e
+    check_table_columns(ds.schema, src)
+    return rows
+
 
 
 def _row_to_sample(row: dict[str, Any], index: int, where: str) -> dict[str, Any]:
     key = row.pop("__key__", None)
-    if key is None:
-        key = f"{index:09d}"
-    elif not isinstance(key, str):
-        key = str(key)
+    key = f"{index:09d}" if key is None else key_text(key, where, index, InputFileError)
+    reserved = [name for name in row if name.startswith("__")]
+    if reserved:  # never stored as fields: refused, not dropped
+        raise InputFileError(f"{where}: row {index} has field {reserved[0]!r}: names starting with '__' are "
+                             "reserved ('__key__' names the sample), so it would be dropped; rename it")
     sample: dict[str, Any] = {"__key__": key, **row_fields(row)}
     if len(sample) == 1:
         raise PackError(f"{where}: row {index} (key {key!r}) has no non-null field")
@@ -283,7 +322,10 @@ def _row_to_sample(row: dict[str, Any], index: int, where: str) -> dict[str, Any
 
 def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> Iterator[dict[str, Any]]:
     """Rows ``[start, stop)`` of a JSONL or Parquet table as sample dicts: a row is a sample,
-    a column a field; ``__key__`` names the sample, else the row number (zero-padded)."""
+    a column a field; ``__key__`` names the sample (binary decoded as UTF-8), else the row
+    number (zero-padded). Errors name the file and row: a Parquet column no sample could keep
+    (:func:`check_table_columns`) before the first row, a value Python cannot hold (a
+    timestamp past ``datetime``'s years, a string that is not UTF-8) with its column."""
     if kind == "jsonl":
         with open(src, "rb") as f:
             i = 0
@@ -308,6 +350,7 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
         ds = parquet_dataset(src)  # Hive folders: their keys are columns
     except (pa.ArrowException, OSError) as e:
         raise InputFileError(f"{src}: not a readable Parquet table: {e}") from e
+    check_table_columns(ds.schema, src)
     i = 0
     for frag in ds.get_fragments():
         try:
@@ -323,10 +366,14 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
                 table = flatten_bytes_structs(read_fragment(frag, ds.schema, [g]))
             except (pa.ArrowException, OSError) as e:
                 raise InputFileError(f"{frag.path} row group {g}: cannot be read: {e}") from e
+            where, first = f"{frag.path} row group {g}", 0  # first: the batch's first row in the row group
             for batch in table.to_batches(max_chunksize=1024):  # Python objects for 1024 rows at a time
-                for row in batch.to_pylist():
-                    if i >= start and (stop is None or i < stop):
-                        yield _row_to_sample(row, i, src)
-                    i += 1
-                    if stop is not None and i >= stop:
-                        return
+                a = min(max(start - i, 0), batch.num_rows)  # the rows [a, b) of the batch are in [start, stop)
+                b = batch.num_rows if stop is None else min(batch.num_rows, stop - i)
+                if a < b:  # only those become Python objects: another part's bad value is not this one's
+                    for k, row in enumerate(python_rows(batch.slice(a, b - a), where, InputFileError, first + a)):
+                        yield _row_to_sample(row, i + a + k, src)
+                i += batch.num_rows
+                first += batch.num_rows
+                if stop is not None and i >= stop:
+                    return

@@ -36,7 +36,7 @@ from ..errors import (
     PackOptionError,
 )
 from ..format import MANIFEST, shard_name
-from ..format.rows import flatten_bytes_structs, row_fields
+from ..format.rows import flatten_bytes_structs, key_text, row_fields
 from ..pack.commit import LEASE, LOCK, PLAN, WORK, check_destination
 from ..pack.journal import Journal, fingerprint
 from ..pack.lock import WriterLock
@@ -266,7 +266,7 @@ def _sample(row: dict[str, Any], task: int) -> dict[str, Any]:
     if key is None:
         raise PackError(f"write task {task}: a row without '__key__' ({sorted(row)[:8]}): every row must name "
                         "its sample (add a '__key__' column, e.g. with map or add_column)")
-    return {"__key__": key if isinstance(key, str) else str(key), **row_fields(row)}
+    return {"__key__": key_text(key, f"write task {task}", None, PackError), **row_fields(row)}
 
 
 def _check_published(store: Store, record: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 existing tar shards, which stay where they are.
 
 Each shard is read once, whole, by one worker process (a shard's bytes are in memory
-while it is scanned: memory is one shard per worker) and scanned by the strict tar
+while it is scanned: memory is one shard per worker, two in-process; shards the machine's
+memory cannot hold at once are refused before any is read) and scanned by the strict tar
 parser (:func:`datapipe.format.tarscan.scan_tar`). Its rows are recorded at once under
 ``_index/`` in the destination, one small JSON object per shard keyed by its URL, so a
 run that stops (a crash, a damaged shard, Ctrl-C) is finished by the same command: shards
@@ -35,6 +36,7 @@ from ..errors import (
     DestinationExistsError,
     EmptyInputError,
     ObjectChangedError,
+    PackOptionError,
     StorageError,
     TruncatedReadError,
 )
@@ -167,10 +169,14 @@ def _read_shard(ref: ShardRef, storage_options: dict[str, Any] | None,
     folder, key = split_url(ref.url)
     store = open_store(folder, None if is_local_url(folder) else storage_options)
     path = store.local_path(key)
-    if path is None:
-        return (store.get_range_at(key, 0, ref.bytes, ref.version) if ref.bytes else b""), buffer
-    if len(buffer) < ref.bytes:
-        buffer = bytearray(ref.bytes)
+    try:
+        if path is None:
+            return (store.get_range_at(key, 0, ref.bytes, ref.version) if ref.bytes else b""), buffer
+        if len(buffer) < ref.bytes:
+            buffer = bytearray(ref.bytes)
+    except MemoryError:
+        raise PackOptionError(f"shard {ref.url} ({ref.bytes:,} bytes): no memory to hold it whole, as indexing "
+                              f"does; {_FEWER}") from None
     buf = memoryview(buffer)[: ref.bytes]
     with open(path, "rb", buffering=0) as f:
         if store.stat(key)[1] != ref.version:
@@ -186,6 +192,46 @@ def _read_shard(ref: ShardRef, storage_options: dict[str, Any] | None,
         raise ObjectChangedError(f"{ref.url} changed while it was read (listed with {ref.bytes} bytes); "
                                  "run the same command again")
     return buf, (buffer if len(buffer) <= _KEEP_BUFFER else bytearray())
+
+
+_FEWER = ("index with fewer workers (--workers, workers=), on a machine with more memory, or split the shard "
+          "into smaller ones")
+
+
+def _memory_bytes() -> int | None:
+    """This machine's memory, or its cgroup's limit where lower (a container's); None
+    where neither is known."""
+    try:
+        known = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    except (ValueError, OSError, AttributeError):  # no such sysconf name here
+        known = []
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # else "max": no limit
+            known.append(int(text))
+    return min(known) if known else None
+
+
+def _check_memory(todo: list[ShardRef], buffers: int) -> None:
+    """Refuse, before any shard is read, shards that cannot be held at once in this
+    machine's memory (``buffers`` of them are: one per worker process, two in-process; the
+    largest ``buffers`` together are the worst case), naming the largest, its size and what
+    to do: a raw MemoryError, or the kernel's OOM killer, would name nothing."""
+    memory = _memory_bytes()
+    largest = sorted(todo, key=lambda r: r.bytes, reverse=True)[:buffers]
+    held = sum(r.bytes for r in largest)
+    if memory is None or held <= memory:
+        return
+    big = largest[0]
+    at_once = f"; with the next {len(largest) - 1} largest, {held:,} bytes" if len(largest) > 1 else ""
+    raise PackOptionError(
+        f"shard {big.url} holds {big.bytes:,} bytes{at_once}: more than this machine's {memory:,} bytes of "
+        f"memory (a shard is read whole while it is scanned, {buffers} at once here: one per worker process, "
+        f"two in-process); {_FEWER}")
 
 
 def _record(ref: ShardRef, data: bytes | memoryview) -> dict[str, Any]:
@@ -257,6 +303,7 @@ def _run(todo: list[ShardRef], store: Store, storage_options: dict[str, Any] | N
     """Scan ``todo`` (in worker processes when more than one), writing each record as its
     shard is done; the first failure cancels what has not started and is raised."""
     nworkers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    _check_memory(todo, nworkers if nworkers > 1 else min(2, len(todo)))
     pool = None
     if nworkers > 1:
         # fork when this process runs no other thread (workers start in milliseconds, no
