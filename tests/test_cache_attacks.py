@@ -227,3 +227,95 @@ def test_one_folder_given_as_two_tiers_is_refused_naming_both(tmp_path, layout):
     assert c.read(str(src)) == b"y" * 100
     c.close()
     assert url_key(str(src)) in os.listdir(tmp_path / "w2" / "objects")
+
+
+def test_a_warm_dir_deleted_under_a_running_cache_is_re_created_not_given_up(tmp_path):
+    """The counter flusher writes while the folder is gone: it must not re-create the cache
+    folder itself (its own counter file would then look like someone else's file to the
+    repair, and the tier would be given up for good)."""
+    import shutil
+
+    warm = tmp_path / "warm"
+    srcs = []
+    for i in range(2):
+        p = tmp_path / f"o{i}.bin"
+        p.write_bytes(bytes([i]) * 1000)
+        srcs.append(str(p))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = TieredCache(warm_dir=str(warm), warm_bytes=100_000, stats_interval_s=0.05)
+        assert c.read(srcs[0]) == bytes([0]) * 1000
+        shutil.rmtree(warm)
+        time.sleep(0.5)  # several flushes while the folder is gone
+        assert not warm.exists()
+        assert c.read(srcs[1]) == bytes([1]) * 1000
+        path = c.local_path(srcs[1])  # needs the warm tier: still there, re-created
+    assert os.path.dirname(path) == str(warm / "objects") and open(path, "rb").read() == bytes([1]) * 1000
+    c.release(srcs[1])
+    c.close()
+
+
+def test_close_after_the_warm_dir_became_a_file_raises_nothing(tmp_path):
+    import shutil
+
+    warm = tmp_path / "warm"
+    src = tmp_path / "o.bin"
+    src.write_bytes(b"x" * 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        c = TieredCache(warm_dir=str(warm), warm_bytes=100_000)
+        c.read(str(src))
+        shutil.rmtree(warm)
+        warm.write_text("a user's file")
+        assert c.read(str(src)) == b"x" * 100
+        c.close()
+    assert warm.read_text() == "a user's file"
+
+
+def test_no_child_forked_while_a_thread_probes_the_copies_keeps_a_lock(tmp_path):
+    """warm_dir_stats probes each copy's lock for a moment; a child forked in that moment
+    (a DataLoader worker starting) must not keep it, or every reader of the copy hangs."""
+    from datapipe.cache import warm_dir_stats
+
+    warm = str(tmp_path / "warm")
+    c = TieredCache(warm_dir=warm, warm_bytes=10**7)
+    for i in range(100):
+        p = tmp_path / f"o{i}.bin"
+        p.write_bytes(bytes([i]) * 100)
+        c.read(str(p))
+    stop = threading.Event()
+
+    def probe():
+        while not stop.is_set():
+            warm_dir_stats(warm)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    kids = []
+    try:
+        for _ in range(30):
+            pid = os.fork()
+            if pid == 0:  # a child that lives on without touching the cache
+                time.sleep(30)
+                os._exit(0)
+            kids.append(pid)
+            time.sleep(0.005)
+        stop.set()
+        t.join()
+        objects = os.path.join(warm, "objects")
+        locked = []
+        for name in os.listdir(objects):
+            fd = os.open(os.path.join(objects, name), os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                locked.append(name)
+            finally:
+                os.close(fd)
+        assert locked == []
+    finally:
+        stop.set()
+        for pid in kids:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        c.close()

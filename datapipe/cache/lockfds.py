@@ -15,21 +15,34 @@ parent's lock). The objects that held them belong to the parent: a child never u
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable
 
-__all__ = ["open_lock", "register", "forget", "close_lock"]
+__all__ = ["open_lock", "register_opened", "forget", "close_lock"]
 
-# fd -> None; dict operations are atomic under the GIL, so no lock (a lock held by another
-# thread at the fork would stay locked in the child)
+# fd -> None: the descriptors to close in a forked child
 _held: dict[int, None] = {}
+# Held while a descriptor is opened and registered, or unregistered and closed, and by the
+# forking thread across a fork (register_at_fork's before/after hooks): a fork can then
+# never fall between the two, where the child would keep a copy nobody closes. It is held
+# for a system call at a time, so a fork waits for one open or close at most.
+_fork_guard = threading.Lock()
 
 
 def open_lock(path: str, flags: int, mode: int = 0o666) -> int:
     """``os.open(path, flags, mode)``, registered: closed in a forked child."""
-    return register(os.open(path, flags, mode))
+    with _fork_guard:
+        fd = os.open(path, flags, mode)
+        _held[fd] = None
+    return fd
 
 
-def register(fd: int) -> int:
-    _held[fd] = None
+def register_opened(opener: Callable[[], int | None]) -> int | None:
+    """The fd ``opener()`` returns (None: nothing opened), registered as it is opened."""
+    with _fork_guard:
+        fd = opener()
+        if fd is not None:
+            _held[fd] = None
     return fd
 
 
@@ -41,9 +54,10 @@ def forget(fd: int) -> None:
 def close_lock(fd: int) -> None:
     """Close a registered fd (dropping its lock). One this process no longer holds (a
     forked child closed its copy at the fork) is left alone: its number may be reused."""
-    if fd in _held:
-        del _held[fd]
-        os.close(fd)
+    with _fork_guard:
+        if fd in _held:
+            del _held[fd]
+            os.close(fd)
 
 
 def _close_in_child() -> None:
@@ -53,7 +67,9 @@ def _close_in_child() -> None:
         except OSError:
             pass
     _held.clear()
+    _fork_guard.release()  # taken by the parent's forking thread before the fork
 
 
 if hasattr(os, "register_at_fork"):  # POSIX
-    os.register_at_fork(after_in_child=_close_in_child)
+    os.register_at_fork(before=_fork_guard.acquire, after_in_parent=_fork_guard.release,
+                        after_in_child=_close_in_child)

@@ -83,8 +83,8 @@ def read_generation(stats_dir: str) -> str:
     try:
         with open(os.path.join(stats_dir, _GENERATION)) as f:
             return f.read().strip() or "0"
-    except FileNotFoundError:
-        return "0"  # never cleared
+    except OSError:  # never cleared (or the folder is gone, or is a file now)
+        return "0"
 
 
 def new_generation(stats_dir: str) -> str:
@@ -125,13 +125,17 @@ def publish_locked(folder: str, name: str, text: str) -> int:
     """Publish ``text`` as ``folder/name`` by rename, the new file locked (``flock``) before
     it is visible, and return its fd: while the fd is open, the lock says its writer lives
     (the counter files here, the node's published futures). Re-creates ``folder`` when it
-    was deleted under us."""
+    was deleted under us, never the cache directory it lies in: that is re-created only by
+    the cache's repair, which first checks that nobody else's folder took its path."""
     tmp = os.path.join(folder, f".{name}.{uuid.uuid4().hex[:8]}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
     try:
         fd = open_lock(tmp, flags, 0o644)
     except FileNotFoundError:
-        os.makedirs(folder, exist_ok=True)
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            pass
         fd = open_lock(tmp, flags, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # before the rename: the file is never seen unlocked

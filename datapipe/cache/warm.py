@@ -56,7 +56,7 @@ import xxhash
 
 from ..errors import ObjectNotFoundError, StorageError
 from .eviction import VictimChooser
-from .lockfds import close_lock, forget, open_lock
+from .lockfds import close_lock, forget, open_lock, register_opened
 from .node_stats import clear_counter_files, sum_counter_files
 
 __all__ = ["WarmDir", "Reservation", "warm_dir_stats", "clear_warm_dir", "DISK_FULL_ERRNOS"]
@@ -152,7 +152,7 @@ def _remove_unless_locked(path: str) -> bool | None:
     """Delete ``path`` unless a process holds a lock on it (a reader's pin, a live
     download): True when deleted, False when held, None when it was gone or had been
     replaced by a newer file (which is left alone: it was not the one found unlocked)."""
-    fd = _open_regular(path)
+    fd = register_opened(lambda: _open_regular(path))  # locked for a moment: never a forked child's
     if fd is None:
         return None
     try:
@@ -166,7 +166,7 @@ def _remove_unless_locked(path: str) -> bool | None:
     except FileNotFoundError:
         return None
     finally:
-        os.close(fd)
+        close_lock(fd)
 
 
 @dataclass
@@ -532,13 +532,13 @@ def _clean_dead_tmp(tmpdir: str) -> int:
 def _size_and_held(path: str) -> tuple[int, bool] | None:
     """(size, whether a process holds a lock on it: a pin or a live download), or None
     when it is gone. Probing takes the lock for a moment; closing the fd drops it."""
-    fd = _open_regular(path)
+    fd = register_opened(lambda: _open_regular(path))  # locked for a moment: never a forked child's
     if fd is None:
         return None
     try:
         return os.fstat(fd).st_size, not _try_lock(fd, fcntl.LOCK_EX)
     finally:
-        os.close(fd)
+        close_lock(fd)
 
 
 def _write_meta(root: str, budget: int, marker: dict[str, Any] = MARKER) -> None:
