@@ -6,7 +6,7 @@ A ``flock`` belongs to the open file description, which a fork shares with the c
 child started while a thread of the parent holds such a lock (a DataLoader worker forked
 during a download) would keep the lock for as long as it lives, after the parent let it
 go, and every reader waiting on it would hang. So each such descriptor is opened through
-:func:`open_lock` (or named with :func:`register`) and closed through :func:`close_lock`,
+:func:`open_lock` (or :func:`register_opened`) and closed through :func:`close_lock`,
 and in a forked child every one is closed (never ``LOCK_UN``: that would release the
 parent's lock). The objects that held them belong to the parent: a child never uses them
 (the cache's per-process state is created afresh in each process).
