@@ -25,8 +25,10 @@ _held: dict[int, None] = {}
 # Held while a descriptor is opened and registered, or unregistered and closed, and by the
 # forking thread across a fork (register_at_fork's before/after hooks): a fork can then
 # never fall between the two, where the child would keep a copy nobody closes. It is held
-# for a system call at a time, so a fork waits for one open or close at most.
-_fork_guard = threading.Lock()
+# for a system call at a time, so a fork waits for one open or close at most. Reentrant: a
+# finalizer that closes a lock (a counter file's last flush) may run in the forking thread
+# while it holds the guard, in another library's fork hook.
+_fork_guard = threading.RLock()
 
 
 def open_lock(path: str, flags: int, mode: int = 0o666) -> int:
