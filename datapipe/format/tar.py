@@ -198,13 +198,18 @@ def _decode_name(raw: bytes | str, where: str, at: int) -> str:
     return raw
 
 
+def _header_sum(header: bytes) -> int:
+    """The checksum a tar header should record: its bytes summed, the checksum field as spaces."""
+    return _byte_sum(header) - sum(header[148:156]) + 8 * 32
+
+
 def _header_ok(header: bytes) -> bool:
     """Whether a block is a tar header by its checksum."""
     try:
         stored = _parse_octal(header[148:156], "", 0)
     except CorruptShardError:
         return False
-    return stored == _byte_sum(header) - sum(header[148:156]) + 8 * 32
+    return stored == _header_sum(header)
 
 
 def _member_name(header: bytes, pax: dict[str, str], long_name: str | None, where: str, at: int) -> str:
@@ -293,9 +298,7 @@ def walk_members(buf: bytes | memoryview, where: str = "tar",
             return
         if not pax and long_name is None:
             member_start = pos
-        stored = _parse_octal(header[148:156], where, pos)
-        actual = _byte_sum(header) - sum(header[148:156]) + 8 * 32
-        if stored != actual:
+        if _parse_octal(header[148:156], where, pos) != _header_sum(header):
             raise CorruptShardError(
                 f"{where}: tar header checksum mismatch at byte {pos} (corrupt or not a tar)"
             )

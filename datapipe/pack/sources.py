@@ -306,7 +306,6 @@ def count_table_rows(src: str, kind: str) -> int:
     return rows
 
 
-
 def _row_to_sample(row: dict[str, Any], index: int, where: str) -> dict[str, Any]:
     key = row.pop("__key__", None)
     key = f"{index:09d}" if key is None else key_text(key, where, index, InputFileError)
@@ -323,9 +322,10 @@ def _row_to_sample(row: dict[str, Any], index: int, where: str) -> dict[str, Any
 def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> Iterator[dict[str, Any]]:
     """Rows ``[start, stop)`` of a JSONL or Parquet table as sample dicts: a row is a sample,
     a column a field; ``__key__`` names the sample (binary decoded as UTF-8), else the row
-    number (zero-padded). Errors name the file and row: a Parquet column no sample could keep
-    (:func:`check_table_columns`) before the first row, a value Python cannot hold (a
-    timestamp past ``datetime``'s years, a string that is not UTF-8) with its column."""
+    number (zero-padded). Errors name the file and row: a value Python cannot hold (a
+    timestamp past ``datetime``'s years, a string that is not UTF-8) with its column. The
+    columns were checked by :func:`count_table_rows` (:func:`check_table_columns`), which a
+    pack calls first, before anything is written."""
     if kind == "jsonl":
         with open(src, "rb") as f:
             i = 0
@@ -350,7 +350,6 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
         ds = parquet_dataset(src)  # Hive folders: their keys are columns
     except (pa.ArrowException, OSError) as e:
         raise InputFileError(f"{src}: not a readable Parquet table: {e}") from e
-    check_table_columns(ds.schema, src)
     i = 0
     for frag in ds.get_fragments():
         try:
