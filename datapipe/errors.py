@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "DatapipeError",
+    "OptionError",
     "FormatError",
     "CorruptShardError",
     "CorruptIndexError",
@@ -44,6 +45,13 @@ class DatapipeError(Exception):
     """Base of every error datapipe raises on purpose."""
 
 
+class OptionError(DatapipeError, ValueError):
+    """A public argument is out of range or of the wrong kind (``batch_size=0``,
+    ``window=nan``, ``seed="abc"``): the one error for bad arguments, naming the argument,
+    the value given and what it may be. A ``ValueError`` too, so ``except ValueError`` keeps
+    working."""
+
+
 # --- format: shard bytes and the index -------------------------------------------------
 
 
@@ -75,7 +83,7 @@ class PackError(DatapipeError):
     """Packing could not go on."""
 
 
-class PackOptionError(PackError, ValueError):
+class PackOptionError(PackError, OptionError):
     """An argument of :func:`~datapipe.pack` or :class:`~datapipe.ShardWriter` is out of
     range (compression, shard limits, ``--part``)."""
 
@@ -149,7 +157,7 @@ class StateMismatchError(PlanError):
 # --- topology: this process's rank among the ranks ---------------------------------------
 
 
-class TopologyError(DatapipeError, ValueError):
+class TopologyError(OptionError):
     """A rank and world size that do not fit (rank outside ``[0, world_size)``, not
     integers, or a ``RANK``/``WORLD_SIZE`` environment that does not parse)."""
 

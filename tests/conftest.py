@@ -8,6 +8,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.ranks import PRELOAD
 from tools.s3_endpoint import LocalS3
@@ -16,6 +17,11 @@ from tools.s3_endpoint import LocalS3
 # of a multi-rank test (tests/ranks.py) and every forkserver child after it is forked from it
 # with torch already imported, where a spawned process spends 2.7 s of CPU importing it.
 multiprocessing.set_forkserver_preload(PRELOAD)
+
+# No test is timed: hypothesis' default 200 ms deadline per example failed a property test on
+# a loaded machine (DeadlineExceeded at 201.76 ms). Speed lives in the benchmarks.
+settings.register_profile("datapipe", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("datapipe")
 
 
 @pytest.hookimpl(tryfirst=True)
