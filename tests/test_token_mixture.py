@@ -67,14 +67,19 @@ def test_extreme_weights_work_or_are_refused_by_name():
         MixturePlan([5, 5, 5], [1, 1], 4)
 
 
-@given(sources=sources_st, weights=weights_st, B=st.sampled_from([1, 2, 4, 6, 8, 12]), seed=st.integers(0, 2**32),
-       steps=st.integers(1, 30))
+@given(sources=sources_st, weights=weights_st, new=weights_st, B=st.sampled_from([1, 2, 4, 6, 8, 12]),
+       seed=st.integers(0, 2**32), steps=st.integers(1, 30), change=st.integers(0, 30))
 @settings(max_examples=60, deadline=None)
-def test_batches_hold_exact_counts_and_each_source_epoch_has_no_repeats(sources, weights, B, seed, steps):
+def test_batches_hold_exact_counts_and_each_source_epoch_has_no_repeats(sources, weights, new, B, seed, steps, change):
     dp = next(d for d in (4, 3, 2, 1) if B % d == 0)
     plan = plan_for(sources, weights, B, dp, seed=seed)
     if plan is None:
         return
+    new = (new * 4)[:len(weights)]
+    try:  # a new mixture mid-run: each source goes on from its own draw counter
+        plan.set_weights(new, from_step=change)
+    except OptionError as e:
+        assert any(m in str(e) for m in ("rounds to 0", "holds no sequence", "all zero"))
     served: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for k in range(steps):
         src, chunk, sample, draw = full_batch(plan, k, dp)
