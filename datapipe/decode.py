@@ -45,8 +45,8 @@ import, that is a :class:`~datapipe.errors.MissingDependencyError` naming the pa
 the extra that installs it (``pip install 'datapipe[images]'``), raised once, not a
 ``DecodeError`` per sample. A decoder or function that finds a module missing while it runs
 (a worker process without the package; a ``decode=`` function importing one) raises the
-same error, which ``on_error="skip"`` never skips: no sample could decode. Anything not
-given as bad is an :class:`~datapipe.errors.OptionError` naming ``decode=`` or ``map=``.
+same error, which ``on_error="skip"`` never skips: no sample could decode. A ``decode=``
+or ``map=`` that is none of the above is an :class:`~datapipe.errors.OptionError` naming it.
 """
 
 from __future__ import annotations

@@ -550,17 +550,14 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         One DataLoader worker's state (see :meth:`state_dict`) loads only in that worker."""
         if not isinstance(state, dict):
             raise LoaderOptionError(f"state={show(state)}: expected the dict a state_dict() returned")
-        base, skip = state, 0
-        if "worker" in state:
-            base = {k: v for k, v in state.items() if k != "worker"}
-            skip = -1  # checked against the plan below
+        base = {k: v for k, v in state.items() if k != "worker"} if "worker" in state else state
         if type(base.get("epoch")) is not int or not 0 <= base["epoch"] <= MAX_EPOCH:
             raise StateMismatchError(f"not a StreamingDataset state: {show(state)}")
         keep = (self.epoch, self._resume, self._worker_skip)
         self.epoch, self._resume, self._worker_skip = base["epoch"], base, 0
         try:
             plan, _ = self._make_plan(self._world()[1])  # check it now, not in a worker later
-            if skip:
+            if "worker" in state:  # one worker's: it continues its own share
                 self._worker_skip = self._check_worker_state(state["worker"], plan)
         except (StateMismatchError, PlanError) as e:
             self.epoch, self._resume, self._worker_skip = keep

@@ -32,7 +32,7 @@ def refuse_mistyped_url(url: str) -> None:
     and to fsspec these are local paths) and nothing exists at that local path; names the
     URL meant. A path that exists is left alone (a folder may be named ``s3:``)."""
     m = _SCHEME_WITHOUT_SLASHES.fullmatch(url)
-    if m is None or os.path.lexists(url):
+    if m is None or "::" in url or os.path.lexists(url):  # a chained URL: refuse_chained_url names it
         return
     proto, rest = m.group(1).lower(), m.group(2).lstrip("/")
     if proto not in _known_protocols():
