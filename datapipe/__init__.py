@@ -87,8 +87,8 @@ __all__ = [
 
 #: the submodules that `import datapipe` bound when it imported its parts eagerly: code that
 #: reaches them as attributes (`datapipe.cache.Tier`) imports them on first use
-_SUBMODULES = frozenset({"cache", "checkpoint", "checksum", "dataset", "decode", "format", "progress", "storage",
-                         "tarindex", "topology", "verify"})
+_SUBMODULES = frozenset({"cache", "checkpoint", "checksum", "dataset", "decode", "format", "options", "progress",
+                         "storage", "tarindex", "topology", "verify"})
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _WHERE, _SUBMODULES)
 

@@ -98,10 +98,40 @@ def _dataset_url(url: str, storage_options: dict[str, Any] | None) -> str:
     return resolve_source(url, storage_options)
 
 
-def _cmd_inspect(a: argparse.Namespace) -> int:
-    from .dataset import open_index
+def _being_packed(url: str, storage_options: dict[str, Any] | None) -> str | None:
+    """Who holds the writer lease of a pack writing ``url`` now ("writer 'ab12' (host 'h',
+    pid 7), holding it since ..."), seen without taking it; None when no pack does."""
+    from .pack.commit import LEASE, LOCK
+    from .storage import open_store
+    from .storage.lease import current_holder, describe_holder
 
-    ix = open_index(_dataset_url(a.url, a.storage_options), a.storage_options)
+    try:
+        store = open_store(url, storage_options)
+        holder = current_holder(store, LOCK if store.local_path(LOCK) is not None else LEASE)
+    except (DatapipeError, OSError):
+        return None
+    return None if holder is None else describe_holder(holder.doc, local=holder.local)
+
+
+def _open_index(url: str, storage_options: dict[str, Any] | None, command: str) -> Any:
+    """The verified index at ``url``; a destination a pack writes now is named as such (its
+    manifest is written last: it is not missing, it is not there yet)."""
+    from .dataset import open_index
+    from .errors import ObjectNotFoundError
+
+    url = _dataset_url(url, storage_options)
+    try:
+        return open_index(url, storage_options)
+    except ObjectNotFoundError:
+        holder = _being_packed(url, storage_options)
+        if holder is None:
+            raise
+        raise ObjectNotFoundError(f"no dataset at {url} yet: it is being packed now by {holder}; wait for that "
+                                  f"pack to finish, then run `datapipe {command}` again") from None
+
+
+def _cmd_inspect(a: argparse.Namespace) -> int:
+    ix = _open_index(a.url, a.storage_options, f"inspect {a.url}")
     m = ix.manifest
     info = {
         "url": ix.url,

@@ -17,10 +17,11 @@ from numpy.typing import NDArray
 
 from .checksum import checksum, verify
 from .decode import make_decoder
-from .errors import CorruptIndexError, CorruptShardError, DatapipeError, ObjectNotFoundError
+from .errors import CorruptIndexError, CorruptShardError, DatapipeError, ObjectNotFoundError, OptionError
 from .format import MANIFEST, decode_sample, parse_manifest, read_shard_table
 from .format.index import TAR_INDEX, check_shard_rows, is_checksum, sample_rows
 from .format.tar import BLOCK, next_member_name
+from .options import check_int, check_mapping, check_path, show
 from .storage import Store, open_store
 from .storage.store import is_local_url, split_url
 
@@ -145,8 +146,8 @@ class DatasetIndex:
     tile that shard. No offset is used before all of that passed."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
-        self.url = url.rstrip("/")
-        self.storage_options = storage_options
+        self.url = check_path("url", url).rstrip("/")
+        self.storage_options = None if storage_options is None else check_mapping("storage_options", storage_options)
         self.store = open_store(self.url, storage_options)
         try:
             manifest_bytes = self.store.get(MANIFEST)
@@ -354,6 +355,9 @@ class Dataset:
     as ``decode`` says (:mod:`datapipe.decode`; default None: bytes)."""
 
     def __init__(self, index: DatasetIndex, decode: Any = None) -> None:
+        if not isinstance(index, DatasetIndex):
+            raise OptionError(f"index={show(index)}: expected a DatasetIndex (open_index(url)); or call "
+                              "datapipe.open_dataset(url)")
         self.index = index
         self._decode = make_decoder(decode)
         self._key_to_pos: dict[str, int] | None = None
@@ -362,6 +366,8 @@ class Dataset:
         return self.index.num_samples
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        # an int; out of range is an IndexError, as for any sequence (iteration relies on it)
+        i = check_int("i", i, hint="a sample's position; ds.get(key) reads by key")
         if i < 0:
             i += len(self)
         shard, key, offset, length, expected = self.index.locate(i)
@@ -390,6 +396,8 @@ class Dataset:
         """The sample with key ``key``. Packed datasets have unique keys; an index of
         existing tars may hold a key twice (WebDataset allows it), and such a key is
         refused here rather than answered with one of its samples."""
+        if not isinstance(key, str):
+            raise OptionError(f"key={show(key)}: expected a sample's key (a str); ds[i] reads by position")
         if self._key_to_pos is None:
             positions: dict[str, int] = {}
             for i, k in enumerate(self.index.keys()):

@@ -38,10 +38,20 @@ Parquet table read in place is an int, a str, ... already) is left as it is.
 A decoder that raises gives a :class:`~datapipe.errors.DecodeError` naming the shard URL,
 the sample key, the field and the decoder: the field's content does not decode, which is
 not corruption (the bytes passed their checksums before they were decoded).
+
+A package a chosen decoder needs (Pillow for every image spec, torch for the ``torch``
+specs) is imported when the decoder is made, in :func:`make_decoder`: where it does not
+import, that is a :class:`~datapipe.errors.MissingDependencyError` naming the package and
+the extra that installs it (``pip install 'datapipe[images]'``), raised once, not a
+``DecodeError`` per sample. A decoder or function that finds a module missing while it runs
+(a worker process without the package; a ``decode=`` function importing one) raises the
+same error, which ``on_error="skip"`` never skips: no sample could decode. A ``decode=``
+or ``map=`` that is none of the above is an :class:`~datapipe.errors.OptionError` naming it.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import json
 from collections.abc import Callable, Mapping
@@ -50,10 +60,31 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .errors import DatapipeError, DecodeError
+from .errors import DatapipeError, DecodeError, MissingDependencyError, OptionError
+from .options import check_callable, show
 
 __all__ = ["DEFAULT_DECODERS", "IMAGE_EXTENSIONS", "IMAGE_SPECS", "DECODER_NAMES", "SampleDecoder",
-           "make_decoder"]
+           "make_decoder", "require_module"]
+
+#: module -> (the package that installs it, datapipe's extra that brings it)
+OPTIONAL_PACKAGES = {"PIL": ("Pillow", "images"), "torch": ("torch", "torch")}
+
+
+def require_module(module: str, needed_by: str) -> Any:
+    """``module`` imported, or :class:`MissingDependencyError` naming its package and the
+    extra that installs it (``needed_by`` says what needs it, e.g. ``decode='pil'``)."""
+    try:
+        return importlib.import_module(module)
+    except Exception as e:  # not installed (ImportError), or installed and broken (anything)
+        raise _missing(module.partition(".")[0], needed_by, e) from e
+
+
+def _missing(top: str, needed_by: str, e: BaseException) -> MissingDependencyError:
+    package, extra = OPTIONAL_PACKAGES.get(top, (top, None))
+    how = f"pip install 'datapipe[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
+    return MissingDependencyError(
+        f"{needed_by} needs {package}, which does not import here ({type(e).__name__}: {e}): {how} in "
+        "this environment (and in the DataLoader workers' one)")
 
 
 def _text(b: bytes) -> str:
@@ -124,18 +155,25 @@ def _torchvision() -> Any:
 
 class ImageDecoder:
     """One field's bytes -> an image as ``spec`` says (see the module docstring). Picklable:
-    it holds only the spec; PIL, numpy, torch and torchvision are imported where used."""
+    it holds only the spec; PIL (and torch) are imported when it is made, to fail there, and again
+    where used (in each worker process)."""
 
     def __init__(self, spec: str) -> None:
         if spec not in IMAGE_SPECS:
-            raise ValueError(f"unknown image spec {spec!r}; one of {', '.join(IMAGE_SPECS)}")
+            raise OptionError(f"decode={show(spec)}: unknown image spec; one of {', '.join(IMAGE_SPECS)}")
         self.spec = spec
         self.kind, self.mode = IMAGE_SPECS[spec]
         self.__name__ = spec  # named in DecodeError messages
+        self._option = f"decode={spec!r}"
+        # what the spec needs is imported now: the process that makes the decoder finds out
+        # at once, not at the first sample
+        require_module("PIL.Image", self._option)
+        if self.kind == "torch":
+            require_module("torch", self._option)
 
     def __call__(self, data: bytes) -> Any:
-        from PIL import Image
-
+        # imported again here: a worker process may lack what the main process has
+        Image = require_module("PIL.Image", self._option)
         img = Image.open(io.BytesIO(data))  # reads the header only
         limit = Image.MAX_IMAGE_PIXELS
         w, h = img.size
@@ -145,8 +183,7 @@ class ImageDecoder:
         if self.kind == "torch":
             tvio = _torchvision() if img.format in _TORCHVISION_FORMATS else None
             if tvio is not None:
-                import torch
-
+                torch = require_module("torch", self._option)
                 raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 out = tvio.decode_image(raw, mode=tvio.ImageReadMode.RGB)
                 if out.dtype == torch.uint8 and out.ndim == 3:
@@ -159,8 +196,7 @@ class ImageDecoder:
         arr = np.asarray(out)
         if self.kind == "numpy":
             return arr
-        import torch
-
+        torch = require_module("torch", self._option)
         return torch.from_numpy(arr.transpose(2, 0, 1).copy())  # a writable copy, CHW-contiguous
 
 
@@ -191,6 +227,9 @@ class SampleDecoder:
             return fn(arg)
         except DatapipeError:
             raise  # already says what and where
+        except ModuleNotFoundError as e:  # the environment's fault, the same for every sample
+            raise _missing(e.name or "?", f"the {what}= function (at {where} sample {sample.get('__key__')!r})",
+                           e) from e
         except Exception as e:  # a user function can raise anything
             why = "; the sample does not decode (its bytes passed their checks)" if what == "decode" else ""
             raise DecodeError(f"{where} sample {sample.get('__key__')!r}: the {what}= function raised "
@@ -209,6 +248,10 @@ class SampleDecoder:
                 continue  # a value a table already typed (an int, a str) is no encoding to decode
             try:
                 sample[field] = fn(value)
+            except MissingDependencyError:
+                raise  # no sample can decode: never one sample's fault
+            except ModuleNotFoundError as e:
+                raise _missing(e.name or "?", f"the decoder for .{ext}", e) from e
             except Exception as e:  # a decoder of user data can raise anything
                 name = getattr(fn, "__name__", type(fn).__name__).lstrip("_")
                 raise DecodeError(
@@ -227,37 +270,58 @@ def _table(decode: Any) -> dict[str, Callable[[bytes], Any]]:
     """The extension table of one element of ``decode=`` (a name or a dict)."""
     if isinstance(decode, Mapping):
         return {**DEFAULT_DECODERS, **{str(k).lower(): v for k, v in decode.items()}}
-    if decode == "auto":
+    if isinstance(decode, str) and decode == "auto":
         return dict(DEFAULT_DECODERS)
-    if decode == "raw":
+    if isinstance(decode, str) and decode == "raw":
         return {}
     if isinstance(decode, str) and decode in BASIC_DECODERS:
         return dict(BASIC_DECODERS[decode])
     if isinstance(decode, str) and decode in IMAGE_SPECS:
         image = ImageDecoder(decode)
         return {ext: image for ext in IMAGE_EXTENSIONS}
-    raise ValueError(f"decode={decode!r}: expected None, one of {', '.join(map(repr, DECODER_NAMES))}, a list "
-                     "of those, a dict of ext -> fn or a callable")
+    raise OptionError(f"decode={show(decode)}: expected None, one of {', '.join(map(repr, DECODER_NAMES))}, a "
+                      "list of those, a dict of ext -> fn or a callable")
+
+
+def _check_table(decode: Mapping[Any, Any]) -> None:
+    """A dict ``{ext: fn}``: str extensions, callable decoders."""
+    for k, fn in decode.items():
+        if not isinstance(k, str) or not k:
+            raise OptionError(f"decode={show(decode)}: the key {show(k)} is not an extension (a non-empty str "
+                              "such as 'jpg')")
+        check_callable(f"decode[{k!r}]", fn, hint="the decoder of one field's bytes")
 
 
 def make_decoder(decode: Any = None, map_fn: Callable[[Any], Any] | None = None) -> SampleDecoder:
     """A picklable function ``(sample, where) -> item`` applying ``decode`` (see the module
-    docstring) then ``map_fn``; :class:`ValueError` for a ``decode`` it does not know."""
-    if map_fn is not None and not callable(map_fn):
-        raise ValueError(f"map must be callable, got {map_fn!r}")
+    docstring) then ``map_fn``: :class:`OptionError` for a ``decode`` or ``map`` it does
+    not know, :class:`MissingDependencyError` where a package the decoders need does not
+    import. A :class:`SampleDecoder` (made already) is taken as it is when no ``map_fn`` is
+    given."""
+    if map_fn is not None:
+        check_callable("map", map_fn, hint="a function applied to each decoded sample, or None")
+    if isinstance(decode, SampleDecoder) and map_fn is None:
+        return decode
     if decode is None:
         return SampleDecoder(None, None, map_fn)
     if isinstance(decode, (list, tuple)):
+        if len(decode) > len(DECODER_NAMES) + 16:
+            raise OptionError(f"decode= is a list of {len(decode)} elements; it combines at most one of each "
+                              "decoder name (and a few dicts)")
         images = [d for d in decode if isinstance(d, str) and d in IMAGE_SPECS]
         if len(images) > 1:
-            raise ValueError(f"decode={list(decode)!r} names {len(images)} image specs ({', '.join(images)}); "
-                             "give one")
+            raise OptionError(f"decode={show(list(decode))} names {len(images)} image specs "
+                              f"({', '.join(images)}); give one")
         table: dict[str, Callable[[bytes], Any]] = {}
         for d in decode:
             if callable(d) and not isinstance(d, Mapping):
-                raise ValueError(f"decode={list(decode)!r}: a callable replaces every decoder; pass it alone")
+                raise OptionError(f"decode={show(list(decode))}: a callable replaces every decoder; pass it alone")
+            if isinstance(d, Mapping):
+                _check_table(d)
             table.update(_table(d))
         return SampleDecoder(table, None, map_fn)
     if callable(decode) and not isinstance(decode, Mapping):
         return SampleDecoder(None, decode, map_fn)
+    if isinstance(decode, Mapping):
+        _check_table(decode)
     return SampleDecoder(_table(decode), None, map_fn)

@@ -10,6 +10,8 @@ from __future__ import annotations
 __all__ = [
     "DatapipeError",
     "OptionError",
+    "MissingDependencyError",
+    "UrlError",
     "FormatError",
     "CorruptShardError",
     "CorruptIndexError",
@@ -30,8 +32,11 @@ __all__ = [
     "TruncatedReadError",
     "ObjectChangedError",
     "CacheBudgetError",
+    "CacheOptionError",
     "PlanError",
     "StateMismatchError",
+    "LoaderOptionError",
+    "WorkerStateError",
     "TopologyError",
     "DecodeError",
     "CheckpointError",
@@ -50,6 +55,12 @@ class OptionError(DatapipeError, ValueError):
     ``window=nan``, ``seed="abc"``): the one error for bad arguments, naming the argument,
     the value given and what it may be. A ``ValueError`` too, so ``except ValueError`` keeps
     working."""
+
+
+class MissingDependencyError(OptionError, ImportError):
+    """An option needs an optional package that does not import here (``decode="pil"``
+    without Pillow): names the package and the extra that installs it. Raised once, where
+    the option is given, and never skipped by ``on_error="skip"``: no sample can succeed."""
 
 
 # --- format: shard bytes and the index -------------------------------------------------
@@ -123,6 +134,11 @@ class StorageError(DatapipeError):
     """Reading or writing bytes at a URL failed."""
 
 
+class UrlError(StorageError, OptionError):
+    """A URL that cannot be what was meant (``s3:/bucket/x``, one slash, is a local path
+    to Python; chained fsspec URLs): names the URL to give instead."""
+
+
 class ObjectNotFoundError(StorageError, FileNotFoundError):
     """No object exists at the URL."""
 
@@ -143,6 +159,11 @@ class CacheBudgetError(StorageError):
     """A cache budget cannot hold what it is asked to hold."""
 
 
+class CacheOptionError(CacheBudgetError, OptionError):
+    """An argument of :class:`~datapipe.TieredCache` that sets a budget is out of range or
+    of the wrong kind (``hot_bytes=-1``, ``warm_bytes=1.5``)."""
+
+
 # --- plan: order, partition and resume -------------------------------------------------
 
 
@@ -152,6 +173,19 @@ class PlanError(DatapipeError):
 
 class StateMismatchError(PlanError):
     """A resume state belongs to another dataset, seed or configuration."""
+
+
+class LoaderOptionError(PlanError, OptionError):
+    """An argument of :class:`~datapipe.StreamingDataset`, :class:`~datapipe.Stream`,
+    :class:`~datapipe.StreamingDataLoader`, ``set_epoch`` or ``load_state_dict`` is out of
+    range or of the wrong kind (``window=nan``, ``seed="abc"``, ``batch_size=0``)."""
+
+
+class WorkerStateError(PlanError):
+    """``StreamingDataset.state_dict()`` asked in the main process while the dataset's pass
+    runs in DataLoader worker processes, whose progress this process cannot see: the state
+    would describe an unread pass. ``StreamingDataLoader.state_dict()`` (or torchdata's
+    ``StatefulDataLoader.state_dict()``) is the one that knows."""
 
 
 # --- topology: this process's rank among the ranks ---------------------------------------

@@ -1,8 +1,8 @@
 """Where this process stands among the ranks of a job: the one resolver of rank and world
 size that the loader and the checkpoint writer and loader share.
 
-A leaf: imports only :mod:`datapipe.errors`. It never imports torch; it asks
-``torch.distributed`` only when the caller has already imported torch.
+A leaf: imports only :mod:`datapipe.errors` and :mod:`datapipe.options`. It never imports
+torch; it asks ``torch.distributed`` only when the caller has already imported torch.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import sys
 from typing import NamedTuple
 
 from .errors import TopologyError
+from .options import show
 
 __all__ = ["Topology"]
 
@@ -29,7 +30,7 @@ class Topology(NamedTuple):
         if (isinstance(rank, bool) or isinstance(world_size, bool)  # True is an int to Python
                 or not (isinstance(rank, int) and isinstance(world_size, int) and world_size >= 1
                         and 0 <= rank < world_size)):
-            raise TopologyError(f"rank {rank!r} is not inside world size {world_size!r}")
+            raise TopologyError(f"rank {show(rank)} is not inside world size {show(world_size)}")
         return cls(rank, world_size)
 
     @classmethod

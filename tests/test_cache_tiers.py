@@ -19,7 +19,7 @@ from datapipe.cache import TieredCache, cache_report, shared_dir_stats
 from datapipe.cache.shared import SharedDir
 from datapipe.cache.warm import WarmDir, url_key
 from datapipe.checksum import checksum
-from datapipe.errors import CacheBudgetError
+from datapipe.errors import CacheBudgetError, OptionError
 from datapipe.storage import open_store
 from datapipe.storage.faults import FaultInjectingStore
 from datapipe.storage.lease import SharedFileLease
@@ -395,7 +395,7 @@ def test_local_tiers_are_checked(tmp_path):
         TieredCache(warm_dir=tmp_path / "a", warm_bytes=1, local_tiers=[Tier(tmp_path / "b", 0)])
     with pytest.raises(CacheBudgetError, match="below warm_dir"):
         TieredCache(local_tiers=[Tier(tmp_path / "b", 10)])
-    with pytest.raises(TypeError, match="Tier"):
+    with pytest.raises(OptionError, match="Tier"):  # a bad argument: OptionError, not a raw TypeError
         TieredCache(warm_dir=tmp_path / "a", warm_bytes=1, local_tiers=[(tmp_path / "b", 10)])
 
 

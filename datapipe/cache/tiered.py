@@ -29,7 +29,17 @@ from functools import partial
 from typing import Any
 
 from ..checksum import verify
-from ..errors import CacheBudgetError, DatapipeError, StorageError
+from ..errors import CacheBudgetError, CacheOptionError, DatapipeError, OptionError, StorageError
+from ..options import (
+    MAX_COUNT,
+    check_bytes,
+    check_callable,
+    check_float,
+    check_int,
+    check_mapping,
+    check_path,
+    show,
+)
 from ..storage import RetryPolicy, Store
 from .cold import CHANGE_RESTARTS, checksum_ok
 from .eviction import NextUses, Schedule, VictimChooser, choose_victims
@@ -42,6 +52,9 @@ from .shared import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_SHARED_WAIT_S
 from .warm import BROKEN_DIR_ERRNOS, WarmDir, url_key
 
 __all__ = ["TieredCache", "Tier", "CHANGE_RESTARTS"]
+
+#: the most threads ``prefetch_threads`` may start
+MAX_PREFETCH_THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -118,43 +131,54 @@ class TieredCache:
         cold_concurrency: int = DEFAULT_CEILING,
         local_tiers: Sequence[Tier] = (),
     ) -> None:
-        for name, v in (("hot_bytes", hot_bytes), ("warm_bytes", warm_bytes),
-                        ("max_inflight_bytes", max_inflight_bytes), ("shared_bytes", shared_bytes)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise CacheBudgetError(f"{name} must be a non-negative int, got {v!r}")
+        B = CacheOptionError  # a budget's error is a CacheBudgetError too
+        hot_bytes, warm_bytes = check_bytes("hot_bytes", hot_bytes, error=B), check_bytes("warm_bytes", warm_bytes,
+                                                                                          error=B)
+        shared_bytes = check_bytes("shared_bytes", shared_bytes, error=B)
+        max_inflight_bytes = check_bytes("max_inflight_bytes", max_inflight_bytes, min=1, error=B,
+                                         hint="the bytes downloading at once in this process")
+        warm_dir = None if warm_dir is None else check_path("warm_dir", warm_dir)
+        shared_dir = None if shared_dir is None else check_path("shared_dir", shared_dir)
         if warm_dir is not None and warm_bytes <= 0:
-            raise CacheBudgetError(f"warm_dir={warm_dir!s} needs warm_bytes > 0")
+            raise B(f"warm_dir={warm_dir!s} needs warm_bytes > 0")
         if warm_dir is None and warm_bytes:
-            raise CacheBudgetError("warm_bytes given without warm_dir")
+            raise B("warm_bytes given without warm_dir")
         if shared_dir is not None and shared_bytes <= 0:
-            raise CacheBudgetError(f"shared_dir={shared_dir!s} needs shared_bytes > 0")
+            raise B(f"shared_dir={shared_dir!s} needs shared_bytes > 0")
         if shared_dir is None and shared_bytes:
-            raise CacheBudgetError("shared_bytes given without shared_dir")
-        for name, t in (("lease_timeout_s", lease_timeout_s), ("shared_wait_s", shared_wait_s)):
-            if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {t!r}")
-        if not isinstance(cold_concurrency, int) or isinstance(cold_concurrency, bool) or cold_concurrency < 1:
-            raise ValueError(f"cold_concurrency must be an int >= 1, got {cold_concurrency!r}")
-        for tier in local_tiers:
+            raise B("shared_bytes given without shared_dir")
+        lease_timeout_s = check_float("lease_timeout_s", lease_timeout_s, min=0, min_open=True,
+                                      hint="a number of seconds > 0")
+        shared_wait_s = check_float("shared_wait_s", shared_wait_s, min=0, min_open=True,
+                                    hint="a number of seconds > 0")
+        pin_wait_s = check_float("pin_wait_s", pin_wait_s, min=0, hint="a number of seconds >= 0")
+        stats_interval_s = check_float("stats_interval_s", stats_interval_s, min=0, min_open=True,
+                                       hint="a number of seconds > 0")
+        cold_concurrency = check_int("cold_concurrency", cold_concurrency, min=1, max=MAX_COUNT,
+                                     hint="requests in flight to one prefix of a remote cold store")
+        prefetch_threads = check_int("prefetch_threads", prefetch_threads, min=1, max=MAX_PREFETCH_THREADS)
+        storage_options = {} if storage_options is None else check_mapping("storage_options", storage_options)
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise OptionError(f"retry={show(retry)}: expected a datapipe.storage.RetryPolicy or None")
+        if cold_wrapper is not None:
+            check_callable("cold_wrapper", cold_wrapper, hint="a picklable function Store -> Store, or None")
+        if isinstance(local_tiers, (str, bytes)) or not isinstance(local_tiers, Sequence):
+            raise OptionError(f"local_tiers={show(local_tiers)}: expected a list of Tier(path, bytes)")
+        for i, tier in enumerate(local_tiers):
             if not isinstance(tier, Tier):
-                raise TypeError(f"local_tiers takes Tier(path, bytes) records, got {tier!r}")
+                raise OptionError(f"local_tiers[{i}]={show(tier)}: local_tiers takes Tier(path, bytes) records")
+            check_path(f"local_tiers[{i}].path", tier.path)
             if not isinstance(tier.bytes, int) or isinstance(tier.bytes, bool) or tier.bytes <= 0:
-                raise CacheBudgetError(f"local tier {tier.path!s} needs bytes > 0, got {tier.bytes!r}")
+                raise B(f"local tier {tier.path!s} needs bytes > 0, got {show(tier.bytes)}")
         if local_tiers and warm_dir is None:
-            raise CacheBudgetError("local_tiers lie below warm_dir; give warm_dir (the fastest) as well")
-        _refuse_shared_folders([("warm_dir", warm_dir)]
-                               + [(f"local_tiers[{i}]", t.path) for i, t in enumerate(local_tiers)]
-                               + [("shared_dir", shared_dir)])
-        if max_inflight_bytes <= 0:
-            raise CacheBudgetError("max_inflight_bytes must be > 0")
-        if prefetch_threads < 1:
-            raise ValueError("prefetch_threads must be >= 1")
-        if not isinstance(stats_interval_s, (int, float)) or not stats_interval_s > 0:
-            raise ValueError(f"stats_interval_s must be a number > 0, got {stats_interval_s!r}")
+            raise B("local_tiers lie below warm_dir; give warm_dir (the fastest) as well")
+        folders: list[tuple[str, str | os.PathLike[str] | None]] = [("warm_dir", warm_dir), ("shared_dir", shared_dir)]
+        _refuse_shared_folders(folders[:1] + [(f"local_tiers[{i}]", t.path) for i, t in enumerate(local_tiers)]
+                               + folders[1:])
         self.hot_bytes = hot_bytes
         self.warm_dir = os.fspath(warm_dir) if warm_dir is not None else None
         self.warm_bytes = warm_bytes
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = storage_options
         self.max_inflight_bytes = max_inflight_bytes
         self.retry = retry or RetryPolicy()
         self.prefetch_threads = prefetch_threads

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
+from multiprocessing import context as mp_context
 from typing import Any, NamedTuple
 
 import torch.multiprocessing
 from torch.utils.data import DataLoader, default_collate, default_convert, get_worker_info
 
-from ..errors import PlanError
+from ..errors import LoaderOptionError, PlanError
+from ..options import MAX_COUNT, check_bool, check_callable, check_choice, check_float, check_int, show
 from .batch import Batch
 from .control import PassControl
 from .dataset import StreamingDataset, skip_report
@@ -78,6 +80,62 @@ class _Collate:
         return _Batch(self.collate(items) if items else None, len(data), skipped)
 
 
+#: the most worker processes, and batches in flight per worker, a loader may ask for
+MAX_WORKERS = 1024
+
+
+def _check_loader_options(kw: dict[str, Any]) -> None:
+    """:class:`LoaderOptionError` for a DataLoader argument that is not one, is of the
+    wrong kind, or does not apply to a StreamingDataset (whose order is its own: no
+    sampler, no shuffle); the values checked are put back as their plain types."""
+    E = LoaderOptionError
+    unknown = sorted(set(kw) - _LOADER_OPTIONS)
+    if unknown:
+        raise E(f"StreamingDataLoader({unknown[0]}=...): not an argument of it; it takes "
+                f"{', '.join(sorted(_LOADER_OPTIONS))}")
+    for name in ("sampler", "batch_sampler"):
+        if kw.get(name) is not None:
+            raise E(f"{name}={show(kw[name])}: a StreamingDataset orders its samples itself (seed=, shuffle=, "
+                    "window=); samplers do not apply")
+    if kw.get("shuffle") is not None and kw["shuffle"] is not False:
+        raise E(f"shuffle={show(kw['shuffle'])}: a StreamingDataset shuffles itself (StreamingDataset(shuffle=..., "
+                "seed=..., window=...)); leave the loader's shuffle unset")
+    if "num_workers" in kw:
+        kw["num_workers"] = check_int("num_workers", kw["num_workers"], min=0, max=MAX_WORKERS, error=E)
+    workers = kw.get("num_workers", 0)
+    if kw.get("prefetch_factor") is not None:
+        if workers == 0:
+            raise E(f"prefetch_factor={show(kw['prefetch_factor'])}: applies only with num_workers > 0")
+        kw["prefetch_factor"] = check_int("prefetch_factor", kw["prefetch_factor"], min=1, max=MAX_WORKERS,
+                                          error=E)
+    for name in ("persistent_workers", "pin_memory", "drop_last", "in_order"):
+        if name in kw:
+            kw[name] = check_bool(name, kw[name], error=E)
+    if kw.get("persistent_workers") and workers == 0:
+        raise E("persistent_workers=True: applies only with num_workers > 0")
+    if "timeout" in kw:
+        kw["timeout"] = check_float("timeout", kw["timeout"], min=0, error=E, hint="seconds to wait for a batch")
+    for name in ("collate_fn", "worker_init_fn"):
+        if kw.get(name) is not None:
+            check_callable(name, kw[name], error=E)
+    context = kw.get("multiprocessing_context")
+    if isinstance(context, str):
+        check_choice("multiprocessing_context", context, ("fork", "spawn", "forkserver"), error=E)
+    elif context is not None and not isinstance(context, mp_context.BaseContext):
+        raise E(f"multiprocessing_context={show(context)}: expected 'fork', 'spawn', 'forkserver', a "
+                "multiprocessing context or None")
+    generator = kw.get("generator")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise E(f"generator={show(generator)}: expected a torch.Generator or None")
+    if not isinstance(kw.get("pin_memory_device", ""), str):
+        raise E(f"pin_memory_device={show(kw['pin_memory_device'])}: expected a device name (a str)")
+
+
+_LOADER_OPTIONS = frozenset({"shuffle", "sampler", "batch_sampler", "num_workers", "collate_fn", "pin_memory",
+                             "drop_last", "timeout", "worker_init_fn", "multiprocessing_context", "generator",
+                             "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order"})
+
+
 class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's DataLoader is generic in its batch type; ours varies with collate_fn
     """``StreamingDataLoader(dataset, batch_size=256, num_workers=4, ...)``: a DataLoader
     over a :class:`StreamingDataset` that yields :class:`~.batch.Batch` es (bytes fields as
@@ -88,7 +146,12 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
 
     def __init__(self, dataset: StreamingDataset, batch_size: int | None = 1, **kwargs: Any) -> None:
         if not isinstance(dataset, StreamingDataset):
-            raise TypeError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
+            raise LoaderOptionError(f"dataset={show(dataset)}: StreamingDataLoader needs a StreamingDataset, got "
+                                    f"{type(dataset).__name__}")
+        if batch_size is not None:
+            batch_size = check_int("batch_size", batch_size, min=1, max=MAX_COUNT, error=LoaderOptionError,
+                                   hint="or None for one sample at a time")
+        _check_loader_options(kwargs)
         if not kwargs.get("in_order", True):
             # samples_seen counts a prefix of the stream: batches handed out of order would
             # make state_dict() skip some samples on resume and repeat others
@@ -101,7 +164,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
         kwargs.setdefault("persistent_workers", int(kwargs.get("num_workers", 0)) > 0)
         # the workers share the stream out in blocks of the batch size; without batching
         # torch takes one sample from each worker in turn, so the blocks are one sample
-        dataset.batch_size = 1 if batch_size is None else int(batch_size)
+        dataset.batch_size = 1 if batch_size is None else batch_size
         collate = kwargs.pop("collate_fn", None)
         #: batches cut by the dataset and passed through shared memory (no collate_fn given)
         self.columnar = collate is None and batch_size is not None
@@ -109,7 +172,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
         if self.columnar:
             kwargs.pop("drop_last", None)  # torch refuses it without auto-batching: applied here
             super().__init__(dataset, batch_size=None, collate_fn=_Collate(None, False), **kwargs)
-            object.__setattr__(self, "batch_size", int(batch_size))  # type: ignore[arg-type]  # checked above; DataLoader refuses a plain assignment after __init__
+            object.__setattr__(self, "batch_size", batch_size)  # DataLoader refuses a plain assignment after __init__
         else:
             if collate is None:
                 collate = default_collate if batch_size is not None else default_convert

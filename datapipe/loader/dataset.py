@@ -33,13 +33,15 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..decode import make_decoder
-from ..errors import DatapipeError, PlanError, StateMismatchError, TopologyError
-from ..plan import EpochPlan, fetch_order, layout_fingerprint, worker_chunk_steps
+from ..errors import DatapipeError, LoaderOptionError, PlanError, StateMismatchError, TopologyError, WorkerStateError
+from ..options import MAX_COUNT, check_bool, check_bytes, check_choice, check_int, check_mapping, check_path, show
+from ..plan import EpochPlan, fetch_order, layout_fingerprint, worker_batches, worker_chunk_steps
 from ..tables import ParquetTable
 from ..tarindex import resolve_source
 from ..topology import Topology
 from .batch import Batch
-from .mixing import Stream, epoch_layout, stream_targets
+from .control import WorkerPasses
+from .mixing import Stream, check_layout_size, epoch_layout, stream_targets
 from .prefetch import Chunk, Prefetcher
 from .readers import (
     ErrorPolicy,
@@ -60,18 +62,52 @@ except ImportError:  # pragma: no cover - torch is installed in the test environ
 
 __all__ = ["StreamingDataset", "resolve_topology"]
 
+#: ``window=None``: every shard
+ALL_SHARDS = 1 << 62
+#: seeds are taken modulo 2**64 by the plan: larger ones would repeat smaller ones' orders
+MAX_SEED = (1 << 64) - 1
+#: the most threads one argument may start (fetches, decode/map threads)
+MAX_THREADS = 256
+#: the most epochs :meth:`StreamingDataset.future_shards` looks ahead
+MAX_FUTURE_EPOCHS = 64
+#: the largest epoch number (a resume state holds it as a JSON integer; JSON readers hold int64)
+MAX_EPOCH = (1 << 63) - 1
+
 
 def resolve_topology(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
-    """(rank, world size): explicit (both or neither), else torch.distributed, else
-    RANK/WORLD_SIZE, else (0, 1); :class:`PlanError` when they do not fit."""
+    """(rank, world size): explicit (both or neither; :class:`LoaderOptionError` when they
+    do not fit), else torch.distributed, else RANK/WORLD_SIZE, else (0, 1)
+    (:class:`PlanError` when the environment does not fit)."""
     if (rank is None) != (world_size is None):
-        raise PlanError("give both rank and world_size, or neither")
+        raise LoaderOptionError(f"rank={show(rank)}, world_size={show(world_size)}: give both rank and world_size, "
+                                "or neither")
+    if rank is not None and world_size is not None:
+        r = check_int("rank", rank, min=0, error=LoaderOptionError)
+        w = check_int("world_size", world_size, min=1, error=LoaderOptionError)
+        try:
+            return Topology.checked(r, w)
+        except TopologyError as e:
+            raise LoaderOptionError(f"rank={show(r)}, world_size={show(w)}: {e} (0 <= rank < world_size)") from None
     try:
-        if rank is not None and world_size is not None:
-            return Topology.checked(int(rank), int(world_size))
         return Topology.resolve(environment=True)
     except TopologyError as e:
         raise PlanError(str(e)) from None
+
+
+def _check_source(source: Any) -> list[str | Stream]:
+    """``source`` as a non-empty list of URLs (str) and :class:`Stream` s, or
+    :class:`LoaderOptionError`."""
+    if isinstance(source, (str, os.PathLike, Stream)):
+        items = [source]
+    elif isinstance(source, (list, tuple)):
+        items = list(source)
+    else:
+        raise LoaderOptionError(f"source={show(source)}: expected a dataset URL (a str or os.PathLike), a list of "
+                                "URLs or a list of Stream")
+    if not items:
+        raise LoaderOptionError("source=[]: a StreamingDataset needs at least one dataset URL")
+    return [s if isinstance(s, Stream) else check_path(f"source[{i}]", s, error=LoaderOptionError)
+            for i, s in enumerate(items)]
 
 
 def _worker_info() -> Any:
@@ -88,6 +124,17 @@ def _worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
+def _share_size(start: int, stop: int, batch_size: int, worker: int, num_workers: int) -> int:
+    """Steps of ``[start, stop)`` that ``worker`` reads (whole batches in turn, the last one
+    possibly short), counted without listing them."""
+    batches = worker_batches(start, stop, batch_size, worker, num_workers)
+    total, n_batches = max(stop - start, 0), len(range(0, max(stop - start, 0), batch_size))
+    n = len(batches) * batch_size
+    if len(batches) and batches[-1] == n_batches - 1:  # the pass's last batch, maybe short, is this worker's
+        n -= n_batches * batch_size - total
+    return n
+
+
 def skip_report(skipped: Sequence[tuple[str, str | None, str]], where: str = "") -> str:
     """The warning for samples skipped in a pass: how many, the first five, ``where``."""
     shown = "; ".join(f"{u} {k!r}: {why}" for u, k, why in skipped[:5])
@@ -96,12 +143,13 @@ def skip_report(skipped: Sequence[tuple[str, str | None, str]], where: str = "")
 
 
 def _epoch_chunks(plan: EpochPlan, real: NDArray[Any], rank: int, worker: int, num_workers: int,
-                  batch_size: int, chunk_samples: int, number: int, tag: int) -> Iterator[Chunk]:
+                  batch_size: int, chunk_samples: int, number: int, tag: int, skip: int = 0) -> Iterator[Chunk]:
     """The worker's share of the rank's stream in ``plan``, as chunks numbered from
     ``number`` (:func:`datapipe.plan.worker_chunk_steps`: the first chunks are small and
     grow to full size, so the reader starts on the first batch while the prefetcher still
-    plans the rest of the window)."""
-    for steps in worker_chunk_steps(plan.start, plan.per_rank, batch_size, worker, num_workers, chunk_samples):
+    plans the rest of the window), without the share's first ``skip`` steps."""
+    for steps in worker_chunk_steps(plan.start, plan.per_rank, batch_size, worker, num_workers, chunk_samples,
+                                    skip):
         # padding samples (repeats that even out the ranks) are read like any other
         vshard, sample, _padding = plan.rank_samples(rank, steps)
         yield Chunk.make(number, steps, real[vshard], sample, tag)
@@ -210,6 +258,14 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
 
     With a plain ``DataLoader`` and ``persistent_workers=False`` (the default), each pass
     pickles this object into the workers, so ``set_epoch`` and ``load_state_dict`` reach them.
+    The workers read copies, though: this object's ``state_dict()`` then raises
+    :class:`~datapipe.errors.WorkerStateError` (it would describe an unread pass); take the
+    state from a :class:`~datapipe.loader.StreamingDataLoader`, or from torchdata's
+    ``StatefulDataLoader``, which keeps one state per worker (see :meth:`state_dict`).
+
+    Every argument is checked when the object is made, before anything is read: a value of
+    the wrong kind or out of range is a :class:`~datapipe.errors.LoaderOptionError` (an
+    ``OptionError``) naming it, never converted (``window=1.9`` is no window of 1).
 
     Reading ahead across passes (without a ``cache``): shards are fetched ahead of the
     reader within ``prefetch_bytes``, and a pass that ends (in this process, or in a
@@ -232,27 +288,40 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                  epoch_size: int | None = None, prefetch_bytes: int = 512 << 20, concurrency: int = 4,
                  chunk_samples: int = 8192, return_position: bool = False, batched: bool = False,
                  map_threads: int = 0) -> None:
-        streams = [source] if isinstance(source, (str, Stream)) else list(source)
-        if not streams:
-            raise PlanError("a StreamingDataset needs at least one dataset URL")
-        streams = resolve_source(streams, storage_options, cache)  # tar shard URLs: indexed on first use
-        self.streams = [s if isinstance(s, Stream) else Stream(os.fspath(s)) for s in streams]  # type: ignore[call-overload]  # the elements of a list[str] | list[Stream]
-        if on_error not in ("raise", "skip"):
-            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-        if int(seed) < 0:
-            raise PlanError(f"seed must be non-negative, got {seed}")
-        if window is not None and int(window) < 1:
-            raise PlanError(f"window must be at least 1 shard (or None for all), got {window}")
-        if int(batch_size) < 1 or int(chunk_samples) < 1:
-            raise ValueError("batch_size and chunk_samples must be at least 1")
-        if int(prefetch_bytes) < 1:
-            raise PlanError(f"prefetch_bytes={prefetch_bytes!r}: the byte budget for shards fetched ahead of the "
-                            "reader must be at least 1 (the default is 512 MiB; a shard the reader needs is "
-                            "fetched even when it alone exceeds the budget)")
-        if int(map_threads) < 0:
-            raise ValueError(f"map_threads must be 0 (decode and map in the reading thread) or more, got {map_threads}")
-        if int(concurrency) < 1:
-            raise PlanError(f"concurrency={concurrency!r}: shards fetched at once must be at least 1 (default 4)")
+        # every argument is checked before anything is read (indexing tar shards, opening indexes)
+        E = LoaderOptionError
+        sources = _check_source(source)
+        on_error = check_choice("on_error", on_error, ("raise", "skip"), error=E)
+        shuffle, drop_last = check_bool("shuffle", shuffle, error=E), check_bool("drop_last", drop_last, error=E)
+        return_position = check_bool("return_position", return_position, error=E)
+        batched = check_bool("batched", batched, error=E)
+        seed = check_int("seed", seed, min=0, max=MAX_SEED, error=E)
+        if window is not None:
+            window = check_int("window", window, min=1, max=ALL_SHARDS, error=E,
+                               hint="the shards a sample may be shuffled across, or None for all")
+        batch_size = check_int("batch_size", batch_size, min=1, max=MAX_COUNT, error=E,
+                               hint="the DataLoader's batch size")
+        chunk_samples = check_int("chunk_samples", chunk_samples, min=1, max=MAX_COUNT, error=E)
+        prefetch_bytes = check_bytes(
+            "prefetch_bytes", prefetch_bytes, min=1, error=E,
+            hint="the byte budget for shards fetched ahead of the reader (the default is 512 MiB; a shard the "
+                 "reader needs is fetched even when it alone exceeds the budget)")
+        concurrency = check_int("concurrency", concurrency, min=1, max=MAX_THREADS, error=E,
+                                hint="shards fetched at once (default 4)")
+        map_threads = check_int("map_threads", map_threads, min=0, max=MAX_THREADS, error=E,
+                                hint="0: decode and map in the reading thread")
+        if epoch_size is not None:
+            epoch_size = check_int("epoch_size", epoch_size, min=0, max=ALL_SHARDS, error=E,
+                                   hint="the samples of an epoch of a weighted mix, or None")
+        if rank is not None or world_size is not None:
+            rank, world_size = resolve_topology(rank, world_size)
+        if storage_options is not None:
+            storage_options = check_mapping("storage_options", storage_options, error=E)
+        if cache is not None and not callable(getattr(cache, "read", None)):
+            raise E(f"cache={show(cache)}: expected a TieredCache (an object with read(url, checksum=...)) or None")
+        self._decode = make_decoder(decode, map)  # a package the decoders need is imported here
+        streams = resolve_source(sources, storage_options, cache)  # tar shard URLs: indexed on first use
+        self.streams = [s if isinstance(s, Stream) else Stream(s) for s in streams]
         # idle shard buffers kept for reuse stay within the prefetch budget too
         if storage_options is None and cache is not None:
             # a dataset read through a cache opens its index with the cache's options: one
@@ -260,28 +329,29 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
             storage_options = dict(getattr(cache, "storage_options", None) or {}) or None
         self.source = ShardSource([s.url for s in self.streams],
                                   [s.storage_options or storage_options for s in self.streams],
-                                  max_pooled_bytes=int(prefetch_bytes))
+                                  max_pooled_bytes=prefetch_bytes)
         self.cache = cache
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.seed = seed
         #: shards a sample may move across; None (every shard) is stored as 2**62
-        self.window = (1 << 62) if window is None else int(window)
-        self.drop_last = bool(drop_last)
-        self.batch_size = int(batch_size)
+        self.window = ALL_SHARDS if window is None else window
+        self.drop_last = drop_last
+        self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
         self.on_error = on_error
         self.epoch_size = epoch_size
-        self.prefetch_bytes = int(prefetch_bytes)
-        self.concurrency = int(concurrency)
-        self.chunk_samples = int(chunk_samples)
-        self.return_position = bool(return_position)
+        self.prefetch_bytes = prefetch_bytes
+        self.concurrency = concurrency
+        self.chunk_samples = chunk_samples
+        self.return_position = return_position
         #: yield :class:`~.batch.Batch` es of ``batch_size`` samples instead of samples
-        self.batched = bool(batched)
+        self.batched = batched
         #: threads that run decode= and map= (0: the reading thread does)
-        self.map_threads = int(map_threads)
-        self._decode = make_decoder(decode, map)
+        self.map_threads = map_threads
         sizes = [int(ix.num_samples) for ix in self.source.indexes]
         self._targets = stream_targets(self.streams, sizes, epoch_size)
+        check_layout_size(self._targets, sizes, [len(ix.sample_counts) for ix in self.source.indexes],
+                          "epoch_size" if epoch_size is not None else "the streams' repeat")
         self._stream_counts = [ix.sample_counts for ix in self.source.indexes]
         mix = [s.describe() for s in self.streams] + [epoch_size]
         self.fingerprint = layout_fingerprint(self.source.counts, self.source.identity() + repr(mix))
@@ -305,6 +375,13 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         #: set by a StreamingDataLoader with persistent workers: where a worker's copy reads
         #: the epoch and resume state of each pass (see .control)
         self._control: Any = None
+        #: passes DataLoader workers started on copies of this object, and the count when this
+        #: process last knew its state itself (its own pass, set_epoch, load_state_dict)
+        self._worker_passes = WorkerPasses()
+        self._passes_seen = 0
+        #: in a DataLoader worker resumed from its own state (torchdata's StatefulDataLoader):
+        #: the worker's first steps of the pass that it handed out before
+        self._worker_skip = 0
         if sum(self._targets) == 0:
             raise PlanError(f"{', '.join(self.source.urls)}: the mix asks for no sample per epoch")
 
@@ -360,14 +437,23 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         default one: the schedule a pass hands its cache). One entry per
         fetch (see :func:`datapipe.plan.fetch_order`); shards read outside a cache (Parquet
         tables) are left out. A pass hands exactly this to its cache's ``set_schedule``."""
+        E = LoaderOptionError
+        num_workers = check_int("num_workers", num_workers, min=1, max=MAX_COUNT, error=E)
+        worker = check_int("worker", worker, min=0, max=num_workers - 1, error=E)
+        epochs = check_int("epochs", epochs, min=1, max=MAX_FUTURE_EPOCHS, error=E)
         own_rank, world = self._world()
-        rank = own_rank if rank is None else int(rank)
+        rank = own_rank if rank is None else check_int("rank", rank, min=0, max=world - 1, error=E)
+        return self._future_fetches(rank, worker, num_workers, epochs, 0)
+
+    def _future_fetches(self, rank: int, worker: int, num_workers: int, epochs: int, skip: int) -> NDArray[Any]:
+        """:meth:`future_shards`, the worker's first ``skip`` steps of the current epoch
+        left out (a worker resumed from its own state does not read them)."""
+        world = self._world()[1]
         parts = []
-        if epochs < 1:
-            raise PlanError(f"future_shards: epochs must be at least 1, got {epochs}")
         for epoch in range(self.epoch, self.epoch + epochs):
             plan, real = self._make_plan(world, epoch)
-            parts.append(fetch_order(plan, real, rank, worker, num_workers, self.batch_size, self.chunk_samples))
+            parts.append(fetch_order(plan, real, rank, worker, num_workers, self.batch_size, self.chunk_samples,
+                                     skip if epoch == self.epoch else 0))
         order = np.concatenate(parts)
         cached = self._through_cache()
         return order if cached is None else order[cached[order]]
@@ -381,16 +467,18 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         return through
 
     def set_epoch(self, epoch: int) -> None:
-        if int(epoch) < 0:
-            raise PlanError(f"epoch must be non-negative, got {epoch}")
-        self.epoch = int(epoch)
+        self.epoch = check_int("epoch", epoch, min=0, max=MAX_EPOCH, error=LoaderOptionError)
         if self._resume is not None and self._resume.get("epoch") != self.epoch:
             self._resume = None
+            self._worker_skip = 0
         self._plan = None
+        self._state_is_here()
 
     def shuffle_quality(self, batch_size: int = 256, max_batches: int = 512) -> dict[str, Any]:
         """Mean distinct shards per batch and stored-vs-delivered position correlation of
         the current epoch's order (see :mod:`datapipe.plan.quality`): what a window costs."""
+        batch_size = check_int("batch_size", batch_size, min=1, max=MAX_COUNT, error=LoaderOptionError)
+        max_batches = check_int("max_batches", max_batches, min=1, max=MAX_COUNT, error=LoaderOptionError)
         plan, _ = self._make_plan(1)
         out = plan.quality(batch_size, max_batches)
         out["window"] = self.window if self.shuffle else 0
@@ -408,30 +496,107 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
     def state_dict(self, samples_seen: int | None = None) -> dict[str, Any]:
         """Resume state once this rank has taken ``samples_seen`` samples in the current pass
         (counted from the resume point, if the pass resumed). ``None``: the samples this
-        object yielded itself (iterating in this process, without DataLoader workers)."""
+        object yielded itself (iterating in this process, without DataLoader workers).
+
+        In the main process of a pass that runs in DataLoader worker processes, ``None`` is
+        a :class:`~datapipe.errors.WorkerStateError`: this object yielded nothing, and the
+        workers' progress is not visible here. Take the state from the loader:
+        :meth:`StreamingDataLoader.state_dict` (torchdata's ``StatefulDataLoader`` works
+        too), or pass the samples the trainer took.
+
+        Inside a DataLoader worker (where torchdata's ``StatefulDataLoader`` asks each
+        worker's copy), ``None`` gives that worker's own state: the pass's resume state
+        plus ``"worker": {"id", "num_workers", "batch_size", "taken"}``, the steps of its
+        share it has handed out; :meth:`load_state_dict` in the same worker continues it."""
+        info = _worker_info()
+        if samples_seen is not None:
+            samples_seen = check_int("samples_seen", samples_seen, min=0, error=LoaderOptionError)
+        elif info is not None:
+            return self._worker_state(info)
+        elif self._worker_passes.count != self._passes_seen:
+            raise WorkerStateError(
+                "StreamingDataset.state_dict(): this dataset's pass runs in DataLoader worker processes, on copies "
+                "of it, so this object has yielded nothing and cannot see how far they got: its state would "
+                "describe an unread pass. Take the state from the loader that hands out the batches: "
+                "StreamingDataLoader(ds, batch_size=..., num_workers=...).state_dict() (or torchdata's "
+                "StatefulDataLoader.state_dict()), or pass the samples this rank consumed: "
+                "ds.state_dict(samples_seen=n)")
         plan = self._plan
         if plan is None:
             plan, _ = self._make_plan(self._world()[1])
-        seen = self._progress.steps if samples_seen is None else int(samples_seen)
+        seen = self._progress.steps if samples_seen is None else samples_seen
         if not 0 <= seen <= plan.per_rank - plan.start:
-            raise PlanError(f"samples_seen={seen} is outside [0, {plan.per_rank - plan.start}] for this pass")
+            raise LoaderOptionError(f"samples_seen={show(seen)} is outside [0, {plan.per_rank - plan.start}] for this "
+                                    "pass")
         return plan.state_dict(plan.start + seen)
 
+    def _worker_state(self, info: Any) -> dict[str, Any]:
+        """This DataLoader worker's state (see :meth:`state_dict`): the pass it runs (or,
+        before it starts, the pass it will run) and how much of its share it handed out."""
+        plan = self._plan
+        if plan is None:
+            plan, _ = self._make_plan(self._world()[1])
+        return {**plan.state_dict(plan.start),
+                "worker": {"id": int(info.id), "num_workers": int(info.num_workers), "batch_size": self.batch_size,
+                           "taken": self._progress.steps}}
+
+    def _state_is_here(self) -> None:
+        """From now on this process knows the state (its own pass, or one it set): the
+        workers' passes seen so far no longer make :meth:`state_dict` refuse."""
+        self._passes_seen = self._worker_passes.count
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` on the next pass; the world size may differ (elastic)."""
-        if not isinstance(state, dict) or not isinstance(state.get("epoch"), int) or state["epoch"] < 0:
-            raise StateMismatchError(f"not a StreamingDataset state: {state!r:.200}")
-        keep = (self.epoch, self._resume)
-        self.epoch, self._resume = state["epoch"], state
+        """Continue from ``state`` on the next pass; the world size may differ (elastic).
+        One DataLoader worker's state (see :meth:`state_dict`) loads only in that worker."""
+        if not isinstance(state, dict):
+            raise LoaderOptionError(f"state={show(state)}: expected the dict a state_dict() returned")
+        base = {k: v for k, v in state.items() if k != "worker"} if "worker" in state else state
+        if type(base.get("epoch")) is not int or not 0 <= base["epoch"] <= MAX_EPOCH:
+            raise StateMismatchError(f"not a StreamingDataset state: {show(state)}")
+        keep = (self.epoch, self._resume, self._worker_skip)
+        self.epoch, self._resume, self._worker_skip = base["epoch"], base, 0
         try:
-            self._make_plan(self._world()[1])  # check it now, not in a worker later
+            plan, _ = self._make_plan(self._world()[1])  # check it now, not in a worker later
+            if "worker" in state:  # one worker's: it continues its own share
+                self._worker_skip = self._check_worker_state(state["worker"], plan)
         except (StateMismatchError, PlanError) as e:
-            self.epoch, self._resume = keep
+            self.epoch, self._resume, self._worker_skip = keep
             raise StateMismatchError(str(e)) from None
         self._plan = None
+        self._state_is_here()
+
+    def _check_worker_state(self, worker: Any, plan: EpochPlan) -> int:
+        """The steps a worker's state says it handed out, checked against this worker."""
+        info = _worker_info()
+        if info is None:
+            raise StateMismatchError(
+                "this state is one DataLoader worker's (torchdata's StatefulDataLoader saves one per worker, "
+                "inside the workers): load it with StatefulDataLoader.load_state_dict(), which hands each "
+                "worker its own, not into the dataset in the main process")
+        fields = ("id", "num_workers", "batch_size", "taken")
+        if not isinstance(worker, dict) or not all(type(worker.get(k)) is int for k in fields):
+            raise StateMismatchError(f"the state's worker entry {show(worker)} is not {{{', '.join(fields)}: int}}")
+        mine = {"id": int(info.id), "num_workers": int(info.num_workers), "batch_size": self.batch_size}
+        for k, v in mine.items():
+            if worker[k] != v:
+                raise StateMismatchError(f"the state is of a pass with worker {k} {show(worker[k])}, this one's is "
+                                         f"{v}: "
+                                         "resume with the same num_workers and batch_size")
+        share = _share_size(plan.start, plan.per_rank, self.batch_size, mine["id"], mine["num_workers"])
+        if not 0 <= worker["taken"] <= share:
+            raise StateMismatchError(f"the state's worker took {show(worker['taken'])} steps of a share of {share}")
+        return int(worker["taken"])
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        # From here on, state_dict() describes the pass about to start (torchdata's
+        # StatefulDataLoader asks a worker's copy between iter() and its first item); a live
+        # pass keeps its own, and the new iterator refuses to start (see _pass).
+        if self._live is None:
+            self._plan, self._progress = None, Progress(self._worker_skip)
+        return self._pass()
+
+    def _pass(self) -> Iterator[Any]:
         # One pass at a time: the resume state (plan, samples yielded, skips) is the pass's,
         # and state_dict() must describe the pass the trainer consumes. Keeping state per
         # iterator would leave state_dict() to guess which one; a stray second iterator (a
@@ -449,12 +614,17 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         try:
             rank, world = self._world()
             worker, num_workers = _worker()
+            if _worker_info() is not None:
+                self._worker_passes.started()  # the main process's object: its state is not here
+            else:
+                self._state_is_here()
             if self._control is not None and _worker_info() is not None:
                 told = self._control.read()  # a persistent worker: the main process's epoch and resume point
                 if told is not None:
                     self.epoch, self._resume = told
+                    self._worker_skip = 0
             plan, real = self._make_plan(world)
-            self._plan, self._progress = plan, Progress()
+            self._plan, self._progress = plan, Progress(self._worker_skip)
             self.skipped = []  # reported at the end of each pass, then started afresh
             on_error = ErrorPolicy(self.on_error == "skip", self.skipped)
             key = _PassKey(self.epoch, rank, world, worker, num_workers, self.batch_size, self.chunk_samples)
@@ -495,7 +665,8 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         if cache is None or not hasattr(cache, "set_schedule"):
             return
         try:
-            urls = [self.source.url(g) for g in self.future_shards(rank, worker, num_workers).tolist()]
+            fetches = self._future_fetches(rank, worker, num_workers, 2, self._worker_skip)
+            urls = [self.source.url(g) for g in fetches.tolist()]
             # reads reach the cache out of order by fewer than `concurrency` places (fetches
             # run in parallel); a wider window would let a late read match a later occurrence
             # of its shard and move the cache's position past reads still to come
@@ -508,6 +679,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         """The resumed pass is over: the next pass starts the epoch afresh (called at the end of
         each pass, and by a :class:`~datapipe.loader.StreamingDataLoader` whose workers read it)."""
         self._resume = None
+        self._worker_skip = 0
 
     def _pass_prefetcher(self, plan: EpochPlan, real: NDArray[Any],
                          key: _PassKey) -> tuple[Prefetcher, int, int, Iterator[Chunk]]:
@@ -527,7 +699,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         # when set_epoch() moved it on (or on the first pass), the same one when it did not.
         step = 0 if last == key.epoch else 1
         chunks = _epoch_chunks(plan, real, key.rank, key.worker, key.num_workers, key.batch_size,
-                               key.chunk_samples, 0, 0)
+                               key.chunk_samples, 0, 0, self._worker_skip)
         # Only where a next pass will come in this process (the main process, or a worker
         # of a StreamingDataLoader that keeps its workers; others exit after one pass), and
         # without a cache: a cache is told each pass's fetches to the end of the next epoch

@@ -18,10 +18,17 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import PlanError
+from ..errors import LoaderOptionError, PlanError
+from ..options import check_float, check_mapping, check_path
 from ..plan import derive_key
 
-__all__ = ["Stream", "epoch_layout", "stream_targets"]
+__all__ = ["Stream", "epoch_layout", "stream_targets", "check_layout_size", "MAX_VIRTUAL_SHARDS"]
+
+#: the most shards an epoch's layout may list (a shard once per pass over its stream): the
+#: layout is two int64 arrays of this length, built every epoch
+MAX_VIRTUAL_SHARDS = 1 << 24
+#: the most passes over one stream an epoch may ask for
+MAX_REPEAT = float(1 << 20)
 
 
 @dataclass(frozen=True)
@@ -35,12 +42,20 @@ class Stream:
     storage_options: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        # frozen: the checked values are set through object.__setattr__
+        object.__setattr__(self, "url", check_path("Stream(url)", self.url, error=LoaderOptionError))
         if self.weight is not None and self.repeat is not None:
-            raise PlanError(f"stream {self.url}: give weight or repeat, not both")
+            raise LoaderOptionError(f"stream {self.url}: give weight or repeat, not both")
         for name in ("weight", "repeat"):
             v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and v >= 0 and np.isfinite(v)):
-                raise PlanError(f"stream {self.url}: {name} must be a non-negative number, got {v!r}")
+            if v is not None:
+                hint = f"stream {self.url}: {'a relative share' if name == 'weight' else 'passes per epoch'}"
+                # checked, not converted: the value as given is part of the mix's fingerprint
+                check_float(f"Stream({name})", v, min=0, max=MAX_REPEAT if name == "repeat" else None, hint=hint,
+                            error=LoaderOptionError)
+        if self.storage_options is not None:
+            object.__setattr__(self, "storage_options", check_mapping(
+                "Stream(storage_options)", self.storage_options, error=LoaderOptionError))
 
     def describe(self) -> list[Any]:
         return [self.url, self.weight, self.repeat]
@@ -76,6 +91,17 @@ def stream_targets(streams: list[Stream], sizes: list[int], epoch_size: int | No
         if t > 0 and sizes[i] == 0:
             raise PlanError(f"stream {streams[i].url} holds no sample but is asked for {t}")
     return targets
+
+
+def check_layout_size(targets: list[int], sizes: list[int], shards: list[int], what: str) -> None:
+    """:class:`LoaderOptionError` (naming ``what``: the mix's repeats or ``epoch_size``)
+    when an epoch would list more than :data:`MAX_VIRTUAL_SHARDS` shards: each whole pass
+    over a stream lists all its shards, and the layout is built every epoch."""
+    total = sum((t // n + 1) * k for t, n, k in zip(targets, sizes, shards) if n > 0 and t > 0)
+    if total > MAX_VIRTUAL_SHARDS:
+        raise LoaderOptionError(f"{what}: an epoch of {sum(targets)} samples would list {total} shards (each pass "
+                                f"over a stream lists all of its shards), more than {MAX_VIRTUAL_SHARDS}; ask "
+                                "for fewer passes per epoch (or iterate more epochs)")
 
 
 def epoch_layout(stream_counts: list[NDArray[Any]], targets: list[int], seed: int,

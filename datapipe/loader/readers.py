@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import CorruptIndexError, CorruptShardError, DatapipeError, FormatError
+from ..errors import CorruptIndexError, CorruptShardError, DatapipeError, FormatError, MissingDependencyError
 from ..format import decode_sample
 from ..format.layout import MemberTable, ShardLayout
 from ..format.rows import python_rows, row_fields
@@ -88,8 +88,9 @@ class ErrorPolicy:
         self.skipped = skipped
 
     def __call__(self, url: str, key: str | None, error: BaseException, why: str | None = None) -> Skipped:
-        if not self.skip or not isinstance(error, DatapipeError) or isinstance(error, CorruptIndexError):
-            raise error  # an index that fails is not one sample's fault: never skipped
+        if not self.skip or not isinstance(error, DatapipeError) \
+                or isinstance(error, (CorruptIndexError, MissingDependencyError)):
+            raise error  # an index that fails, a package missing: not one sample's fault, never skipped
         marker = Skipped(url, key, str(error) if why is None else why)
         self.skipped.append((marker.url, marker.key, marker.why))
         return marker

@@ -7,7 +7,7 @@ Holds: ``shuffle`` (epoch orders, the ``ALGORITHMS`` registry), ``permutation`` 
 Feistel permutations), ``partition`` (splits over ranks and workers, elastic regrouping),
 ``resume`` (the state of a few integers), ``quality`` (how well an order shuffles),
 ``future`` (a worker's chunks and the shard fetches they make, for a cache's schedule),
-``arrays`` (the numpy array types). May import only :mod:`datapipe.errors`,
+``arrays`` (the numpy array types). May import only :mod:`datapipe.errors`, :mod:`datapipe.options`,
 :mod:`datapipe.checksum` and numpy.
 
     plan = EpochPlan(counts, seed=0, epoch=3, window=16, world=8, drop_last=False)

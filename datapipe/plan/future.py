@@ -42,10 +42,12 @@ class _RankPlan(Protocol):
 
 
 def worker_chunk_steps(start: int, stop: int, batch_size: int, worker: int, num_workers: int,
-                       chunk_samples: int) -> Iterator[Int64s]:
+                       chunk_samples: int, skip: int = 0) -> Iterator[Int64s]:
     """The local steps of each chunk ``worker`` reads of ``[start, stop)``, in order: whole
     batches, one in the first chunk, four times as many in each next, at most
-    ``max(1, chunk_samples // batch_size)`` batches per chunk."""
+    ``max(1, chunk_samples // batch_size)`` batches per chunk. ``skip``: leave out the
+    worker's first ``skip`` steps (those it handed out before a resume), the chunks cut as
+    without it."""
     if chunk_samples < 1:
         raise PlanError(f"chunk_samples must be at least 1, got {chunk_samples}")
     batches = worker_batches(start, stop, batch_size, worker, num_workers)
@@ -53,8 +55,13 @@ def worker_chunk_steps(start: int, stop: int, batch_size: int, worker: int, num_
     i, size = 0, 1
     while i < len(batches):
         take = min(size, per_chunk)
-        yield batch_steps(start, stop, batch_size, batches[i : i + take])
+        steps = batch_steps(start, stop, batch_size, batches[i : i + take])
         i, size = i + take, size * 4
+        if skip >= len(steps):
+            skip -= len(steps)
+            continue
+        yield steps[skip:] if skip else steps
+        skip = 0
 
 
 def first_use(shards: Any) -> Int64s:
@@ -78,15 +85,16 @@ def chunk_fetches(chunk_shards: Iterable[Sequence[int]]) -> Iterator[int]:
 
 
 def fetch_order(plan: _RankPlan, real: Any, rank: int, worker: int, num_workers: int, batch_size: int,
-                chunk_samples: int) -> Int64s:
+                chunk_samples: int, skip: int = 0) -> Int64s:
     """The shards ``worker`` of ``rank`` fetches, in order, reading ``plan`` from its resume
-    point (``plan.start``) to the end: real shard numbers (``real[virtual shard]``), one entry
-    per fetch, repeats where a shard is fetched again by a later chunk."""
+    point (``plan.start``, and the worker's first ``skip`` steps left out) to the end: real
+    shard numbers (``real[virtual shard]``), one entry per fetch, repeats where a shard is
+    fetched again by a later chunk."""
     real_arr = np.asarray(real, dtype=np.int64)
 
     def shards() -> Iterator[list[int]]:
         for steps in worker_chunk_steps(plan.start, plan.per_rank, batch_size, worker, num_workers,
-                                        chunk_samples):
+                                        chunk_samples, skip):
             vshard, _sample, _pad = plan.rank_samples(rank, steps)
             yield first_use(real_arr[vshard]).tolist()
 

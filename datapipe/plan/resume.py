@@ -17,6 +17,7 @@ import numpy as np
 
 from ..checksum import checksum
 from ..errors import PlanError, StateMismatchError
+from ..options import show
 from .arrays import ArrayLike
 from .partition import Partition, Split
 
@@ -60,9 +61,9 @@ def read_state(state: Any, key: OrderKey) -> tuple[int, Partition]:
     """(epoch, partition) from a state made by :func:`make_state` for the same ``key``."""
     if not isinstance(state, dict):
         raise StateMismatchError(f"a loader state must be a dict, got {type(state).__name__}")
-    if state.get("version") != STATE_VERSION:
+    if type(state.get("version")) is not int or state.get("version") != STATE_VERSION:  # True == 1 too
         raise StateMismatchError(
-            f"loader state version {state.get('version')!r} is not {STATE_VERSION}; "
+            f"loader state version {show(state.get('version'))} is not {STATE_VERSION}; "
             "it was not written by this loader"
         )
     for name, mine in (
@@ -73,22 +74,22 @@ def read_state(state: Any, key: OrderKey) -> tuple[int, Partition]:
         ("window", key.window),
     ):
         theirs = state.get(name)
-        if theirs != mine:
+        if type(theirs) is not type(mine) or theirs != mine:
             what = "another dataset" if name in ("fingerprint", "num_samples") else f"another {name}"
             raise StateMismatchError(
-                f"loader state belongs to {what}: its {name} is {theirs!r}, this loader's is {mine!r}"
+                f"loader state belongs to {what}: its {name} is {show(theirs)}, this loader's is {show(mine)}"
             )
     epoch = state.get("epoch")
     splits = state.get("splits")
-    if not isinstance(epoch, int) or epoch < 0:
-        raise StateMismatchError(f"loader state has an invalid epoch {epoch!r}")
+    if type(epoch) is not int or epoch < 0:
+        raise StateMismatchError(f"loader state has an invalid epoch {show(epoch)}")
     if not isinstance(splits, list) or not splits:
-        raise StateMismatchError(f"loader state has invalid splits {splits!r}")
+        raise StateMismatchError(f"loader state has invalid splits {show(splits)}")
     try:
         parsed = []
         for s in splits:
-            if not (isinstance(s, (list, tuple)) and len(s) == 4 and all(isinstance(x, int) for x in s)):
-                raise PlanError(f"split {s!r} is not four integers")
+            if not (isinstance(s, (list, tuple)) and len(s) == 4 and all(type(x) is int for x in s)):
+                raise PlanError(f"split {show(s)} is not four integers")
             parsed.append(Split(*s))
         part = Partition(key.num_samples, tuple(parsed))
     except PlanError as e:

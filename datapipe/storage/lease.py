@@ -42,13 +42,14 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..checksum import checksum
 from ..errors import ObjectNotFoundError, StorageError
 from .store import Store
 
-__all__ = ["WriterLease", "SharedFileLease", "LeaseBusyError", "LeaseLostError", "MAX_LEASE_BYTES"]
+__all__ = ["WriterLease", "SharedFileLease", "LeaseBusyError", "LeaseLostError", "LeaseHolder", "current_holder",
+           "MAX_LEASE_BYTES"]
 
 #: a lease document is small; anything larger is not one
 MAX_LEASE_BYTES = 1 << 16
@@ -419,6 +420,86 @@ class WriterLease:
 
 
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+class LeaseHolder(NamedTuple):
+    """A writer lease's live holder, seen from outside: its document (None while being
+    written, or unreadable) and whether the lease is a flock (see :func:`describe_holder`)."""
+
+    doc: dict[str, Any] | None
+    local: bool
+
+
+def current_holder(store: Store, key: str) -> LeaseHolder | None:
+    """Who holds the :class:`WriterLease` at ``key`` now, seen without taking it: None when
+    nobody does (no lease, or one its holder left behind).
+
+    A local lease is held while its file is ``flock``-ed, which the kernel lists in
+    ``/proc/locks`` (testing with a lock of our own, even a shared one, would make a writer
+    starting that instant fail to take it); where that list cannot be read, while the
+    document's writer runs on this host. An object-store lease is held while its heartbeat
+    is younger than its ttl and its writer is not known dead."""
+    path = store.local_path(key)
+    if path is None:
+        try:
+            size = store.size(key)
+            doc = _decode_json(store.get_range(key, 0, size)) if 0 < size <= MAX_LEASE_BYTES else None
+        except (OSError, StorageError):  # gone (released), or unreadable: no holder to name
+            return None
+        hb, ttl = (doc or {}).get("heartbeat_unix"), (doc or {}).get("ttl_s")
+        live = isinstance(hb, (int, float)) and isinstance(ttl, (int, float)) and time.time() - hb <= ttl
+        return LeaseHolder(doc, False) if live and not holder_is_dead_here(doc) else None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        doc = _decode_json(os.pread(fd, MAX_LEASE_BYTES, 0))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    locked = _flocked(st, doc)
+    if locked is None:  # no lock list to read: judge by the holder's process
+        pid = (doc or {}).get("pid")
+        locked = (doc is not None and doc.get("host") == socket.gethostname() and isinstance(pid, int)
+                  and pid > 0 and not holder_is_dead_here(doc) and _pid_exists(pid))
+    return LeaseHolder(doc, True) if locked else None
+
+
+def _flocked(st: os.stat_result, doc: dict[str, Any] | None) -> bool | None:
+    """Whether ``/proc/locks`` lists a flock on the file ``st`` describes (None: no list).
+    A line names the file by device and inode; on an overlay filesystem the device it
+    names may be the layer's, so an entry with the inode and the document's pid counts too."""
+    try:
+        with open("/proc/locks", "rb") as f:
+            lines = f.read(1 << 22).decode("ascii", "replace").splitlines()
+    except OSError:
+        return None
+    dev_ino = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pid = str((doc or {}).get("pid"))
+    for line in lines:
+        parts = line.split()
+        if "FLOCK" not in parts or len(parts) < 6:
+            continue
+        i = parts.index("FLOCK")  # "N: FLOCK ADVISORY WRITE pid maj:min:ino start end" (or "-> ..." waiters)
+        if len(parts) < i + 5 or parts[0] == "->" or parts[1] == "->":
+            continue
+        where, who = parts[i + 4], parts[i + 3]
+        if where == dev_ino or (where.rpartition(":")[2] == str(st.st_ino) and who == pid):
+            return True
+    return False
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class SharedFileLease:

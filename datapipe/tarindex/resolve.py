@@ -23,9 +23,12 @@ import time
 from typing import Any, TypeVar, cast
 
 from ..dataset import Dataset, open_index
+from ..decode import make_decoder
 from ..errors import CorruptIndexError, DestinationBusyError, PlanError, StorageError
 from ..format import MANIFEST
 from ..format.index import TAR_INDEX
+from ..options import check_mapping
+from ..storage.opening import refuse_mistyped_url
 from .build import index_shards
 from .urls import ShardRef, expand_urls, is_tar_source, stat_shards
 
@@ -96,13 +99,19 @@ def resolve_source(source: _Source, storage_options: dict[str, Any] | None = Non
 def _resolve(source: Any, storage_options: dict[str, Any] | None, cache: Any) -> Any:
     if isinstance(source, (str, os.PathLike)):
         url = os.fspath(source)
+        refuse_mistyped_url(url)  # before a tar pattern's local path is made absolute
         return index_location(url, storage_options, cache) if is_tar_source(url) else url
     if isinstance(source, (list, tuple)):
         items = list(source)
+        for s in items:
+            if isinstance(s, (str, os.PathLike)):
+                refuse_mistyped_url(os.fspath(s))
         if items and all(isinstance(s, (str, os.PathLike)) and is_tar_source(os.fspath(s)) for s in items):
             return [index_location([os.fspath(s) for s in items], storage_options, cache)]
         return [_resolve(s, storage_options, cache) for s in items]
     url = getattr(source, "url", None)
+    if isinstance(url, str):
+        refuse_mistyped_url(url)
     if dataclasses.is_dataclass(source) and isinstance(url, str) and is_tar_source(url):
         opts = getattr(source, "storage_options", None) or storage_options
         return dataclasses.replace(source, url=index_location(url, opts, cache))  # type: ignore[type-var]  # a Stream
@@ -117,6 +126,9 @@ def open_dataset(source: Any, storage_options: dict[str, Any] | None = None, cac
     :func:`index_location`). ``decode``: what each sample's fields become, as for
     :class:`~datapipe.StreamingDataset` (None: bytes; "auto", "pil", "torch", ...: see
     :mod:`datapipe.decode`)."""
+    decoder = make_decoder(decode)  # a bad decode= (or a package it needs missing) before any indexing
+    if storage_options is not None:
+        storage_options = check_mapping("storage_options", storage_options)
     url = resolve_source(source, storage_options, cache)
     if isinstance(url, list):
         if len(url) != 1:
@@ -129,4 +141,4 @@ def open_dataset(source: Any, storage_options: dict[str, Any] | None = None, cac
         raise PlanError(f"{url} is a Parquet table: StreamingDataset reads it in place (by row group); "
                         f"open_dataset's random access needs it packed first: `datapipe pack {url} DEST`, "
                         "then open_dataset(DEST)")
-    return Dataset(open_index(url, storage_options), decode)
+    return Dataset(open_index(url, storage_options), decoder)
