@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 import sys
+from decimal import Decimal
 from typing import Any
 
 from ._version import __version__
@@ -15,11 +16,16 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.I)
 
 
 def parse_size(text: str) -> int:
-    """``'128M' -> 134217728``; plain numbers are bytes."""
+    """``'128M' -> 134217728``; plain numbers are bytes. A size that is no whole number of
+    bytes (``1.5``, ``0.3K``) is refused, not rounded."""
     m = _SIZE_RE.match(text)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 65536, 64M, 1G)")
-    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " "))
+    value = Decimal(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " ")
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r} is {value} bytes "
+                                         "(e.g. 65536, 64M, 1.5G)")
+    return int(value)
 
 
 def _storage_options(text: str | None) -> dict[str, Any] | None:

@@ -29,6 +29,7 @@ __all__ = [
     "StorageError",
     "ObjectNotFoundError",
     "RemoteError",
+    "ThrottledError",
     "TruncatedReadError",
     "ObjectChangedError",
     "CacheBudgetError",
@@ -145,6 +146,12 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
 
 class RemoteError(StorageError):
     """The remote store failed, after the configured retries."""
+
+
+class ThrottledError(RemoteError):
+    """The remote store kept asking us to slow down (503 SlowDown, 429) for a request's
+    whole total deadline (``RetryPolicy.deadline_s``): throttling is waited out, not
+    counted as failed attempts, until then."""
 
 
 class TruncatedReadError(StorageError):

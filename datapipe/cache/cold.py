@@ -12,7 +12,14 @@ from typing import Any
 
 from ..checksum import checksum as compute_checksum
 from ..checksum import verify
-from ..errors import CacheBudgetError, DatapipeError, ObjectChangedError, ObjectNotFoundError, StorageError
+from ..errors import (
+    CacheBudgetError,
+    DatapipeError,
+    ObjectChangedError,
+    ObjectNotFoundError,
+    StorageError,
+    ThrottledError,
+)
 from ..storage import FsspecStore, Store, open_store, split_url
 from ..storage.retry import RetryPolicy, call_with_retry, fetch_object, fetch_range, single_layer_options
 from ..storage.store import is_local_url
@@ -78,7 +85,7 @@ class ColdReader:
                 self.stores[root] = store
                 if self.pacer is not None and not is_local_url(root):
                     # outermost: it sees every answer
-                    store = PacedStore(store, self.pacer, self.retry.attempt_timeout_s)
+                    store = PacedStore(store, self.pacer, self.retry.deadline_s)
                 self._paced[root] = store
         return store, name
 
@@ -115,8 +122,8 @@ class ColdReader:
             except ObjectChangedError as e:
                 last: DatapipeError = e
             except StorageError as e:
-                if isinstance(e, (ObjectNotFoundError, CacheBudgetError)):
-                    raise
+                if isinstance(e, (ObjectNotFoundError, CacheBudgetError, ThrottledError)):
+                    raise  # (throttled for a whole deadline: no probe asks the store again)
                 # A failure may come from a size or version remembered from before the
                 # object changed (a range past its new end): ask once, compare.
                 if self.stat(url, fresh=True) == (size, version):

@@ -19,8 +19,10 @@ whole too fast. So:
 * one retry layer: the throttled request itself is retried by storage/retry.py (which
   classifies it, :func:`storage.retry.is_throttle`); pacing only gates and reacts.
 
-Waiting for a slot happens inside the request's attempt, so it counts against the
-attempt's timeout (``RetryPolicy.attempt_timeout_s``).
+Waiting for a slot (and a pause after throttling) happens inside the request's attempt,
+marked :func:`storage.retry.queued`: being paced is not a failed attempt, so it does not
+count against the attempt's timeout (``RetryPolicy.attempt_timeout_s``), only against the
+request's total deadline (``RetryPolicy.deadline_s``), which bounds the wait for a slot too.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any
 import xxhash
 
 from ..storage import Store
-from ..storage.retry import is_throttle
+from ..storage.retry import is_throttle, queued
 from .lockfds import close_lock, open_lock
 
 __all__ = ["ColdPacer", "PacedStore", "pacing_prefix", "pacing_state", "PACING_DIR", "DEFAULT_CEILING"]
@@ -242,9 +244,22 @@ class ColdPacer:
     @contextmanager
     def slot(self, prefix: str, max_wait_s: float | None = None) -> Iterator[None]:
         """Hold one of the prefix's ``limit`` slots (node-wide) for one request. Waiting
-        longer than ``max_wait_s`` raises TimeoutError without taking one: by then the
-        retry layer has given up on this attempt, and a slot it took later would send a
-        request whose answer nobody reads."""
+        longer than ``max_wait_s`` (the request's deadline) raises TimeoutError without
+        taking one: by then the retry layer has given up on this attempt, and a slot it
+        took later would send a request whose answer nobody reads. The wait is
+        :func:`~datapipe.storage.retry.queued`: the attempt's timeout does not run meanwhile."""
+        with queued():
+            held = self._take_slot(prefix, max_wait_s)
+        try:
+            yield
+        finally:
+            fds, locks = self._slot_fds[prefix], self._slot_locks[prefix]
+            if fds:
+                fcntl.flock(fds[held], fcntl.LOCK_UN)
+            locks[held].release()
+
+    def _take_slot(self, prefix: str, max_wait_s: float | None) -> int:
+        """Wait out the prefix's pause, then take a free slot: its number."""
         t0 = time.monotonic()
         pause = _SLOT_POLL_S
         held = -1
@@ -281,13 +296,7 @@ class ColdPacer:
         waited = time.monotonic() - t0
         if waited > 0.001:
             self.count(pacing_wait_seconds=waited)
-        try:
-            yield
-        finally:
-            fds, locks = self._slot_fds[prefix], self._slot_locks[prefix]
-            if fds:
-                fcntl.flock(fds[held], fcntl.LOCK_UN)
-            locks[held].release()
+        return held
 
     def call(self, prefix: str, fn: Callable[[], Any], max_wait_s: float | None = None) -> Any:
         """``fn()`` holding a slot (waiting at most ``max_wait_s`` for one); its answer
@@ -320,7 +329,7 @@ class PacedStore(Store):
         self.inner = inner
         self.pacer = pacer
         self.prefix = pacing_prefix(inner.root + "/x")
-        #: how long a request waits for a slot: the retry policy's attempt timeout
+        #: how long a request waits for a slot: the retry policy's total deadline
         self.max_wait_s = max_wait_s
 
     def url(self, key: str) -> str:

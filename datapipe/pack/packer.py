@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import errno
 import multiprocessing as mp
+import numbers
 import os
+import re
 import signal
 import stat
 import sys
@@ -53,7 +55,19 @@ from .sources import (
     list_directory,
     source_kind,
 )
-from .writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits, checked_compression
+from .writer import (
+    DEFAULT_SHARD_BYTES,
+    DEFAULT_SHARD_SAMPLES,
+    ShardLimits,
+    bad_option,
+    checked_compression,
+    checked_level,
+    checked_storage_options,
+    checked_workers,
+    option_flag,
+    option_path,
+    oversized_samples,
+)
 
 __all__ = ["pack", "PackResult", "parse_part", "part_dir", "plan_shards", "pack_shard", "commit_shards"]
 
@@ -80,6 +94,10 @@ class PackResult:
     #: (key, its first few file paths relative to the source, its number of files) of the
     #: first few such samples
     merged_examples: list[tuple[str, list[str], int]] = field(default_factory=list)
+    #: samples larger than the shard limit, each put in a shard of its own (the only shards
+    #: over the limit), and (key, size in the tar) of the first few
+    oversized: int = 0
+    oversized_examples: list[tuple[str, int]] = field(default_factory=list)
 
     def summary(self) -> str:
         mb = self.input_bytes / 1e6
@@ -90,6 +108,11 @@ class PackResult:
         ]
         if self.resumed_shards:
             lines.append(f"  {self.resumed_shards} shards were already done by an earlier run")
+        if self.oversized:
+            shown = ", ".join(f"{key} ({size:,} bytes)" for key, size in self.oversized_examples)
+            more = ", ..." if self.oversized > len(self.oversized_examples) else ""
+            lines.append(f"  {self.oversized:,} samples larger than --shard-bytes were each put in a shard of their "
+                         f"own, e.g. {shown}{more}")
         lines += self._tree_report()
         if self.skipped:
             lines.append(f"  SKIPPED {len(self.skipped)} inputs:")
@@ -138,16 +161,25 @@ def describe_tree(result: PackResult, src: str, dropped: list[tuple[str, str]], 
                 result.merged_examples.append((s.key, shown, len(s.files)))
 
 
-def parse_part(part: str | tuple[int, int] | None) -> tuple[int, int] | None:
-    """``"2/8" -> (2, 8)``: part 2 (0-based) of 8."""
-    if part is None or isinstance(part, tuple):
-        return part
-    try:
-        i, n = (int(x) for x in part.split("/"))
-    except ValueError:
-        raise PackOptionError(f"--part must look like I/N (e.g. 0/4), not {part!r}") from None
-    if not 0 <= i < n:
-        raise PackOptionError(f"--part {part}: need 0 <= I < N")
+_PART = re.compile(r"\s*([0-9]+)\s*/\s*([0-9]+)\s*")
+
+
+def parse_part(part: object) -> tuple[int, int] | None:
+    """``"2/8" -> (2, 8)``: part 2 (0-based) of 8; a tuple ``(2, 8)`` is checked the same."""
+    if part is None:
+        return None
+    if isinstance(part, str):
+        m = _PART.fullmatch(part)
+        if m is None:
+            raise bad_option("part", part, "must look like I/N (e.g. 0/4): part I (from 0) of N")
+        i, n = int(m.group(1)), int(m.group(2))
+    elif (isinstance(part, tuple) and len(part) == 2
+          and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in part)):
+        i, n = int(part[0]), int(part[1])
+    else:
+        raise bad_option("part", part, "must be None, 'I/N' (e.g. '0/4') or a tuple (I, N) of integers")
+    if not 0 <= i < n <= 2**63 - 1:
+        raise bad_option("part", part, "needs 0 <= I < N: part I (from 0) of N")
     return i, n
 
 
@@ -313,13 +345,13 @@ class _AllSkipped(Exception):
 
 def plan_shards(samples: list[FileSample], max_bytes: int, max_samples: int) -> list[list[FileSample]]:
     """Cut listed samples, in order, into shards of at most ``max_bytes`` tar bytes and
-    ``max_samples`` samples (the files of a sample are never split)."""
+    ``max_samples`` samples (the files of a sample are never split; a sample larger than
+    ``max_bytes`` is a shard of its own)."""
     shards: list[list[FileSample]] = []
     cur: list[FileSample] = []
     cur_bytes = 0
     limits = ShardLimits(max_bytes, max_samples)
     for s in samples:
-        limits.check(s.key, s.tar_bytes, f"{s.files[0][1]}: ")
         if limits.starts_new(cur_bytes, len(cur), s.tar_bytes):
             shards.append(cur)
             cur, cur_bytes = [], 0
@@ -370,17 +402,30 @@ def pack(
     listed in ``PackResult.skipped``. One pack writes a destination at a time: a second
     gets `DestinationBusyError`. A folder of nothing but tar files (existing shards) is
     refused, pointing at `datapipe index`, unless ``tars_as_files`` (pack each tar as one
-    sample's field)."""
+    sample's field).
+
+    Shards hold at most ``shard_bytes`` tar bytes and ``shard_samples`` samples; a sample
+    larger than ``shard_bytes`` is put in a shard of its own (webdataset's convention: that
+    shard alone exceeds the limit), counted in ``PackResult.oversized``. Every argument is
+    checked before anything is read or written: a bad one raises
+    :class:`~datapipe.errors.PackOptionError` naming it."""
     t0 = time.perf_counter()
+    src, dest = option_path(src, "src"), option_path(dest, "dest")
+    limits = ShardLimits(shard_bytes, shard_samples, names=("shard_bytes", "shard_samples"))
     compression = checked_compression(compression)
-    if shard_bytes <= 2048 or shard_samples <= 0:
-        raise PackOptionError("shard_bytes must be > 2048 and shard_samples > 0")
+    level = checked_level(level)
+    workers = checked_workers(workers)
     parsed = parse_part(part)
+    storage_options = checked_storage_options(storage_options)
+    for name, flag in (("overwrite", overwrite), ("skip_errors", skip_errors), ("progress", progress),
+                       ("follow_links", follow_links), ("tars_as_files", tars_as_files)):
+        option_flag(flag, name)
+    if not isinstance(keys, str) or keys not in KEY_RULES:
+        raise bad_option("keys", keys, f"must be one of {', '.join(KEY_RULES)}")
+    shard_bytes, shard_samples = limits.max_bytes, limits.max_samples
     if parsed is not None:
         dest = dest.rstrip("/") + "/" + part_dir(*parsed)
     kind = source_kind(src)
-    if keys not in KEY_RULES:
-        raise PackOptionError(f"keys={keys!r}: expected one of {', '.join(KEY_RULES)}")
     if keys != "first-dot" and kind != "directory":
         raise PackOptionError(f"keys={keys!r} applies to a directory of files; {src} is a {kind} table "
                               "(a row is a sample, a column a field)")
@@ -508,7 +553,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
         stop.set()
         poller.join()
         bar.close()
-    return commit_shards(lock, work, names, done, opts["compression"], result)
+    return commit_shards(lock, work, names, done, opts["compression"], result, max_bytes=opts["shard_bytes"])
 
 
 def _worker_lost(store: Store, new_shards: int) -> PackError:
@@ -536,10 +581,11 @@ def _finish(work: Journal, name: str, res: dict[str, Any], done: dict[str, Any])
 
 
 def commit_shards(lock: WriterLock, work: Journal, names: list[str], done: dict[str, Any], compression: str,
-                  result: PackResult) -> PackResult:
+                  result: PackResult, *, max_bytes: int | None = None) -> PackResult:
     """Publish the shards ``names`` (in that order) from their records in ``done``: the
     index, then the manifest, then the journal's removal. Refuses if another writer took
-    the destination over."""
+    the destination over. ``max_bytes``: the shard limit, for ``result``'s count of the
+    samples larger than it (each in a shard of its own)."""
     store = lock.store
     shards, sample_recs, fields = [], [], set()
     for name in names:
@@ -557,7 +603,13 @@ def commit_shards(lock: WriterLock, work: Journal, names: list[str], done: dict[
         write_index(store, shards, sample_recs, compression, fields)
     with _writing(store.url("_pack")):
         work.remove()
+    if max_bytes is not None:
+        oversized = oversized_samples(shards, sample_recs, max_bytes)
+        result.oversized, result.oversized_examples = len(oversized), oversized[:_EXAMPLES]
     return _tally(result, shards)
+
+
+_EXAMPLES = 3  # of the samples larger than the shard limit, the summary names this many
 
 
 def _finish_cleanup(store: Store, work: Journal, result: PackResult) -> PackResult:
@@ -625,7 +677,6 @@ def _pack_table(src: str, kind: str, lock: WriterLock, opts: dict[str, Any], pro
                 raise DuplicateKeyError(f"{src}: sample key {key!r} appears twice")
             keys.add(key)
             size = sum(len(p) for p in parts)
-            limits.check(key, size, f"{src}: ")
             if limits.starts_new(pending_bytes, len(pending), size):
                 flush()
             pending.append((key, parts, [k for k in sample if not k.startswith("__")]))
@@ -637,4 +688,4 @@ def _pack_table(src: str, kind: str, lock: WriterLock, opts: dict[str, Any], pro
         bar.close()
     if not names:
         raise EmptyInputError(f"{src}: no rows to pack" + (" in this part" if opts["part"] else ""))
-    return commit_shards(lock, work, names, done, opts["compression"], result)
+    return commit_shards(lock, work, names, done, opts["compression"], result, max_bytes=opts["shard_bytes"])

@@ -28,7 +28,7 @@ import ray.data
 from ..errors import EmptyInputError, PackOptionError
 from ..pack.packer import PackResult, describe_tree, plan_shards, refuse_tar_shards
 from ..pack.sources import KEY_RULES, DirectoryListing, FileSample, list_directory, source_kind
-from ..pack.writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES
+from ..pack.writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits
 from ..storage import open_store
 from .sink import FILE_COLUMNS, DatapipeDatasink, write_through
 
@@ -140,8 +140,7 @@ def pack(
     if source_kind(src) != "directory":
         raise PackOptionError(f"--engine ray packs a directory of files; {src} is a table: read it with "
                               "ray.data.read_parquet / read_json and write it with datapipe.ray.write(ds, DEST)")
-    if shard_bytes <= 2048 or shard_samples <= 0:
-        raise PackOptionError("shard_bytes must be > 2048 and shard_samples > 0")
+    ShardLimits(shard_bytes, shard_samples, names=("shard_bytes", "shard_samples"))  # checked before Ray starts
     connect(address, progress)
     sink = DatapipeDatasink(dest, max_bytes=shard_bytes, max_samples=shard_samples, compression=compression,
                             level=level, storage_options=storage_options, overwrite=overwrite, rows="files",

@@ -42,7 +42,14 @@ from ..pack.journal import Journal, fingerprint
 from ..pack.lock import WriterLock
 from ..pack.packer import PackResult, commit_shards, pack_shard, plan_shards
 from ..pack.sources import FileSample
-from ..pack.writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits, ShardSeries, checked_compression
+from ..pack.writer import (
+    DEFAULT_SHARD_BYTES,
+    DEFAULT_SHARD_SAMPLES,
+    ShardLimits,
+    ShardSeries,
+    checked_compression,
+    checked_level,
+)
 from ..storage import MemoryStore, Store, open_store
 
 __all__ = ["DatapipeDatasink", "write", "ROW_KINDS", "FILE_COLUMNS"]
@@ -84,7 +91,7 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
         self.storage_options = storage_options
         self.limits = ShardLimits(max_bytes, max_samples)
         self.compression = checked_compression(compression)
-        self.level, self.overwrite, self.rows, self.skip_errors = level, overwrite, rows, skip_errors
+        self.level, self.overwrite, self.rows, self.skip_errors = checked_level(level), overwrite, rows, skip_errors
         base = open_store(dest, storage_options)
         if isinstance(base, MemoryStore) or getattr(base, "protocol", None) == "memory":
             raise PackOptionError(f"{dest}: Ray write tasks run in other processes, where this process's "
@@ -148,7 +155,8 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
                                         f"{record['bytes']}: it was replaced after it was written (write again)")
         self._remove_ours(keep=set(names))
         empty = PackResult(self.dest, 0, 0, 0, 0, 0.0)
-        self.result = commit_shards(lock, journal, names, done, self.compression, empty)
+        self.result = commit_shards(lock, journal, names, done, self.compression, empty,
+                                    max_bytes=self.limits.max_bytes)
         self._end()
 
     def on_write_failed(self, error: Exception) -> None:

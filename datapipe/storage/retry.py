@@ -1,10 +1,17 @@
 """Retries with backoff, per-attempt timeouts, and concurrent range requests for cold reads.
 
-Object stores fail in passing: 503 SlowDown, 500 InternalError, connection resets, bodies
-cut short, requests that hang. Those are retried with exponential backoff and jitter;
-everything else (a missing object, a denied request, a bad range) is raised at once, since
-asking again cannot help. After the last attempt a :class:`RemoteError` names the URL and
-keeps the last failure as its cause.
+Object stores fail in passing: 500 InternalError, connection resets, bodies cut short,
+requests that hang. Those are retried with exponential backoff and jitter, ``attempts``
+times; everything else (a missing object, a denied request, a bad range) is raised at once,
+since asking again cannot help. After the last attempt a :class:`RemoteError` names the URL
+and keeps the last failure as its cause.
+
+Throttling (503 SlowDown, 429: :func:`is_throttle`) is not failure: the store is answering,
+and asks for fewer requests. A throttled answer uses up no attempt; it is waited out (the
+same backoff here, and the cold tier's pacing slows the whole node, cache/pacing.py) until
+the request's total deadline, ``deadline_s``, after which a :class:`ThrottledError` says the
+store throttled for the whole deadline and how to allow more. Time an attempt spends paced
+before its request is sent (:func:`queued`) is not counted against its timeout either.
 
 s3fs turns S3 error codes into ``OSError``s (SlowDown/503 -> EBUSY, InternalError/500 ->
 EREMOTEIO, unknown codes -> EIO) and `FsspecStore` wraps those in ``StorageError`` with the
@@ -15,22 +22,63 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
+import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-from ..errors import ObjectChangedError, ObjectNotFoundError, RemoteError, StorageError, TruncatedReadError
+from ..errors import (
+    ObjectChangedError,
+    ObjectNotFoundError,
+    OptionError,
+    RemoteError,
+    StorageError,
+    ThrottledError,
+    TruncatedReadError,
+)
 from .store import Store
 
 __all__ = ["RetryPolicy", "is_transient", "is_throttle", "call_with_retry", "run_requests", "fetch_object",
-           "fetch_range", "single_layer_options"]
+           "fetch_range", "single_layer_options", "queued"]
 
 T = TypeVar("T")
 _QUEUED_POLL_S = 0.05
+
+# The attempt running on this thread: [when its request was sent, None while it is queued],
+# read by whoever times the attempt (run_requests' loop, _bounded).
+_attempt = threading.local()
+
+
+@contextmanager
+def queued() -> Iterator[None]:
+    """Around a wait before the request of the attempt running on this thread is sent
+    (the cold tier's pacing: a pause after throttling, a wait for a request slot). The
+    attempt's timeout does not run meanwhile and counts from the end of the wait: being
+    paced is not a failed attempt. The request's total deadline still runs."""
+    clock = getattr(_attempt, "clock", None)
+    if clock is None:
+        yield
+        return
+    clock[0] = None
+    try:
+        yield
+    finally:
+        clock[0] = time.monotonic()
+
+
+def _timed(fn: Callable[[], T], clock: list[float | None]) -> T:
+    """``fn()`` on this thread, its request's start kept in ``clock`` (see :func:`queued`)."""
+    clock[0] = time.monotonic()
+    _attempt.clock = clock
+    try:
+        return fn()
+    finally:
+        _attempt.clock = None
 
 _TRANSIENT_ERRNOS = {
     errno.EBUSY,
@@ -63,7 +111,8 @@ _TRANSIENT_NAMES = {
 }
 
 # The store asking us to slow down (S3 503 SlowDown, 429 and the throttling codes of other
-# services): retried like any transient failure, and also what cold pacing reacts to.
+# services): waited out until the deadline (no attempt is used up), and what cold pacing
+# reacts to.
 _THROTTLE_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                    "TooManyRequests", "TooManyRequestsException", "ServiceUnavailable"}
 _THROTTLE_STATUS = {429, 503}
@@ -74,20 +123,23 @@ _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestT
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How hard to try one cold request.
+    """How hard to try one cold request (``TieredCache(retry=...)``).
 
-    ``attempts``: tries in all (1 = no retry). ``base_delay_s``/``max_delay_s``: backoff
-    before retry k is ``min(max, base * 2**k)`` times a random factor in [0.5, 1].
+    ``attempts``: tries in all for failures (1 = no retry); throttled answers (503
+    SlowDown, 429) are not failures and use up none. ``base_delay_s``/``max_delay_s``:
+    backoff before retry k is ``min(max, base * 2**k)`` times a random factor in [0.5, 1].
     ``attempt_timeout_s``: one attempt that takes longer is abandoned and retried (None:
     no limit beyond the backend's own); it holds for every kind of request (size probes,
-    whole reads, each range part), counted from the moment the request starts.
-    ``deadline_s``: one request with all its attempts and backoff (each part of a
-    multipart read on its own) gives up after this many seconds (None: no total limit).
+    whole reads, each range part), counted from the moment the request is sent (time it
+    waits on the cold tier's pacing first does not count).
+    ``deadline_s``: one request with all its attempts, backoff and waits on a throttling
+    store (each part of a multipart read on its own) gives up after this many seconds
+    (None: no total limit, and a store that throttles for ever is waited on for ever).
     ``part_bytes``: objects larger than this are read as concurrent range requests of
     this size, ``max_parts`` at a time.
 
     This is the only retry layer: the cache turns the backend's own retries down (see
-    :func:`single_layer_options`), so ``attempts`` is the number of requests sent."""
+    :func:`single_layer_options`), so ``attempts`` is the number of failed requests sent."""
 
     attempts: int = 5
     base_delay_s: float = 0.1
@@ -95,24 +147,34 @@ class RetryPolicy:
     attempt_timeout_s: float | None = 120.0
     part_bytes: int = 16 << 20
     max_parts: int = 4
-    deadline_s: float | None = 300.0
+    #: generous: a prefix S3 is repartitioning can throttle for minutes
+    deadline_s: float | None = 600.0
 
     def __post_init__(self) -> None:
-        if self.attempts < 1:
-            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
-        if self.part_bytes < 1 or self.max_parts < 1:
-            raise ValueError("RetryPolicy.part_bytes and max_parts must be >= 1")
-        if self.attempt_timeout_s is not None and self.attempt_timeout_s <= 0:
-            raise ValueError("RetryPolicy.attempt_timeout_s must be > 0 or None")
-        if self.deadline_s is not None and self.deadline_s <= 0:
-            raise ValueError("RetryPolicy.deadline_s must be > 0 or None")
+        for name in ("attempts", "part_bytes", "max_parts"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise OptionError(f"RetryPolicy({name}={v!r}): must be an integer >= 1")
+        for name, optional in (("base_delay_s", False), ("max_delay_s", False),
+                               ("attempt_timeout_s", True), ("deadline_s", True)):
+            v = getattr(self, name)
+            if v is None and optional:
+                continue
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not ok or v < 0 or (optional and v == 0):
+                allowed = "a number of seconds > 0, or None" if optional else "a number of seconds >= 0"
+                raise OptionError(f"RetryPolicy({name}={v!r}): must be {allowed}")
 
     def delay(self, attempt: int) -> float:
-        return float(min(self.max_delay_s, self.base_delay_s * (2**attempt)) * random.uniform(0.5, 1.0))
+        # the exponent is capped: a request waiting out throttling may retry hundreds of times
+        return float(min(self.max_delay_s, self.base_delay_s * (2 ** min(attempt, 60))) * random.uniform(0.5, 1.0))
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True when ``exc`` (or anything in its cause chain) is a failure worth retrying."""
+    """True when ``exc`` (or anything in its cause chain) is a failure worth retrying, or
+    throttling (:func:`is_throttle`: a 429 is no 5xx, and is retried all the same)."""
+    if is_throttle(exc):
+        return True
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
@@ -179,6 +241,23 @@ def _final(e: BaseException) -> bool:
     return isinstance(e, (ObjectNotFoundError, ObjectChangedError)) or not is_transient(e)
 
 
+def _throttled_out(what: str, policy: RetryPolicy, throttles: int, attempts: int,
+                   last: BaseException | None) -> ThrottledError:
+    """The error of a request the store throttled (or the node's pacing held back) until
+    its deadline."""
+    if throttles:
+        how = (f"the store answered {throttles} of its {attempts} requests 'slow down' (503 SlowDown / 429), "
+               "and the node's requests to it were paced down")
+    else:
+        how = "its request was held back all along by the node's pacing of a store that throttles its requests"
+    tail = f"; last answer: {type(last).__name__}: {last}" if last is not None else ""
+    return ThrottledError(
+        f"reading {what} was throttled for its whole deadline of {policy.deadline_s:g} s: {how}. The store is "
+        "overloaded at this prefix: allow a longer wait with RetryPolicy(deadline_s=...) (e.g. "
+        "TieredCache(retry=RetryPolicy(deadline_s=1800))), or spread the reads over more prefixes or fewer "
+        f"readers{tail}")
+
+
 def run_requests(
     fns: Sequence[Callable[[], T]],
     whats: list[str],
@@ -198,30 +277,40 @@ def run_requests(
         return [_inline(fn, what, policy, on_retry) for fn, what in zip(fns, whats, strict=True)]
     n = len(fns)
     results: list[Any] = [None] * n
-    tries = [0] * n
+    tries = [0] * n  # failed attempts (throttled answers are not counted: they are waited out)
+    throttles = [0] * n
+    last: list[BaseException | None] = [None] * n
     deadlines: list[float | None] = [None] * n
     not_before = [0.0] * n
     waiting = list(range(n))
     running: dict[cf.Future[T], tuple[int, list[float | None]]] = {}
     remaining = n
 
-    def give_up(i: int, last: BaseException | None, why: str) -> RemoteError:
+    def give_up(i: int, error: BaseException | None, why: str, *, at_deadline: bool = False,
+                paced: bool = False) -> RemoteError:
         for fut in running:
             fut.cancel()
-        tail = f"; last error: {type(last).__name__}: {last}" if last is not None else ""
+        answer = last[i]  # the last answer: ``error``, or the one before an attempt the deadline cut
+        if at_deadline and (paced or (answer is not None and is_throttle(answer))):
+            return _throttled_out(whats[i], policy, throttles[i], tries[i] + throttles[i] + (error is None), answer)
+        tail = f"; last error: {type(error).__name__}: {error}" if error is not None else ""
         return RemoteError(f"reading {whats[i]} failed {why}{tail}")
 
     def failed(i: int, e: BaseException) -> None:
         if on_retry is not None:
             on_retry(e)
-        tries[i] += 1
-        if tries[i] >= policy.attempts:
-            raise give_up(i, e, f"after {policy.attempts} attempts") from e
-        not_before[i] = time.monotonic() + policy.delay(tries[i] - 1)
+        last[i] = e
+        if is_throttle(e):
+            throttles[i] += 1
+        else:
+            tries[i] += 1
+            if tries[i] >= policy.attempts:
+                raise give_up(i, e, f"after {policy.attempts} attempts") from e
+        not_before[i] = time.monotonic() + policy.delay(tries[i] + throttles[i] - 1)
         d = deadlines[i]
         if d is not None and not_before[i] >= d:
             raise give_up(i, e, f"within its deadline of {policy.deadline_s} s "
-                          f"({tries[i]} attempts)") from e
+                          f"({tries[i] + throttles[i]} attempts)", at_deadline=True) from e
         waiting.append(i)
 
     while remaining:
@@ -233,19 +322,14 @@ def run_requests(
             if deadlines[i] is None and policy.deadline_s is not None:
                 deadlines[i] = now + policy.deadline_s
             started: list[float | None] = [None]
-
-            def attempt(fn: Callable[[], T] = fns[i], started: list[float | None] = started) -> T:
-                started[0] = time.monotonic()
-                return fn()
-
-            running[pool.submit(attempt)] = (i, started)
+            running[pool.submit(_timed, fns[i], started)] = (i, started)
         wake = [not_before[i] for i in waiting]
         for i, started in running.values():
             d = deadlines[i]
             if d is not None:
                 wake.append(d)
             if policy.attempt_timeout_s is not None:
-                # not started yet (queued behind other downloads): look again shortly
+                # not started yet (queued behind other downloads, or paced): look again shortly
                 t0 = started[0]
                 wake.append(t0 + policy.attempt_timeout_s if t0 is not None
                             else time.monotonic() + _QUEUED_POLL_S)
@@ -275,28 +359,42 @@ def run_requests(
             elif d is not None and now >= d:
                 del running[fut]
                 fut.cancel()
+                paced = started[0] is None and fut.running()  # sent nothing yet: held back by pacing
                 raise give_up(i, None, f"within its deadline of {policy.deadline_s} s "
-                              f"({tries[i] + 1} attempts, the last one unanswered)")
+                              f"({tries[i] + throttles[i] + 1} attempts, the last one unanswered)",
+                              at_deadline=True, paced=paced)
     return results
 
 
-def _bounded(fn: Callable[[], T], what: str, limit: float) -> T:
+def _bounded(fn: Callable[[], T], what: str, timeout: float | None, end: float | None,
+             clock: list[float | None]) -> T:
     """``fn()`` in a daemon thread of its own, abandoned (its result dropped) when it has
-    not answered within ``limit`` seconds; a daemon thread does not hold up the exit."""
+    not answered within ``timeout`` seconds of sending its request (a wait in
+    :func:`queued` does not count; ``clock``, see there) or by ``end`` (a
+    ``time.monotonic()`` deadline); a daemon thread does not hold up the exit."""
     box: dict[str, Any] = {}
     done = threading.Event()
+    begun = time.monotonic()
 
     def run() -> None:
         try:
-            box["value"] = fn()
+            box["value"] = _timed(fn, clock)
         except BaseException as e:  # handed to the caller's thread below
             box["error"] = e
         finally:
             done.set()
 
     threading.Thread(target=run, name="datapipe-attempt", daemon=True).start()
-    if not done.wait(limit):
-        raise TimeoutError(f"no answer from {what} within {limit:.3g} s")
+    while not done.is_set():
+        now, t0 = time.monotonic(), clock[0]
+        if end is not None and now >= end:
+            raise TimeoutError(f"no answer from {what} within {now - begun:.3g} s")
+        if timeout is not None and t0 is not None and now - t0 >= timeout:
+            raise TimeoutError(f"no answer from {what} within {timeout:.3g} s")
+        wake = [] if end is None else [end]
+        if timeout is not None:
+            wake.append(t0 + timeout if t0 is not None else now + _QUEUED_POLL_S)
+        done.wait(max(0.0, min(wake) - now) if wake else None)
     if "error" in box:
         raise box["error"]
     value: T = box["value"]
@@ -307,28 +405,41 @@ def _inline(fn: Callable[[], T], what: str, policy: RetryPolicy,
             on_retry: Callable[[BaseException], None] | None) -> T:
     """Retries without a pool: each attempt runs in a thread of its own and is abandoned
     after ``attempt_timeout_s`` (or what is left of the deadline); the deadline also stops
-    further attempts."""
+    further attempts. Throttled answers use up no attempt (see the module's notes)."""
     last: BaseException | None = None
     end = None if policy.deadline_s is None else time.monotonic() + policy.deadline_s
-    made = 0
-    for attempt in range(policy.attempts):
-        if attempt:
-            pause = policy.delay(attempt - 1)
+    made = failures = throttles = 0
+    at_deadline = paced = False
+    while failures < policy.attempts:
+        if made:
+            pause = policy.delay(made - 1)
             if end is not None and time.monotonic() + pause >= end:
+                at_deadline = True
                 break
             time.sleep(pause)
         made += 1
-        limit = policy.attempt_timeout_s
-        if end is not None:
-            limit = min(limit, end - time.monotonic()) if limit is not None else end - time.monotonic()
+        clock: list[float | None] = [None]
         try:
-            return fn() if limit is None else _bounded(fn, what, max(0.0, limit))
+            if policy.attempt_timeout_s is None and end is None:
+                return fn()
+            return _bounded(fn, what, policy.attempt_timeout_s, end, clock)
         except Exception as e:
             if _final(e):
                 raise
-            last = e
+            if isinstance(e, TimeoutError) and end is not None and time.monotonic() >= end:
+                paced = clock[0] is None  # held back by pacing until the deadline
+                if last is not None or paced:
+                    at_deadline = True  # unanswered when the deadline came: the answer before it says why
+                    break
             if on_retry is not None:
                 on_retry(e)
+            last = e
+            if is_throttle(e):
+                throttles += 1
+            else:
+                failures += 1
+    if at_deadline and (paced or (last is not None and is_throttle(last))):
+        raise _throttled_out(what, policy, throttles, made, last) from last
     raise RemoteError(
         f"reading {what} failed after {made} attempts; last error: "
         f"{type(last).__name__}: {last}"
