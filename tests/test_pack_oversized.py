@@ -63,7 +63,7 @@ def test_pack_puts_an_oversized_sample_in_a_shard_of_its_own(tmp_path, compressi
     r = datapipe.pack(src, dest, shard_bytes=LIMIT, compression=compression, workers=1, skip_errors=skip_errors)
     assert r.samples == len(expected) and not r.skipped
     assert r.oversized == 1 and r.oversized_examples == [("a09x", HUGE_TAR)]
-    assert ("1 samples larger than --shard-bytes were each put in a shard of their own, "
+    assert ("1 sample larger than --shard-bytes was put in a shard of its own, "
             "e.g. a09x (20,992 bytes)") in r.summary()
     _check_dataset(dest, expected)
 
@@ -123,7 +123,7 @@ def test_cli_pack_notes_the_oversized_sample(tmp_path, capsys):
     assert main(["pack", src, dest, "--shard-bytes", "8K", "--skip-errors", "-q"]) == 0
     out = capsys.readouterr().out
     assert "packed 21 samples" in out
-    assert "1 samples larger than --shard-bytes were each put in a shard of their own, e.g. a09x" in out
+    assert "1 sample larger than --shard-bytes was put in a shard of its own, e.g. a09x" in out
     assert main(["verify", dest, "-q"]) == 0
 
 

@@ -111,8 +111,9 @@ class PackResult:
         if self.oversized:
             shown = ", ".join(f"{key} ({size:,} bytes)" for key, size in self.oversized_examples)
             more = ", ..." if self.oversized > len(self.oversized_examples) else ""
-            lines.append(f"  {self.oversized:,} samples larger than --shard-bytes were each put in a shard of their "
-                         f"own, e.g. {shown}{more}")
+            what = ("1 sample larger than --shard-bytes was put in a shard of its own" if self.oversized == 1 else
+                    f"{self.oversized:,} samples larger than --shard-bytes were each put in a shard of their own")
+            lines.append(f"  {what}, e.g. {shown}{more}")
         lines += self._tree_report()
         if self.skipped:
             lines.append(f"  SKIPPED {len(self.skipped)} inputs:")
