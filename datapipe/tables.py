@@ -119,8 +119,10 @@ class ParquetTable:
             self._file_first[rel] = first
             try:
                 meta = frag.metadata
+                columns = frag.physical_schema  # from the footer just read
             except (OSError, ValueError) as e:
                 raise FormatError(f"{self.url}/{rel}: not a readable Parquet file: {e}") from e
+            flatten_bytes_structs(columns.empty_table(), f"{self.url}/{rel}")  # two columns giving one field
             for i in range(meta.num_row_groups):
                 rg = meta.row_group(i)
                 rows = int(rg.num_rows)
@@ -135,6 +137,7 @@ class ParquetTable:
         self.sample_counts: NDArray[np.int64] = np.asarray(counts, dtype=np.int64)
         self.num_samples = int(self.sample_counts.sum())
         self.schema = self._dataset.schema
+        flatten_bytes_structs(self.schema.empty_table(), self.url)  # the same across files and Hive keys
         self.manifest = {"kind": "parquet", "files": sorted([k, v[0], v[1]] for k, v in self._files.items()),
                          "schema": self.schema.to_string()}
         self._lock = threading.Lock()
@@ -173,7 +176,7 @@ class ParquetTable:
         if table.num_rows != info.samples:
             raise FormatError(f"{self.url}/{rel} row group {rg}: {table.num_rows} rows, the file's footer says "
                               f"{info.samples}")
-        table = flatten_bytes_structs(table)
+        table = flatten_bytes_structs(table, f"{self.url}/{rel} row group {rg}")
         start = info.first_sample - self._file_first[rel]
         keys = [f"{rel}/{start + j:09d}" for j in range(info.samples)]
         if "__key__" in table.column_names:  # its values, where not null

@@ -278,7 +278,7 @@ def check_table_columns(schema: Any, src: str) -> None:
     struct holding bytes, dates, times or decimals (a nested value is stored as JSON, which
     has none of them; a struct of bytes at the top is one field per child instead, see
     :func:`~datapipe.format.rows.flatten_bytes_structs`)."""
-    for f in flatten_bytes_structs(schema.empty_table()).schema:
+    for f in flatten_bytes_structs(schema.empty_table(), src, InputFileError).schema:
         if f.name.startswith("__") and f.name != "__key__":
             raise InputFileError(f"{src}: column {f.name!r}: names starting with '__' are reserved ('__key__' "
                                  "names the sample), so it would be dropped from every sample; rename the column")
@@ -297,9 +297,12 @@ def count_table_rows(src: str, kind: str) -> int:
             return sum(1 for line in f if line.strip())
     import pyarrow as pa
 
+    rows = 0
     try:  # from the footers, not a scan (see read_fragment)
         ds = parquet_dataset(src)
-        rows = sum(int(f.metadata.num_rows) for f in ds.get_fragments())
+        for f in ds.get_fragments():
+            rows += int(f.metadata.num_rows)
+            flatten_bytes_structs(f.physical_schema.empty_table(), f.path, InputFileError)  # names the file
     except (pa.ArrowException, OSError) as e:
         raise InputFileError(f"{src}: not a readable Parquet table: {e}") from e
     check_table_columns(ds.schema, src)
@@ -362,10 +365,11 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
                 i += n
                 continue
             try:
-                table = flatten_bytes_structs(read_fragment(frag, ds.schema, [g]))
+                table = read_fragment(frag, ds.schema, [g])
             except (pa.ArrowException, OSError) as e:
                 raise InputFileError(f"{frag.path} row group {g}: cannot be read: {e}") from e
             where, first = f"{frag.path} row group {g}", 0  # first: the batch's first row in the row group
+            table = flatten_bytes_structs(table, where, InputFileError)
             for batch in table.to_batches(max_chunksize=1024):  # Python objects for 1024 rows at a time
                 a = min(max(start - i, 0), batch.num_rows)  # the rows [a, b) of the batch are in [start, stop)
                 b = batch.num_rows if stop is None else min(batch.num_rows, stop - i)
