@@ -10,12 +10,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import EmptyInputError, InputFileError, InvalidMemberNameError, PackError
+from ..errors import DatapipeError, EmptyInputError, InputFileError, InvalidMemberNameError, OptionError, PackError
 from ..format.rows import flatten_bytes_structs, key_text, python_rows, row_fields
 from ..format.tar import BLOCK, check_key, member_name, padding, split_member_name
 
 __all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table", "read_fragment",
-           "count_table_rows", "check_table_columns", "source_kind"]
+           "row_group_bytes", "pack_row_group_bytes", "count_table_rows", "check_table_columns", "source_kind",
+           "PACK_ROW_GROUP_ENV"]
 
 #: how a directory's files become samples: "first-dot" (WebDataset's rule, the default: key =
 #: the path up to the first dot of the file name, field = the rest, so files sharing that
@@ -85,22 +86,112 @@ def parquet_dataset(path: str, filesystem: Any = None) -> Any:
     return pads.FileSystemDataset(fragments, schema, ds.format, filesystem=ds.filesystem)
 
 
-def read_fragment(frag: Any, schema: Any, row_groups: list[int]) -> Any:
-    """Row groups ``row_groups`` of the Parquet file of the dataset fragment ``frag`` as a
-    pyarrow table with ``schema`` (the dataset's): its Hive partition keys as columns,
-    columns the file lacks as nulls. Read by ``pyarrow.parquet`` with no pre-buffering and no
-    threads: pyarrow's dataset scanner starts Arrow's thread pools, whose threads can abort
-    the process at exit ("terminate called without an active exception",
-    apache/arrow#34314), so no datapipe process starts them."""
+#: the environment variable that sets what a row group of a table may decode to when pack
+#: reads it (as :func:`read_fragment` measures it; 1 GiB unless set): pack holds one row
+#: group at a time, beside the shard it fills
+PACK_ROW_GROUP_ENV = "DATAPIPE_PACK_ROW_GROUP_BYTES"
+_PACK_ROW_GROUP_BYTES = 1 << 30
+#: what a row costs at least once read, beyond its values: the Python objects a reader
+#: makes of it (its dict, its key), so a footer of many empty rows is no bomb either
+ROW_BYTES = 256
+_VALUE_BYTES = {"BOOLEAN": 1, "INT32": 4, "INT64": 8, "INT96": 12, "FLOAT": 4, "DOUBLE": 8, "BYTE_ARRAY": 4}
+_DICTIONARY_ENCODINGS = {"PLAIN_DICTIONARY", "RLE_DICTIONARY"}
+
+
+def pack_row_group_bytes() -> int:
+    """What a row group may decode to when pack reads it: ``$DATAPIPE_PACK_ROW_GROUP_BYTES``,
+    else 1 GiB."""
+    text = os.environ.get(PACK_ROW_GROUP_ENV)
+    if text is None:
+        return _PACK_ROW_GROUP_BYTES
+    value = int(text) if text.strip().isdigit() else 0
+    if value < 1:
+        raise OptionError(f"{PACK_ROW_GROUP_ENV}={text[:40]!r}: the most bytes pack may decode of one row group "
+                          f"of a table; expected a positive integer of bytes (unset: {_PACK_ROW_GROUP_BYTES})")
+    return value
+
+
+def row_group_bytes(meta: Any, g: int) -> int:
+    """What row group ``g`` of a Parquet file (its footer ``meta``) decodes to at least, from
+    the footer alone: each column chunk's uncompressed size, or its values at their decoded
+    width where run-length encoding stores many in a few bytes, and :data:`ROW_BYTES` per
+    row. A dictionary-encoded column of text or bytes may decode to more (each value a copy
+    of its dictionary entry): :func:`read_fragment` counts that before decoding it."""
+    rg = meta.row_group(g)
+    columns = 0
+    for c in range(rg.num_columns):
+        chunk = rg.column(c)
+        kind = chunk.physical_type
+        width = meta.schema.column(c).length if kind == "FIXED_LEN_BYTE_ARRAY" else _VALUE_BYTES.get(kind, 8)
+        columns += max(int(chunk.total_uncompressed_size), int(chunk.num_values) * max(int(width or 0), 1))
+    return max(int(rg.total_byte_size), columns) + int(rg.num_rows) * ROW_BYTES
+
+
+def _decoded_bytes(values: Any) -> int:
+    """The bytes of the pyarrow array ``values`` with its dictionaries decoded (each value of
+    a dictionary-encoded column a copy of its entry), without decoding them."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(values, pa.ChunkedArray):
+        return sum(_decoded_bytes(chunk) for chunk in values.chunks)
+    t = values.type
+    if pa.types.is_dictionary(t):
+        entries = values.dictionary
+        if not (pa.types.is_binary(entries.type) or pa.types.is_large_binary(entries.type)
+                or pa.types.is_string(entries.type) or pa.types.is_large_string(entries.type)):
+            return int(values.nbytes)  # read_fragment asks for text and bytes dictionaries only
+        lengths = pc.take(pc.binary_length(entries), values.indices)
+        return int(pc.sum(lengths).as_py() or 0) + 8 * len(values)  # the values, their offsets
+    if pa.types.is_struct(t):
+        return sum(_decoded_bytes(child) for child in values.flatten()) + len(values) // 8
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_map(t):
+        return _decoded_bytes(values.flatten()) + 8 * len(values)
+    return int(values.nbytes)
+
+
+def read_fragment(frag: Any, schema: Any, g: int, max_bytes: int, where: str, budget: str,
+                  error: type[DatapipeError]) -> Any:
+    """Row group ``g`` of the Parquet file of the dataset fragment ``frag`` as a pyarrow
+    table with ``schema`` (the dataset's): its Hive partition keys as columns, columns the
+    file lacks as nulls. Read by ``pyarrow.parquet`` with no pre-buffering and no threads:
+    pyarrow's dataset scanner starts Arrow's thread pools, whose threads can abort the
+    process at exit ("terminate called without an active exception", apache/arrow#34314),
+    so no datapipe process starts them.
+
+    Memory: a row group that decodes to more than ``max_bytes`` is ``error`` naming the
+    file (``where``), the row group and ``budget`` (what sets the limit, how to raise it),
+    found from the footer before a page is read (:func:`row_group_bytes`: a few kilobytes
+    of compressed pages can claim gigabytes); its dictionary-encoded text and bytes columns
+    are read as dictionaries and measured before they are decoded."""
     import pyarrow as pa
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
+    meta = frag.metadata
+
+    def refuse(size: int, how: str) -> None:
+        raise error(f"{where} row group {g}: decodes to {size} bytes ({how}), more than the {max_bytes} bytes "
+                    f"{budget}; or rewrite the table with smaller row groups "
+                    "(pyarrow.parquet.write_table(..., row_group_size=ROWS))")
+
+    size = row_group_bytes(meta, g)
+    if size > max_bytes:
+        refuse(size, "by the file's footer")
+    rg = meta.row_group(g)
+    dictionaries = sorted({rg.column(c).path_in_schema for c in range(rg.num_columns)
+                           if rg.column(c).physical_type == "BYTE_ARRAY"
+                           and _DICTIONARY_ENCODINGS.intersection(rg.column(c).encodings)})
     # a Hive key wins over a column of the same name in the file, as in pyarrow's scanner
     keys = pads.get_partition_keys(frag.partition_expression)
-    with pq.ParquetFile(frag.path, filesystem=frag.filesystem, metadata=frag.metadata, pre_buffer=False) as f:
+    with pq.ParquetFile(frag.path, filesystem=frag.filesystem, metadata=meta, pre_buffer=False,
+                        read_dictionary=dictionaries or None) as f:
         have = set(f.schema_arrow.names) - set(keys)
-        table = f.read_row_groups(row_groups, columns=[n for n in schema.names if n in have], use_threads=False)
+        table = f.read_row_group(g, columns=[n for n in schema.names if n in have], use_threads=False)
+    if dictionaries:
+        size = sum(_decoded_bytes(col) for col in table.columns) + table.num_rows * ROW_BYTES
+        if size > max_bytes:
+            refuse(size, "its dictionary-encoded columns decoded")
     columns = []
     for column in schema:
         if column.name in keys:
@@ -291,7 +382,7 @@ def check_table_columns(schema: Any, src: str) -> None:
 
 def count_table_rows(src: str, kind: str) -> int:
     """The rows of a JSONL or Parquet table (a Parquet table's columns checked first:
-    :func:`check_table_columns`)."""
+    :func:`check_table_columns`, and the row group limit, :func:`pack_row_group_bytes`)."""
     if kind == "jsonl":
         with open(src, "rb") as f:
             return sum(1 for line in f if line.strip())
@@ -306,6 +397,7 @@ def count_table_rows(src: str, kind: str) -> int:
     except (pa.ArrowException, OSError) as e:
         raise InputFileError(f"{src}: not a readable Parquet table: {e}") from e
     check_table_columns(ds.schema, src)
+    pack_row_group_bytes()  # a bad limit refused before anything is written
     return rows
 
 
@@ -353,7 +445,7 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
         ds = parquet_dataset(src)  # Hive folders: their keys are columns
     except (pa.ArrowException, OSError) as e:
         raise InputFileError(f"{src}: not a readable Parquet table: {e}") from e
-    i = 0
+    i, limit = 0, pack_row_group_bytes()
     for frag in ds.get_fragments():
         try:
             meta = frag.metadata
@@ -365,7 +457,9 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
                 i += n
                 continue
             try:
-                table = read_fragment(frag, ds.schema, [g])
+                table = read_fragment(frag, ds.schema, g, limit, frag.path,
+                                      f"pack decodes of a table at a time (one row group; set {PACK_ROW_GROUP_ENV} "
+                                      "to raise it)", InputFileError)
             except (pa.ArrowException, OSError) as e:
                 raise InputFileError(f"{frag.path} row group {g}: cannot be read: {e}") from e
             where, first = f"{frag.path} row group {g}", 0  # first: the batch's first row in the row group
