@@ -132,3 +132,56 @@ def test_a_bad_pack_row_group_limit_is_an_option_error(tmp_path, monkeypatch):
     monkeypatch.setenv("DATAPIPE_PACK_ROW_GROUP_BYTES", "-5")
     with pytest.raises(OptionError, match=r"DATAPIPE_PACK_ROW_GROUP_BYTES='-5': .*positive integer"):
         datapipe.pack(str(path), str(tmp_path / "out"), workers=1)
+
+
+def _patch_footer(path: str, old: bytes, new: bytes) -> None:
+    """Replace ``old`` with ``new`` (as long) in the file's footer, which a reader takes at
+    its word: the page data stays as written."""
+    data = bytearray(open(path, "rb").read())
+    footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")
+    at = data.find(old, footer)
+    assert at > 0 and len(old) == len(new), (old, new)
+    while at > 0:
+        data[at : at + len(old)] = new
+        at = data.find(old, at + 1)
+    open(path, "wb").write(bytes(data))
+
+
+def _varint(n: int, width: int | None = None) -> bytes:
+    """Thrift's zigzag varint of ``n``, padded with continuation bytes to ``width``."""
+    n, out = 2 * n, bytearray()
+    while n >= 0x80 or (width is not None and len(out) < width - 1):
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def test_a_footer_that_understates_its_pages_is_refused_by_their_headers(tmp_path):
+    """The footer's uncompressed sizes rewritten to 4 kB (the pages still hold 512 MiB):
+    pyarrow trusts the page headers, and so does the check before it decodes them."""
+    path = _bomb(str(tmp_path / "bomb.parquet"), "zstd pages")
+    meta = pq.ParquetFile(path).metadata.row_group(0)
+    for size in {meta.total_byte_size, meta.column(0).total_uncompressed_size}:
+        _patch_footer(path, _varint(size), _varint(4096, len(_varint(size))))
+    assert pq.ParquetFile(path).metadata.row_group(0).column(0).total_uncompressed_size == 4096
+    got = _measure("stream", path, 16 * MiB)
+    assert got["error"] is not None and got["error"][0] == "FormatError", got
+    assert got["error"][1].startswith(f"{path} row group 0: decodes to ")
+    assert "(by its page headers, column 'x' read last)" in got["error"][1]
+    assert got["grew"] < 128 * MiB, f"the read took {got['grew'] / MiB:.0f} MiB more"
+    got = _measure("pack", path, 16 * MiB, str(tmp_path / "out"))
+    assert got["error"][0] == "InputFileError" and "by its page headers" in got["error"][1], got
+    assert got["grew"] < 128 * MiB
+
+
+def test_a_dictionary_the_footer_does_not_list_is_refused(tmp_path):
+    """The footer's encodings of the dictionary bomb rewritten to say PLAIN: without the
+    check pyarrow would decode its dictionary into 512 MiB, unmeasured."""
+    path = _bomb(str(tmp_path / "bomb.parquet"), "dictionary")
+    _patch_footer(path, b"\x35\x00\x06\x10", b"\x35\x00\x06\x00")  # [PLAIN, RLE, RLE_DICTIONARY] -> no dictionary
+    assert "RLE_DICTIONARY" not in pq.ParquetFile(path).metadata.row_group(0).column(0).encodings
+    got = _measure("stream", path, 16 * MiB)
+    assert got["error"] is not None and got["error"][0] == "FormatError", got
+    assert "column 'x': its pages hold a dictionary that its footer does not list" in got["error"][1]
+    assert got["grew"] < 128 * MiB, f"the read took {got['grew'] / MiB:.0f} MiB more"

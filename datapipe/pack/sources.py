@@ -3,14 +3,16 @@ directory. Each source lists samples in a deterministic order."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DatapipeError, EmptyInputError, InputFileError, InvalidMemberNameError, OptionError, PackError
+from ..format.parquet_pages import chunk_pages
 from ..format.rows import flatten_bytes_structs, key_text, python_rows, row_fields
 from ..format.tar import BLOCK, check_key, member_name, padding, split_member_name
 
@@ -121,9 +123,7 @@ def row_group_bytes(meta: Any, g: int) -> int:
     columns = 0
     for c in range(rg.num_columns):
         chunk = rg.column(c)
-        kind = chunk.physical_type
-        width = meta.schema.column(c).length if kind == "FIXED_LEN_BYTE_ARRAY" else _VALUE_BYTES.get(kind, 8)
-        columns += max(int(chunk.total_uncompressed_size), int(chunk.num_values) * max(int(width or 0), 1))
+        columns += max(int(chunk.total_uncompressed_size), int(chunk.num_values) * _value_bytes(meta, c))
     return max(int(rg.total_byte_size), columns) + int(rg.num_rows) * ROW_BYTES
 
 
@@ -150,6 +150,74 @@ def _decoded_bytes(values: Any) -> int:
     return int(values.nbytes)
 
 
+def _value_bytes(meta: Any, c: int) -> int:
+    """The bytes one value of column ``c`` of the file (its footer ``meta``) takes decoded."""
+    column = meta.schema.column(c)
+    if column.physical_type == "FIXED_LEN_BYTE_ARRAY":
+        return max(int(column.length or 0), 1)
+    return _VALUE_BYTES.get(column.physical_type, 8)
+
+
+class _PageCheckedFile(io.RawIOBase):
+    """The Parquet file that pyarrow reads one row group of, through ``pyarrow.PythonFile``.
+    Without pre-buffering pyarrow reads each column chunk in one read from its start; the
+    page headers in it are read first (:func:`datapipe.format.parquet_pages.chunk_pages`),
+    and a chunk that takes the row group past ``limit`` is refused (``refuse``) before
+    pyarrow decodes a page of it: a footer can understate what its pages hold. Any other
+    read is refused too: it would be one these checks do not see."""
+
+    def __init__(self, source: Any, meta: Any, g: int, limit: int, dictionaries: set[str], where: str,
+                 refuse: Callable[[int, str], None], error: type[DatapipeError]) -> None:
+        super().__init__()
+        self._source, self._size, self._pos = source, int(source.size()), 0
+        self._limit, self._where = limit, where
+        self._refuse, self._error = refuse, error
+        rg = meta.row_group(g)
+        self.decoded = int(rg.num_rows) * ROW_BYTES
+        # start -> (path, bytes, values, value bytes, whether a dictionary would go unmeasured)
+        self._chunks: dict[int, tuple[str, int, int, int, bool]] = {}
+        for c in range(rg.num_columns):
+            chunk = rg.column(c)
+            start = int(chunk.data_page_offset)
+            if chunk.has_dictionary_page and 0 < int(chunk.dictionary_page_offset or 0) < start:
+                start = int(chunk.dictionary_page_offset)  # where pyarrow starts the chunk's read
+            unmeasured = chunk.physical_type == "BYTE_ARRAY" and chunk.path_in_schema not in dictionaries
+            self._chunks[start] = (chunk.path_in_schema, int(chunk.total_compressed_size),
+                                   int(chunk.num_values), _value_bytes(meta, c), unmeasured)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset + (0, self._pos, self._size)[whence]
+        return self._pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        start = self._pos
+        n = self._size - start if n is None or n < 0 else n
+        chunk = self._chunks.pop(start, None)
+        if chunk is None:
+            raise self._error(f"{self._where}: pyarrow asked for bytes {start}..{start + n}, which start no column "
+                              "chunk of the row group its footer describes (a damaged or crafted file)")
+        path, length, values, width, unmeasured = chunk
+        data = bytes(self._source.read_at(n, start))  # NativeFile.read_at gives bytes
+        self._pos = start + len(data)
+        pages = chunk_pages(data[:length], values, width, f"{self._where} column {path!r}")
+        if pages.dictionary and unmeasured:  # its text or bytes would be decoded unmeasured
+            raise self._error(f"{self._where} column {path!r}: its pages hold a dictionary that its footer does not "
+                              "list among its encodings (a damaged or crafted file)")
+        self.decoded += pages.decoded
+        if self.decoded > self._limit:
+            self._refuse(self.decoded, f"by its page headers, column {path!r} read last")
+        return data
+
+
 def read_fragment(frag: Any, schema: Any, g: int, max_bytes: int, where: str, budget: str,
                   error: type[DatapipeError]) -> Any:
     """Row group ``g`` of the Parquet file of the dataset fragment ``frag`` as a pyarrow
@@ -160,34 +228,39 @@ def read_fragment(frag: Any, schema: Any, g: int, max_bytes: int, where: str, bu
     so no datapipe process starts them.
 
     Memory: a row group that decodes to more than ``max_bytes`` is ``error`` naming the
-    file (``where``), the row group and ``budget`` (what sets the limit, how to raise it),
-    found from the footer before a page is read (:func:`row_group_bytes`: a few kilobytes
-    of compressed pages can claim gigabytes); its dictionary-encoded text and bytes columns
-    are read as dictionaries and measured before they are decoded."""
+    file (``where``), the row group and ``budget`` (what sets the limit, how to raise it):
+    found from the footer before a byte of it is read (:func:`row_group_bytes`: a few
+    kilobytes of compressed pages can claim gigabytes), then from each column chunk's page
+    headers before pyarrow decodes it (:class:`_PageCheckedFile`: a footer can lie), and
+    its dictionary-encoded text and bytes columns are read as dictionaries and measured
+    before they are decoded."""
     import pyarrow as pa
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
     meta = frag.metadata
+    at = f"{where} row group {g}"
 
     def refuse(size: int, how: str) -> None:
-        raise error(f"{where} row group {g}: decodes to {size} bytes ({how}), more than the {max_bytes} bytes "
-                    f"{budget}; or rewrite the table with smaller row groups "
-                    "(pyarrow.parquet.write_table(..., row_group_size=ROWS))")
+        raise error(f"{at}: decodes to {size} bytes ({how}), more than the {max_bytes} bytes {budget}; or "
+                    "rewrite the table with smaller row groups (pyarrow.parquet.write_table(..., row_group_size=ROWS))")
 
     size = row_group_bytes(meta, g)
     if size > max_bytes:
         refuse(size, "by the file's footer")
     rg = meta.row_group(g)
-    dictionaries = sorted({rg.column(c).path_in_schema for c in range(rg.num_columns)
-                           if rg.column(c).physical_type == "BYTE_ARRAY"
-                           and _DICTIONARY_ENCODINGS.intersection(rg.column(c).encodings)})
+    dictionaries = {rg.column(c).path_in_schema for c in range(rg.num_columns)
+                    if rg.column(c).physical_type == "BYTE_ARRAY"
+                    and _DICTIONARY_ENCODINGS.intersection(rg.column(c).encodings)}
     # a Hive key wins over a column of the same name in the file, as in pyarrow's scanner
     keys = pads.get_partition_keys(frag.partition_expression)
-    with pq.ParquetFile(frag.path, filesystem=frag.filesystem, metadata=meta, pre_buffer=False,
-                        read_dictionary=dictionaries or None) as f:
-        have = set(f.schema_arrow.names) - set(keys)
-        table = f.read_row_group(g, columns=[n for n in schema.names if n in have], use_threads=False)
+    with frag.filesystem.open_input_file(frag.path) as source:
+        checked = _PageCheckedFile(source, meta, g, max_bytes, dictionaries, at, refuse, error)
+        # buffer_size=0: each column chunk in one read, which the checked file sees whole
+        with pq.ParquetFile(pa.PythonFile(checked, mode="r"), metadata=meta, pre_buffer=False, buffer_size=0,
+                            read_dictionary=sorted(dictionaries) or None) as f:
+            have = set(f.schema_arrow.names) - set(keys)
+            table = f.read_row_group(g, columns=[n for n in schema.names if n in have], use_threads=False)
     if dictionaries:
         size = sum(_decoded_bytes(col) for col in table.columns) + table.num_rows * ROW_BYTES
         if size > max_bytes:
