@@ -10,10 +10,12 @@ import io
 import tarfile
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import datapipe
 from datapipe.errors import CorruptShardError
-from datapipe.format.tar import walk_members
+from datapipe.format.tar import split_member_name, walk_members
 from datapipe.loader import StreamingDataset
 
 
@@ -203,3 +205,39 @@ def test_a_long_name_ending_like_the_key_is_another_sample(tmp_path):
         assert got == {"a": b"top-level a", f"{folder}/a": b"a in the long folder"}
         assert ds.get("a")["txt"] == b"top-level a"
         assert sorted(s["__key__"] for s in StreamingDataset(str(url), shuffle=False)) == sorted(got)
+
+
+_MEMBER = st.tuples(
+    st.sampled_from([b"a.txt", b"a.jpg", b"b.txt", b"dir/c.txt", b"a.jpg/", b"dir/", b"x"]),  # the name
+    st.sampled_from(["name field", "pax path", "gnu long name", "ustar prefix"]),  # how it is spelled
+    st.sampled_from([b"0", b"\0", b"5"]),  # the type
+    st.sampled_from([b"ustar\x0000", b"ustar  \0", b"\0" * 8]),  # the magic
+    st.sampled_from([b"", b"data", b"z" * 600]),
+)
+
+
+def _spelled(name: bytes, form: str, kind: bytes, magic: bytes, data: bytes) -> bytes:
+    if form == "pax path":
+        return _pax(name) + _member(b"x", data, kind=kind, magic=magic)
+    if form == "gnu long name":
+        return _long(name) + _member(b"x", data, kind=kind, magic=magic)
+    if form == "ustar prefix" and b"/" in name.rstrip(b"/"):
+        folder, _, base = name.rstrip(b"/").rpartition(b"/")
+        return _member(base + name[len(name.rstrip(b"/")):], data, kind=kind, magic=magic, at={345: folder + b"\0"})
+    return _member(name, data, kind=kind, magic=magic)
+
+
+@settings(max_examples=400)
+@given(members=st.lists(_MEMBER, min_size=1, max_size=4))
+def test_the_samples_datapipe_reads_are_those_tarfile_reads(members):
+    """Whatever names, spellings, types and magics: either datapipe refuses the tar, or
+    the fields it reads (regular members named key.field) are exactly those tarfile, and
+    so WebDataset, reads, with the same bytes."""
+    buf = _tar(*(_spelled(*m) for m in members))
+    try:
+        ours = [(name, bytes(buf[a:b])) for name, a, b, _ in walk_members(buf, "t.tar", directories=True)]
+    except CorruptShardError:
+        return
+    with tarfile.open(fileobj=io.BytesIO(buf)) as t:
+        theirs = [(m.name, t.extractfile(m).read()) for m in t.getmembers() if m.isreg()]
+    assert [(n, d) for n, d in ours if split_member_name(n)] == [(n, d) for n, d in theirs if split_member_name(n)]
