@@ -82,7 +82,7 @@ class ParquetTable:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         import pyarrow as pa
 
-        from .pack.sources import parquet_dataset
+        from .pack.sources import parquet_dataset, row_group_bytes
 
         self.url = os.fspath(url).rstrip("/")
         refuse_chained_url(self.url)
@@ -104,6 +104,7 @@ class ParquetTable:
         if not fragments:
             raise PlanError(f"{self.url}: no Parquet file in this table; nothing to stream")
         is_file = path.rstrip("/").endswith(".parquet")
+        self._is_file = is_file
         root = os.path.dirname(path.rstrip("/")) if is_file else path.rstrip("/")
         self.store = open_store(root if local else f"{self.url.partition('://')[0]}://{root}", storage_options)
         self._row_groups: list[tuple[Any, int, str]] = []  # (fragment, row group, file name)
@@ -119,13 +120,15 @@ class ParquetTable:
             self._file_first[rel] = first
             try:
                 meta = frag.metadata
+                columns = frag.physical_schema  # from the footer just read
             except (OSError, ValueError) as e:
-                raise FormatError(f"{self.url}/{rel}: not a readable Parquet file: {e}") from e
+                raise FormatError(f"{self._file_url(rel)}: not a readable Parquet file: {e}") from e
+            flatten_bytes_structs(columns.empty_table(), self._file_url(rel))  # two columns giving one field
             for i in range(meta.num_row_groups):
                 rg = meta.row_group(i)
                 rows = int(rg.num_rows)
                 name = f"{rel}#rowgroup={i}"
-                shards.append(ShardInfo(name=name, url=f"{self.url}/{name}", bytes=max(int(rg.total_byte_size), 1),
+                shards.append(ShardInfo(name=name, url=f"{self.url}/{name}", bytes=max(row_group_bytes(meta, i), 1),
                                         samples=rows, checksum=checksum(f"{rel}\0{size}\0{version}\0{i}".encode()),
                                         first_sample=first, tar_bytes=0))
                 self._row_groups.append((frag, i, rel))
@@ -135,9 +138,14 @@ class ParquetTable:
         self.sample_counts: NDArray[np.int64] = np.asarray(counts, dtype=np.int64)
         self.num_samples = int(self.sample_counts.sum())
         self.schema = self._dataset.schema
+        flatten_bytes_structs(self.schema.empty_table(), self.url)  # the same across files and Hive keys
         self.manifest = {"kind": "parquet", "files": sorted([k, v[0], v[1]] for k, v in self._files.items()),
                          "schema": self.schema.to_string()}
         self._lock = threading.Lock()
+
+    def _file_url(self, rel: str) -> str:
+        """The URL of the table's file ``rel`` (the table's own when it is one file), for errors."""
+        return self.url if self._is_file else f"{self.url}/{rel}"
 
     def _stat(self, rel: str) -> tuple[int, str | None]:
         try:
@@ -145,39 +153,43 @@ class ParquetTable:
         except ObjectNotFoundError:
             raise
         except DatapipeError as e:
-            raise FormatError(f"{self.url}/{rel}: cannot stat this Parquet file: {e}") from e
+            raise FormatError(f"{self._file_url(rel)}: cannot stat this Parquet file: {e}") from e
 
     @property
     def num_shards(self) -> int:
         return len(self.shards)
 
-    def read_row_group(self, i: int) -> tuple[Any, list[str]]:
+    def read_row_group(self, i: int, max_bytes: int = 512 << 20) -> tuple[Any, list[str]]:
         """(the rows of row group ``i`` as a pyarrow table with the table's schema, their keys),
-        once its file is checked to be the one the plan was made from."""
+        once its file is checked to be the one the plan was made from. ``max_bytes``: what
+        the row group may decode to (the reader's ``prefetch_bytes``; StreamingDataset's
+        default here), else a :class:`~datapipe.errors.FormatError` before it is decoded."""
         import pyarrow as pa
 
         from .pack.sources import read_fragment
 
         frag, rg, rel = self._row_groups[i]
         if self._stat(rel) != self._files[rel]:
-            raise ObjectChangedError(f"{self.url}/{rel} changed since the table was opened (its size or version "
+            raise ObjectChangedError(f"{self._file_url(rel)} changed since the table was opened (its size or version "
                                      "differs): open the dataset again for a plan of the new rows")
         try:
-            table = read_fragment(frag, self.schema, [rg])  # that row group alone
+            table = read_fragment(frag, self.schema, rg, max_bytes, self._file_url(rel),
+                                  "a row group may take within the dataset's prefetch_bytes (pass a larger "
+                                  "prefetch_bytes to StreamingDataset to read it)", FormatError)
         except (OSError, pa.ArrowException) as e:
-            raise FormatError(f"{self.url}/{rel} row group {rg}: cannot be read: {e}") from e
+            raise FormatError(f"{self._file_url(rel)} row group {rg}: cannot be read: {e}") from e
         if self._stat(rel) != self._files[rel]:  # replaced after the check above, or while read
-            raise ObjectChangedError(f"{self.url}/{rel} changed while row group {rg} was read (its size or "
+            raise ObjectChangedError(f"{self._file_url(rel)} changed while row group {rg} was read (its size or "
                                      "version differs): open the dataset again for a plan of the new rows")
         info = self.shards[i]
         if table.num_rows != info.samples:
-            raise FormatError(f"{self.url}/{rel} row group {rg}: {table.num_rows} rows, the file's footer says "
+            raise FormatError(f"{self._file_url(rel)} row group {rg}: {table.num_rows} rows, the file's footer says "
                               f"{info.samples}")
-        table = flatten_bytes_structs(table)
+        table = flatten_bytes_structs(table, f"{self._file_url(rel)} row group {rg}")
         start = info.first_sample - self._file_first[rel]
         keys = [f"{rel}/{start + j:09d}" for j in range(info.samples)]
         if "__key__" in table.column_names:  # its values, where not null
-            where = f"{self.url}/{rel} row group {rg}"
+            where = f"{self._file_url(rel)} row group {rg}"
             values = python_values(table.column("__key__"), "__key__", where)
             keys = [k if v is None else key_text(v, where, j) for j, (k, v) in enumerate(zip(keys, values))]
             table = table.drop_columns(["__key__"])

@@ -1,7 +1,8 @@
 """Member names as every tar reader sees them: old (V7) directories, NULs inside names, GNU
-headers with bytes where ustar keeps a prefix, and the check of random access that the
-member after a sample does not continue it, through PAX paths, GNU long names and ustar
-prefixes (tars written here block by block, by tarfile, and by datapipe.pack)."""
+and pre-POSIX headers with bytes where ustar keeps a prefix, files named like directories,
+and the check of random access that the member after a sample does not continue it,
+through PAX paths, GNU long names and ustar prefixes (tars written here block by block,
+by tarfile, and by datapipe.pack)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import io
 import tarfile
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import datapipe
 from datapipe.errors import CorruptShardError
-from datapipe.format.tar import walk_members
+from datapipe.format.tar import split_member_name, walk_members
 from datapipe.loader import StreamingDataset
 
 
@@ -99,7 +102,55 @@ def test_a_gnu_header_with_bytes_where_ustar_keeps_a_prefix_is_refused():
     assert _names(_tar(_member(b"a.txt", b"hi", at={345: b"dir\0"}))) == ["dir/a.txt"]
 
 
-@pytest.mark.parametrize("form", ["name field", "pax path", "gnu long name", "ustar prefix"])
+def test_a_header_without_ustar_magic_but_bytes_where_the_prefix_lives_is_refused(tmp_path):
+    """A pre-POSIX (V7) header has no magic; tarfile still joins bytes at 345 as a prefix
+    ("dir/a.txt": WebDataset's key "dir/a"), GNU tar reads "a.txt"."""
+    buf = _tar(_member(b"a.txt", b"hi", magic=b"\0" * 8, at={345: b"dir\0"}))
+    with tarfile.open(fileobj=io.BytesIO(buf)) as t:
+        assert t.getnames() == ["dir/a.txt"]
+    with pytest.raises(CorruptShardError, match="tar header without ustar magic at byte 0 holds bytes where"):
+        _names(buf)
+    shard = tmp_path / "v7.tar"
+    shard.write_bytes(buf)
+    with pytest.raises(CorruptShardError, match="without ustar magic"):
+        datapipe.index_shards([str(shard)], str(tmp_path / "ix"), workers=1, progress=False)
+    # the same header without those bytes (what a V7 tar holds there) reads as every reader reads it
+    assert _names(_tar(_member(b"a.txt", b"hi", magic=b"\0" * 8))) == ["a.txt"]
+
+
+@pytest.mark.parametrize("form", ["pax path", "gnu long name", "name field"])
+def test_a_file_named_like_a_directory_holding_data_is_refused(tmp_path, form):
+    """A regular member (type "0") named "a.jpg/": GNU tar lists a directory holding 320
+    bytes; tarfile reads a file (from a PAX path without the "/": WebDataset's field "jpg"
+    of sample "a"); datapipe passed over it. Refused, as a directory holding data is."""
+    named = {"pax path": lambda d: _pax(b"a.jpg/") + _member(b"x", d),
+             "gnu long name": lambda d: _long(b"a.jpg/") + _member(b"x", d),
+             "name field": lambda d: _member(b"a.jpg/", d)}[form]
+    buf = _tar(_member(b"a.txt", b"caption"), named(b"z" * 320), _member(b"b.txt", b"bee"))
+    with tarfile.open(fileobj=io.BytesIO(buf)) as t:
+        member = t.getmembers()[1]
+        assert member.isreg() and member.size == 320
+        assert member.name == ("a.jpg" if form == "pax path" else "a.jpg/")
+    at = 1024 if form == "name field" else 2048  # the member's own header, after its extended one
+    with pytest.raises(CorruptShardError, match=f"at byte {at} is of a file's tar type b'0' but named like a dir"):
+        _names(buf)
+    shard = tmp_path / "shard.tar"
+    shard.write_bytes(buf)
+    with pytest.raises(CorruptShardError, match="named like a directory"):
+        datapipe.index_shards([str(shard)], str(tmp_path / "ix"), workers=1, progress=False)
+    empty = _tar(_member(b"a.txt", b"caption"), named(b""), _member(b"b.txt", b"bee"))
+    if form == "pax path":  # tarfile still reads a file "a.jpg", of 0 bytes: WebDataset's empty field
+        with tarfile.open(fileobj=io.BytesIO(empty)) as t:
+            assert t.getmembers()[1].name == "a.jpg" and t.getmembers()[1].isreg()
+        with pytest.raises(CorruptShardError, match="named like a directory"):
+            _names(empty)
+    else:  # empty, it is a directory to GNU tar and no sample to tarfile: passed over as one
+        assert _names(empty) == ["a.txt", "a.jpg/", "b.txt"]
+        with pytest.raises(CorruptShardError, match="regular files only"):
+            _names(empty, directories=False)
+
+
+@pytest.mark.parametrize("form", ["name field", "pax path", "gnu long name", "ustar prefix", "pax path with a slash"])
 def test_random_access_sees_a_field_of_the_sample_after_its_range(tmp_path, form):
     """The index says sample "a" is "a.txt"; the member after it was changed in place (same
     size, outside every indexed sample) into "a.jpg", in each of the ways a tar can spell
@@ -116,7 +167,8 @@ def test_random_access_sees_a_field_of_the_sample_after_its_range(tmp_path, form
     datapipe.index_shards([str(shard)], str(tmp_path / "ix"), workers=1, progress=False)
     field = {"name field": _member(b"a.jpg", b"z" * 475), "pax path": _pax(b"a.jpg") + _member(b"x", b"z" * 1),
              "gnu long name": _long(b"a.jpg") + _member(b"x", b"z" * 1),
-             "ustar prefix": _member(b"a.jpg", b"z" * 475, at={345: b"dir\0"})}[form]
+             "ustar prefix": _member(b"a.jpg", b"z" * 475, at={345: b"dir\0"}),
+             "pax path with a slash": _pax(b"a.jpg/") + _member(b"x", b"z" * 1)}[form]
     assert len(field) <= len(gap)
     with open(shard, "r+b") as f:
         f.seek(512 + 512)  # a.txt's header and one block of data, then the gap member
@@ -124,7 +176,8 @@ def test_random_access_sees_a_field_of_the_sample_after_its_range(tmp_path, form
     with tarfile.open(shard) as t:
         assert (prefix + b"a.jpg").decode() in t.getnames()
     ds = datapipe.open_dataset(str(tmp_path / "ix"))
-    with pytest.raises(CorruptShardError, match="cuts the sample short"):
+    with pytest.raises(CorruptShardError, match="named like a directory" if form.endswith("slash") else
+                       "cuts the sample short"):
         ds[0]
 
 
@@ -152,3 +205,39 @@ def test_a_long_name_ending_like_the_key_is_another_sample(tmp_path):
         assert got == {"a": b"top-level a", f"{folder}/a": b"a in the long folder"}
         assert ds.get("a")["txt"] == b"top-level a"
         assert sorted(s["__key__"] for s in StreamingDataset(str(url), shuffle=False)) == sorted(got)
+
+
+_MEMBER = st.tuples(
+    st.sampled_from([b"a.txt", b"a.jpg", b"b.txt", b"dir/c.txt", b"a.jpg/", b"dir/", b"x"]),  # the name
+    st.sampled_from(["name field", "pax path", "gnu long name", "ustar prefix"]),  # how it is spelled
+    st.sampled_from([b"0", b"\0", b"5"]),  # the type
+    st.sampled_from([b"ustar\x0000", b"ustar  \0", b"\0" * 8]),  # the magic
+    st.sampled_from([b"", b"data", b"z" * 600]),
+)
+
+
+def _spelled(name: bytes, form: str, kind: bytes, magic: bytes, data: bytes) -> bytes:
+    if form == "pax path":
+        return _pax(name) + _member(b"x", data, kind=kind, magic=magic)
+    if form == "gnu long name":
+        return _long(name) + _member(b"x", data, kind=kind, magic=magic)
+    if form == "ustar prefix" and b"/" in name.rstrip(b"/"):
+        folder, _, base = name.rstrip(b"/").rpartition(b"/")
+        return _member(base + name[len(name.rstrip(b"/")):], data, kind=kind, magic=magic, at={345: folder + b"\0"})
+    return _member(name, data, kind=kind, magic=magic)
+
+
+@settings(max_examples=400)
+@given(members=st.lists(_MEMBER, min_size=1, max_size=4))
+def test_the_samples_datapipe_reads_are_those_tarfile_reads(members):
+    """Whatever names, spellings, types and magics: either datapipe refuses the tar, or
+    the fields it reads (regular members named key.field) are exactly those tarfile, and
+    so WebDataset, reads, with the same bytes."""
+    buf = _tar(*(_spelled(*m) for m in members))
+    try:
+        ours = [(name, bytes(buf[a:b])) for name, a, b, _ in walk_members(buf, "t.tar", directories=True)]
+    except CorruptShardError:
+        return
+    with tarfile.open(fileobj=io.BytesIO(buf)) as t:
+        theirs = [(m.name, t.extractfile(m).read()) for m in t.getmembers() if m.isreg()]
+    assert [(n, d) for n, d in ours if split_member_name(n)] == [(n, d) for n, d in theirs if split_member_name(n)]

@@ -6,6 +6,9 @@
 - ``layout``: where every field of every sample of a shard lies (the strict parse, and the
   one fast structural check tested against it).
 - ``index``: the manifest, ``shards.parquet`` and ``samples.parquet``, and their checks.
+- ``rows``: a table's rows as the fields of samples (struct-of-bytes columns flattened).
+- ``parquet_pages``: the page headers of a Parquet column chunk, read before pyarrow
+  decodes it (what each page decompresses to).
 
 Imports only the leaves (``datapipe.errors``, ``datapipe.checksum``); nothing about where
 bytes live.

@@ -16,23 +16,37 @@ def _holds_bytes(t: Any) -> bool:
                 or pa.types.is_binary_view(t))
 
 
-def flatten_bytes_structs(table: Any) -> Any:
+def flatten_bytes_structs(table: Any, where: str = "table", error: type[DatapipeError] = FormatError) -> Any:
     """The pyarrow table (or record batch) ``table`` with each struct column that has a
     binary child (a Hugging Face ``Image`` or ``Audio`` column: ``{"bytes": ..., "path":
     ...}``) replaced by one column per child, ``column.child``, so its bytes stay bytes.
     Decided by the schema, so every row has the same field names, whichever of its values
-    are null."""
+    are null. Two columns that would give one field name (a struct ``image`` beside a
+    column ``image.bytes``, or a name twice) are ``error`` naming ``where`` and both: a row
+    holds one value per field, so one of them would be dropped."""
     import pyarrow as pa
 
     if isinstance(table, pa.RecordBatch):
-        return flatten_bytes_structs(pa.Table.from_batches([table]))
-    for i in reversed(range(table.num_columns)):
-        f = table.schema.field(i)
+        return flatten_bytes_structs(pa.Table.from_batches([table]), where, error)
+    given: dict[str, str] = {}  # field name -> the column that gives it
+    flatten: list[int] = []  # the struct columns to flatten
+    for i, f in enumerate(table.schema):
+        names, column = [f.name], f"column {f.name!r}"
         if pa.types.is_struct(f.type) and any(_holds_bytes(f.type.field(k).type) for k in range(f.type.num_fields)):
-            children = pa.Table.from_arrays([table.column(i)], names=[f.name]).flatten()
-            table = table.remove_column(i)
-            for k in range(children.num_columns):
-                table = table.add_column(i + k, children.schema.field(k), children.column(k))
+            flatten.append(i)
+            names = [f"{f.name}.{f.type.field(k).name}" for k in range(f.type.num_fields)]
+            column = f"struct column {f.name!r} (one field per child)"
+        for name in names:
+            if name in given:
+                raise error(f"{where}: {given[name]} and {column} both give the field {name!r}, and a sample holds "
+                            "one value per field, so one would be dropped: rename one of the columns")
+            given[name] = column
+    for i in reversed(flatten):
+        f = table.schema.field(i)
+        children = pa.Table.from_arrays([table.column(i)], names=[f.name]).flatten()
+        table = table.remove_column(i)
+        for k in range(children.num_columns):
+            table = table.add_column(i + k, children.schema.field(k), children.column(k))
     return table
 
 

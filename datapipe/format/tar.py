@@ -214,20 +214,35 @@ def _header_ok(header: bytes) -> bool:
 
 def _member_name(header: bytes, pax: dict[str, str], long_name: str | None, where: str, at: int) -> str:
     """The name of the member of ``header``: its PAX path, else its GNU long name, else the
-    header's name field (after the ustar prefix when the header is POSIX ustar). A GNU
-    header keeps times where ustar keeps the prefix: tarfile reads them as a prefix, GNU
-    tar does not, so such a header with anything there is an error."""
+    header's name field (after the ustar prefix when the header is POSIX ustar). tarfile
+    joins a prefix whatever the magic, GNU tar only in a POSIX ustar header (a GNU header
+    keeps times there), so any other header with bytes there is an error. A name ending in
+    ``/`` on a member not typed a directory is one to GNU tar; tarfile reads a file (and
+    drops that ``/`` from a PAX path): with data, or as a PAX path, it is an error, else
+    (empty) the caller takes it for a directory."""
+    kind = header[156:157]
+    field = header[0:100].split(b"\0", 1)[0]
     if "path" in pax:
-        return _decode_name(pax["path"], where, at)
-    if long_name is not None:
-        return long_name
-    raw = header[0:100].split(b"\0", 1)[0]
-    magic = header[257:265]
-    if magic == b"ustar  \0" and header[345] != 0:
-        raise CorruptShardError(f"{where}: the GNU tar header at byte {at} holds bytes where a ustar header keeps "
-                                "its name prefix: tarfile and GNU tar would read different names")
-    prefix = header[345:500].split(b"\0", 1)[0] if magic[:6] == b"ustar\0" else b""
-    return _decode_name((prefix + b"/" + raw) if prefix else raw, where, at)
+        name = _decode_name(pax["path"], where, at)
+    elif long_name is not None:
+        name = long_name
+    else:
+        magic = header[257:265]
+        if magic[:6] != b"ustar\0" and header[345] != 0:
+            form = "GNU tar header" if magic == b"ustar  \0" else "tar header without ustar magic"
+            raise CorruptShardError(f"{where}: the {form} at byte {at} holds bytes where a ustar header keeps "
+                                    "its name prefix: tarfile and GNU tar would read different names")
+        prefix = header[345:500].split(b"\0", 1)[0] if magic[:6] == b"ustar\0" else b""
+        name = _decode_name((prefix + b"/" + field) if prefix else field, where, at)
+    directory = kind == b"5" or (kind == b"\0" and field.endswith(b"/"))  # the V7 form: see walk_members
+    if name.endswith("/") and not directory and (
+            "path" in pax or _parse_octal(header[124:136], where, at)):
+        raise CorruptShardError(
+            f"{where}: the member at byte {at} is of a file's tar type {kind!r} but named like a directory "
+            f"({name[:200]!r}): GNU tar reads a directory there, tarfile a file"
+            f"{' ' + repr(name.rstrip('/')[:200]) if 'path' in pax else ''}: readers disagree on it "
+            "(re-create the tar)")
+    return name
 
 
 #: the most bytes :func:`next_member_name` reads of an extended header (PAX records, a GNU
@@ -348,6 +363,11 @@ def walk_members(buf: bytes | memoryview, where: str = "tar",
             )
         name = _member_name(header, pax, long_name, where, at)
         pax, long_name = {}, None
+        if name.endswith("/") and not is_dir:  # empty (else refused above): a directory to every reader
+            if not directories:
+                raise CorruptShardError(f"{where}: member at byte {at} is a directory ({name[:200]!r}): datapipe "
+                                        "shards hold regular files only")
+            is_dir = True
         if is_dir and not name.endswith("/"):
             name += "/"
         yield name, data_start, data_end, member_start

@@ -354,7 +354,8 @@ class ShardSource:
         ix, info = self.info(g)
         local = g - int(self.shard_base[int(self.source_of[g])])
         if isinstance(ix, ParquetTable):
-            table, keys = call_with_retry(lambda: ix.read_row_group(local), info.url, self.retry)
+            table, keys = call_with_retry(lambda: ix.read_row_group(local, self.buffers.max_bytes), info.url,
+                                          self.retry)
             return TableRowGroup(TableRowsReader(g, info.url, table, keys))
         try:
             # the sample table is read in row groups from the store: retried like shard bytes

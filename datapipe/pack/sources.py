@@ -3,19 +3,22 @@ directory. Each source lists samples in a deterministic order."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import EmptyInputError, InputFileError, InvalidMemberNameError, PackError
+from ..errors import DatapipeError, EmptyInputError, InputFileError, InvalidMemberNameError, OptionError, PackError
+from ..format.parquet_pages import chunk_pages
 from ..format.rows import flatten_bytes_structs, key_text, python_rows, row_fields
 from ..format.tar import BLOCK, check_key, member_name, padding, split_member_name
 
 __all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table", "read_fragment",
-           "count_table_rows", "check_table_columns", "source_kind"]
+           "row_group_bytes", "pack_row_group_bytes", "count_table_rows", "check_table_columns", "source_kind",
+           "PACK_ROW_GROUP_ENV"]
 
 #: how a directory's files become samples: "first-dot" (WebDataset's rule, the default: key =
 #: the path up to the first dot of the file name, field = the rest, so files sharing that
@@ -85,22 +88,183 @@ def parquet_dataset(path: str, filesystem: Any = None) -> Any:
     return pads.FileSystemDataset(fragments, schema, ds.format, filesystem=ds.filesystem)
 
 
-def read_fragment(frag: Any, schema: Any, row_groups: list[int]) -> Any:
-    """Row groups ``row_groups`` of the Parquet file of the dataset fragment ``frag`` as a
-    pyarrow table with ``schema`` (the dataset's): its Hive partition keys as columns,
-    columns the file lacks as nulls. Read by ``pyarrow.parquet`` with no pre-buffering and no
-    threads: pyarrow's dataset scanner starts Arrow's thread pools, whose threads can abort
-    the process at exit ("terminate called without an active exception",
-    apache/arrow#34314), so no datapipe process starts them."""
+#: the environment variable that sets what a row group of a table may decode to when pack
+#: reads it (as :func:`read_fragment` measures it; 1 GiB unless set): pack holds one row
+#: group at a time, beside the shard it fills
+PACK_ROW_GROUP_ENV = "DATAPIPE_PACK_ROW_GROUP_BYTES"
+_PACK_ROW_GROUP_BYTES = 1 << 30
+#: what a row costs at least once read, beyond its values: the Python objects a reader
+#: makes of it (its dict, its key), so a footer of many empty rows is no bomb either
+ROW_BYTES = 256
+_VALUE_BYTES = {"BOOLEAN": 1, "INT32": 4, "INT64": 8, "INT96": 12, "FLOAT": 4, "DOUBLE": 8, "BYTE_ARRAY": 4}
+_DICTIONARY_ENCODINGS = {"PLAIN_DICTIONARY", "RLE_DICTIONARY"}
+
+
+def pack_row_group_bytes() -> int:
+    """What a row group may decode to when pack reads it: ``$DATAPIPE_PACK_ROW_GROUP_BYTES``,
+    else 1 GiB."""
+    text = os.environ.get(PACK_ROW_GROUP_ENV)
+    if text is None:
+        return _PACK_ROW_GROUP_BYTES
+    value = int(text) if text.strip().isdigit() else 0
+    if value < 1:
+        raise OptionError(f"{PACK_ROW_GROUP_ENV}={text[:40]!r}: the most bytes pack may decode of one row group "
+                          f"of a table; expected a positive integer of bytes (unset: {_PACK_ROW_GROUP_BYTES})")
+    return value
+
+
+def row_group_bytes(meta: Any, g: int) -> int:
+    """What row group ``g`` of a Parquet file (its footer ``meta``) decodes to at least, from
+    the footer alone: each column chunk's uncompressed size, or its values at their decoded
+    width where run-length encoding stores many in a few bytes, and :data:`ROW_BYTES` per
+    row. A dictionary-encoded column of text or bytes may decode to more (each value a copy
+    of its dictionary entry): :func:`read_fragment` counts that before decoding it."""
+    rg = meta.row_group(g)
+    columns = 0
+    for c in range(rg.num_columns):
+        chunk = rg.column(c)
+        columns += max(int(chunk.total_uncompressed_size), int(chunk.num_values) * _value_bytes(meta, c))
+    return max(int(rg.total_byte_size), columns) + int(rg.num_rows) * ROW_BYTES
+
+
+def _decoded_bytes(values: Any) -> int:
+    """The bytes of the pyarrow array ``values`` with its dictionaries decoded (each value of
+    a dictionary-encoded column a copy of its entry), without decoding them."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(values, pa.ChunkedArray):
+        return sum(_decoded_bytes(chunk) for chunk in values.chunks)
+    t = values.type
+    if pa.types.is_dictionary(t):
+        entries = values.dictionary
+        if not (pa.types.is_binary(entries.type) or pa.types.is_large_binary(entries.type)
+                or pa.types.is_string(entries.type) or pa.types.is_large_string(entries.type)):
+            return int(values.nbytes)  # read_fragment asks for text and bytes dictionaries only
+        lengths = pc.take(pc.binary_length(entries), values.indices)
+        return int(pc.sum(lengths).as_py() or 0) + 8 * len(values)  # the values, their offsets
+    if pa.types.is_struct(t):
+        return sum(_decoded_bytes(child) for child in values.flatten()) + len(values) // 8
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) or pa.types.is_map(t):
+        return _decoded_bytes(values.flatten()) + 8 * len(values)
+    return int(values.nbytes)
+
+
+def _value_bytes(meta: Any, c: int) -> int:
+    """The bytes one value of column ``c`` of the file (its footer ``meta``) takes decoded."""
+    column = meta.schema.column(c)
+    if column.physical_type == "FIXED_LEN_BYTE_ARRAY":
+        return max(int(column.length or 0), 1)
+    return _VALUE_BYTES.get(column.physical_type, 8)
+
+
+class _PageCheckedFile(io.RawIOBase):
+    """The Parquet file that pyarrow reads one row group of, through ``pyarrow.PythonFile``.
+    Without pre-buffering pyarrow reads each column chunk in one read from its start; the
+    page headers in it are read first (:func:`datapipe.format.parquet_pages.chunk_pages`),
+    and a chunk that takes the row group past ``limit`` is refused (``refuse``) before
+    pyarrow decodes a page of it: a footer can understate what its pages hold. Any other
+    read is refused too: it would be one these checks do not see."""
+
+    def __init__(self, source: Any, meta: Any, g: int, limit: int, dictionaries: set[str], where: str,
+                 refuse: Callable[[int, str], None], error: type[DatapipeError]) -> None:
+        super().__init__()
+        self._source, self._size, self._pos = source, int(source.size()), 0
+        self._limit, self._where = limit, where
+        self._refuse, self._error = refuse, error
+        rg = meta.row_group(g)
+        self.decoded = int(rg.num_rows) * ROW_BYTES
+        # start -> (path, bytes, values, value bytes, whether a dictionary would go unmeasured)
+        self._chunks: dict[int, tuple[str, int, int, int, bool]] = {}
+        for c in range(rg.num_columns):
+            chunk = rg.column(c)
+            start = int(chunk.data_page_offset)
+            if chunk.has_dictionary_page and 0 < int(chunk.dictionary_page_offset or 0) < start:
+                start = int(chunk.dictionary_page_offset)  # where pyarrow starts the chunk's read
+            unmeasured = chunk.physical_type == "BYTE_ARRAY" and chunk.path_in_schema not in dictionaries
+            self._chunks[start] = (chunk.path_in_schema, int(chunk.total_compressed_size),
+                                   int(chunk.num_values), _value_bytes(meta, c), unmeasured)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = offset + (0, self._pos, self._size)[whence]
+        return self._pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        start = self._pos
+        n = self._size - start if n is None or n < 0 else n
+        chunk = self._chunks.pop(start, None)
+        if chunk is None:
+            raise self._error(f"{self._where}: pyarrow asked for bytes {start}..{start + n}, which start no column "
+                              "chunk of the row group its footer describes (a damaged or crafted file)")
+        path, length, values, width, unmeasured = chunk
+        data = bytes(self._source.read_at(n, start))  # NativeFile.read_at gives bytes
+        self._pos = start + len(data)
+        pages = chunk_pages(data[:length], values, width, f"{self._where} column {path!r}")
+        if pages.dictionary and unmeasured:  # its text or bytes would be decoded unmeasured
+            raise self._error(f"{self._where} column {path!r}: its pages hold a dictionary that its footer does not "
+                              "list among its encodings (a damaged or crafted file)")
+        self.decoded += pages.decoded
+        if self.decoded > self._limit:
+            self._refuse(self.decoded, f"by its page headers, column {path!r} read last")
+        return data
+
+
+def read_fragment(frag: Any, schema: Any, g: int, max_bytes: int, where: str, budget: str,
+                  error: type[DatapipeError]) -> Any:
+    """Row group ``g`` of the Parquet file of the dataset fragment ``frag`` as a pyarrow
+    table with ``schema`` (the dataset's): its Hive partition keys as columns, columns the
+    file lacks as nulls. Read by ``pyarrow.parquet`` with no pre-buffering and no threads:
+    pyarrow's dataset scanner starts Arrow's thread pools, whose threads can abort the
+    process at exit ("terminate called without an active exception", apache/arrow#34314),
+    so no datapipe process starts them.
+
+    Memory: a row group that decodes to more than ``max_bytes`` is ``error`` naming the
+    file (``where``), the row group and ``budget`` (what sets the limit, how to raise it):
+    found from the footer before a byte of it is read (:func:`row_group_bytes`: a few
+    kilobytes of compressed pages can claim gigabytes), then from each column chunk's page
+    headers before pyarrow decodes it (:class:`_PageCheckedFile`: a footer can lie), and
+    its dictionary-encoded text and bytes columns are read as dictionaries and measured
+    before they are decoded."""
     import pyarrow as pa
     import pyarrow.dataset as pads
     import pyarrow.parquet as pq
 
+    meta = frag.metadata
+    at = f"{where} row group {g}"
+
+    def refuse(size: int, how: str) -> None:
+        raise error(f"{at}: decodes to {size} bytes ({how}), more than the {max_bytes} bytes {budget}; or "
+                    "rewrite the table with smaller row groups (pyarrow.parquet.write_table(..., row_group_size=ROWS))")
+
+    size = row_group_bytes(meta, g)
+    if size > max_bytes:
+        refuse(size, "by the file's footer")
+    rg = meta.row_group(g)
+    dictionaries = {rg.column(c).path_in_schema for c in range(rg.num_columns)
+                    if rg.column(c).physical_type == "BYTE_ARRAY"
+                    and _DICTIONARY_ENCODINGS.intersection(rg.column(c).encodings)}
     # a Hive key wins over a column of the same name in the file, as in pyarrow's scanner
     keys = pads.get_partition_keys(frag.partition_expression)
-    with pq.ParquetFile(frag.path, filesystem=frag.filesystem, metadata=frag.metadata, pre_buffer=False) as f:
-        have = set(f.schema_arrow.names) - set(keys)
-        table = f.read_row_groups(row_groups, columns=[n for n in schema.names if n in have], use_threads=False)
+    with frag.filesystem.open_input_file(frag.path) as source:
+        checked = _PageCheckedFile(source, meta, g, max_bytes, dictionaries, at, refuse, error)
+        # buffer_size=0: each column chunk in one read, which the checked file sees whole
+        with pq.ParquetFile(pa.PythonFile(checked, mode="r"), metadata=meta, pre_buffer=False, buffer_size=0,
+                            read_dictionary=sorted(dictionaries) or None) as f:
+            have = set(f.schema_arrow.names) - set(keys)
+            table = f.read_row_group(g, columns=[n for n in schema.names if n in have], use_threads=False)
+    if dictionaries:
+        size = sum(_decoded_bytes(col) for col in table.columns) + table.num_rows * ROW_BYTES
+        if size > max_bytes:
+            refuse(size, "its dictionary-encoded columns decoded")
     columns = []
     for column in schema:
         if column.name in keys:
@@ -278,7 +442,7 @@ def check_table_columns(schema: Any, src: str) -> None:
     struct holding bytes, dates, times or decimals (a nested value is stored as JSON, which
     has none of them; a struct of bytes at the top is one field per child instead, see
     :func:`~datapipe.format.rows.flatten_bytes_structs`)."""
-    for f in flatten_bytes_structs(schema.empty_table()).schema:
+    for f in flatten_bytes_structs(schema.empty_table(), src, InputFileError).schema:
         if f.name.startswith("__") and f.name != "__key__":
             raise InputFileError(f"{src}: column {f.name!r}: names starting with '__' are reserved ('__key__' "
                                  "names the sample), so it would be dropped from every sample; rename the column")
@@ -291,18 +455,22 @@ def check_table_columns(schema: Any, src: str) -> None:
 
 def count_table_rows(src: str, kind: str) -> int:
     """The rows of a JSONL or Parquet table (a Parquet table's columns checked first:
-    :func:`check_table_columns`)."""
+    :func:`check_table_columns`, and the row group limit, :func:`pack_row_group_bytes`)."""
     if kind == "jsonl":
         with open(src, "rb") as f:
             return sum(1 for line in f if line.strip())
     import pyarrow as pa
 
+    rows = 0
     try:  # from the footers, not a scan (see read_fragment)
         ds = parquet_dataset(src)
-        rows = sum(int(f.metadata.num_rows) for f in ds.get_fragments())
+        for f in ds.get_fragments():
+            rows += int(f.metadata.num_rows)
+            flatten_bytes_structs(f.physical_schema.empty_table(), f.path, InputFileError)  # names the file
     except (pa.ArrowException, OSError) as e:
         raise InputFileError(f"{src}: not a readable Parquet table: {e}") from e
     check_table_columns(ds.schema, src)
+    pack_row_group_bytes()  # a bad limit refused before anything is written
     return rows
 
 
@@ -350,7 +518,7 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
         ds = parquet_dataset(src)  # Hive folders: their keys are columns
     except (pa.ArrowException, OSError) as e:
         raise InputFileError(f"{src}: not a readable Parquet table: {e}") from e
-    i = 0
+    i, limit = 0, pack_row_group_bytes()
     for frag in ds.get_fragments():
         try:
             meta = frag.metadata
@@ -362,10 +530,13 @@ def iter_table(src: str, kind: str, start: int = 0, stop: int | None = None) -> 
                 i += n
                 continue
             try:
-                table = flatten_bytes_structs(read_fragment(frag, ds.schema, [g]))
+                table = read_fragment(frag, ds.schema, g, limit, frag.path,
+                                      f"pack decodes of a table at a time (one row group; set {PACK_ROW_GROUP_ENV} "
+                                      "to raise it)", InputFileError)
             except (pa.ArrowException, OSError) as e:
                 raise InputFileError(f"{frag.path} row group {g}: cannot be read: {e}") from e
             where, first = f"{frag.path} row group {g}", 0  # first: the batch's first row in the row group
+            table = flatten_bytes_structs(table, where, InputFileError)
             for batch in table.to_batches(max_chunksize=1024):  # Python objects for 1024 rows at a time
                 a = min(max(start - i, 0), batch.num_rows)  # the rows [a, b) of the batch are in [start, stop)
                 b = batch.num_rows if stop is None else min(batch.num_rows, stop - i)

@@ -32,6 +32,7 @@ from ..errors import (
     DatapipeError,
     DuplicateKeyError,
     EmptyInputError,
+    InputFileError,
     PackError,
     PackOptionError,
 )
@@ -41,7 +42,7 @@ from ..pack.commit import LEASE, LOCK, PLAN, WORK, check_destination
 from ..pack.journal import Journal, fingerprint
 from ..pack.lock import WriterLock
 from ..pack.packer import PackResult, commit_shards, pack_shard, plan_shards
-from ..pack.sources import FileSample
+from ..pack.sources import FileSample, check_table_columns
 from ..pack.writer import (
     DEFAULT_SHARD_BYTES,
     DEFAULT_SHARD_SAMPLES,
@@ -248,9 +249,14 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
     def rows_of(self, blocks: Iterable[Block]) -> Iterator[dict[str, Any]]:
         """The rows of ``blocks`` as dicts of Python values, a batch at a time (struct
         columns holding bytes, such as Hugging Face images, flattened as ``pack``
-        flattens them)."""
+        flattens them). A column no sample could keep is refused as ``pack`` refuses it
+        in a table (:func:`~datapipe.pack.sources.check_table_columns`: a ``__`` name other
+        than ``__key__``, bytes inside a list), never dropped."""
+        where = f"the rows written to {self.dest}"
         for block in blocks:
-            table = flatten_bytes_structs(BlockAccessor.for_block(block).to_arrow())
+            table = BlockAccessor.for_block(block).to_arrow()
+            check_table_columns(table.schema, where)
+            table = flatten_bytes_structs(table, where, InputFileError)
             for batch in table.to_batches(max_chunksize=1024):
                 yield from batch.to_pylist()
 

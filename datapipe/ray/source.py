@@ -33,19 +33,21 @@ def _schema(fields: list[str]) -> pa.Schema:
 
 class DatapipeDatasource(Datasource):
     """The Ray Datasource of the dataset at ``url`` (a dataset or index folder, or tar
-    shard URLs/patterns, indexed on first use as ``datapipe inspect`` does). One read task
-    per range of consecutive shards: as many tasks as Ray asks for, at most one per shard,
-    or ``shards_per_task`` shards each."""
+    shards: a URL, a pattern or a list, indexed on first use as ``datapipe inspect``
+    does). One read task per range of consecutive shards: as many tasks as Ray asks for, at
+    most one per shard, or ``shards_per_task`` shards each."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None,
+    def __init__(self, url: str | list[str], storage_options: dict[str, Any] | None = None,
                  shards_per_task: int | None = None) -> None:
         super().__init__()
-        from ..tarindex import resolve_source
+        from ..tarindex import open_dataset
 
-        self.url = str(resolve_source(url, storage_options))
+        # what open_dataset opens (a list of tar shards is one dataset, indexed on first
+        # use), opened the same way: the tasks open the index it resolved to
+        ix = open_dataset(url, storage_options).index
+        self.url = ix.url
         self.storage_options = storage_options
         self.shards_per_task = shards_per_task
-        ix = open_index(self.url, storage_options)
         self._shards = [(s.url, s.samples, s.tar_bytes) for s in ix.shards]
         self.fields: list[str] = sorted(ix.manifest.get("fields") or [])
 
@@ -110,11 +112,13 @@ def shard_table(ix: DatasetIndex, i: int, fields: list[str]) -> pa.Table:
     return pa.Table.from_pydict(cols, schema=_schema(fields))
 
 
-def read(url: str, *, storage_options: dict[str, Any] | None = None, shards_per_task: int | None = None,
-         override_num_blocks: int | None = None, ray_remote_args: dict[str, Any] | None = None) -> Any:
-    """The dataset at ``url`` as a ``ray.data.Dataset`` of rows ``{"__key__": str, field:
-    bytes | None, ...}``: see :class:`DatapipeDatasource`. Every shard is verified
-    against the index before any of its rows is produced."""
+def read(url: str | list[str], *, storage_options: dict[str, Any] | None = None,
+         shards_per_task: int | None = None, override_num_blocks: int | None = None,
+         ray_remote_args: dict[str, Any] | None = None) -> Any:
+    """The dataset at ``url`` (a dataset or index URL, or tar shards: a URL, pattern or list
+    of them, as :func:`datapipe.open_dataset` takes) as a ``ray.data.Dataset`` of rows
+    ``{"__key__": str, field: bytes | None, ...}``: see :class:`DatapipeDatasource`. Every
+    shard is verified against the index before any of its rows is produced."""
     import ray.data
 
     return ray.data.read_datasource(DatapipeDatasource(url, storage_options, shards_per_task),

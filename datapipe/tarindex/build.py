@@ -364,7 +364,9 @@ def index_shards(urls: str | list[str], dest: str | None = None, *, storage_opti
     base = open_store(dest, storage_options)
     found: dict[str, dict[str, Any]] = {}
     earlier = _load_records(base)
-    _check_destination(base, dest, bool(earlier))
+    # records of other shards (another list's, or copied along with a folder) do not make
+    # the index files here ours
+    _check_destination(base, dest, any(ref.url in earlier for ref in refs))
     for ref in refs:
         rec = _matching(earlier.get(ref.url), ref)
         if rec is not None:
@@ -434,8 +436,9 @@ def _foreign_manifest(store: Store, dest: str) -> DestinationExistsError | None:
 def _check_destination(store: Store, dest: str, has_records: bool) -> None:
     """Refuse, before any shard is read, a destination whose index files we may not have
     written: a foreign manifest, or ``shards.parquet``/``samples.parquet`` without a
-    manifest and without records of an earlier run of ours (a commit that stopped before
-    its manifest leaves both: then the files are ours, and are replaced)."""
+    manifest and without records of an earlier run of ours over these shards
+    (``has_records``: a commit that stopped before its manifest leaves both: then the files
+    are ours, and are replaced)."""
     if store.exists(MANIFEST):
         refusal = _foreign_manifest(store, dest)
         if refusal is not None:
@@ -447,8 +450,8 @@ def _check_destination(store: Store, dest: str, has_records: bool) -> None:
         if store.exists(name):
             raise DestinationExistsError(
                 f"{store.url(name)} exists and is not part of an index we wrote (there is no manifest.json "
-                f"and no {RECORDS}/ records beside it): indexing here would overwrite it; choose another "
-                "--index-to DEST (or, if it is what is left of an index datapipe wrote, delete it yourself)")
+                f"and no {RECORDS}/ record of these shards beside it): indexing here would overwrite it; choose "
+                "another --index-to DEST (or, if it is what is left of an index datapipe wrote, delete it yourself)")
 
 
 def _same_index(dest: str, storage_options: dict[str, Any] | None, shards: list[ShardRecord]) -> bool:
