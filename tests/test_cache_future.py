@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from datapipe import ShardWriter, TieredCache
 from datapipe.loader import StreamingDataLoader, StreamingDataset
-from datapipe.loader.prefetch import Chunk, Prefetcher
+from datapipe.loader.chunks import Chunk
+from datapipe.loader.prefetch import Prefetcher
 from datapipe.plan import EpochPlan, chunk_fetches, fetch_order
 
 

@@ -22,7 +22,8 @@ from datapipe.errors import (
     StateMismatchError,
 )
 from datapipe.loader import Stream, StreamingDataset
-from datapipe.loader.prefetch import Chunk, Prefetcher
+from datapipe.loader.chunks import Chunk
+from datapipe.loader.prefetch import Prefetcher
 
 N = 500
 

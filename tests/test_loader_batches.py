@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from datapipe import ShardWriter
 from datapipe.loader import StreamingDataLoader, StreamingDataset
 from datapipe.loader.batch import Batch, Column
-from datapipe.loader.readers import _distinct
+from datapipe.loader.batch import distinct as _distinct
 
 N = 300
 

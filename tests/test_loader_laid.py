@@ -11,7 +11,7 @@ import pytest
 from datapipe import ShardWriter, open_index
 from datapipe.errors import ChecksumError, CorruptShardError, DecodeError
 from datapipe.loader import StreamingDataset
-from datapipe.loader.readers import CheckedSampleReader, LaidOutShardReader
+from datapipe.loader.readers import CheckedSampleReader, LaidOutShardReader, reader_for
 from datapipe.loader.source import BufferPool
 
 N = 300
@@ -38,7 +38,7 @@ def _per_sample(ds):
 def _reader_kind(ds, g=0):
     data = ds.source.fetch(g)
     try:
-        return type(data.reader)
+        return type(reader_for(data))
     finally:
         data.close()
 

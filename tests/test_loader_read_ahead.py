@@ -158,8 +158,9 @@ def test_a_read_ahead_whose_dataset_is_collected_stops_without_waiting():
 
     import numpy as np
 
-    from datapipe.loader.dataset import _Closer
-    from datapipe.loader.prefetch import Chunk, Prefetcher
+    from datapipe.loader.chunks import Chunk
+    from datapipe.loader.prefetch import Prefetcher
+    from datapipe.loader.prefetch import ReadAheadCloser as _Closer
 
     started, gate, made = threading.Event(), threading.Event(), {}
 

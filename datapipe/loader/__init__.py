@@ -1,30 +1,57 @@
 """Runtime: the prefetching, decoding StreamingDataset and its torch adapter.
 
-- ``dataset``: ``StreamingDataset`` (plan, chunks, error policy, resume state).
-- ``source``: the shards of one or more datasets and fetching one shard's bytes.
-- ``prefetch``: fetching shards ahead of the reader within a byte budget.
-- ``readers``: one reader per kind of shard, chosen once per shard, and reading a chunk.
-- ``layouts``: the bounded cache of shard layouts, kept across epochs.
-- ``mixing``, ``dataloader``: stream mixes, the torch ``DataLoader`` subclass. Samples are
-  decoded by :mod:`datapipe.decode` (shared with ``open_dataset``).
+A pass is the loader's stages in order, each a function of the stage before, each in its
+own module:
 
-Imports ``plan``, ``format``, ``storage`` (its stores and retry policy), ``datapipe.dataset``
-and the leaves; never ``pack`` or ``checkpoint``.
+- ``chunks`` (plan): the worker's share of an epoch's plan cut into chunks (``Chunk``,
+  ``EpochPlanner``, ``pass_chunks``); ``mixing``: the epoch layout of a mix of ``Stream`` s.
+- ``prefetch`` (fetch): each chunk's units fetched ahead within a byte budget
+  (``Prefetcher``, ``PassFetch``, the read ahead into the next pass); ``source``: what a
+  sample loader fetches (one shard's verified bytes, a Parquet row group), ``layouts`` the
+  shard layouts kept across epochs.
+- ``readers`` (read): each chunk's items, one reader per kind of shard.
+- ``decoding`` (decode/map): ``decode=``/``map=`` on each item (samples are decoded by
+  :mod:`datapipe.decode`, shared with ``open_dataset``).
+- ``batch`` (batch): samples or columnar ``Batch`` es, as the pass hands them out.
+
+Beside them: ``dataset`` (``StreamingDataset``: configuration and state, and the pass
+composed of the stages), ``pass_state`` (progress and the error policy every stage shares),
+``dataloader`` (``StreamingDataLoader``), ``ring`` (the shared-memory batch ring), ``control``
+(what the main process and DataLoader workers tell each other). A token loader plugs its own
+planner, fetch and reader into the plan and fetch stages.
+
+Imports ``plan``, ``format``, ``storage``, ``tables``, ``tarindex`` (to resolve shard URLs),
+``datapipe.dataset``, ``decode`` and the leaves; never ``pack`` or ``checkpoint``. Names load
+on first use (torch is optional: ``StreamingDataLoader`` needs it).
 """
 
-from typing import Any
+from typing import TYPE_CHECKING
 
+from .._lazy import lazy_exports
 from ..decode import DEFAULT_DECODERS, make_decoder
-from .dataset import StreamingDataset, resolve_topology
-from .mixing import Stream
+
+if TYPE_CHECKING:
+    from .batch import Batch, Column
+    from .chunks import Chunk, EpochPlanner, PassKey, pass_chunks
+    from .dataloader import StreamingDataLoader
+    from .dataset import StreamingDataset, resolve_topology
+    from .mixing import Stream
+    from .pass_state import ErrorPolicy, Progress, Skipped
+    from .prefetch import PassFetch, Prefetcher, ReadAhead, take_read_ahead
 
 __all__ = ["DEFAULT_DECODERS", "Stream", "StreamingDataLoader", "StreamingDataset", "make_decoder",
-           "resolve_topology"]
+           "resolve_topology", "Batch", "Column", "Chunk", "EpochPlanner", "PassKey", "pass_chunks", "ErrorPolicy",
+           "Progress", "Skipped", "PassFetch", "Prefetcher", "ReadAhead", "take_read_ahead"]
 
+#: public name -> the submodule that defines it, imported on first use
+_WHERE = {"Stream": "mixing", "StreamingDataLoader": "dataloader", "StreamingDataset": "dataset",
+          "resolve_topology": "dataset", "Batch": "batch", "Column": "batch", "Chunk": "chunks",
+          "EpochPlanner": "chunks", "PassKey": "chunks", "pass_chunks": "chunks", "ErrorPolicy": "pass_state",
+          "Progress": "pass_state", "Skipped": "pass_state", "PassFetch": "prefetch", "Prefetcher": "prefetch",
+          "ReadAhead": "prefetch", "take_read_ahead": "prefetch"}
 
-def __getattr__(name: str) -> Any:  # torch is optional: import the DataLoader subclass on demand
-    if name == "StreamingDataLoader":
-        from .dataloader import StreamingDataLoader
+#: the submodules an eager import of the package used to bind (`datapipe.loader.source`)
+_SUBMODULES = frozenset({"batch", "chunks", "control", "dataset", "decoding", "layouts", "mixing", "pass_state",
+                         "prefetch", "readers", "source"})
 
-        return StreamingDataLoader
-    raise AttributeError(name)
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _WHERE, _SUBMODULES)

@@ -3,7 +3,7 @@ whole batches at memory speed.
 
 With its default collate, the dataset cuts whole :class:`~.batch.Batch` es itself (columnar,
 no Python work per sample where the shards are laid out alike; see
-:meth:`StreamingDataset._chunk_batches`), and worker processes pass them to this process
+:func:`.batch.batch_chunks`), and worker processes pass them to this process
 through a :class:`~.ring.BatchRing` of shared-memory slots, not as pickled ``bytes``: the
 batch arrives as views of the slot, and the slot is reused once the batch is dropped. With
 ``collate_fn=`` given, samples are collated by it as in a plain DataLoader.
@@ -13,7 +13,7 @@ the output is the rank's stream in order) and counts the samples it hands out, s
 ``state_dict()`` needs no argument even with worker processes.
 
 With ``on_error="skip"``, a sample skipped in a worker process is not simply left out: the
-batch carries a :class:`~.readers.Skipped` marker for it, and this process records it
+batch carries a :class:`~.pass_state.Skipped` marker for it, and this process records it
 (``skipped``), warns naming shard and sample at the end of the pass, and counts it as
 consumed: each batch is still one batch of the plan, so the resume point stays exact.
 """
@@ -32,8 +32,8 @@ from ..errors import LoaderOptionError, PlanError
 from ..options import MAX_COUNT, check_bool, check_callable, check_choice, check_float, check_int, show
 from .batch import Batch
 from .control import PassControl
-from .dataset import StreamingDataset, skip_report
-from .readers import Skipped, split_skipped
+from .dataset import StreamingDataset
+from .pass_state import Skipped, skip_report, split_skipped
 from .ring import BatchRing, RingBatch
 
 __all__ = ["StreamingDataLoader"]

@@ -8,51 +8,43 @@
         for batch in loader: ...
         state = loader.state_dict()          # a few integers; ds.load_state_dict(state)
 
-Order, partition and resume come from :mod:`datapipe.plan`; this module resolves the
-topology (explicit arguments, else ``torch.distributed`` if initialised, else the
-``RANK``/``WORLD_SIZE`` environment, else one rank), cuts the worker's share of the rank's
-stream into chunks, fetches their shards through a :class:`.prefetch.Prefetcher`, reads
-each chunk through its shards' readers (:mod:`.readers`, chosen once per shard) and
-decodes samples. Without torch installed it is a plain iterable.
+Order, partition and resume come from :mod:`datapipe.plan`. The dataset holds the
+configuration (sources, decode, batch size, budgets) and the state (epoch, resume point,
+the topology: explicit arguments, else ``torch.distributed`` if initialised, else the
+``RANK``/``WORLD_SIZE`` environment, else one rank); a pass is the loader's stages in
+order, each a function of the stage before, each in its own module:
+
+    plan (.chunks) -> fetch (.prefetch, .source) -> read (.readers) -> decode/map (.decoding) -> batch (.batch)
+
+Without torch installed it is a plain iterable.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-import weakref
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from functools import partial
-from itertools import chain, islice
-from multiprocessing import util as mp_util
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ..decode import make_decoder
-from ..errors import DatapipeError, LoaderOptionError, PlanError, StateMismatchError, TopologyError, WorkerStateError
+from ..errors import LoaderOptionError, PlanError, StateMismatchError, TopologyError, WorkerStateError
 from ..options import MAX_COUNT, check_bool, check_bytes, check_choice, check_int, check_mapping, check_path, show
-from ..plan import EpochPlan, fetch_order, layout_fingerprint, worker_batches, worker_chunk_steps
+from ..plan import EpochPlan, fetch_order, layout_fingerprint
 from ..tables import ParquetTable
 from ..tarindex import resolve_source
 from ..topology import Topology
-from .batch import Batch
+from .batch import batch_chunks
+from .chunks import EpochPlanner, PassKey, pass_chunks, share_size
 from .control import WorkerPasses
+from .decoding import MapPool, decode_chunks
 from .mixing import Stream, check_layout_size, epoch_layout, stream_targets
-from .prefetch import Chunk, Prefetcher
-from .readers import (
-    ErrorPolicy,
-    FailedShardReader,
-    Progress,
-    ShardReader,
-    Skipped,
-    chunk_items,
-    laid_out_batches,
-    split_skipped,
-)
+from .pass_state import ErrorPolicy, Progress, skip_report
+from .prefetch import PassFetch, Prefetcher, ReadAhead, take_read_ahead
+from .readers import read_chunks
 from .source import ShardSource
 
 try:  # torch is optional: without it the dataset is a plain iterable
@@ -60,7 +52,7 @@ try:  # torch is optional: without it the dataset is a plain iterable
 except ImportError:  # pragma: no cover - torch is installed in the test environment
     _Base = object  # type: ignore[assignment,misc]
 
-__all__ = ["StreamingDataset", "resolve_topology"]
+__all__ = ["StreamingDataset", "resolve_topology", "skip_report"]
 
 #: ``window=None``: every shard
 ALL_SHARDS = 1 << 62
@@ -122,107 +114,6 @@ def _worker_info() -> Any:
 def _worker() -> tuple[int, int]:
     info = _worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
-
-
-def _share_size(start: int, stop: int, batch_size: int, worker: int, num_workers: int) -> int:
-    """Steps of ``[start, stop)`` that ``worker`` reads (whole batches in turn, the last one
-    possibly short), counted without listing them."""
-    batches = worker_batches(start, stop, batch_size, worker, num_workers)
-    total, n_batches = max(stop - start, 0), len(range(0, max(stop - start, 0), batch_size))
-    n = len(batches) * batch_size
-    if len(batches) and batches[-1] == n_batches - 1:  # the pass's last batch, maybe short, is this worker's
-        n -= n_batches * batch_size - total
-    return n
-
-
-def skip_report(skipped: Sequence[tuple[str, str | None, str]], where: str = "") -> str:
-    """The warning for samples skipped in a pass: how many, the first five, ``where``."""
-    shown = "; ".join(f"{u} {k!r}: {why}" for u, k, why in skipped[:5])
-    more = f" (and {len(skipped) - 5} more)" if len(skipped) > 5 else ""
-    return f"StreamingDataset skipped {len(skipped)} unreadable or undecodable samples: {shown}{more}{where}"
-
-
-def _epoch_chunks(plan: EpochPlan, real: NDArray[Any], rank: int, worker: int, num_workers: int,
-                  batch_size: int, chunk_samples: int, number: int, tag: int, skip: int = 0) -> Iterator[Chunk]:
-    """The worker's share of the rank's stream in ``plan``, as chunks numbered from
-    ``number`` (:func:`datapipe.plan.worker_chunk_steps`: the first chunks are small and
-    grow to full size, so the reader starts on the first batch while the prefetcher still
-    plans the rest of the window), without the share's first ``skip`` steps."""
-    for steps in worker_chunk_steps(plan.start, plan.per_rank, batch_size, worker, num_workers, chunk_samples,
-                                    skip):
-        # padding samples (repeats that even out the ranks) are read like any other
-        vshard, sample, _padding = plan.rank_samples(rank, steps)
-        yield Chunk.make(number, steps, real[vshard], sample, tag)
-        number += 1
-
-
-class _PassKey(NamedTuple):
-    """What a pass's chunks depend on besides the dataset's fixed settings."""
-
-    epoch: int
-    rank: int
-    world: int
-    worker: int
-    num_workers: int
-    batch_size: int
-    chunk_samples: int
-
-
-def _chained_chunks(first: Iterator[Chunk], make: Callable[[int, int], tuple[EpochPlan, NDArray[Any]]],
-                    key: _PassKey, step: int) -> Iterator[Chunk]:
-    """The chunks of the pass ``key`` describes (``first``), then those of the passes that
-    follow it if each next epoch is the last plus ``step`` (0 or 1), tagged 0, 1, 2, ...:
-    the prefetcher fetches the next epoch's first shards while the consumer finishes this
-    one. It stops after a pass that has no chunks for this worker."""
-    number, tag, epoch, chunks = 0, 0, key.epoch, first
-    while True:
-        empty = True
-        for chunk in chunks:
-            empty = False
-            number = chunk.number + 1
-            yield chunk
-        if empty:
-            return
-        tag, epoch = tag + 1, epoch + step
-        plan, real = make(key.world, epoch)
-        chunks = _epoch_chunks(plan, real, key.rank, key.worker, key.num_workers, key.batch_size,
-                               key.chunk_samples, number, tag)
-
-
-class _Ahead(NamedTuple):
-    """A finished pass's prefetcher, running on into the pass ``key`` predicts: the first
-    chunk of that pass (already taken from the prefetcher) and the tag its chunks carry."""
-
-    key: _PassKey
-    pre: Prefetcher
-    pending: Chunk
-    tag: int
-    step: int
-    closer: _Closer
-
-
-class _Closer:
-    """Ends a read ahead: stops ``pre`` when ``owner`` is collected, without waiting
-    (collection runs finalizers on whatever thread allocates, which may hold locks the
-    prefetcher needs, or be one of its own threads; its threads end by themselves and close
-    what they hold), and closes it, waiting for its threads, at exit (a multiprocessing
-    finalizer: DataLoader workers skip plain atexit handlers), before the finalizers of
-    lower priority."""
-
-    def __init__(self, owner: object, pre: Prefetcher) -> None:
-        self._at_exit = mp_util.Finalize(None, pre.close, exitpriority=20)
-        self._collected = weakref.finalize(owner, _stop_ahead, pre, self._at_exit)
-        self._collected.atexit = False
-
-    def cancel(self) -> None:
-        """The read ahead is adopted or closed by its owner: nothing left to do."""
-        self._collected.detach()
-        self._at_exit.cancel()
-
-
-def _stop_ahead(pre: Prefetcher, at_exit: mp_util.Finalize) -> None:
-    at_exit.cancel()
-    pre.stop()
 
 
 class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableDataset is generic in its item type; ours vary with decode/map
@@ -348,6 +239,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         self.batched = batched
         #: threads that run decode= and map= (0: the reading thread does)
         self.map_threads = map_threads
+        self._map_pool = MapPool()  # made on first use, in each process
         sizes = [int(ix.num_samples) for ix in self.source.indexes]
         self._targets = stream_targets(self.streams, sizes, epoch_size)
         check_layout_size(self._targets, sizes, [len(ix.sample_counts) for ix in self.source.indexes],
@@ -369,7 +261,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         #: it takes the markers out of the batches and reports the skips in the main process)
         self.yield_skip_markers = False
         #: a finished pass's prefetcher, fetching the next pass's first shards (see __iter__)
-        self._ahead: _Ahead | None = None
+        self._ahead: ReadAhead | None = None
         #: the epoch of the last pass started here (to guess the next pass's epoch)
         self._last_epoch: int | None = None
         #: set by a StreamingDataLoader with persistent workers: where a worker's copy reads
@@ -393,41 +285,27 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         state["_plan"] = None
         state["_live"] = None  # a worker's copy runs its own pass
         state["_ahead"] = None  # a prefetch thread: a worker runs its own
-        state.pop("_pool", None)  # threads do not pickle: a worker starts its own
         return state
 
     # -- plan ---------------------------------------------------------------------------
     def _layout(self, epoch: int) -> tuple[NDArray[Any], NDArray[Any]]:
         return epoch_layout(self._stream_counts, self._targets, self.seed, epoch)
 
-    def _make_plan(self, world: int, epoch: int | None = None) -> tuple[EpochPlan, NDArray[Any]]:
+    def _make_plan(self, world: int, epoch: int | None = None) -> tuple[EpochPlan, NDArray[Any] | None]:
         """The plan of ``epoch`` (default: the current one, from the resume point if the
         pass resumes) for ``world`` ranks, and the real shard of each virtual shard."""
         epoch = self.epoch if epoch is None else epoch
+        planner = self._planner()
         if self._resume is not None and self._resume.get("epoch") == epoch:
-            counts, real = self._layout(epoch)
-            algo = "window" if self.shuffle else "none"
-            plan = EpochPlan.from_state(counts, self._resume, seed=self.seed, window=self.window if self.shuffle else 1,
-                                        algorithm=algo, world=world, drop_last=self.drop_last,
-                                        fingerprint=self.fingerprint)
-            return plan, real
-        return self._planner()(world, epoch)
+            return planner.resumed(world, self._resume)
+        return planner(world, epoch)
 
-    def _planner(self) -> Callable[[int, int], tuple[EpochPlan, NDArray[Any]]]:
-        """``make(world, epoch)``: a fresh epoch's plan and its shards' global numbers. It
-        holds what the plan depends on, not this object (the prefetch thread runs it for the
-        next epoch, and must not keep the dataset alive)."""
-        counts_of = partial(epoch_layout, self._stream_counts, self._targets, self.seed)
-        seed, drop_last, fingerprint = self.seed, self.drop_last, self.fingerprint
-        algo = "window" if self.shuffle else "none"
-        window = self.window if self.shuffle else 1
-
-        def make(world: int, epoch: int) -> tuple[EpochPlan, NDArray[Any]]:
-            counts, real = counts_of(epoch)
-            return EpochPlan(counts, seed=seed, epoch=epoch, window=window, algorithm=algo, world=world,
-                             drop_last=drop_last, fingerprint=fingerprint), real
-
-        return make
+    def _planner(self) -> EpochPlanner:
+        """What this dataset's plans depend on (the plan stage's :class:`.chunks.EpochPlanner`)."""
+        shuffle = self.shuffle
+        return EpochPlanner(partial(epoch_layout, self._stream_counts, self._targets, self.seed), self.seed,
+                            self.window if shuffle else 1, "window" if shuffle else "none", self.drop_last,
+                            self.fingerprint)
 
     def future_shards(self, rank: int | None = None, worker: int = 0, num_workers: int = 1, *,
                       epochs: int = 2) -> NDArray[Any]:
@@ -582,7 +460,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                 raise StateMismatchError(f"the state is of a pass with worker {k} {show(worker[k])}, this one's is "
                                          f"{v}: "
                                          "resume with the same num_workers and batch_size")
-        share = _share_size(plan.start, plan.per_rank, self.batch_size, mine["id"], mine["num_workers"])
+        share = share_size(plan.start, plan.per_rank, self.batch_size, mine["id"], mine["num_workers"])
         if not 0 <= worker["taken"] <= share:
             raise StateMismatchError(f"the state's worker took {show(worker['taken'])} steps of a share of {share}")
         return int(worker["taken"])
@@ -609,8 +487,6 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                             "create a second StreamingDataset for a pass in parallel; its state_dict() "
                             "describes one pass at a time")
         token = self._live = object()
-        # the pass is written out here, not delegated to another generator: each layer of
-        # generators costs about 30 ns per sample (measured here)
         try:
             rank, world = self._world()
             worker, num_workers = _worker()
@@ -623,32 +499,31 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                 if told is not None:
                     self.epoch, self._resume = told
                     self._worker_skip = 0
+            key = PassKey(self.epoch, rank, world, worker, num_workers, self.batch_size, self.chunk_samples)
             plan, real = self._make_plan(world)
-            self._plan, self._progress = plan, Progress(self._worker_skip)
+            progress = self._progress = Progress(self._worker_skip)
+            self._plan = plan
             self.skipped = []  # reported at the end of each pass, then started afresh
             on_error = ErrorPolicy(self.on_error == "skip", self.skipped)
-            key = _PassKey(self.epoch, rank, world, worker, num_workers, self.batch_size, self.chunk_samples)
-            pre, tag, step, chunks = self._pass_prefetcher(plan, real, key)
-            ahead: _Ahead | None = None
+            decoder, positions = self._decode, self.return_position
+            # The pass: plan -> fetch -> read -> decode/map -> batch, each stage a function of
+            # the one before, over chunks. Items pass through the read stage's loop, the
+            # decode stage's (if any) and this one: each layer of generators costs about 30 ns
+            # per sample (measured here), so the stages hand on one iterator per chunk.
+            fetching = self._fetch_stage(plan, real, key)
+            reads = read_chunks(fetching.chunks(), self.source.url, progress, on_error,
+                                positions=positions and decoder.is_identity,  # else added after the map
+                                columnar=self.batched and decoder.is_identity)
+            if not decoder.is_identity:
+                reads = decode_chunks(reads, decoder, progress, on_error, positions=positions,
+                                      threads=self.map_threads, pool=self._map_pool)
+            parts = batch_chunks(reads, progress, batch_size=self.batch_size if self.batched else None,
+                                 positions=positions, markers=self.yield_skip_markers, skips=on_error.skip)
             try:
-                for chunk in chunks:
-                    if chunk.tag != tag:  # the next pass's first chunk: this pass is over
-                        nxt = key._replace(epoch=key.epoch + step)
-                        ahead = _Ahead(nxt, pre, chunk, chunk.tag, step, _Closer(self, pre))
-                        break
-                    if self.batched:
-                        yield from self._chunk_batches(pre, chunk, on_error)
-                    else:
-                        items = self._chunk_items(pre, chunk, on_error)
-                        if on_error.skip and not self.yield_skip_markers:  # else the loader takes the markers out
-                            items = (x for x in items if x.__class__ is not Skipped)
-                        yield from items
-                    pre.done(chunk)
+                for part in parts:
+                    yield from part
             finally:
-                if ahead is None:
-                    pre.close()
-                else:
-                    self._ahead = ahead
+                self._ahead = fetching.end(self)
             if not self.yield_skip_markers:  # else the loader reports them, in the main process
                 self._report_skipped()
             self.end_resumed_pass()
@@ -681,159 +556,30 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         self._resume = None
         self._worker_skip = 0
 
-    def _pass_prefetcher(self, plan: EpochPlan, real: NDArray[Any],
-                         key: _PassKey) -> tuple[Prefetcher, int, int, Iterator[Chunk]]:
-        """(prefetcher, tag of this pass's chunks, epoch step of its chain, the chunks): the
-        one the last pass left running into this pass when it guessed this pass right (same
-        epoch and worker share, no resume state), else a new one. Its chunks run on into
-        the pass after this one (see :func:`_chained_chunks`)."""
-        ahead, self._ahead = self._ahead, None
+    def _fetch_stage(self, plan: EpochPlan, real: NDArray[Any] | None, key: PassKey) -> PassFetch:
+        """The pass's fetch stage: the read ahead the last pass left running into this pass
+        when it guessed this pass right (same epoch and worker share, no resume state), else
+        a new prefetcher over this pass's chunks (the plan stage), which run on into the pass
+        after this one (see :func:`.chunks.chained_chunks`) where one will come."""
+        ahead = take_read_ahead(self._ahead, key, resumed=self._resume is not None)
+        self._ahead = None
         last, self._last_epoch = self._last_epoch, key.epoch
         if ahead is not None:
-            ahead.closer.cancel()
-            if ahead.key == key and self._resume is None:
-                return ahead.pre, ahead.tag, ahead.step, chain([ahead.pending], ahead.pre)
-            ahead.pre.close()
+            return PassFetch.adopt(ahead)
         self._tell_cache_the_future(key.rank, key.worker, key.num_workers)
         # The next pass's epoch is guessed from this one: the last pass's epoch plus one
         # when set_epoch() moved it on (or on the first pass), the same one when it did not.
         step = 0 if last == key.epoch else 1
-        chunks = _epoch_chunks(plan, real, key.rank, key.worker, key.num_workers, key.batch_size,
-                               key.chunk_samples, 0, 0, self._worker_skip)
         # Only where a next pass will come in this process (the main process, or a worker
         # of a StreamingDataLoader that keeps its workers; others exit after one pass), and
         # without a cache: a cache is told each pass's fetches to the end of the next epoch
         # (its schedule), and reads it serves ahead of that pass would not be in it.
-        if self.cache is None and (self._control is not None or _worker_info() is None):
-            chunks = _chained_chunks(chunks, self._planner(), key, step)
-        cache, source = self.cache, self.source
-        pre = Prefetcher(chunks, lambda g: source.fetch(g, cache), source.shard_bytes,
+        reads_on = self.cache is None and (self._control is not None or _worker_info() is None)
+        chunks = pass_chunks(plan, real, key, self._worker_skip, self._planner() if reads_on else None, step)
+        source = self.source
+        pre = Prefetcher(chunks, partial(source.fetch, cache=self.cache), source.shard_bytes,
                          max_bytes=self.prefetch_bytes, concurrency=self.concurrency)
-        return pre, 0, step, iter(pre)
-
-    def _reader(self, pre: Prefetcher, g: int) -> ShardReader:
-        """Shard ``g``'s reader; a fetch that raised is raised (or skipped) at each of its
-        samples, where the stream reaches them."""
-        try:
-            reader: ShardReader = pre.shard(g).reader
-        except Exception as e:
-            return FailedShardReader(g, self.source.url(g), e)
-        return reader
-
-    def _chunk_readers(self, pre: Prefetcher, chunk: Chunk) -> tuple[list[ShardReader], NDArray[Any]]:
-        """The readers of the chunk's shards (distinct, in order of first use) and each
-        sample's place among them."""
-        shards = chunk.shards
-        readers = [self._reader(pre, g) for g in shards]
-        ids = np.asarray(shards, dtype=np.int64)
-        low, span = int(ids.min()), int(ids.max()) - int(ids.min()) + 1
-        if span <= 64 * len(ids):  # a table from shard number to place: one gather
-            lookup = np.empty(span, dtype=np.int64)
-            lookup[ids - low] = np.arange(len(ids))
-            return readers, lookup[chunk.shard - low]
-        sorter = np.argsort(ids)  # shards far apart (a global shuffle): a search
-        return readers, sorter[np.searchsorted(ids, chunk.shard, sorter=sorter)]
-
-    def _chunk_batches(self, pre: Prefetcher, chunk: Chunk, on_error: ErrorPolicy) -> Iterator[Batch]:
-        """The chunk as batches of ``batch_size`` samples (chunks hold whole batches of the
-        plan; the last batch of the pass may be shorter): cut from the shards' layouts with
-        numpy where every shard of the chunk is laid out alike and nothing is decoded, else
-        collated from its samples. A batch counts its skipped samples in ``steps``."""
-        size, progress = self.batch_size, self._progress
-        if self._decode.is_identity:
-            readers, loc = self._chunk_readers(pre, chunk)
-            cut = laid_out_batches(readers, loc, chunk.sample, size, self.return_position)
-            if cut is not None:
-                for batch in cut:
-                    progress.steps += batch.steps
-                    yield batch
-                return
-        items = self._chunk_items(pre, chunk, on_error)
-        while True:
-            group = list(islice(items, size))  # the readers advance progress sample by sample
-            if not group:
-                return
-            samples, skipped = split_skipped(group)
-            if samples or self.yield_skip_markers:  # a batch of skips only tells a loader about them
-                yield Batch.from_samples(samples, skipped)
-
-    def _chunk_items(self, pre: Prefetcher, chunk: Chunk, on_error: ErrorPolicy) -> Iterator[Any]:
-        """The items of ``chunk`` in stream order, read by its shards' readers (see
-        :func:`.readers.chunk_items`), then decoded."""
-        readers, loc = self._chunk_readers(pre, chunk)
-        first = self._progress.steps + 1  # the chunk before this one is fully taken
-        positions = self.return_position and self._decode.is_identity  # else added after the map
-        items = chunk_items(readers, loc, chunk.sample, first, self._progress, on_error, positions)
-        if not self._decode.is_identity:
-            items = self._decoded(items, chunk, {r.shard: r.url for r in readers}, on_error)
-        return items
-
-    def _decoded(self, items: Iterator[Any], chunk: Chunk, urls: dict[int, str],
-                 on_error: ErrorPolicy) -> Iterator[Any]:
-        if self.map_threads > 0:
-            return self._decoded_in_threads(items, chunk, urls, on_error)
-        return self._decoded_here(items, chunk, urls, on_error)
-
-    def _decoded_here(self, items: Iterator[Any], chunk: Chunk, urls: dict[int, str],
-                      on_error: ErrorPolicy) -> Iterator[Any]:
-        decoder, with_pos = self._decode, self.return_position
-        for item, g, j in zip(items, chunk.shard.tolist(), chunk.sample.tolist()):
-            if item.__class__ is Skipped:
-                yield item
-                continue
-            key = item["__key__"]
-            try:
-                item = decoder(item, urls[g])
-            except DatapipeError as e:
-                yield on_error(urls[g], key, e)
-                continue
-            if with_pos and isinstance(item, dict):
-                item["__shard__"], item["__sample__"] = g, j
-            yield item
-
-    def _decoded_in_threads(self, items: Iterator[Any], chunk: Chunk, urls: dict[int, str],
-                            on_error: ErrorPolicy) -> Iterator[Any]:
-        """As :meth:`_decoded_here`, with decode and map run by ``map_threads`` threads
-        (worth it where they release the GIL: PIL and torchvision decode and resize do),
-        results in stream order. Samples are read up to two per thread ahead; each result
-        carries the plan step its sample had, set when it is handed out, so the resume
-        point counts only what the consumer took."""
-        decoder, with_pos, progress = self._decode, self.return_position, self._progress
-        pool = self._map_pool()
-        ahead: deque[tuple[int, Any, int, int, Any]] = deque()
-        source = zip(items, chunk.shard.tolist(), chunk.sample.tolist())
-        while True:
-            while len(ahead) < 2 * self.map_threads:
-                nxt = next(source, None)
-                if nxt is None:
-                    break
-                item, g, j = nxt
-                work = None if item.__class__ is Skipped else pool.submit(decoder, item, urls[g])
-                ahead.append((progress.steps, item, g, j, work))  # the reader set the step of `item`
-            if not ahead:
-                return
-            step, item, g, j, work = ahead.popleft()
-            progress.steps = step
-            if work is None:
-                yield item
-                continue
-            try:
-                out = work.result()
-            except DatapipeError as e:
-                yield on_error(urls[g], item["__key__"], e)
-                continue
-            if with_pos and isinstance(out, dict):
-                out["__shard__"], out["__sample__"] = g, j
-            yield out
-
-    def _map_pool(self) -> ThreadPoolExecutor:
-        """The map threads of this process (made on first use; a worker makes its own)."""
-        pool = self.__dict__.get("_pool")
-        if pool is None or pool[0] != os.getpid():
-            pool = (os.getpid(), ThreadPoolExecutor(self.map_threads, thread_name_prefix="datapipe-map"))
-            self.__dict__["_pool"] = pool
-        executor: ThreadPoolExecutor = pool[1]
-        return executor
+        return PassFetch(pre, key, 0, step)
 
     def _report_skipped(self) -> None:
         if self.skipped:

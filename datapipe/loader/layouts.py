@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from ..format.layout import MemberTable, ShardLayout
+from ..format import MemberTable, ShardLayout
 
 Layout = ShardLayout | MemberTable
 

@@ -1,9 +1,14 @@
-"""Fetching shards ahead of the reader, in plan order, within a byte budget.
+"""The fetch stage of a pass: fetching each chunk's units ahead of the reader, in plan
+order, within a byte budget.
 
-A worker's stream is cut into chunks of consecutive samples (numpy arrays of shard and
-sample indices, from the pure plan). An asyncio loop on a thread of its own walks the
-chunks ahead of the consumer: for each chunk it starts fetching the shards the chunk needs
-(in order of first use, ``concurrency`` at a time) and hands the chunk to the consumer.
+The plan stage (:mod:`.chunks`) cuts a worker's stream into chunks of consecutive items
+(numpy arrays of unit and index, from the pure plan). An asyncio loop on a thread of its own
+walks the chunks ahead of the consumer: for each chunk it starts fetching the units (shards)
+the chunk needs (in order of first use, ``concurrency`` at a time) and hands the chunk to the
+consumer. What a unit is and how it is fetched is the loader's: ``fetch(unit)`` returns an
+object with ``close()`` (:meth:`.source.ShardSource.fetch` for shards), ``unit_bytes(unit)``
+what it holds. :class:`PassFetch` is the stage's output for one pass: its chunks, each with
+what its fetches gave (``Chunk.fetched``), released once the consumer asks for the next.
 
 Which fetches a pass makes is a pure function of its chunks
 (:func:`datapipe.plan.chunk_fetches`), never of timing: a chunk fetches each of its shards
@@ -15,6 +20,10 @@ future in advance, and that future is exactly the reads the cache sees.
 Budget: bytes of shards held or being fetched stay under ``max_bytes``, except that the
 shards of the chunk being read are always fetched (else a window larger than the budget
 could never be read); so the bound is ``max(max_bytes, bytes of one chunk's shards)``.
+
+Reading ahead across passes: a pass whose chunks run on into the next pass's (see
+:func:`.chunks.chained_chunks`) ends when the next pass's first chunk arrives; it leaves a
+:class:`ReadAhead`, which the next pass adopts when it is the pass guessed, else closes.
 """
 
 from __future__ import annotations
@@ -23,37 +32,17 @@ import asyncio
 import queue
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
+from multiprocessing import util as mp_util
+from typing import Any, NamedTuple
 
-from numpy.typing import NDArray
+from ..errors import OptionError
+from .chunks import Chunk, PassKey
 
-from ..plan import first_use
-
-__all__ = ["Chunk", "Prefetcher"]
-
-
-@dataclass
-class Chunk:
-    """Consecutive samples of a worker's stream."""
-
-    number: int
-    steps: NDArray[Any]
-    shard: NDArray[Any]
-    sample: NDArray[Any]
-    shards: list[int] = field(default_factory=list)  # distinct, in order of first use
-    #: the fetch each shard is read from (set by the Prefetcher when it plans the chunk)
-    slots: dict[int, Any] = field(default_factory=dict, repr=False)
-    #: which pass of a chain of passes the chunk belongs to (see StreamingDataset's
-    #: prefetch into the next epoch); 0 for the first. No fetch is handed over from one
-    #: pass to the next, so each pass fetches what :func:`datapipe.plan.fetch_order` says.
-    tag: int = 0
-
-    @classmethod
-    def make(cls, number: int, steps: NDArray[Any], shard: NDArray[Any], sample: NDArray[Any],
-             tag: int = 0) -> Chunk:
-        return cls(number, steps, shard, sample, first_use(shard).tolist(), tag=tag)
+__all__ = ["PassFetch", "Prefetcher", "ReadAhead", "ReadAheadCloser", "take_read_ahead"]
 
 
 class _Slot:
@@ -84,7 +73,9 @@ class Prefetcher:
                  concurrency: int = 8, lookahead_chunks: int = 4,
                  close_timeout_s: float = 30.0) -> None:
         if max_bytes < 1 or concurrency < 1 or lookahead_chunks < 1 or not close_timeout_s > 0:
-            raise ValueError("max_bytes, concurrency, lookahead_chunks and close_timeout_s must be positive")
+            raise OptionError(f"max_bytes={max_bytes!r}, concurrency={concurrency!r}, lookahead_chunks="
+                              f"{lookahead_chunks!r}, close_timeout_s={close_timeout_s!r}: max_bytes, concurrency, "
+                              "lookahead_chunks and close_timeout_s must be positive")
         self._chunks = chunks
         self._fetch = fetch
         self._shard_bytes = shard_bytes
@@ -131,6 +122,16 @@ class Prefetcher:
         if slot.error is not None:
             raise slot.error
         return slot.data
+
+    def fetched(self, chunk: Chunk) -> list[Any]:
+        """What the fetch of each of ``chunk``'s shards gave, in order (waits for them): the
+        fetched unit, or the exception its fetch raised."""
+        out = []
+        for g in chunk.shards:
+            slot: _Slot = chunk.slots[g]
+            slot.ready.wait()
+            out.append(slot.data if slot.error is None else slot.error)
+        return out
 
     def done(self, chunk: Chunk) -> None:
         """The consumer has read ``chunk``; shards no later chunk needs are closed."""
@@ -212,8 +213,6 @@ class Prefetcher:
     def _thread_main(self) -> None:
         self._mark_own()
         loop = asyncio.new_event_loop()
-        from concurrent.futures import ThreadPoolExecutor
-
         pool = self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="datapipe-fetch",
                                                initializer=self._mark_own)
         loop.set_default_executor(pool)
@@ -366,3 +365,95 @@ class Prefetcher:
             data = _take(slot) if slot not in self._live else None
         if data is not None:
             data.close()
+
+
+class ReadAhead(NamedTuple):
+    """A finished pass's prefetcher, running on into the pass ``key`` predicts: the first
+    chunk of that pass (already taken from the prefetcher) and the tag its chunks carry."""
+
+    key: PassKey
+    pre: Prefetcher
+    pending: Chunk
+    tag: int
+    step: int
+    closer: ReadAheadCloser
+
+
+class ReadAheadCloser:
+    """Ends a read ahead: stops ``pre`` when ``owner`` is collected, without waiting
+    (collection runs finalizers on whatever thread allocates, which may hold locks the
+    prefetcher needs, or be one of its own threads; its threads end by themselves and close
+    what they hold), and closes it, waiting for its threads, at exit (a multiprocessing
+    finalizer: DataLoader workers skip plain atexit handlers), before the finalizers of
+    lower priority."""
+
+    def __init__(self, owner: object, pre: Prefetcher) -> None:
+        self._at_exit = mp_util.Finalize(None, pre.close, exitpriority=20)
+        self._collected = weakref.finalize(owner, _stop_ahead, pre, self._at_exit)
+        self._collected.atexit = False
+
+    def cancel(self) -> None:
+        """The read ahead is adopted or closed by its owner: nothing left to do."""
+        self._collected.detach()
+        self._at_exit.cancel()
+
+
+def _stop_ahead(pre: Prefetcher, at_exit: mp_util.Finalize) -> None:
+    at_exit.cancel()
+    pre.stop()
+
+
+def take_read_ahead(ahead: ReadAhead | None, key: PassKey, resumed: bool) -> ReadAhead | None:
+    """``ahead`` when it reads the pass ``key`` describes (and the pass does not resume from
+    a state loaded since), else None, ``ahead`` closed."""
+    if ahead is None:
+        return None
+    ahead.closer.cancel()
+    if ahead.key == key and not resumed:
+        return ahead
+    ahead.pre.close()
+    return None
+
+
+class PassFetch:
+    """The fetch stage of one pass (its explicit state): the chunks tagged ``tag`` that
+    ``pre`` hands out (``first``: one already taken from it), each with its units fetched;
+    after the pass, the read ahead it leaves when its chunks ran on into the next pass's."""
+
+    def __init__(self, pre: Prefetcher, key: PassKey, tag: int = 0, step: int = 1,
+                 first: Chunk | None = None) -> None:
+        self.pre, self.key, self.tag, self.step = pre, key, tag, step
+        self._first = first
+        #: the next pass's first chunk, once it arrived (this pass is then over)
+        self.next_chunk: Chunk | None = None
+
+    @classmethod
+    def adopt(cls, ahead: ReadAhead) -> PassFetch:
+        """The fetch stage of the pass a read ahead guessed."""
+        return cls(ahead.pre, ahead.key, ahead.tag, ahead.step, ahead.pending)
+
+    def chunks(self) -> Iterator[Chunk]:
+        """The pass's chunks in order, each with ``fetched`` set (see
+        :meth:`Prefetcher.fetched`); a chunk is released (:meth:`Prefetcher.done`) when the
+        consumer asks for the next one, having read it."""
+        pre, tag = self.pre, self.tag
+        chunks: Iterator[Chunk] = iter(pre) if self._first is None else chain([self._first], pre)
+        self._first = None
+        for chunk in chunks:
+            if chunk.tag != tag:  # the next pass's first chunk: this pass is over
+                self.next_chunk = chunk
+                return
+            chunk.fetched = pre.fetched(chunk)
+            yield chunk
+            pre.done(chunk)
+
+    def end(self, owner: object) -> ReadAhead | None:
+        """After the pass: the read ahead into the next pass (stopped when ``owner`` is
+        collected) if the next pass's first chunk arrived, else None (the prefetcher is
+        closed)."""
+        nxt = self.next_chunk
+        if nxt is None:
+            self.pre.close()
+            return None
+        key = self.key._replace(epoch=self.key.epoch + self.step)
+        return ReadAhead(key, self.pre, nxt, nxt.tag, self.step, ReadAheadCloser(owner, self.pre))

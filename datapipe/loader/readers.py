@@ -1,13 +1,13 @@
-"""Reading the samples of one fetched shard: one reader per kind of shard, chosen once,
-when the shard is fetched (LitData's strategy object per chunk), never per sample.
+"""The read stage of a pass: each fetched chunk's items, read by one reader per unit
+(LitData's strategy object per chunk), chosen once per shard of the chunk, never per sample.
 
 Every reader has the same method, ``items(samples, steps, progress, on_error, positions)``:
 for the shard's sample indices ``samples`` (a chunk's samples of this shard, in stream
 order) it yields exactly one thing per sample, the raw sample ``{"__key__": key, field:
 bytes, ...}`` (plus ``__shard__``/``__sample__`` when ``positions``) or, for a sample that
-cannot be read and is skipped, the :class:`Skipped` marker that ``on_error`` returns. Just
-before it hands out sample ``samples[i]`` it sets ``progress.steps = steps[i]``, the plan
-step of that sample, so a resume state taken between two items is exact.
+cannot be read and is skipped, the :class:`~.pass_state.Skipped` marker that ``on_error``
+returns. Just before it hands out sample ``samples[i]`` it sets ``progress.steps =
+steps[i]``, the plan step of that sample, so a resume state taken between two items is exact.
 
 - :class:`LaidOutShardReader`: a verified uncompressed shard whose samples all have the
   same fields (:class:`~datapipe.format.layout.ShardLayout`): a chunk's rows are gathered
@@ -18,82 +18,36 @@ step of that sample, so a resume state taken between two items is exact.
 - :class:`CheckedSampleReader`: everything else, sample by sample: a shard that failed its
   whole-shard checksum, a zstd shard (one frame per sample), a truncated one. Each sample
   is checked against its own checksum and parsed by the strict tar parser.
+- :class:`TableRowsReader`: a row group of a Parquet table.
 - :class:`FailedShardReader`: a shard whose fetch raised.
 
-:func:`chunk_items` reads a chunk (samples of several shards, interleaved by the shuffle)
-through its shards' readers; where all of them are laid out alike it reads the whole chunk
-in one such loop, which is where the cost per sample matters most.
+:func:`read_chunks` is the stage: for each chunk the fetch stage hands on, a
+:class:`ChunkRead` holding its items in stream order (:func:`chunk_items`: samples of
+several shards, interleaved by the shuffle; where all of them are laid out alike one such
+loop reads the whole chunk, which is where the cost per sample matters most), or, for
+columnar batches, the chunk's rows in the shards' layouts (:class:`LaidOutRows`), which the
+batch stage cuts into columns without Python work per sample.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from itertools import count, repeat
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import CorruptIndexError, CorruptShardError, DatapipeError, FormatError, MissingDependencyError
-from ..format import decode_sample
-from ..format.layout import MemberTable, ShardLayout
-from ..format.rows import python_rows, row_fields
-from .batch import Batch, Column
+from ..errors import CorruptShardError, DatapipeError, FormatError
+from ..format import MemberTable, ShardLayout, decode_sample, python_rows, row_fields
+from .chunks import Chunk
+from .pass_state import ErrorPolicy, Progress
+from .source import ShardData, TableRows
 
-if TYPE_CHECKING:
-    from .source import ShardData
-
-__all__ = ["Skipped", "split_skipped", "Progress", "ErrorPolicy", "ShardReader", "LaidOutShardReader",
-           "MemberWalkReader", "CheckedSampleReader", "TableRowsReader", "FailedShardReader", "reader_for",
-           "chunk_items", "laid_out_batches"]
-
-
-class Skipped(NamedTuple):
-    """A skipped sample's place in the stream, yielded instead of the sample only while a
-    :class:`~datapipe.loader.StreamingDataLoader` iterates (it takes it out of the batch and
-    reports it in the main process): batches stay aligned with the plan's batches, so the
-    loader's resume count stays exact with worker processes."""
-
-    url: str
-    key: str | None
-    why: str
-
-
-def split_skipped(items: Iterable[Any]) -> tuple[list[Any], tuple[Skipped, ...]]:
-    """(the items that are samples, the :class:`Skipped` markers among them), in order."""
-    samples: list[Any] = []
-    skipped: list[Skipped] = []
-    for x in items:
-        (skipped if x.__class__ is Skipped else samples).append(x)
-    return samples, tuple(skipped)
-
-
-class Progress:
-    """Plan steps the consumer has taken in the current pass (skipped samples count too):
-    readers set :attr:`steps` to a sample's step just before they hand it out."""
-
-    __slots__ = ("steps",)
-
-    def __init__(self, steps: int = 0) -> None:
-        self.steps = steps
-
-
-class ErrorPolicy:
-    """The dataset's ``on_error``, applied in this one place: ``policy(url, key, error)``
-    re-raises ``error`` ("raise"), or records ``(url, key, why)`` in ``skipped`` and returns
-    the :class:`Skipped` marker that takes the sample's place ("skip")."""
-
-    def __init__(self, skip: bool, skipped: list[tuple[str, str | None, str]]) -> None:
-        self.skip = skip
-        self.skipped = skipped
-
-    def __call__(self, url: str, key: str | None, error: BaseException, why: str | None = None) -> Skipped:
-        if not self.skip or not isinstance(error, DatapipeError) \
-                or isinstance(error, (CorruptIndexError, MissingDependencyError)):
-            raise error  # an index that fails, a package missing: not one sample's fault, never skipped
-        marker = Skipped(url, key, str(error) if why is None else why)
-        self.skipped.append((marker.url, marker.key, marker.why))
-        return marker
+__all__ = ["ShardReader", "LaidOutShardReader", "MemberWalkReader", "CheckedSampleReader", "TableRowsReader",
+           "FailedShardReader", "reader_for", "chunk_readers", "chunk_items", "laid_out_rows", "LaidOutRows",
+           "ChunkRead", "read_chunks"]
 
 
 class ShardReader:
@@ -216,54 +170,31 @@ def _laid_out_items(readers: Sequence[LaidOutShardReader], loc: NDArray[Any], sa
     return items
 
 
-def laid_out_batches(readers: Sequence[ShardReader], loc: NDArray[Any], samples: NDArray[Any],
-                     batch_size: int, positions: bool) -> Iterator[Batch] | None:
-    """The samples of a chunk as :class:`~.batch.Batch` es of ``batch_size`` (the last may
-    be shorter), cut from the shards' layout tables with numpy: each bytes field a
-    :class:`~.batch.Column` viewing the shard buffers, no Python work per sample. None when
-    the chunk's shards are not all laid out with the same fields (then read it sample by
-    sample)."""
+class LaidOutRows(NamedTuple):
+    """A chunk's samples as rows of its shards' layout tables (all laid out with the same
+    ``fields``): sample i lies in ``srcs[loc[i]]`` (the bytes of shard ``shards[loc[i]]``),
+    field k at ``table[i, 2k]:table[i, 2k + 1]``; ``samples`` are the samples' indices in
+    their shards."""
+
+    fields: tuple[str, ...]
+    table: NDArray[Any]
+    keys: NDArray[Any]
+    srcs: list[Any]
+    shards: NDArray[Any]
+    loc: NDArray[Any]
+    samples: NDArray[Any]
+
+
+def laid_out_rows(readers: Sequence[ShardReader], loc: NDArray[Any], samples: NDArray[Any]) -> LaidOutRows | None:
+    """The chunk's rows (see :class:`LaidOutRows`), or None when its shards are not all laid
+    out with the same fields (then it is read sample by sample)."""
     fields = {r.layout.fields if isinstance(r, LaidOutShardReader) else None for r in readers}
     if len(fields) != 1 or None in fields:
         return None
     laid = [r for r in readers if isinstance(r, LaidOutShardReader)]
-    return _cut_batches(laid, loc, samples, batch_size, positions)
-
-
-def _distinct(which: NDArray[Any], n: int) -> tuple[list[int], NDArray[np.intp]]:
-    """(the distinct values of ``which``, all in ``[0, n)``, in increasing order; each
-    entry's place among them): ``np.unique(which, return_inverse=True)`` by marking, not
-    sorting (half the time for a batch of 256 over a few dozen buffers, measured here)."""
-    present = np.zeros(n, dtype=bool)
-    present[which] = True
-    place = np.cumsum(present, dtype=np.intp) - 1
-    return np.flatnonzero(present).tolist(), place[which]
-
-
-def _cut_batches(readers: list[LaidOutShardReader], loc: NDArray[Any], samples: NDArray[Any], batch_size: int,
-                 positions: bool) -> Iterator[Batch]:
-    if positions:
-        import torch
-    table, keys = _chunk_rows(readers, loc, samples)
-    names = readers[0].layout.fields
-    # numpy views of the shard buffers: while a batch views one, the buffer pool cannot
-    # resize (so never refills) it
-    buffers = [np.frombuffer(r.data.src, dtype=np.uint8) for r in readers]
-    which = loc.astype(np.intp) if len(readers) > 1 else None
-    shard_ids = np.array([r.shard for r in readers], dtype=np.int64)[loc] if positions else None
-    for i in range(0, len(samples), batch_size):
-        j = min(i + batch_size, len(samples))
-        fields: dict[str, Any] = {"__key__": keys[i:j].tolist()}
-        mine, w = buffers, None
-        if which is not None:  # only the buffers this batch reads: a batch held pins no others
-            used, w = _distinct(which[i:j], len(buffers))
-            mine = [buffers[u] for u in used]
-        for k, name in enumerate(names):
-            fields[name] = Column(mine, table[i:j, 2 * k], table[i:j, 2 * k + 1], w)
-        if shard_ids is not None:  # tensors, as default_collate makes of the samples' numbers
-            fields["__shard__"] = torch.from_numpy(shard_ids[i:j].copy())
-            fields["__sample__"] = torch.from_numpy(samples[i:j].astype(np.int64))
-        yield Batch(fields, j - i)
+    table, keys = _chunk_rows(laid, loc, samples)
+    return LaidOutRows(tuple(laid[0].layout.fields), table, keys, [r.data.src for r in laid],
+                       np.array([r.shard for r in laid], dtype=np.int64), loc, samples)
 
 
 class LaidOutShardReader(ShardReader):
@@ -336,8 +267,8 @@ class TableRowsReader(ShardReader):
     cannot hold (a timestamp past ``datetime``'s years, a string that is not UTF-8) is that
     row's :class:`~datapipe.errors.FormatError`, raised or skipped where the stream reaches it."""
 
-    def __init__(self, shard: int, url: str, table: Any, keys: list[str]) -> None:
-        self.shard, self.url, self.table, self.keys = shard, url, table, keys
+    def __init__(self, rows: TableRows) -> None:
+        self.shard, self.url, self.table, self.keys = rows.shard, rows.url, rows.table, rows.keys
 
     def items(self, samples: NDArray[Any], steps: Sequence[int], progress: Progress, on_error: ErrorPolicy,
               positions: bool) -> Iterator[Any]:
@@ -394,11 +325,67 @@ def chunk_items(readers: Sequence[ShardReader], loc: NDArray[Any], samples: NDAr
     return map(next, streams[loc].tolist())
 
 
-def reader_for(data: ShardData, layout: ShardLayout | MemberTable | None) -> ShardReader:
+def reader_for(data: ShardData | TableRows) -> ShardReader:
     """The reader of a fetched shard: by its layout when it has one (a verified
-    uncompressed shard), else sample by sample."""
+    uncompressed shard), else sample by sample; a row group's rows."""
+    if isinstance(data, TableRows):
+        return TableRowsReader(data)
+    layout = data.layout
     if isinstance(layout, ShardLayout) and layout.samples == len(data.keys):
         return LaidOutShardReader(data, layout)
     if isinstance(layout, MemberTable) and layout.samples == len(data.keys):
         return MemberWalkReader(data, layout)
     return CheckedSampleReader(data)
+
+
+def chunk_readers(chunk: Chunk, url_of: Callable[[int], str]) -> tuple[list[ShardReader], NDArray[Any]]:
+    """The readers of the chunk's shards (distinct, in order of first use), from what their
+    fetches gave (``chunk.fetched``: a fetch that raised is raised, or skipped, at each of
+    its samples, where the stream reaches them; ``url_of`` names its shard), and each
+    sample's place among them."""
+    readers: list[ShardReader] = []
+    for g, got in zip(chunk.shards, chunk.fetched):
+        if isinstance(got, BaseException):
+            if not isinstance(got, Exception):
+                raise got
+            readers.append(FailedShardReader(g, url_of(g), got))
+        else:
+            readers.append(reader_for(got))
+    ids = np.asarray(chunk.shards, dtype=np.int64)
+    low, span = int(ids.min()), int(ids.max()) - int(ids.min()) + 1
+    if span <= 64 * len(ids):  # a table from shard number to place: one gather
+        lookup = np.empty(span, dtype=np.int64)
+        lookup[ids - low] = np.arange(len(ids))
+        return readers, lookup[chunk.shard - low]
+    sorter = np.argsort(ids)  # shards far apart (a global shuffle): a search
+    return readers, sorter[np.searchsorted(ids, chunk.shard, sorter=sorter)]
+
+
+@dataclass
+class ChunkRead:
+    """The read stage's output for one chunk: its ``items`` in stream order (raw samples and
+    :class:`~.pass_state.Skipped` markers), or its ``rows`` (columnar batches of a chunk laid
+    out alike); ``urls``: each of its shards' URL."""
+
+    chunk: Chunk
+    urls: dict[int, str]
+    items: Iterator[Any] | None = None
+    rows: LaidOutRows | None = None
+
+
+def read_chunks(chunks: Iterable[Chunk], url_of: Callable[[int], str], progress: Progress, on_error: ErrorPolicy, *,
+                positions: bool, columnar: bool) -> Iterator[ChunkRead]:
+    """The read stage: each fetched chunk read by its shards' readers. ``positions``: add
+    ``__shard__``/``__sample__`` to each item; ``columnar``: give a chunk laid out alike as
+    rows (the batch stage cuts them), else as items. A chunk's items are counted from the
+    step after the last one handed out (the consumer reads a chunk to its end before it
+    asks for the next)."""
+    for chunk in chunks:
+        readers, loc = chunk_readers(chunk, url_of)
+        urls = {r.shard: r.url for r in readers}
+        rows = laid_out_rows(readers, loc, chunk.sample) if columnar else None
+        if rows is not None:
+            yield ChunkRead(chunk, urls, rows=rows)
+        else:
+            yield ChunkRead(chunk, urls, chunk_items(readers, loc, chunk.sample, progress.steps + 1, progress,
+                                                     on_error, positions))

@@ -1,5 +1,8 @@
 """The shards a StreamingDataset reads: one or more dataset indexes as one list of shards,
-and fetching one shard's bytes (through a TieredCache, or straight from its store). With a
+and fetching one shard's bytes (through a TieredCache, or straight from its store): the
+sample loader's ``fetch`` for the fetch stage (:mod:`.prefetch`), run on its threads. What
+it returns (:class:`ShardData`, :class:`TableRows`) is what the read stage (:mod:`.readers`)
+reads. With a
 warm tier the cache hands over a pinned warm copy when its clairvoyant rule keeps the
 shard, else the shard's verified bytes read through (``TieredCache.pin_or_read``): a copy
 forced into a small tier would evict the shards it keeps for the next reads.
@@ -38,8 +41,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .. import dataset as _dataset
 from ..checksum import checksum, verify
+from ..dataset import DatasetIndex, ShardInfo, open_index
 from ..errors import (
     CorruptShardError,
     DatapipeError,
@@ -49,14 +52,12 @@ from ..errors import (
     PlanError,
     StorageError,
 )
-from ..format.layout import find_layout
-from ..storage.local import open_regular
-from ..storage.retry import RetryPolicy, call_with_retry
+from ..format import MemberTable, ShardLayout, find_layout
+from ..storage import RetryPolicy, call_with_retry, open_regular
 from ..tables import ParquetTable, is_parquet_source
 from .layouts import LayoutCache
-from .readers import ShardReader, TableRowsReader, reader_for
 
-__all__ = ["BufferPool", "ShardData", "ShardSource"]
+__all__ = ["BufferPool", "ShardData", "ShardSource", "TableRows"]
 
 
 @dataclass
@@ -78,8 +79,9 @@ class ShardData:
     verified: bool = False
     #: the shard's tar bytes (from the index): no zstd frame may decompress to more
     tar_bytes: int = 0
-    #: how its samples are read, chosen once when it is fetched (see .readers)
-    reader: ShardReader | None = None
+    #: where each field of each sample lies (verified uncompressed bytes only), found when
+    #: the shard is fetched: the read stage picks its reader by it
+    layout: ShardLayout | MemberTable | None = None
 
     def __post_init__(self) -> None:
         ends = self.offsets + self.lengths
@@ -126,21 +128,22 @@ class ShardData:
                 closer()
 
 
-class TableRowGroup:
-    """One row group of a Parquet table, read (what the prefetcher holds for it)."""
+class TableRows:
+    """One row group of a Parquet table, read (what the prefetcher holds for it): its rows
+    as a pyarrow table and their keys."""
 
-    def __init__(self, reader: TableRowsReader) -> None:
-        self.reader: ShardReader = reader
+    def __init__(self, shard: int, url: str, table: Any, keys: list[str]) -> None:
+        self.shard, self.url, self.table, self.keys = shard, url, table, keys
 
     def close(self) -> None:
-        self.reader = TableRowsReader(-1, "", None, [])  # the rows go with the last reference
+        self.table, self.keys = None, []  # the rows go with the last reference
 
 
 def _open_source(url: str, storage_options: dict[str, Any] | None) -> Any:
     """The index of a packed dataset, or a Parquet table read in place."""
     if is_parquet_source(url, storage_options):
         return ParquetTable(url, storage_options)
-    return _dataset.open_index(url, storage_options)
+    return open_index(url, storage_options)
 
 
 def _has_warm_tier(cache: Any) -> bool:
@@ -337,7 +340,7 @@ class ShardSource:
                  "\n".join(str(s.checksum) for s in ix.shards) for ix in self.indexes]
         return checksum("\0".join(parts).encode())
 
-    def info(self, g: int) -> tuple[_dataset.DatasetIndex, _dataset.ShardInfo]:
+    def info(self, g: int) -> tuple[DatasetIndex, ShardInfo]:
         s = int(self.source_of[g])
         ix = self.indexes[s]
         return ix, ix.shards[g - int(self.shard_base[s])]
@@ -348,7 +351,7 @@ class ShardSource:
     def shard_bytes(self, g: int) -> int:
         return int(self.info(g)[1].bytes)
 
-    def fetch(self, g: int, cache: Any = None) -> ShardData | TableRowGroup:
+    def fetch(self, g: int, cache: Any = None) -> ShardData | TableRows:
         """Shard ``g``'s bytes and sample table (blocking; run it off the event loop); for
         a Parquet table, its rows."""
         ix, info = self.info(g)
@@ -356,7 +359,7 @@ class ShardSource:
         if isinstance(ix, ParquetTable):
             table, keys = call_with_retry(lambda: ix.read_row_group(local, self.buffers.max_bytes), info.url,
                                           self.retry)
-            return TableRowGroup(TableRowsReader(g, info.url, table, keys))
+            return TableRows(g, info.url, table, keys)
         try:
             # the sample table is read in row groups from the store: retried like shard bytes
             table = call_with_retry(lambda: ix.shard_samples(local), f"{ix.url} sample table", self.retry)
@@ -380,19 +383,17 @@ class ShardSource:
         data = ShardData(g, info.url, buf, list(table.keys), np.asarray(table.offsets, np.int64),
                          np.asarray(table.lengths, np.int64), list(table.checksums or []),
                          ix.compression, closer, error, verified, tar_bytes=info.tar_bytes)
-        layout = None
         if verified and self.find_layouts and data.compression == "none" and data.max_end <= len(data.buf):
             key = (g, len(data.buf), info.checksum)
-            layout = self.layouts.get(key)
-            if layout is None:
+            data.layout = self.layouts.get(key)
+            if data.layout is None:
                 ends = data.offsets + data.lengths
                 try:
-                    layout = find_layout(data.src, data.offsets.tolist(), ends.tolist(), data.keys, info.url)
+                    data.layout = find_layout(data.src, data.offsets.tolist(), ends.tolist(), data.keys, info.url)
                 except CorruptShardError as e:  # every sample raises it (or is skipped)
                     data.error = e
                 else:
-                    self.layouts.put(key, layout)
-        data.reader = reader_for(data, layout)
+                    self.layouts.put(key, data.layout)
         return data
 
     def _bytes(self, ix: Any, info: Any, cache: Any) -> tuple[memoryview, Any, bool]:

@@ -15,13 +15,13 @@
 Imports: errors and checksum only. It knows no tar, no cache, no pack or checkpoint.
 """
 
-from .local import LocalStore
+from .local import LocalStore, open_regular
 from .memory import MemoryStore
-from .opening import in_this_process, open_store
+from .opening import in_this_process, open_store, refuse_chained_url
 from .options import set_storage_options, storage_options_for
 from .remote import FsspecStore
-from .retry import RetryPolicy
-from .store import Store, join_url, split_url
+from .retry import RetryPolicy, call_with_retry
+from .store import Store, is_local_url, join_url, split_url
 
 __all__ = [
     "Store",
@@ -32,7 +32,11 @@ __all__ = [
     "in_this_process",
     "split_url",
     "join_url",
+    "is_local_url",
+    "refuse_chained_url",
+    "open_regular",
     "RetryPolicy",
+    "call_with_retry",
     "set_storage_options",
     "storage_options_for",
 ]
