@@ -38,6 +38,7 @@ import numpy.typing as npt
 from ..checksum import checksum
 from ..errors import OptionError, PlanError, TopologyError
 from .arrays import ArrayLike, Bools, Int64s
+from .epoch import EpochPlan
 from .resume import layout_fingerprint
 
 __all__ = [
@@ -146,12 +147,10 @@ class _Layout:
         return c, q - self._chunk_starts[c]
 
     def epoch_plan(self, *, seed: int = 0, epoch: int = 0, window: int = 1 << 62, world: int = 1,
-                   drop_last: bool = False, identity: str = "", state: dict[str, Any] | None = None) -> Any:
+                   drop_last: bool = False, identity: str = "", state: dict[str, Any] | None = None) -> EpochPlan:
         """The :class:`~datapipe.plan.EpochPlan` of this layout's chunks for ``world``
         data-parallel ranks (from ``state`` when resuming, regrouped if ``world`` changed).
         ``identity`` (e.g. the manifest checksum) goes into the state's fingerprint."""
-        from . import EpochPlan  # the package's __init__ defines it and imports this module's siblings
-
         fp = layout_fingerprint(self.counts, f"{self.fingerprint}|{identity}")
         if state is not None:
             return EpochPlan.from_state(self.counts, state, seed=seed, window=window, world=world,
