@@ -18,12 +18,20 @@ from numpy.typing import NDArray
 from .checksum import checksum, verify
 from .decode import make_decoder
 from .errors import CorruptIndexError, CorruptShardError, DatapipeError, ObjectNotFoundError, OptionError
-from .format import MANIFEST, decode_sample, parse_manifest, read_shard_table
-from .format.index import TAR_INDEX, check_shard_rows, is_checksum, sample_rows
-from .format.tar import BLOCK, next_member_name
+from .format import (
+    BLOCK,
+    MANIFEST,
+    TAR_INDEX,
+    check_shard_rows,
+    decode_sample,
+    is_checksum,
+    next_member_name,
+    parse_manifest,
+    read_shard_table,
+    sample_rows,
+)
 from .options import check_int, check_mapping, check_path, show
-from .storage import Store, open_store
-from .storage.store import is_local_url, split_url
+from .storage import Store, is_local_url, open_store, split_url
 
 __all__ = ["ShardInfo", "SampleTable", "DatasetIndex", "Dataset", "open_index"]
 

@@ -34,11 +34,8 @@ from numpy.typing import NDArray
 from .checksum import checksum
 from .dataset import ShardInfo
 from .errors import DatapipeError, FormatError, ObjectChangedError, ObjectNotFoundError, PlanError
-from .format.rows import flatten_bytes_structs, key_text, python_values
-from .storage import open_store
-from .storage.opening import refuse_chained_url
-from .storage.options import storage_options_for
-from .storage.store import is_local_url
+from .format import flatten_bytes_structs, key_text, python_values
+from .storage import is_local_url, open_store, refuse_chained_url, storage_options_for
 
 __all__ = ["ParquetTable", "is_parquet_source"]
 

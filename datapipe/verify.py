@@ -10,9 +10,7 @@ from typing import Any
 from .checksum import checksum
 from .dataset import open_index
 from .errors import DatapipeError, FormatError
-from .format import decode_sample
-from .format.sample import decompress_frame
-from .format.tar import END_OF_ARCHIVE
+from .format import END_OF_ARCHIVE, decode_sample, decompress_frame
 from .progress import progress_iter
 
 __all__ = ["Problem", "VerifyReport", "verify_dataset"]
