@@ -27,6 +27,8 @@ from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd
 from typing import Any
 
+from ..errors import LoaderOptionError
+
 __all__ = ["PassControl", "WorkerPasses"]
 
 _SIZE = 1 << 16
@@ -50,7 +52,9 @@ class PassControl:
     def write(self, epoch: int, resume: dict[str, Any] | None) -> None:
         doc = json.dumps({"epoch": epoch, "resume": resume}).encode()
         if _LEN.size + len(doc) > _SIZE:
-            raise ValueError(f"resume state of {len(doc)} bytes does not fit the {_SIZE}-byte pass control block")
+            raise LoaderOptionError(f"resume state of {len(doc)} bytes does not fit the {_SIZE}-byte pass control "
+                                    "block of persistent DataLoader workers: resume from it with "
+                                    "StreamingDataLoader(..., persistent_workers=False)")
         self._mm[_LEN.size : _LEN.size + len(doc)] = doc
         self._mm[: _LEN.size] = _LEN.pack(len(doc))
 

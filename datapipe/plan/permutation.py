@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import OptionError
 from .arrays import ArrayLike, Int64s, UInt64s
 
 __all__ = ["derive_key", "feistel_permute", "splitmix64"]
@@ -46,7 +47,7 @@ def derive_key(*parts: int) -> int:
     for p in parts:
         p = int(p)
         if p < 0:
-            raise ValueError(f"key parts must be non-negative, got {p}")
+            raise OptionError(f"key parts must be non-negative, got {p}")
         h = splitmix64(np.array([h ^ np.uint64(p & 0xFFFFFFFFFFFFFFFF)], dtype=_U64))[0]
     return int(h)
 
@@ -155,7 +156,7 @@ def feistel_permute(index: ArrayLike, m: ArrayLike, key: ArrayLike) -> Int64s:
     if idx.size == 0:
         return idx.copy()
     if np.any(idx < 0) or np.any(idx >= m_arr):
-        raise ValueError("feistel_permute: an index lies outside [0, m)")
+        raise OptionError("feistel_permute: an index lies outside [0, m)")
     key_arr = np.broadcast_to(np.asarray(key, dtype=_U64), idx.shape)
     h = _half_bits(m_arr)
     # C order: the walks below write through out.reshape(-1), a view only of a C-ordered
