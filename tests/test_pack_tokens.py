@@ -154,7 +154,8 @@ def test_bad_rows_are_named_by_file_and_row(corpus, tmp_path):
         "nojson.jsonl": (b'{"text": "a"}\n{"text": \n', r"nojson\.jsonl line 2: not JSON"),
         "nofield.jsonl": (b'{"text": "a"}\n\n{"body": "b"}\n', r"nofield\.jsonl line 3: no field 'text'"),
         "notext.jsonl": (b'{"text": 5}\n', r"notext\.jsonl line 1: field 'text' is int, not text"),
-        "surrogate.jsonl": (b'{"text": "a"}\n{"text": "x\\ud800"}\n', r"surrogate\.jsonl line 2: the tokenizer refuses"),
+        "surrogate.jsonl": (b'{"text": "a"}\n{"text": "x\\ud800"}\n',  # a lone surrogate: JSON, but no text
+                            r"surrogate\.jsonl line 2: the tokenizer refuses"),
     }
     for name, (data, message) in cases.items():
         (tmp_path / name).write_bytes(data)
@@ -340,8 +341,11 @@ def test_kill_9_then_rerun_gives_the_same_bytes(corpus, tmp_path, workers):
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
     assert not (dest / MANIFEST).exists()
+    (dest / ".tmp-0123abcd-part-00000-000.bin").write_bytes(b"another writer's")  # not the killed pack's token
     r = datapipe.pack_tokens(src, dest, tokenizer=tok, part_bytes=4096, workers=workers)
     assert r.resumed_parts >= 3
+    assert (dest / ".tmp-0123abcd-part-00000-000.bin").read_bytes() == b"another writer's"
+    os.unlink(dest / ".tmp-0123abcd-part-00000-000.bin")
     datapipe.pack_tokens(src, tmp_path / "whole", tokenizer=tok, part_bytes=4096, workers=1)
     assert dataset_files(dest) == dataset_files(tmp_path / "whole")  # no temporaries, no journal left either
     assert read_token_dataset(dest) == expected_documents(tok, texts, tok.token_to_id("<|endoftext|>"))
@@ -360,6 +364,18 @@ def test_other_input_is_refused_unless_overwrite(corpus, tmp_path):
     assert read_token_dataset(tmp_path / "out") == expected_documents(tok, texts[:20], eos)
     assert sorted(os.listdir(tmp_path / "out")) == ["manifest.json", "part-00000-000.bin", "part-00000-000.idx",
                                                     "part-00000-000.xxh"]  # the old parts are gone
+
+
+def test_one_writer_per_destination(corpus, tmp_path):
+    from datapipe.errors import DestinationBusyError
+    from datapipe.pack.lock import WriterLock
+    from datapipe.storage import open_store
+
+    texts, tok, _ = corpus
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts[:10]])
+    with WriterLock(open_store(str(tmp_path / "out"))), pytest.raises(DestinationBusyError):
+        datapipe.pack_tokens(src, tmp_path / "out", tokenizer=tok)
+    datapipe.pack_tokens(src, tmp_path / "out", tokenizer=tok)  # once the other writer is gone
 
 
 def test_someone_elses_files_at_our_names_are_refused(corpus, tmp_path):
@@ -385,9 +401,10 @@ def test_cli_pack_tokens(corpus, tmp_path, capsys):
     texts, tok, eos = corpus
     src = write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts[:50]])
     tok.save(str(tmp_path / "tok.json"))
-    assert main(["pack-tokens", src, str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tok.json"), "-q",
+    assert main(["pack-tokens", src, str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tok.json"),
                  "--part-bytes", "4K"]) == 0
-    assert "packed 50 documents" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "packed 50 documents" in out.out and "tok/s" in out.err  # the progress bar counts tokens
     assert read_token_dataset(tmp_path / "out") == expected_documents(tok, texts[:50], eos)
     assert main(["pack-tokens", src, str(tmp_path / "ids"), "-q", "--eos-id", "0"]) == 2  # text, no tokenizer
     assert "tokens-column" in capsys.readouterr().err

@@ -17,25 +17,21 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from itertools import chain
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from ..checksum import checksum
 from ..errors import (
     DatapipeError,
     EmptyInputError,
-    InputFileError,
     OptionError,
     PackError,
     PackOptionError,
@@ -45,7 +41,6 @@ from ..format.tokens import (
     BLOCK_BYTES,
     MANIFEST,
     TokenPart,
-    TokenPartWriter,
     block_count,
     make_token_manifest,
     optimal_dtype,
@@ -56,26 +51,9 @@ from ..options import check_bool, check_bytes, check_int, check_mapping, check_p
 from ..progress import progress_bar
 from ..storage import Store, in_this_process, open_store
 from ..storage.store import is_local_url
-from .publish_glue import (
-    Journal,
-    WriterLock,
-    check_destination,
-    die_with_parent,
-    fingerprint,
-    publish_part,
-    remove_stale_parts,
-    temporary_name,
-)
-from .sources import (
-    EOS_TOKENS,
-    Batch,
-    Piece,
-    import_tokenizers,
-    list_inputs,
-    load_tokenizer,
-    plan_pieces,
-    read_piece,
-)
+from .publish_glue import Journal, WriterLock, check_destination, fingerprint, remove_stale_parts
+from .sources import EOS_TOKENS, Piece, list_inputs, load_tokenizer, plan_pieces
+from .write import PieceTask, init_worker, pack_piece, part_name
 
 __all__ = ["pack_tokens", "TokenPackResult", "DEFAULT_PART_BYTES", "MAX_PIECE_BYTES", "part_name"]
 
@@ -86,11 +64,6 @@ DEFAULT_PART_BYTES = 256 << 20
 MAX_PIECE_BYTES = 64 << 20
 _MIN_PART_BYTES = 1 << 12
 ORIGIN = "pack-tokens"
-
-
-def part_name(piece: int, k: int) -> str:
-    """The name (prefix) of the ``k``-th part of piece ``piece``."""
-    return f"part-{piece:05d}-{k:03d}"
 
 
 @dataclass
@@ -121,200 +94,6 @@ class TokenPackResult:
         if self.resumed_parts:
             lines.append(f"  {self.resumed_parts} parts were already written by an earlier run")
         return "\n".join(lines)
-
-
-# --- worker side ------------------------------------------------------------------------
-
-_progress: Any = None  # shared counters (tokens, documents, input bytes), set in each worker
-_tokenizers: dict[str, Any] = {}  # a worker's tokenizer, by its JSON
-
-
-def _init_worker(counters: Any, parent: int | None, threads: int | None) -> None:
-    global _progress
-    _progress = counters
-    if parent is not None:
-        die_with_parent(parent)
-    if threads is not None:  # the tokenizer's own threads share the cores with the other workers
-        os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
-
-
-def _bump(tokens: int, documents: int, nbytes: int) -> None:
-    if _progress is not None:
-        with _progress.get_lock():
-            _progress[0] += tokens
-            _progress[1] += documents
-            _progress[2] += nbytes
-
-
-def _tokenizer(text: str) -> Any:
-    tok = _tokenizers.get(text)
-    if tok is None:
-        _tokenizers.clear()
-        tok = _tokenizers[text] = import_tokenizers().Tokenizer.from_str(text)
-    return tok
-
-
-@dataclass(frozen=True)
-class _Task:
-    piece: Piece
-    mode: str  # "text" or "tokens"
-    column: str
-    tokenizer: str | None
-    eos_id: int
-    vocab_size: int | None
-    dtype: str
-    part_bytes: int
-    block_bytes: int
-    store: Store
-    token: str
-    storage_options: dict[str, Any] | None
-
-
-def _encode(tok: Any, batch: Batch) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    texts = batch.texts or []
-    encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch  # the same ids; no offsets kept
-    try:
-        ids = [e.ids for e in encode(texts)]
-    except Exception as e:  # the tokenizers library raises plain TypeErrors (a lone surrogate, say)
-        for j, t in enumerate(texts):
-            try:
-                encode([t])
-            except Exception as one:
-                raise InputFileError(f"{batch.where(j)}: the tokenizer refuses this text ({type(one).__name__}: "
-                                     f"{str(one)[:200]})") from None
-        raise PackError(f"{batch.where(0)}: the tokenizer failed on a batch of {len(texts)} documents "
-                        f"({type(e).__name__}: {str(e)[:200]})") from None
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    values = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()))
-    return values, lengths
-
-
-def _checked_ids(batch: Batch, values: npt.NDArray[Any], lengths: npt.NDArray[np.int64], top: int) -> None:
-    """Refuse an id outside ``[0, top]``, naming its file and row."""
-    if not values.size:
-        return
-    lo, hi = int(values.min()), int(values.max())
-    if lo >= 0 and hi <= top:
-        return
-    k = int(np.flatnonzero((values < 0) | (values > top))[0])
-    j = int(np.searchsorted(np.cumsum(lengths), k, side="right"))
-    raise InputFileError(f"{batch.where(j)}: token id {int(values[k])} lies outside the vocabulary [0, {top}] "
-                         "(pass the right vocab_size= / --vocab-size, or the tokenizer that made these ids)")
-
-
-def with_eos(values: npt.NDArray[Any], lengths: npt.NDArray[np.int64], eos: int,
-             dtype: np.dtype[Any]) -> tuple[npt.NDArray[Any], npt.NDArray[np.int64]]:
-    """Each document's ids followed by ``eos``, back to back in ``dtype``, and the new lengths."""
-    out = np.empty(values.size + lengths.size, dtype=dtype)
-    ends = np.cumsum(lengths + 1) - 1  # where each document's EOS goes
-    keep = np.ones(out.size, dtype=bool)
-    keep[ends] = False
-    out[keep] = values
-    out[ends] = eos
-    return out, lengths + 1
-
-
-class _Parts:
-    """The parts of one piece, written one after the other, each at most ``part_bytes`` bytes
-    of tokens (more only when one document alone is larger)."""
-
-    def __init__(self, task: _Task) -> None:
-        self.task = task
-        self.dtype = token_dtype(task.dtype)
-        self.itemsize = self.dtype.itemsize
-        self.parts: list[TokenPart] = []
-        self.writer: TokenPartWriter | None = None
-        self.name = ""
-        self.root = task.store.local_path("")
-        self.scratch: str | None = None
-
-    def _open(self) -> TokenPartWriter:
-        t = self.task
-        self.name = part_name(t.piece.index, len(self.parts))
-        if self.root is not None:  # beside the published files, under a name the lock's cleanup knows
-            path = os.path.join(self.root, temporary_name(t.token, self.name))
-        else:  # written here, uploaded when finished
-            if self.scratch is None:
-                self.scratch = tempfile.mkdtemp(prefix="datapipe-pack-tokens-")
-            path = os.path.join(self.scratch, self.name)
-        self.writer = TokenPartWriter(path, vocab_size=t.vocab_size, dtype=self.dtype, block_bytes=t.block_bytes,
-                                      name=self.name)
-        return self.writer
-
-    def add(self, tokens: npt.NDArray[Any], lengths: npt.NDArray[np.int64]) -> None:
-        cum = np.cumsum(lengths) * self.itemsize
-        done = 0  # documents of this batch written
-        while done < lengths.size:
-            w = self.writer or self._open()
-            before = int(cum[done - 1]) if done else 0
-            room = self.task.part_bytes - w.tokens * self.itemsize
-            fit = int(np.searchsorted(cum[done:] - before, room, side="right"))
-            if fit == 0 and w.documents == 0:
-                fit = 1  # a document larger than a part: a part of its own
-            if fit:
-                a, b = before // self.itemsize, int(cum[done + fit - 1]) // self.itemsize
-                w.add_documents(tokens[a:b], lengths[done:done + fit])
-                done += fit
-            if done < lengths.size:
-                self.close()
-
-    def close(self) -> None:
-        w, self.writer = self.writer, None
-        if w is None:
-            return
-        part = w.close()
-        publish_part(w, self.task.store, self.name)
-        self.parts.append(part)
-
-    def abort(self) -> None:
-        if self.writer is not None:
-            self.writer.abort()
-            self.writer = None
-        if self.scratch is not None:
-            try:
-                os.rmdir(self.scratch)
-            except OSError:
-                pass
-
-
-def pack_piece(task: _Task) -> dict[str, Any]:
-    """Write the parts of one piece; returns its journal record. Runs in a worker process
-    (or in-process with ``workers=1``)."""
-    piece = task.piece
-    dtype = token_dtype(task.dtype)
-    top = task.vocab_size - 1 if task.vocab_size is not None else int(np.iinfo(dtype).max)
-    tok = _tokenizer(task.tokenizer) if task.tokenizer is not None else None
-    parts = _Parts(task)
-    documents = tokens = 0
-    try:
-        for batch in read_piece(piece, task.column, task.mode, task.storage_options):
-            if batch.values is None:
-                values, lengths = _encode(tok, batch)
-            else:
-                values, lengths = batch.values, batch.lengths
-            _checked_ids(batch, values, lengths, top)
-            out, out_lengths = with_eos(values, lengths, task.eos_id, dtype)
-            parts.add(out, out_lengths)
-            documents += int(lengths.size)
-            tokens += int(out.size)
-            _bump(int(out.size), int(lengths.size), 0)
-        parts.close()
-    except OSError as e:
-        parts.abort()
-        if isinstance(e, DatapipeError):
-            raise
-        raise StorageError(f"cannot write part {parts.name} of {task.store.root}: {e.strerror or e} (free space "
-                           "or fix that, then run the same command again: finished parts are kept)") from None
-    except OptionError as e:  # TokenPartWriter's refusals: our own checks come first
-        parts.abort()
-        raise PackError(f"{piece.file.url}: {e}") from None
-    except BaseException:
-        parts.abort()
-        raise
-    parts.abort()  # the scratch folder, if any
-    _bump(0, 0, piece.input_bytes)
-    return {"record": {"piece": piece.index, "input": piece.file.url}, "parts": [asdict(p) for p in parts.parts],
-            "documents": documents, "tokens": tokens}
 
 
 # --- the pack ---------------------------------------------------------------------------
@@ -504,7 +283,7 @@ def pack_tokens(
                 done[p.index] = found
         result.resumed_parts = sum(len(v) for v in done.values())
         todo = [p for p in pieces if p.index not in done]
-        tasks = [_Task(p, mode, column, tok_json, eos, vocab, str(dt), part_bytes, block_bytes, store, lock.token,
+        tasks = [PieceTask(p, mode, column, tok_json, eos, vocab, str(dt), part_bytes, block_bytes, store, lock.token,
                        storage_options) for p in todo]
         _run(tasks, work, done, workers, progress, sum(p.input_bytes for p in todo), in_this_process(lock.base))
         parts = [part for p in pieces for part in done[p.index]]
@@ -538,7 +317,7 @@ def _context() -> Any:
     return mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
 
 
-def _run(tasks: list[_Task], work: Journal, done: dict[int, list[TokenPart]], workers: int | None,
+def _run(tasks: list[PieceTask], work: Journal, done: dict[int, list[TokenPart]], workers: int | None,
          progress: bool, input_bytes: int, here: bool) -> None:
     """Write ``tasks``' pieces (in worker processes when more than one), journaling each
     as it finishes; the first failure cancels what has not started and is raised."""
@@ -547,17 +326,17 @@ def _run(tasks: list[_Task], work: Journal, done: dict[int, list[TokenPart]], wo
     ctx = _context()
     counters = ctx.Array("q", 3)
     if nworkers == 1:
-        _init_worker(counters, None, None)
+        init_worker(counters, None, None)
         try:
             with _polled(counters, progress, input_bytes):
                 for t in tasks:
                     _record(work, pack_piece(t), done)
         finally:
-            _init_worker(None, None, None)
+            init_worker(None, None, None)
         return
-    pool = ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=_init_worker,
+    pool = ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=init_worker,
                                initargs=(counters, os.getpid(), max(1, cpus // nworkers)))
-    futures: dict[Future[dict[str, Any]], _Task] = {}
+    futures: dict[Future[dict[str, Any]], PieceTask] = {}
     try:
         futures = {pool.submit(pack_piece, t): t for t in tasks}
         with _polled(counters, progress, input_bytes):
