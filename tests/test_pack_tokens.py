@@ -143,6 +143,8 @@ def test_inputs_a_folder_a_glob_and_a_list(corpus, tmp_path):
     assert read_token_dataset(tmp_path / "src" / "out") == expected_documents(tok, texts[:9], eos)
     with pytest.raises(ObjectNotFoundError, match="names no Parquet or JSONL"):
         datapipe.pack_tokens(str(tmp_path / "src" / "*.parquet"), tmp_path / "x", tokenizer=tok)
+    with pytest.raises(ObjectNotFoundError, match="nothing at"):
+        datapipe.pack_tokens(tmp_path / "missing", tmp_path / "x", tokenizer=tok)
 
 
 # --- bad input, bad arguments --------------------------------------------------------------

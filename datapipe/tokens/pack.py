@@ -112,8 +112,8 @@ def _part_of(d: Any) -> TokenPart | None:
 def _finished(store: Store, piece: Piece, rec: dict[str, Any], block_bytes: int) -> list[TokenPart] | None:
     """The parts a journal record of ``piece`` names, if the record has our shape and every
     part's files are there at the sizes recorded; else None (the piece is written again)."""
-    raw = rec.get("parts")
-    if not isinstance(raw, list) or rec.get("record", {}).get("piece") != piece.index:
+    raw, head = rec.get("parts"), rec.get("record")
+    if not isinstance(raw, list) or not isinstance(head, dict) or head.get("piece") != piece.index:
         return None
     parts = [_part_of(d) for d in raw]
     if any(p is None for p in parts):

@@ -192,6 +192,8 @@ def list_inputs(source: Any, storage_options: dict[str, Any] | None = None,
                 found.extend(glob_files(name, storage_options))
             elif _is_folder(name, storage_options):
                 found.extend(_listed(name, storage_options, exclude))
+            elif is_local_url(name) and not os.path.lexists(absolute_url(name)):
+                raise ObjectNotFoundError(f"source {text!r}: nothing at {absolute_url(name)}")
             else:
                 found.append(name)
         if not found:
