@@ -3,7 +3,7 @@ run as Ray tasks.
 
 1. The driver lists the top of ``SRC`` without descending (more levels, up to three, while
    there are fewer folders than CPUs in the cluster), and Ray tasks list the folders below,
-   each a whole subtree (``pack.sources.list_directory(within=...)``). A sample's files always share a
+   each a whole subtree (``packing.list_directory(within=...)``). A sample's files always share a
    folder under both key rules, so no sample is split between listings.
 2. The driver merges the listings (sorted by key, as a local pack lists), reports what
    was dropped and merged, and cuts the samples into shards with the local packer's
@@ -26,9 +26,18 @@ import ray
 import ray.data
 
 from ..errors import EmptyInputError, PackOptionError
-from ..pack.packer import PackResult, describe_tree, plan_shards, refuse_tar_shards
-from ..pack.sources import KEY_RULES, DirectoryListing, FileSample, list_directory, source_kind
-from ..pack.writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits
+from ..packing import (
+    KEY_RULES,
+    DirectoryListing,
+    FileSample,
+    PackResult,
+    describe_tree,
+    list_directory,
+    plan_shards,
+    refuse_tar_shards,
+    source_kind,
+)
+from ..publish import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits
 from ..storage import open_store
 from .sink import FILE_COLUMNS, DatapipeDatasink, write_through
 
@@ -142,7 +151,7 @@ def pack(
                               "ray.data.read_parquet / read_json and write it with datapipe.ray.write(ds, DEST)")
     ShardLimits(shard_bytes, shard_samples, names=("shard_bytes", "shard_samples"))  # checked before Ray starts
     connect(address, progress)
-    sink = DatapipeDatasink(dest, max_bytes=shard_bytes, max_samples=shard_samples, compression=compression,
+    sink = DatapipeDatasink(dest, shard_bytes=shard_bytes, shard_samples=shard_samples, compression=compression,
                             level=level, storage_options=storage_options, overwrite=overwrite, rows="files",
                             skip_errors=skip_errors)
     sink.begin()  # the destination's lock now: a busy destination fails before the listing

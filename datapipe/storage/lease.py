@@ -45,34 +45,16 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..checksum import checksum
-from ..errors import ObjectNotFoundError, StorageError
+from ..errors import LeaseBusyError, LeaseLostError, ObjectNotFoundError, StorageError
 from .store import Store
 
+# LeaseBusyError and LeaseLostError live in datapipe.errors (every error does); named here
+# too, where the leases that raise them are
 __all__ = ["WriterLease", "SharedFileLease", "LeaseBusyError", "LeaseLostError", "LeaseHolder", "current_holder",
-           "MAX_LEASE_BYTES"]
+           "describe_holder", "holder_here_fields", "MAX_LEASE_BYTES"]
 
 #: a lease document is small; anything larger is not one
 MAX_LEASE_BYTES = 1 << 16
-
-
-class LeaseBusyError(StorageError):
-    """Another live writer holds the lease. ``holder``: its document (None if unreadable);
-    ``local``: the lease is a flock (freed when the holder's process exits); ``frees``:
-    how the lease of a dead holder is freed, for messages."""
-
-    def __init__(self, message: str, holder: dict[str, Any] | None, local: bool, frees: str) -> None:
-        super().__init__(message)
-        self.holder = holder
-        self.local = local
-        self.frees = frees
-
-
-class LeaseLostError(StorageError):
-    """This writer no longer holds its lease; ``why`` says how it was lost."""
-
-    def __init__(self, message: str, why: str) -> None:
-        super().__init__(message)
-        self.why = why
 
 
 def _encode_json(doc: dict[str, Any]) -> bytes:

@@ -12,13 +12,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DatapipeError, EmptyInputError, InputFileError, InvalidMemberNameError, OptionError, PackError
-from ..format.parquet_pages import chunk_pages
-from ..format.rows import flatten_bytes_structs, key_text, python_rows, row_fields
-from ..format.tar import BLOCK, check_key, member_name, padding, split_member_name
+from ..format import (
+    BLOCK,
+    check_key,
+    chunk_pages,
+    flatten_bytes_structs,
+    key_text,
+    member_name,
+    padding,
+    python_rows,
+    row_fields,
+    split_member_name,
+)
 
 __all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table", "read_fragment",
            "row_group_bytes", "pack_row_group_bytes", "count_table_rows", "check_table_columns", "source_kind",
-           "PACK_ROW_GROUP_ENV"]
+           "PACK_ROW_GROUP_ENV", "is_parquet_tree", "parquet_dataset", "NO_EXTENSION", "DOT_FILE", "DOT_FOLDER",
+           "LINKED_FOLDER"]
 
 #: how a directory's files become samples: "first-dot" (WebDataset's rule, the default: key =
 #: the path up to the first dot of the file name, field = the rest, so files sharing that
