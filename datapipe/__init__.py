@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each comes 
     )
     from .dataset import Dataset, DatasetIndex, open_index
     from .loader import Stream, StreamingDataset
-    from .loader.dataloader import StreamingDataLoader
+    from .loader.dataloader import StreamingDataLoader  # the loader's face gives it untyped (__getattr__)
     from .packing import PackResult, ShardWriter, join_parts, pack
     from .storage import set_storage_options
     from .tarindex import IndexResult, index_shards, open_dataset
@@ -39,7 +39,7 @@ _WHERE = {
     "SaveHandle": "checkpoint",
     "ShardWriter": "packing",
     "Stream": "loader",
-    "StreamingDataLoader": "loader.dataloader",
+    "StreamingDataLoader": "loader",
     "StreamingDataset": "loader",
     "TieredCache": "cache",
     "VerifyReport": "verify",

@@ -15,7 +15,17 @@ cache or the checkpoint. (``datapipe.pack`` is the function ``pack``; this packa
 
 from ..publish import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES
 from .join import join_parts
-from .packer import PackResult, commit_shards, describe_tree, pack, pack_shard, plan_shards, refuse_tar_shards
+from .packer import (
+    PackOptions,
+    PackResult,
+    commit_shards,
+    describe_tree,
+    pack,
+    pack_options,
+    pack_shard,
+    plan_shards,
+    refuse_tar_shards,
+)
 from .sources import (
     KEY_RULES,
     DirectoryListing,
@@ -31,7 +41,13 @@ from .sources import (
 )
 from .writer import ShardWriter
 
-__all__ = ["pack", "PackResult", "ShardWriter", "file_key", "join_parts", "DEFAULT_SHARD_BYTES",
-           "DEFAULT_SHARD_SAMPLES", "plan_shards", "pack_shard", "commit_shards", "describe_tree",
-           "refuse_tar_shards", "KEY_RULES", "FileSample", "DirectoryListing", "list_directory", "source_kind",
-           "check_table_columns", "read_fragment", "is_parquet_tree", "parquet_dataset", "row_group_bytes"]
+__all__ = [
+    # packing small files or table rows, and joining parts
+    "pack", "PackResult", "PackOptions", "pack_options", "ShardWriter", "join_parts",
+    "DEFAULT_SHARD_BYTES", "DEFAULT_SHARD_SAMPLES",
+    # the pieces the Ray engine runs as tasks
+    "plan_shards", "pack_shard", "commit_shards", "describe_tree", "refuse_tar_shards",
+    # sources: directories by the key rules, tables
+    "KEY_RULES", "FileSample", "DirectoryListing", "file_key", "list_directory", "source_kind",
+    "check_table_columns", "read_fragment", "is_parquet_tree", "parquet_dataset", "row_group_bytes",
+]

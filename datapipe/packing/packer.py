@@ -5,6 +5,7 @@ destination, and running the same command again skips what is recorded."""
 from __future__ import annotations
 
 import errno
+import inspect
 import multiprocessing as mp
 import os
 import stat
@@ -73,7 +74,8 @@ from .sources import (
     source_kind,
 )
 
-__all__ = ["pack", "PackResult", "plan_shards", "pack_shard", "commit_shards", "describe_tree", "refuse_tar_shards"]
+__all__ = ["pack", "PackResult", "PackOptions", "pack_options", "plan_shards", "pack_shard", "commit_shards",
+           "describe_tree", "refuse_tar_shards"]
 
 
 @dataclass
@@ -352,37 +354,70 @@ def pack(
     :class:`~datapipe.errors.PackOptionError` naming it."""
     t0 = time.perf_counter()
     src, dest = option_path(src, "src"), option_path(dest, "dest")
-    limits = ShardLimits(shard_bytes, shard_samples, names=("shard_bytes", "shard_samples"))
-    compression = checked_compression(compression)
-    level = checked_level(level)
-    workers = checked_workers(workers)
-    parsed = parse_part(part)
-    storage_options = checked_storage_options(storage_options)
-    for name, flag in (("overwrite", overwrite), ("skip_errors", skip_errors), ("progress", progress),
-                       ("follow_links", follow_links), ("tars_as_files", tars_as_files)):
-        option_flag(flag, name)
-    if not isinstance(keys, str) or keys not in KEY_RULES:
-        raise bad_option("keys", keys, f"must be one of {', '.join(KEY_RULES)}")
-    shard_bytes, shard_samples = limits.shard_bytes, limits.shard_samples
+    o = pack_options(shard_bytes=shard_bytes, shard_samples=shard_samples, compression=compression, level=level,
+                     workers=workers, part=part, overwrite=overwrite, skip_errors=skip_errors,
+                     storage_options=storage_options, progress=progress, follow_links=follow_links, keys=keys,
+                     tars_as_files=tars_as_files)
+    parsed, keys = o.part, o.keys
     if parsed is not None:
         dest = dest.rstrip("/") + "/" + part_dir(*parsed)
     kind = source_kind(src)
     if keys != "first-dot" and kind != "directory":
         raise PackOptionError(f"keys={keys!r} applies to a directory of files; {src} is a {kind} table "
                               "(a row is a sample, a column a field)")
-    opts = {"shard_bytes": shard_bytes, "shard_samples": shard_samples, "compression": compression,
-            "level": level, "part": parsed, "kind": kind, "src": os.path.abspath(src)}
-    with WriterLock(open_store(dest, storage_options)) as lock:
+    opts = {"shard_bytes": o.limits.shard_bytes, "shard_samples": o.limits.shard_samples,
+            "compression": o.compression, "level": o.level, "part": parsed, "kind": kind, "src": os.path.abspath(src)}
+    with WriterLock(open_store(dest, o.storage_options)) as lock:
         store = lock.store
-        check_destination(store, overwrite, resumable=True, files=SHARD_FILES)
+        check_destination(store, o.overwrite, resumable=True, files=SHARD_FILES)
         if kind == "directory":
-            result = _pack_directory(src, lock, opts, workers, skip_errors, progress, overwrite, follow_links, keys,
-                                     tars_as_files)
+            result = _pack_directory(src, lock, opts, o.workers, o.skip_errors, o.progress, o.overwrite,
+                                     o.follow_links, keys, o.tars_as_files)
         else:
-            result = _pack_table(src, kind, lock, opts, progress, overwrite)
+            result = _pack_table(src, kind, lock, opts, o.progress, o.overwrite)
     result.dest = dest
     result.seconds = time.perf_counter() - t0
     return result
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """The options of :func:`pack` (and of the Ray engine, :func:`datapipe.ray.pack`), each
+    checked: made by :func:`pack_options`."""
+
+    limits: ShardLimits
+    compression: str
+    level: int
+    workers: int | None
+    part: tuple[int, int] | None
+    storage_options: dict[str, Any] | None
+    overwrite: bool
+    skip_errors: bool
+    progress: bool
+    follow_links: bool
+    keys: str
+    tars_as_files: bool
+
+
+def pack_options(**given: Any) -> PackOptions:
+    """The keyword arguments of :func:`pack` in ``given`` (those not given take its
+    defaults), each checked before anything is read or written: a bad one, or a keyword
+    ``pack`` does not take, raises :class:`~datapipe.errors.PackOptionError` naming it."""
+    defaults = {n: p.default for n, p in inspect.signature(pack).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise PackOptionError(f"{', '.join(unknown)}: not an option of pack (its options: {', '.join(defaults)})")
+    a = {**defaults, **given}
+    limits = ShardLimits(a["shard_bytes"], a["shard_samples"])
+    compression, level = checked_compression(a["compression"]), checked_level(a["level"])
+    workers, part = checked_workers(a["workers"]), parse_part(a["part"])
+    storage_options = checked_storage_options(a["storage_options"])
+    flags = [option_flag(a[n], n) for n in ("overwrite", "skip_errors", "progress", "follow_links", "tars_as_files")]
+    if not isinstance(a["keys"], str) or a["keys"] not in KEY_RULES:
+        raise bad_option("keys", a["keys"], f"must be one of {', '.join(KEY_RULES)}")
+    overwrite, skip_errors, progress, follow_links, tars_as_files = flags
+    return PackOptions(limits, compression, level, workers, part, storage_options, overwrite, skip_errors, progress,
+                       follow_links, a["keys"], tars_as_files)
 
 
 _TAR_FIELDS = ("tar", "tar.gz", "tgz", "tar.zst", "tar.zstd", "tar.bz2", "tar.xz")

@@ -15,15 +15,10 @@ from ..publish import (
     ShardSeries,
     WriterLock,
     check_destination,
-    checked_compression,
-    checked_level,
-    checked_storage_options,
     commit,
-    option_flag,
-    option_path,
     oversized_samples,
-    shard_limits,
     write_index_files,
+    writer_options,
 )
 from ..storage import open_store
 
@@ -60,17 +55,14 @@ class ShardWriter:
         max_bytes: int = UNSET_BYTES,
         max_samples: int = UNSET_SAMPLES,
     ) -> None:
-        dest = option_path(dest, "dest")
-        self.limits = shard_limits(shard_bytes=shard_bytes, maxsize=maxsize, max_bytes=max_bytes,
-                                   shard_samples=shard_samples, maxcount=maxcount, max_samples=max_samples)
-        compression = checked_compression(compression)
-        level = checked_level(level)
-        storage_options = checked_storage_options(storage_options)
-        option_flag(overwrite, "overwrite")
-        self._lock: WriterLock | None = WriterLock(open_store(dest, storage_options)).__enter__()
+        o = writer_options(dest, shard_bytes=shard_bytes, shard_samples=shard_samples, maxsize=maxsize,
+                           maxcount=maxcount, max_bytes=max_bytes, max_samples=max_samples, compression=compression,
+                           level=level, storage_options=storage_options, overwrite=overwrite)
+        self.limits, compression, level = o.limits, o.compression, o.level
+        self._lock: WriterLock | None = WriterLock(open_store(o.dest, o.storage_options)).__enter__()
         self.store = self._lock.store
         try:
-            check_destination(self.store, overwrite, files=SHARD_FILES)
+            check_destination(self.store, o.overwrite, files=SHARD_FILES)
         except BaseException:
             self._release()
             raise

@@ -44,7 +44,8 @@ A writer of any file kind follows these steps::
   writes it and its manifest without a lock.
 - A series of tar shards (:class:`ShardSeries`) rolled over by the one shard-limit rule
   (:class:`ShardLimits`; the keywords ``shard_bytes``/``shard_samples`` and their other
-  spellings, :func:`shard_limits`).
+  spellings, :func:`shard_limits`), and the options of its writers checked in one place
+  (:func:`writer_options`: ``ShardWriter``, the Ray sink).
 - A writer's arguments (:mod:`.options`): each checked, named with its flag, as a
   ``PackOptionError`` (``bad_option``, ``option_int``, ``checked_compression``, ...,
   ``parse_part``).
@@ -79,8 +80,10 @@ from .series import (
     UNSET_SAMPLES,
     ShardLimits,
     ShardSeries,
+    WriterOptions,
     oversized_samples,
     shard_limits,
+    writer_options,
 )
 
 __all__ = [
@@ -94,6 +97,7 @@ __all__ = [
     "check_destination", "retract_dataset", "commit", "write_index", "write_index_files",
     # a series of shards and its limits
     "ShardSeries", "ShardLimits", "shard_limits", "oversized_samples", "UNSET_BYTES", "UNSET_SAMPLES",
+    "WriterOptions", "writer_options",
     "DEFAULT_SHARD_BYTES", "DEFAULT_SHARD_SAMPLES", "MIN_SHARD_BYTES",
     # a writer's arguments
     "bad_option", "option_int", "option_flag", "option_path", "checked_compression", "checked_level",

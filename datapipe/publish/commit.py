@@ -12,7 +12,7 @@ import io
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
-from ..errors import DestinationExistsError
+from ..errors import DestinationExistsError, PackError
 from ..format import (
     MANIFEST,
     SAMPLES_FILE,
@@ -56,8 +56,9 @@ def write_index_files(store: Store, shards: list[ShardRecord], samples: Iterable
         for i, records in enumerate(samples):
             writer.add(i, records)
         writer.close()
-    if writer.rows != sum(s.samples for s in shards):
-        raise ValueError("sample records do not match the shard table")  # internal invariant
+    if writer.rows != sum(s.samples for s in shards):  # a writer's bug: nothing is committed
+        raise PackError(f"{store.root}: {writer.rows} sample records for shards of {sum(s.samples for s in shards)} "
+                        "samples; the index was not committed (a datapipe bug: please report it)")
     table = shard_table_bytes(shards)
     store.put(SHARDS_FILE, table)
     files = {SHARDS_FILE: digest_bytes(table), SAMPLES_FILE: sink.digest.finish()}

@@ -44,11 +44,12 @@ class DatasetFiles:
 
     def __post_init__(self) -> None:
         names = "|".join([self.parts, *map(re.escape, (self.manifest, *self.index)), f"{re.escape(WORK)}/.*"])
-        object.__setattr__(self, "_owned", re.compile(rf"^(part-\d{{5}}-of-\d{{5}}/)?({names})$"))
+        object.__setattr__(self, "_owned", re.compile(rf"(part-\d{{5}}-of-\d{{5}}/)?({names})"))
 
     def owns(self, key: str) -> bool:
-        """Whether ``key`` is a name this kind of writer publishes (and so may delete)."""
-        return self._owned.match(key) is not None
+        """Whether ``key`` is a name this kind of writer publishes (and so may delete): the
+        whole key (a name with a newline after it is someone else's)."""
+        return self._owned.fullmatch(key) is not None
 
 
 #: what a sample dataset's writers publish (pack, ShardWriter, the Ray sink, join):

@@ -12,16 +12,25 @@ one was given and refuses two spellings of one limit."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import DuplicateKeyError, PackOptionError
 from ..format import END_OF_ARCHIVE, SampleRecords, ShardBuilder, ShardRecord, encode_sample
 from ..storage import Store
-from .options import option_int, shown
+from .options import (
+    checked_compression,
+    checked_level,
+    checked_storage_options,
+    option_flag,
+    option_int,
+    option_path,
+    shown,
+)
 
-__all__ = ["ShardLimits", "ShardSeries", "shard_limits", "oversized_samples", "Unset", "UNSET_BYTES",
-           "UNSET_SAMPLES", "SPELLINGS", "DEFAULT_SHARD_BYTES", "DEFAULT_SHARD_SAMPLES", "MIN_SHARD_BYTES"]
+__all__ = ["ShardLimits", "ShardSeries", "shard_limits", "WriterOptions", "writer_options", "oversized_samples",
+           "Unset", "UNSET_BYTES", "UNSET_SAMPLES", "SPELLINGS", "WRITER_KEYWORDS", "DEFAULT_SHARD_BYTES",
+           "DEFAULT_SHARD_SAMPLES", "MIN_SHARD_BYTES"]
 
 DEFAULT_SHARD_BYTES = 128 * 2**20  # object stores serve 64-256 MB objects at full speed
 DEFAULT_SHARD_SAMPLES = 100_000
@@ -77,6 +86,40 @@ def shard_limits(**given: object) -> ShardLimits:
     values = [given[n] if n in given and not isinstance(given[n], Unset) else defaults[s[0]]
               for n, s in zip(chosen, SPELLINGS)]
     return ShardLimits(values[0], values[1], names=(chosen[0], chosen[1]))
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """The options of a writer of a shard series (``ShardWriter``, the Ray sink), checked."""
+
+    dest: str
+    limits: ShardLimits
+    compression: str
+    level: int
+    storage_options: dict[str, Any] | None
+    overwrite: bool
+
+
+#: the keywords :func:`writer_options` takes besides ``dest``
+WRITER_KEYWORDS = (*SPELLINGS[0], *SPELLINGS[1], "compression", "level", "storage_options", "overwrite")
+
+
+def writer_options(dest: object, **given: Any) -> WriterOptions:
+    """``dest`` and the keywords ``given`` (:data:`WRITER_KEYWORDS`; those not given take
+    their defaults: no compression, level 3, no storage options, no overwrite) checked, in
+    this order, before anything is written: a bad one, or a keyword that is none of them,
+    raises :class:`~datapipe.errors.PackOptionError` naming it."""
+    unknown = sorted(set(given) - set(WRITER_KEYWORDS))
+    if unknown:
+        raise PackOptionError(f"{', '.join(unknown)}: not an option of a shard writer (its options: "
+                              f"{', '.join(WRITER_KEYWORDS)})")
+    path = option_path(dest, "dest")
+    limits = shard_limits(**{k: v for k, v in given.items() if k in SPELLINGS[0] + SPELLINGS[1]})
+    compression = checked_compression(given.get("compression"))
+    level = checked_level(given.get("level", 3))
+    storage_options = checked_storage_options(given.get("storage_options"))
+    overwrite = option_flag(given.get("overwrite", False), "overwrite")
+    return WriterOptions(path, limits, compression, level, storage_options, overwrite)
 
 
 def oversized_samples(shards: list[ShardRecord], samples: list[SampleRecords],

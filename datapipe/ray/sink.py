@@ -33,23 +33,20 @@ from ..errors import (
     EmptyInputError,
     InputFileError,
     PackError,
-    PackOptionError,
 )
 from ..format import MANIFEST, flatten_bytes_structs, key_text, row_fields, shard_name
 from ..packing import FileSample, PackResult, check_table_columns, commit_shards, pack_shard, plan_shards
 from ..publish import (
     SHARD_FILES,
-    UNSET_BYTES,
-    UNSET_SAMPLES,
     Journal,
     ShardSeries,
     WriterLock,
+    bad_option,
     check_destination,
-    checked_compression,
-    checked_level,
     fingerprint,
     journal_name,
-    shard_limits,
+    option_flag,
+    writer_options,
 )
 from ..storage import MemoryStore, Store, open_store
 
@@ -68,40 +65,25 @@ _OUR_SHARD = re.compile(r"shard-\d{6,}-\d{6}\.tar(\.zst)?")
 class DatapipeDatasink(Datasink[dict[str, Any]]):
     """``ds.write_datasink(DatapipeDatasink(dest))``: write the rows of a Ray Dataset as a
     datapipe dataset at ``dest`` (a local path or any fsspec URL reachable from every
-    node). Options as :class:`datapipe.ShardWriter`'s (the shard limits ``shard_bytes`` and
-    ``shard_samples``, or their older spellings ``max_bytes``/``max_samples``); ``rows`` as
+    node). ``options`` as :class:`datapipe.ShardWriter`'s (``shard_bytes``/``shard_samples``
+    or another spelling of them, ``compression``, ``level``, ``storage_options``,
+    ``overwrite``: checked by :func:`datapipe.publish.writer_options`); ``rows`` as
     :data:`ROW_KINDS`;
     ``skip_errors`` (rows="files"): skip unreadable files, as ``pack --skip-errors``.
     After the write, ``result`` is the :class:`~datapipe.PackResult` and ``task_nodes``
     maps each write task's index to the Ray node id it ran on. One sink writes once."""
 
-    def __init__(
-        self,
-        dest: str,
-        *,
-        shard_bytes: int = UNSET_BYTES,
-        shard_samples: int = UNSET_SAMPLES,
-        compression: str | None = None,
-        level: int = 3,
-        storage_options: dict[str, Any] | None = None,
-        overwrite: bool = False,
-        rows: str = "samples",
-        skip_errors: bool = False,
-        max_bytes: int = UNSET_BYTES,
-        max_samples: int = UNSET_SAMPLES,
-    ) -> None:
-        if rows not in ROW_KINDS:
-            raise PackOptionError(f"rows={rows!r}: expected one of {', '.join(ROW_KINDS)}")
-        self.dest = dest
-        self.storage_options = storage_options
-        self.limits = shard_limits(shard_bytes=shard_bytes, max_bytes=max_bytes, shard_samples=shard_samples,
-                                   max_samples=max_samples)
-        self.compression = checked_compression(compression)
-        self.level, self.overwrite, self.rows, self.skip_errors = checked_level(level), overwrite, rows, skip_errors
-        base = open_store(dest, storage_options)
+    def __init__(self, dest: str, *, rows: str = "samples", skip_errors: bool = False, **options: Any) -> None:
+        if not isinstance(rows, str) or rows not in ROW_KINDS:
+            raise bad_option("rows", rows, f"must be one of {', '.join(ROW_KINDS)}")
+        o = writer_options(dest, **options)
+        self.dest, self.storage_options, self.limits = o.dest, o.storage_options, o.limits
+        self.compression, self.level, self.overwrite = o.compression, o.level, o.overwrite
+        self.rows, self.skip_errors = rows, option_flag(skip_errors, "skip_errors")
+        base = open_store(self.dest, self.storage_options)
         if isinstance(base, MemoryStore) or getattr(base, "protocol", None) == "memory":
-            raise PackOptionError(f"{dest}: Ray write tasks run in other processes, where this process's "
-                                  "memory store does not exist; write to a path or URL every node can reach")
+            raise bad_option("dest", self.dest, "Ray write tasks run in other processes, where this process's "
+                             "memory store does not exist; write to a path or URL every node can reach")
         # Made here, taken in begin(): its token names this write's temporaries and is in
         # the sink that Ray sends to the write tasks, whenever Ray serializes it.
         self._lock: WriterLock | None = WriterLock(base)

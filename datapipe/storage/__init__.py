@@ -42,10 +42,11 @@ from .retry import (
     queued,
     single_layer_options,
 )
-from .store import Store, is_local_url, join_url, split_url
+from .store import SeekableFile, Store, is_local_url, join_url, split_url
 
 __all__ = [
     "Store",
+    "SeekableFile",
     "MemoryStore",
     "LocalStore",
     "FsspecStore",
