@@ -52,7 +52,7 @@ def _cmd_pack(a: argparse.Namespace) -> int:
         from .errors import PackOptionError
 
         raise PackOptionError("--address applies to --engine ray")
-    from .pack import pack
+    from .packing import pack
 
     r = pack(a.src, a.dest, shard_bytes=a.shard_bytes, shard_samples=a.shard_samples,
              compression=a.compression, level=a.level, workers=a.workers, part=a.part,
@@ -81,7 +81,7 @@ def _pack_on_ray(a: argparse.Namespace) -> int:
 
 
 def _cmd_join(a: argparse.Namespace) -> int:
-    from .pack import join_parts
+    from .packing import join_parts
 
     n = join_parts(a.dest, storage_options=a.storage_options, overwrite=a.overwrite)
     print(f"joined {n:,} samples at {a.dest}")
@@ -139,9 +139,8 @@ def _dataset_url(url: str, storage_options: dict[str, Any] | None) -> str:
 def _being_packed(url: str, storage_options: dict[str, Any] | None) -> str | None:
     """Who holds the writer lease of a pack writing ``url`` now ("writer 'ab12' (host 'h',
     pid 7), holding it since ..."), seen without taking it; None when no pack does."""
-    from .pack.commit import LEASE, LOCK
-    from .storage import open_store
-    from .storage.lease import current_holder, describe_holder
+    from .publish import LEASE, LOCK
+    from .storage import current_holder, describe_holder, open_store
 
     try:
         store = open_store(url, storage_options)

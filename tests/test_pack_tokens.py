@@ -277,7 +277,7 @@ def test_a_flipped_bit_in_any_file_is_a_named_error(packed, data):
 _KILL_SCRIPT = """
 import os, signal, sys
 import datapipe
-from datapipe.pack.journal import Journal
+from datapipe.publish import Journal
 
 record = Journal.record
 recorded = []
@@ -370,7 +370,7 @@ def test_other_input_is_refused_unless_overwrite(corpus, tmp_path):
 
 def test_one_writer_per_destination(corpus, tmp_path):
     from datapipe.errors import DestinationBusyError
-    from datapipe.pack.lock import WriterLock
+    from datapipe.publish import WriterLock
     from datapipe.storage import open_store
 
     texts, tok, _ = corpus

@@ -9,6 +9,11 @@
 - ``rows``: a table's rows as the fields of samples (struct-of-bytes columns flattened).
 - ``parquet_pages``: the page headers of a Parquet column chunk, read before pyarrow
   decodes it (what each page decompresses to).
+- ``tarscan``: ``scan_tar``, the index rows of an existing tar shard (the strict parser).
+- ``tokens``: Megatron ``.bin``/``.idx`` token parts and their manifest (a face of its
+  own, ``datapipe.format.tokens``: its names, ``MANIFEST`` among them, are not the index's).
+
+Other packages import the names below from here, never from the modules inside.
 
 Imports only the leaves (``datapipe.errors``, ``datapipe.checksum``); nothing about where
 bytes live.
@@ -19,34 +24,81 @@ from .index import (
     SAMPLE_ROW_GROUP,
     SAMPLES_FILE,
     SHARDS_FILE,
+    TAR_INDEX,
+    FileDigest,
     SampleRecords,
     SampleTableWriter,
     ShardRecord,
+    check_relative_name,
+    check_shard_rows,
+    digest_bytes,
+    is_checksum,
     make_manifest,
     parse_manifest,
     read_shard_table,
+    sample_rows,
     shard_table_bytes,
 )
-from .sample import COMPRESSIONS, decode_sample, encode_sample
-from .shard import ShardBuilder, shard_name
-from .tar import split_member_name
+from .layout import MemberTable, ShardLayout, find_layout
+from .parquet_pages import chunk_pages
+from .rows import flatten_bytes_structs, key_text, python_rows, python_values, row_fields
+from .sample import COMPRESSIONS, decode_sample, decompress_frame, encode_sample, field_bytes
+from .shard import STAGING_BYTES, ShardBuilder, shard_name
+from .tar import (
+    BLOCK,
+    END_OF_ARCHIVE,
+    check_key,
+    member_name,
+    next_member_name,
+    padding,
+    split_member_name,
+    walk_members,
+)
+from .tarscan import scan_tar
 
 __all__ = [
+    "BLOCK",
     "COMPRESSIONS",
+    "END_OF_ARCHIVE",
     "MANIFEST",
     "SAMPLES_FILE",
     "SHARDS_FILE",
     "SAMPLE_ROW_GROUP",
+    "STAGING_BYTES",
+    "TAR_INDEX",
+    "FileDigest",
+    "MemberTable",
     "SampleRecords",
     "SampleTableWriter",
     "ShardBuilder",
+    "ShardLayout",
     "ShardRecord",
+    "check_key",
+    "check_relative_name",
+    "check_shard_rows",
+    "chunk_pages",
     "decode_sample",
+    "decompress_frame",
+    "digest_bytes",
     "encode_sample",
+    "field_bytes",
+    "find_layout",
+    "flatten_bytes_structs",
+    "is_checksum",
+    "key_text",
     "make_manifest",
+    "member_name",
+    "next_member_name",
+    "padding",
     "parse_manifest",
+    "python_rows",
+    "python_values",
     "read_shard_table",
+    "row_fields",
+    "sample_rows",
+    "scan_tar",
     "shard_name",
     "shard_table_bytes",
     "split_member_name",
+    "walk_members",
 ]

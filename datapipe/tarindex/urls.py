@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DatapipeError, ObjectNotFoundError, PackOptionError, StorageError
-from ..storage import Store, open_store
-from ..storage.store import is_local_url, split_url
+from ..storage import Store, is_local_url, open_store, split_url
 
 __all__ = ["ShardRef", "expand_braces", "expand_urls", "is_tar_source", "stat_shards", "COMPRESSED_TAR"]
 

@@ -1,9 +1,8 @@
-"""How the token writers make a dataset visible, through the mechanisms ``pack`` owns: one
-writer per destination (``pack.lock.WriterLock``), the ``_pack/`` journal of finished work
-with its fingerprint rule (``pack.journal``), and the destination check and retraction
-(``pack.commit``). Every import of ``pack.journal``, ``pack.lock`` and ``pack.commit`` by
-:mod:`datapipe.tokens` is here, so moving them (to ``datapipe.publish``) changes only this
-module.
+"""How the token writers make a dataset visible, through :mod:`datapipe.publish`: one
+writer per destination (``WriterLock``), the ``_pack/`` journal of finished work with its
+fingerprint rule (``Journal``), and the destination check and retraction
+(``check_destination``). Every import of :mod:`datapipe.publish` by :mod:`datapipe.tokens`
+is here.
 
 What is added for token datasets: the names a token writer publishes (``part-PPPPP-KKK.bin``
 / ``.idx`` / ``.xxh``, see :data:`PART_FILE`), refused in a destination that holds them
@@ -18,10 +17,8 @@ import re
 
 from ..errors import DestinationExistsError
 from ..format.tokens import MANIFEST
-from ..pack.commit import LEASE, LOCK, PLAN, WORK
-from ..pack.commit import check_destination as check_pack_destination
-from ..pack.journal import Journal, fingerprint
-from ..pack.lock import WriterLock
+from ..publish import LEASE, LOCK, PLAN, WORK, Journal, WriterLock, fingerprint
+from ..publish import check_destination as check_pack_destination
 from ..storage import Store
 
 __all__ = ["Journal", "WriterLock", "fingerprint", "WORK", "PLAN", "PART_FILE", "check_destination",
@@ -36,7 +33,7 @@ def _has_journal(keys: list[str]) -> bool:
 
 
 def check_destination(store: Store, overwrite: bool) -> None:
-    """pack's rule for a destination (``pack.commit.check_destination``: a dataset there is
+    """pack's rule for a destination (``publish.check_destination``: a dataset there is
     refused unless ``overwrite``, which retracts it, manifest first; a killed writer's
     journal is left to :class:`Journal`), and the same for the names of token parts: parts
     without a journal of ours are someone's, refused unless ``overwrite``, which deletes
