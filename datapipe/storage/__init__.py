@@ -15,13 +15,22 @@
 Imports: errors and checksum only. It knows no tar, no cache, no pack or checkpoint.
 """
 
+from .lease import MAX_LEASE_BYTES, SharedFileLease
 from .local import LocalStore
 from .memory import MemoryStore
 from .opening import in_this_process, open_store
 from .options import set_storage_options, storage_options_for
 from .remote import FsspecStore
-from .retry import RetryPolicy
-from .store import Store, join_url, split_url
+from .retry import (
+    RetryPolicy,
+    call_with_retry,
+    fetch_object,
+    fetch_range,
+    is_throttle,
+    queued,
+    single_layer_options,
+)
+from .store import Store, is_local_url, join_url, split_url
 
 __all__ = [
     "Store",
@@ -35,4 +44,14 @@ __all__ = [
     "RetryPolicy",
     "set_storage_options",
     "storage_options_for",
+    # for the cache: one retry layer, cold pacing, the shared tier's leases
+    "call_with_retry",
+    "fetch_object",
+    "fetch_range",
+    "is_throttle",
+    "queued",
+    "single_layer_options",
+    "is_local_url",
+    "SharedFileLease",
+    "MAX_LEASE_BYTES",
 ]
