@@ -104,5 +104,5 @@ def test_subpackages_are_attributes_after_a_plain_import():
              "callable(datapipe.pack), hasattr(datapipe, 'no_such_part'))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["Tier", "Tier", "LocalStore", "verify_dataset", "open_index", "index_shards",
+    assert out.stdout.split() == ["CacheTier", "Tier", "LocalStore", "verify_dataset", "open_index", "index_shards",
                                   "CheckpointWriter", "64", "True", "False"]
