@@ -309,7 +309,8 @@ def _cmd_status(a: argparse.Namespace) -> int:
     if not read.docs and not read.unreadable:
         raise HealthError(f"no window summary under {board.store.url(board.folder)}: is the job publishing there "
                           "(datapipe.health.Publisher with a FileBoard of this folder)?")
-    report = detect(read.docs, k=a.k, ranks=a.ranks, stale_s=a.stale_s, unreadable=read.unreadable)
+    report = detect(read.docs, k=a.k, ranks=a.ranks, stale_s=a.stale_s, min_share=a.min_share,
+                    unreadable=read.unreadable)
     print(json.dumps(report.to_dict(), indent=1) if a.json else report.format())
     return 0 if report.ok else 1
 
@@ -329,6 +330,9 @@ def _add_status(sub: Any) -> None:
                    help="compare only these ranks, e.g. 0-7,16 (a sub-group); a rank without a summary is missing")
     p.add_argument("-k", type=float, default=1.5, metavar="K",
                    help="how many times the median step time or data wait names a straggler (default 1.5)")
+    p.add_argument("--min-share", type=float, default=0.05, metavar="X",
+                   help="the least data wait beyond the median, as a share of the median step, that names a data "
+                        "straggler (default 0.05)")
     p.add_argument("--stale-s", type=float, default=None, metavar="S",
                    help="a summary older than S seconds is stale (default: three windows, at least 30 s)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

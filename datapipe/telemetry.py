@@ -30,6 +30,25 @@ formats or writes). Each closed window goes to ``metrics_path`` as one JSON line
 filesystem) and to the callbacks of :meth:`on_window` (a health board publisher), on the
 window thread.
 
+Where each figure is recorded (one recorder per loader, handed to its dataset and cache):
+
+- ``wait_begin``/``wait_end``: around the main process's ``next()`` on the batches in
+  ``StreamingDataLoader.__iter__`` (or on the dataset's iterator without a DataLoader);
+  ``step``: as each batch is handed to the trainer (just before its ``yield``).
+- ``export``/``merge``: the worker's ``_Collate`` puts ``export()`` beside each batch it
+  returns (``None`` mostly: at most one per ``export_interval_s``; ``force=True`` with a
+  pass's last batch); the main loop merges it before it opens the batch.
+- ``decode``: once per batch (or chunk) where ``decode=``/``map=`` run, with its samples;
+  ``prefetch_depth``: where the prefetcher's count of shards (or bytes) read ahead changes.
+- ``read``/``hit``/``miss``/``error``: where the cache counts a hit or miss of a tier today
+  (memory: the hot tier; warm: ``warm_dir``; node-local: ``local_tiers``; shared: the shared
+  directory; cold: a read of the cold store, also the loader's reads without a cache), with
+  the bytes served and the seconds the read took; ``error`` where a tier is found broken.
+- ``cold_retry``/``throttled``: where the cold reads count a retried failure and a
+  throttled answer (503 SlowDown, 429).
+- ``compute``: by the trainer, if it wants compute stragglers named in synchronous
+  training (see :meth:`Telemetry.compute`).
+
 A leaf: imports :mod:`datapipe.errors` and :mod:`datapipe.options` (itself a leaf), so the
 loader and the cache record here without importing :mod:`datapipe.health`.
 """

@@ -22,7 +22,9 @@ def _summary(rank, wait=0.01):
     tel = Telemetry(window_s=None, rank=rank)
     tel.data_wait(wait)
     tel.read("warm", 1 << 20, 0.001)
-    return tel.close_window().to_dict()
+    doc = tel.close_window().to_dict()
+    doc.update(steps=10, step_s=1.0, step_mean_s=0.1)  # steps of a known length (no step() timing)
+    return doc
 
 
 def _until(predicate, what, limit_s=60.0):
@@ -227,3 +229,21 @@ def test_publisher_rank_comes_from_the_job_when_not_given(monkeypatch, tmp_path)
         Publisher("tel", FileBoard(str(tmp_path)))
     with pytest.raises(OptionError, match="board="):
         Publisher(tel, object())
+
+
+def test_status_without_a_board_says_so(tmp_path, capsys):
+    from datapipe.cli import main
+
+    assert main(["status", str(tmp_path / "nowhere")]) == 2
+    assert "no run directory at" in capsys.readouterr().err
+    assert main(["status", str(tmp_path)]) == 2
+    assert "no window summary under" in capsys.readouterr().err
+    board = FileBoard(str(tmp_path))
+    for r in range(3):
+        board.publish(r, _summary(r))
+    assert main(["status", str(tmp_path), "--stale-s", "3600"]) == 0
+    assert "3 rank(s) compared" in capsys.readouterr().out
+    assert main(["status", str(tmp_path), "--ranks", "0-3"]) == 1  # rank 3 is missing
+    assert "rank 3: missing" in capsys.readouterr().out
+    assert main(["status", str(tmp_path), "-k", "1"]) == 2  # k must exceed 1
+    assert "k=1" in capsys.readouterr().err

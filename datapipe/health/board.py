@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from ..errors import DatapipeError, HealthError, OptionError
+from ..errors import DatapipeError, HealthError, ObjectChangedError, OptionError, TruncatedReadError
 from ..options import check_int, check_path, show
 from ..storage import LocalStore, Store, open_store
 from ..storage.store import is_local_url
@@ -44,6 +44,7 @@ BOARD_FOLDER = "health"
 
 _GROUP = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _RANK_FILE = re.compile(r"rank-(\d{6,12})\.json")
+_READ_TRIES = 5  # reads of a summary replaced while it is read, before it is named unreadable
 
 
 def _check_group(group: str | None) -> str | None:
@@ -170,17 +171,28 @@ class FileBoard:
                 continue
             where = self.store.url(key)
             try:
-                size = self.store.size(key)
-                if size > MAX_SUMMARY_BYTES:
-                    out.unreadable.append((rank, f"{where}: {size} bytes, more than a window summary may be "
-                                                 f"({MAX_SUMMARY_BYTES})"))
-                    continue
-                data = self.store.get_range(key, 0, size)
+                data = self._get(key, where)
             except (DatapipeError, OSError) as e:
                 out.unreadable.append((rank, f"{where}: {e}"))
                 continue
             _checked_doc(data, where, rank, out)
         return out
+
+    def _get(self, key: str, where: str) -> bytes:
+        """The summary at ``key``, one version of it (a rank may replace it meanwhile: then
+        the new one is read), at most :data:`MAX_SUMMARY_BYTES`."""
+        for _ in range(_READ_TRIES - 1):
+            try:
+                return self._get_once(key, where)
+            except (ObjectChangedError, TruncatedReadError):
+                continue
+        return self._get_once(key, where)
+
+    def _get_once(self, key: str, where: str) -> bytes:
+        size, version = self.store.stat(key)
+        if size > MAX_SUMMARY_BYTES:
+            raise HealthError(f"{size} bytes, more than a window summary may be ({MAX_SUMMARY_BYTES})")
+        return self.store.get_range_at(key, 0, size, version)
 
     def close(self) -> None:
         """Remove the temporaries this board's writes left (a write cut short); nothing
