@@ -139,6 +139,7 @@ def test_the_error_rate_of_a_throttling_store():
         (c,) = check_tiers([TierSpec("cold", f"{root}/ds", storage_options=server.storage_options)], probes=40)
     assert 0 < c.get_errors < 40 and c.gets == 40
     assert c.failed and f"{c.get_errors} of 40 GETs failed" in c.problem  # half fail: more than 20%
+    assert c.get_throttled == c.get_errors and "throttled (503 SlowDown / 429)" in c.problem
     assert c.get_p50_ms is not None  # the GETs that succeeded are timed
 
 

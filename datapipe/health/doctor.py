@@ -39,7 +39,7 @@ from typing import Any
 from ..errors import DatapipeError, OptionError
 from ..options import check_bool, check_bytes, check_float, check_int, check_mapping, check_path, show
 from ..storage import FsspecStore, RetryPolicy, open_store, storage_options_for
-from ..storage.retry import single_layer_options
+from ..storage.retry import is_throttle, single_layer_options
 from ..storage.store import is_local_url
 
 __all__ = ["TierSpec", "TierCheck", "check_tiers", "tiers_from_config", "format_checks", "worst", "PROBE_PREFIX"]
@@ -101,6 +101,7 @@ class TierCheck:
     used_bytes: int | None = None
     gets: int = 0
     get_errors: int = 0
+    get_throttled: int = 0
     get_p50_ms: float | None = None
     get_p95_ms: float | None = None
     seconds: float = 0.0
@@ -447,13 +448,14 @@ def _check_store(spec: TierSpec, probe_bytes: int, probes: int, storage_options:
         except (DatapipeError, OSError) as e:
             return fail(f"cannot stat {store.url(key)}: {e}", write_mb_s=write_mb_s)
         n = min(size, probe_bytes)
-        times, errors, last = [], 0, ""
+        times, errors, throttled, last = [], 0, 0, ""
         for _ in range(probes):
             t0 = time.perf_counter()
             try:
                 got = store.get_range(key, 0, n)
             except (DatapipeError, OSError) as e:
                 errors += 1
+                throttled += is_throttle(e)
                 last = str(e)
                 continue
             times.append(time.perf_counter() - t0)
@@ -474,9 +476,11 @@ def _check_store(spec: TierSpec, probe_bytes: int, probes: int, storage_options:
     if errors:
         rate = errors / probes
         status = "failed" if rate > _ERROR_RATE_FAILS else "warn"
-        problem = f"{errors} of {probes} GETs failed ({rate:.0%}); the last: {last[:300]}"
+        slow_down = f", {throttled} of them throttled (503 SlowDown / 429)" if throttled else ""
+        problem = f"{errors} of {probes} GETs failed ({rate:.0%}{slow_down}); the last: {last[:300]}"
     return TierCheck(spec.name, spec.url, "store", status, problem, write_mb_s=write_mb_s, read_mb_s=read_mb_s,
-                     budget_bytes=spec.budget_bytes, gets=probes, get_errors=errors, get_p50_ms=p50, get_p95_ms=p95)
+                     budget_bytes=spec.budget_bytes, gets=probes, get_errors=errors, get_throttled=throttled,
+                     get_p50_ms=p50, get_p95_ms=p95)
 
 
 def format_checks(checks: Sequence[TierCheck]) -> str:
