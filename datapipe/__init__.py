@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each comes 
     from .pack import PackResult, ShardWriter, join_parts, pack
     from .storage import set_storage_options
     from .tarindex import IndexResult, index_shards, open_dataset
+    from .tokens import index_tokens, pack_tokens
     from .verify import VerifyReport, verify_dataset
 
 #: public name -> the submodule that defines it, imported on first use (see _lazy.py)
@@ -47,11 +48,13 @@ _WHERE = {
     "TieredCache": "cache",
     "VerifyReport": "verify",
     "index_shards": "tarindex",
+    "index_tokens": "tokens",
     "join_parts": "pack",
     "list_checkpoints": "checkpoint",
     "load_checkpoint": "checkpoint",
     "open_dataset": "tarindex",
     "open_index": "dataset",
+    "pack_tokens": "tokens",
     "set_storage_options": "storage",
     "verify_dataset": "verify",
 }
@@ -74,12 +77,14 @@ __all__ = [
     "TieredCache",
     "VerifyReport",
     "index_shards",
+    "index_tokens",
     "join_parts",
     "list_checkpoints",
     "load_checkpoint",
     "open_dataset",
     "open_index",
     "pack",
+    "pack_tokens",
     "set_storage_options",
     "verify_dataset",
 ]

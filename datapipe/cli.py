@@ -1,4 +1,4 @@
-"""The `datapipe` command: pack, index, join, inspect, verify, cache, doctor, status."""
+"""The `datapipe` command: pack, pack-tokens, index, join, inspect, verify, cache, doctor, status."""
 
 from __future__ import annotations
 
@@ -89,7 +89,39 @@ def _cmd_join(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_pack_tokens(a: argparse.Namespace) -> int:
+    from .tokens import pack_tokens
+
+    r = pack_tokens(a.src if len(a.src) > 1 else a.src[0], a.dest, tokenizer=a.tokenizer, text_column=a.text_column,
+                    tokens_column=a.tokens_column, eos_id=a.eos_id, vocab_size=a.vocab_size, dtype=a.dtype,
+                    workers=a.workers, part_bytes=a.part_bytes, overwrite=a.overwrite, progress=not a.quiet,
+                    storage_options=a.storage_options)
+    print(r.summary())
+    return 0
+
+
+def _index_tokens(a: argparse.Namespace) -> int:
+    """``datapipe index`` of token files (Megatron .bin/.idx pairs, flat .bin files)."""
+    from .errors import PackOptionError
+    from .tokens import index_tokens
+
+    if a.part is not None or a.workers is not None:
+        raise PackOptionError("--part and --workers apply to tar shards; token files are indexed in one pass")
+    r = index_tokens(a.urls, index_to=a.index_to, dtype=a.dtype, eos_id=a.eos_id, vocab_size=a.vocab_size,
+                     storage_options=a.storage_options, progress=not a.quiet)
+    print(json.dumps(vars(r), indent=1) if a.json else r.summary())
+    return 0
+
+
 def _cmd_index(a: argparse.Namespace) -> int:
+    from .tokens import is_token_source
+
+    if is_token_source(a.urls, a.storage_options):
+        return _index_tokens(a)
+    if a.dtype is not None or a.eos_id is not None or a.vocab_size is not None:
+        from .errors import PackOptionError
+
+        raise PackOptionError("--dtype, --eos-id and --vocab-size apply to token files (.bin/.idx, Megatron prefixes)")
     from .tarindex import index_shards
 
     r = index_shards(a.urls, a.index_to, storage_options=a.storage_options, workers=a.workers, part=a.part,
@@ -387,15 +419,52 @@ def build_parser() -> argparse.ArgumentParser:
     _add_storage(p)
     p.set_defaults(func=_cmd_pack)
 
-    p = sub.add_parser("index", help="index existing tar shards (WebDataset, GNU tar, Ray) where they are",
+    p = sub.add_parser("pack-tokens", help="tokenize Parquet/JSONL documents into a token dataset (Megatron .bin/.idx)",
+                       description="Write the documents of SRC (Parquet or JSONL files: files, folders, globs) as a "
+                                   "token dataset at DEST (a local path or any fsspec URL): parts in Megatron-LM's "
+                                   "indexed layout (part-PPPPP-KKK.bin/.idx, each readable by Megatron-LM and NeMo "
+                                   "as a --data-path prefix), datapipe's block checksums (.xxh) and a manifest, "
+                                   "written last. With --tokenizer, each row's text column is tokenized; without, "
+                                   "the tokens column holds the ids. Every document ends with the EOS token. "
+                                   "Running the same command again after a crash finishes the job.")
+    p.add_argument("src", nargs="+", metavar="SRC", help="Parquet/JSONL files, folders or globs")
+    p.add_argument("dest", metavar="DEST")
+    p.add_argument("--tokenizer", default=None, metavar="JSON",
+                   help="a Hugging Face tokenizers file (tokenizer.json, or a folder holding one); without it the "
+                        "input holds token ids")
+    p.add_argument("--text-column", default="text", help="the column of text, with --tokenizer (default text)")
+    p.add_argument("--tokens-column", default="input_ids",
+                   help="the column of token ids (lists of integers), without --tokenizer (default input_ids)")
+    p.add_argument("--eos-id", type=int, default=None, metavar="N",
+                   help="the end-of-document token appended to every document (default: the tokenizer's "
+                        "<|endoftext|> or </s>; required without a tokenizer)")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="ids must be below it; it picks the dtype (uint16 below 65500, else int32). Default: the "
+                        "tokenizer's")
+    p.add_argument("--dtype", default=None, choices=["uint8", "int8", "int16", "uint16", "int32", "int64"],
+                   help="store ids as this type instead of the one the vocabulary size picks")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default: the CPU count)")
+    p.add_argument("--part-bytes", type=parse_size, default="256M",
+                   help="bound of a part's .bin (default 256M; a part exceeds it only for a single larger document)")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset (or an unfinished pack) at DEST")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_storage(p)
+    p.set_defaults(func=_cmd_pack_tokens)
+
+    p = sub.add_parser("index", help="index existing tar shards (WebDataset, GNU tar, Ray) or token files "
+                                     "(Megatron .bin/.idx, flat .bin) where they are",
                        description="Build the datapipe index (manifest, shard and sample tables with checksums) "
                                    "of existing uncompressed tar shards, which stay where they are: local paths or "
                                    "any fsspec URL, brace patterns (shard-{000000..000999}.tar) and globs. The index "
                                    "goes beside the shards, or to --index-to DEST (for a source you may not write). "
                                    "Each shard is read once; running the same command again skips shards already "
                                    "indexed. Whole-file compressed tars (.tar.gz, .tar.zst) are refused: no sample "
-                                   "of them can be reached by offset; decompress them first.")
-    p.add_argument("urls", nargs="+", metavar="URL", help="shard URLs, paths, brace patterns or globs")
+                                   "of them can be reached by offset; decompress them first. Token files (Megatron "
+                                   "prefixes, .bin/.idx paths, flat .bin files of raw ids) get block checksums "
+                                   "(.xxh) and a token manifest beside them, or under --index-to DIR.")
+    p.add_argument("urls", nargs="+", metavar="URL",
+                   help="shard URLs, paths, brace patterns or globs; or token files: Megatron prefixes (data/train "
+                        "for train.bin + train.idx), .bin/.idx paths")
     p.add_argument("--index-to", default=None, metavar="DEST",
                    help="where the index goes (default: the folder the shards share)")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: the CPU count)")
@@ -403,6 +472,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="index only part I (0-based) of N of the shard list (records only); then run without "
                         "--part to commit")
     p.add_argument("--json", action="store_true", help="print the result (with timing) as JSON")
+    p.add_argument("--dtype", default=None, choices=["uint8", "int8", "int16", "uint16", "int32", "int64"],
+                   help="token files: the ids' type in flat .bin files (default uint16, nanoGPT's)")
+    p.add_argument("--eos-id", type=int, default=None, metavar="N",
+                   help="token files: a flat file's documents end after each N (else it is one document); recorded")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N", help="token files: every id must be below N")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_storage(p)
     p.set_defaults(func=_cmd_index)

@@ -36,6 +36,8 @@ PUBLIC = {
     "TieredCache": ("datapipe.cache", "class"),
     "VerifyReport": ("datapipe.verify", "class"),
     "verify_dataset": ("datapipe.verify", "function"),
+    "pack_tokens": ("datapipe.tokens", "function"),
+    "index_tokens": ("datapipe.tokens", "function"),
 }
 
 
