@@ -1,9 +1,10 @@
-"""The `datapipe` command: pack, pack-tokens, index, join, inspect, verify, cache."""
+"""The `datapipe` command: pack, pack-tokens, index, join, inspect, verify, cache, doctor, status."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from decimal import Decimal
@@ -227,6 +228,149 @@ def _cmd_cache(a: argparse.Namespace) -> int:
     return 0
 
 
+_TIER_NAME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9_.-]*)=(.+)$")
+
+
+def _budget(text: str) -> tuple[str, int]:
+    """``--budget warm=800G`` -> ``("warm", 858993459200)``."""
+    m = _TIER_NAME_RE.match(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"--budget must be NAME=SIZE (e.g. warm=800G), got {text!r}")
+    return m.group(1), parse_size(m.group(2))
+
+
+def _cmd_doctor(a: argparse.Namespace) -> int:
+    """``datapipe doctor``: check each tier; exit 1 when one failed."""
+    from .errors import OptionError
+    from .health.doctor import TierSpec, check_tiers, format_checks, tiers_from_config
+
+    specs: list[TierSpec] = []
+    for i, text in enumerate(a.tiers):
+        m = _TIER_NAME_RE.match(text)
+        name, url = (m.group(1), m.group(2)) if m else (f"tier{i}", text)
+        specs.append(TierSpec(name, url, storage_options=a.storage_options))
+    if a.config:
+        try:
+            with open(a.config) as f:
+                config = json.load(f)
+        except ValueError as e:
+            raise OptionError(f"--config {a.config}: not JSON ({e})") from None
+        for c in config if isinstance(config, list) else [config]:
+            if not isinstance(c, dict):
+                raise OptionError(f"--config {a.config}: expected a JSON object (a TieredCache or CheckpointWriter "
+                                  "config) or a list of them")
+            specs.extend(tiers_from_config(c))
+    if not specs:
+        raise OptionError("datapipe doctor needs at least one tier: PATH, URL or NAME=PATH, or --config FILE")
+    budgets = dict(a.budget)
+    for name in budgets:
+        if not any(s.name == name for s in specs):
+            names = ", ".join(s.name for s in specs)
+            raise OptionError(f"--budget {name}=...: no tier named {name!r} (tiers: {names})")
+    specs = [TierSpec(s.name, s.url, budget_bytes=budgets.get(s.name, s.budget_bytes),
+                      kind=s.kind, write=s.write, storage_options=s.storage_options) for s in specs]
+    checks = check_tiers(specs, probe_bytes=a.probe_bytes, probes=a.probes, timeout_s=a.timeout, min_mb_s=a.min_mb_s,
+                         storage_options=a.storage_options)
+    if a.json:
+        print(json.dumps([c.to_dict() for c in checks], indent=1))
+    else:
+        print(format_checks(checks))
+    failed = [c.name for c in checks if c.failed]
+    if failed and not a.json:
+        print(f"{len(failed)} tier(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _add_doctor(sub: Any) -> None:
+    p = sub.add_parser(
+        "doctor", help="check each storage tier: write, fsync, read back, free space, GET latency and errors",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Check each tier a cache or checkpoint writer uses. A folder (a local path) gets a probe file "
+                    "(.datapipe-doctor-<token>, removed after) written, fsync'd and read back, each timed, and its "
+                    "free space held against its --budget. An object store (any fsspec URL) gets --probes GETs of "
+                    "its manifest.json (or of a probe object put there and deleted), timed, errors counted.\n\n"
+                    "Prints a table (tier, path, write MB/s, read MB/s, fsync ms, free/budget, GET ms, status, "
+                    "problem). Exit code 0 when no tier failed (warnings included), 1 when one did, 2 on bad "
+                    "arguments.\n\n"
+                    "examples:\n"
+                    "  datapipe doctor warm=/mnt/nvme/cache shared=/mnt/lustre/cache cold=s3://bucket/dataset \\\n"
+                    "      --budget warm=800G --budget shared=20T\n"
+                    "  datapipe doctor --config cache.json --json   # a TieredCache or CheckpointWriter config")
+    p.add_argument("tiers", nargs="*", metavar="TIER",
+                   help="a folder or URL to check, optionally named: NAME=PATH or NAME=URL (default names tier0, ...)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a JSON file holding a TieredCache config (warm_dir, warm_bytes, local_tiers, shared_dir, "
+                        "shared_bytes, cold) or a CheckpointWriter config (url, tiers), or a list of them")
+    p.add_argument("--budget", action="append", default=[], type=_budget, metavar="NAME=SIZE",
+                   help="the byte budget of tier NAME (e.g. warm=800G): free space is held against it")
+    p.add_argument("--probe-bytes", type=parse_size, default="4M", metavar="SIZE",
+                   help="size of each probe file or object (default 4M)")
+    p.add_argument("--probes", type=int, default=5, metavar="N", help="GETs per object store (default 5)")
+    p.add_argument("--min-mb-s", type=float, default=None, metavar="X",
+                   help="fail a folder that writes or reads slower than X MB/s")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="the most seconds one tier may take before it fails as hung (default 30)")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON instead of a table")
+    _add_storage(p)
+    p.set_defaults(func=_cmd_doctor)
+
+
+def _rank_list(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]``."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)) \
+                or (int(hi) - int(lo) if sep else 0) > 1 << 24:
+            raise argparse.ArgumentTypeError(f"--ranks: {part!r} is not a rank or a range of ranks (e.g. 0-7,9)")
+        out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    return out
+
+
+def _cmd_status(a: argparse.Namespace) -> int:
+    """``datapipe status RUN_DIR``: the stragglers of a job; exit 1 when one is named."""
+    from .errors import HealthError, ObjectNotFoundError
+    from .health import FileBoard, detect
+    from .storage.store import is_local_url
+
+    if is_local_url(a.run_dir) and not os.path.isdir(a.run_dir):
+        raise ObjectNotFoundError(f"no run directory at {a.run_dir}")
+    board = FileBoard(a.run_dir, group=a.group, storage_options=a.storage_options)
+    read = board.read(a.ranks)
+    if not read.docs and not read.unreadable:
+        raise HealthError(f"no window summary under {board.store.url(board.folder)}: is the job publishing there "
+                          "(datapipe.health.Publisher with a FileBoard of this folder)?")
+    report = detect(read.docs, k=a.k, ranks=a.ranks, stale_s=a.stale_s, min_share=a.min_share,
+                    unreadable=read.unreadable)
+    print(json.dumps(report.to_dict(), indent=1) if a.json else report.format())
+    return 0 if report.ok else 1
+
+
+def _add_status(sub: Any) -> None:
+    p = sub.add_parser(
+        "status", help="name a running job's stragglers, with their cause, from the summaries its ranks publish",
+        description="Read the window summaries the ranks of a job publish to RUN_DIR/health/ (a FileBoard; "
+                    "datapipe.health.Publisher), compare each rank with the median, and name the ranks whose step "
+                    "time or data wait is K times the median, with the cause: 'data' (which tier reads slowly, the "
+                    "cache hit ratio, throttling, decode time) or 'compute'. Ranks that stopped publishing are "
+                    "reported stale, not as stragglers. Exit code 0 when nothing is named, 1 when a rank is named "
+                    "(straggler, stale, idle, missing or unreadable), 2 when there is nothing to read.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (local path or URL) the ranks publish to")
+    p.add_argument("--group", default=None, help="the board group the ranks publish under (a sub-group's name)")
+    p.add_argument("--ranks", type=_rank_list, default=None, metavar="LIST",
+                   help="compare only these ranks, e.g. 0-7,16 (a sub-group); a rank without a summary is missing")
+    p.add_argument("-k", type=float, default=1.5, metavar="K",
+                   help="how many times the median step time or data wait names a straggler (default 1.5)")
+    p.add_argument("--min-share", type=float, default=0.05, metavar="X",
+                   help="the least data wait beyond the median, as a share of the median step, that names a data "
+                        "straggler (default 0.05)")
+    p.add_argument("--stale-s", type=float, default=None, metavar="S",
+                   help="a summary older than S seconds is stale (default: three windows, at least 30 s)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_storage(p)
+    p.set_defaults(func=_cmd_status)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="datapipe", description="Pack, cache, stream and checkpoint training data.")
     ap.add_argument("--version", action="version", version=f"datapipe {__version__}")
@@ -367,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dirs", nargs="+", metavar="DIR", help="a warm_dir or shared_dir of a TieredCache")
     p.set_defaults(func=_cmd_cache)
 
+    _add_doctor(sub)
+    _add_status(sub)
     return ap
 
 

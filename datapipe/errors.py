@@ -48,6 +48,7 @@ __all__ = [
     "NoCheckpointError",
     "CorruptCheckpointError",
     "UnsupportedStateError",
+    "HealthError",
 ]
 
 
@@ -253,3 +254,12 @@ class CorruptCheckpointError(CheckpointError, IntegrityError):
 
 class UnsupportedStateError(CheckpointError, TypeError):
     """The state holds an object the checkpoint format cannot store; names its path."""
+
+
+# --- health: telemetry, straggler boards, tier checks ----------------------------------
+
+
+class HealthError(DatapipeError):
+    """Telemetry, a health board or a tier check could not do its job: a worker's counters
+    that do not parse, a metrics port that cannot be bound, a board that cannot be read.
+    A tier that fails its check is not an error: it is reported as failed."""
