@@ -242,7 +242,7 @@ def _budget(text: str) -> tuple[str, int]:
 def _cmd_doctor(a: argparse.Namespace) -> int:
     """``datapipe doctor``: check each tier; exit 1 when one failed."""
     from .errors import OptionError
-    from .health.doctor import TierSpec, check_tiers, format_checks, tiers_from_config
+    from .health import TierSpec, check_tiers, format_checks, tiers_from_config
 
     specs: list[TierSpec] = []
     for i, text in enumerate(a.tiers):
@@ -331,7 +331,7 @@ def _cmd_status(a: argparse.Namespace) -> int:
     """``datapipe status RUN_DIR``: the stragglers of a job; exit 1 when one is named."""
     from .errors import HealthError, ObjectNotFoundError
     from .health import FileBoard, detect
-    from .storage.store import is_local_url
+    from .storage import is_local_url
 
     if is_local_url(a.run_dir) and not os.path.isdir(a.run_dir):
         raise ObjectNotFoundError(f"no run directory at {a.run_dir}")

@@ -31,8 +31,7 @@ from typing import Any, Protocol
 
 from ..errors import DatapipeError, HealthError, ObjectChangedError, OptionError, TruncatedReadError
 from ..options import check_int, check_path, show
-from ..storage import LocalStore, Store, open_store
-from ..storage.store import is_local_url
+from ..storage import LocalStore, Store, is_local_url, open_store
 from ..telemetry import Telemetry, WindowSummary
 from ..topology import Topology
 from .summary import MAX_SUMMARY_BYTES, parse_summary

@@ -38,9 +38,15 @@ from typing import Any
 
 from ..errors import DatapipeError, OptionError
 from ..options import check_bool, check_bytes, check_float, check_int, check_mapping, check_path, show
-from ..storage import FsspecStore, RetryPolicy, open_store, storage_options_for
-from ..storage.retry import is_throttle, single_layer_options
-from ..storage.store import is_local_url
+from ..storage import (
+    FsspecStore,
+    RetryPolicy,
+    is_local_url,
+    is_throttle,
+    open_store,
+    single_layer_options,
+    storage_options_for,
+)
 
 __all__ = ["TierSpec", "TierCheck", "check_tiers", "tiers_from_config", "format_checks", "worst", "PROBE_PREFIX"]
 

@@ -31,6 +31,7 @@ from .local import LocalStore, open_regular, temporary_name
 from .memory import MemoryStore
 from .opening import in_this_process, open_store, refuse_chained_url, refuse_mistyped_url
 from .options import set_storage_options, storage_options_for
+from .patterns import expand_braces
 from .remote import FsspecStore
 from .retry import (
     RetryPolicy,
@@ -55,6 +56,7 @@ __all__ = [
     "split_url",
     "join_url",
     "is_local_url",
+    "expand_braces",
     "refuse_mistyped_url",
     "refuse_chained_url",
     "open_regular",

@@ -54,9 +54,7 @@ from ..format.tokens import (
 )
 from ..options import check_int, check_mapping, check_path
 from ..progress import progress_bar
-from ..storage import Store, open_store
-from ..storage.store import is_local_url, split_url
-from ..tarindex.urls import expand_braces
+from ..storage import Store, expand_braces, is_local_url, open_store, split_url
 from .publish_glue import WORK, WriterLock
 from .sources import absolute_url, glob_files, has_glob
 

@@ -49,8 +49,7 @@ from ..format.tokens import (
 )
 from ..options import check_bool, check_bytes, check_int, check_mapping, check_path
 from ..progress import progress_bar
-from ..storage import Store, in_this_process, open_store
-from ..storage.store import is_local_url
+from ..storage import Store, in_this_process, is_local_url, open_store
 from .publish_glue import Journal, WriterLock, check_destination, fingerprint, remove_stale_parts
 from .sources import EOS_TOKENS, Piece, list_inputs, load_tokenizer, plan_pieces
 from .write import PieceTask, init_worker, pack_piece, part_name

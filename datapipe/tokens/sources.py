@@ -35,8 +35,7 @@ from ..errors import (
     StorageError,
 )
 from ..options import check_path
-from ..storage import Store, open_store
-from ..storage.store import is_local_url, split_url
+from ..storage import Store, expand_braces, is_local_url, open_store, split_url
 
 __all__ = ["InputFile", "Piece", "Batch", "KINDS", "absolute_url", "has_glob", "glob_files", "list_inputs",
            "plan_pieces", "read_piece", "load_tokenizer", "import_tokenizers", "column_kind", "StoreFile",
@@ -181,7 +180,6 @@ def list_inputs(source: Any, storage_options: dict[str, Any] | None = None,
     if not isinstance(items, list | tuple) or not items:
         raise PackOptionError(f"source={source!r}: expected a path or URL (a file, a folder or a glob), or a "
                               "non-empty list of them")
-    from ..tarindex.urls import expand_braces  # here: a worker process needs none of tarindex
 
     urls: list[str] = []
     for item in items:
