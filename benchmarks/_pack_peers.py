@@ -340,7 +340,7 @@ def _preload(system: str) -> None:
     after a cache drop, so spawned workers do not read them from disk on the clock)."""
     if system.startswith("datapipe"):
         import datapipe
-        import datapipe.pack.packer  # noqa: F401
+        import datapipe.packing.packer  # noqa: F401
     elif system == "webdataset":
         import webdataset  # noqa: F401
     elif system == "mds":

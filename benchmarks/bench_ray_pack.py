@@ -90,7 +90,7 @@ def _phases(cfg: RayPackBenchConfig, corpus: str, dest: str) -> dict[str, Any]:
     import ray.data
 
     import datapipe
-    from datapipe.pack.packer import plan_shards
+    from datapipe.packing import plan_shards
     from datapipe.ray import DatapipeDatasink
     from datapipe.ray.engine import file_block, list_tree
 

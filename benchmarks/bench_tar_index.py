@@ -69,7 +69,7 @@ def _evict(paths: list[str]) -> None:
 def _synthetic_index(dest: str, shards: int, per_shard: int) -> None:
     from datapipe.format import SampleRecords, ShardRecord
     from datapipe.format.index import TAR_INDEX
-    from datapipe.pack.commit import write_index
+    from datapipe.publish import write_index
     from datapipe.storage import open_store
 
     size = per_shard * 2048 + 10240

@@ -1,10 +1,7 @@
 """datapipe: pack small files into shards, cache them in tiers, stream them into training,
 and checkpoint without stalling."""
 
-import sys
-import types
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import errors as errors  # `except datapipe.errors.DatapipeError` after `import datapipe`
 from ._lazy import lazy_exports
@@ -23,10 +20,11 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each comes 
     )
     from .dataset import Dataset, DatasetIndex, open_index
     from .loader import Stream, StreamingDataset
-    from .loader.dataloader import StreamingDataLoader
-    from .pack import PackResult, ShardWriter, join_parts, pack
+    from .loader.dataloader import StreamingDataLoader  # the loader's face gives it untyped (__getattr__)
+    from .packing import PackResult, ShardWriter, join_parts, pack
     from .storage import set_storage_options
     from .tarindex import IndexResult, index_shards, open_dataset
+    from .tokens import index_tokens, pack_tokens
     from .verify import VerifyReport, verify_dataset
 
 #: public name -> the submodule that defines it, imported on first use (see _lazy.py)
@@ -37,21 +35,24 @@ _WHERE = {
     "DatasetIndex": "dataset",
     "IndexResult": "tarindex",
     "LocalShard": "checkpoint",
-    "PackResult": "pack",
+    "PackResult": "packing",
     "Replicated": "checkpoint",
     "SaveHandle": "checkpoint",
-    "ShardWriter": "pack",
+    "ShardWriter": "packing",
     "Stream": "loader",
-    "StreamingDataLoader": "loader.dataloader",
+    "StreamingDataLoader": "loader",
     "StreamingDataset": "loader",
     "TieredCache": "cache",
     "VerifyReport": "verify",
     "index_shards": "tarindex",
-    "join_parts": "pack",
+    "index_tokens": "tokens",
+    "join_parts": "packing",
     "list_checkpoints": "checkpoint",
     "load_checkpoint": "checkpoint",
     "open_dataset": "tarindex",
     "open_index": "dataset",
+    "pack": "packing",
+    "pack_tokens": "tokens",
     "set_storage_options": "storage",
     "verify_dataset": "verify",
 }
@@ -74,12 +75,14 @@ __all__ = [
     "TieredCache",
     "VerifyReport",
     "index_shards",
+    "index_tokens",
     "join_parts",
     "list_checkpoints",
     "load_checkpoint",
     "open_dataset",
     "open_index",
     "pack",
+    "pack_tokens",
     "set_storage_options",
     "verify_dataset",
 ]
@@ -87,25 +90,8 @@ __all__ = [
 
 #: the submodules that `import datapipe` bound when it imported its parts eagerly: code that
 #: reaches them as attributes (`datapipe.cache.Tier`) imports them on first use
-_SUBMODULES = frozenset({"cache", "checkpoint", "checksum", "dataset", "decode", "format", "options", "progress",
-                         "storage", "tarindex", "topology", "verify"})
+_SUBMODULES = frozenset({"cache", "checkpoint", "checksum", "dataset", "decode", "format", "options", "packing",
+                         "progress", "publish", "storage", "tarindex", "topology", "verify"})
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _WHERE, _SUBMODULES)
 
-
-class _Package(types.ModuleType):
-    """``datapipe.pack`` is the function, though ``datapipe.pack`` is also a subpackage,
-    whose import binds the package's attribute to the module: the attribute ignores that
-    binding (``sys.modules["datapipe.pack"]`` holds the module, which every import of it
-    reads)."""
-
-    @property
-    def pack(self) -> Any:
-        return import_module(".pack", __name__).pack
-
-    @pack.setter
-    def pack(self, value: Any) -> None:
-        pass
-
-
-sys.modules[__name__].__class__ = _Package

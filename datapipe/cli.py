@@ -1,9 +1,10 @@
-"""The `datapipe` command: pack, index, join, inspect, verify, cache."""
+"""The `datapipe` command: pack, pack-tokens, index, join, inspect, verify, cache, doctor, status."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from decimal import Decimal
@@ -52,7 +53,7 @@ def _cmd_pack(a: argparse.Namespace) -> int:
         from .errors import PackOptionError
 
         raise PackOptionError("--address applies to --engine ray")
-    from .pack import pack
+    from .packing import pack
 
     r = pack(a.src, a.dest, shard_bytes=a.shard_bytes, shard_samples=a.shard_samples,
              compression=a.compression, level=a.level, workers=a.workers, part=a.part,
@@ -81,14 +82,46 @@ def _pack_on_ray(a: argparse.Namespace) -> int:
 
 
 def _cmd_join(a: argparse.Namespace) -> int:
-    from .pack import join_parts
+    from .packing import join_parts
 
     n = join_parts(a.dest, storage_options=a.storage_options, overwrite=a.overwrite)
     print(f"joined {n:,} samples at {a.dest}")
     return 0
 
 
+def _cmd_pack_tokens(a: argparse.Namespace) -> int:
+    from .tokens import pack_tokens
+
+    r = pack_tokens(a.src if len(a.src) > 1 else a.src[0], a.dest, tokenizer=a.tokenizer, text_column=a.text_column,
+                    tokens_column=a.tokens_column, eos_id=a.eos_id, vocab_size=a.vocab_size, dtype=a.dtype,
+                    workers=a.workers, part_bytes=a.part_bytes, overwrite=a.overwrite, progress=not a.quiet,
+                    storage_options=a.storage_options)
+    print(r.summary())
+    return 0
+
+
+def _index_tokens(a: argparse.Namespace) -> int:
+    """``datapipe index`` of token files (Megatron .bin/.idx pairs, flat .bin files)."""
+    from .errors import PackOptionError
+    from .tokens import index_tokens
+
+    if a.part is not None or a.workers is not None:
+        raise PackOptionError("--part and --workers apply to tar shards; token files are indexed in one pass")
+    r = index_tokens(a.urls, index_to=a.index_to, dtype=a.dtype, eos_id=a.eos_id, vocab_size=a.vocab_size,
+                     storage_options=a.storage_options, progress=not a.quiet)
+    print(json.dumps(vars(r), indent=1) if a.json else r.summary())
+    return 0
+
+
 def _cmd_index(a: argparse.Namespace) -> int:
+    from .tokens import is_token_source
+
+    if is_token_source(a.urls, a.storage_options):
+        return _index_tokens(a)
+    if a.dtype is not None or a.eos_id is not None or a.vocab_size is not None:
+        from .errors import PackOptionError
+
+        raise PackOptionError("--dtype, --eos-id and --vocab-size apply to token files (.bin/.idx, Megatron prefixes)")
     from .tarindex import index_shards
 
     r = index_shards(a.urls, a.index_to, storage_options=a.storage_options, workers=a.workers, part=a.part,
@@ -107,9 +140,8 @@ def _dataset_url(url: str, storage_options: dict[str, Any] | None) -> str:
 def _being_packed(url: str, storage_options: dict[str, Any] | None) -> str | None:
     """Who holds the writer lease of a pack writing ``url`` now ("writer 'ab12' (host 'h',
     pid 7), holding it since ..."), seen without taking it; None when no pack does."""
-    from .pack.commit import LEASE, LOCK
-    from .storage import open_store
-    from .storage.lease import current_holder, describe_holder
+    from .publish import LEASE, LOCK
+    from .storage import current_holder, describe_holder, open_store
 
     try:
         store = open_store(url, storage_options)
@@ -196,6 +228,149 @@ def _cmd_cache(a: argparse.Namespace) -> int:
     return 0
 
 
+_TIER_NAME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9_.-]*)=(.+)$")
+
+
+def _budget(text: str) -> tuple[str, int]:
+    """``--budget warm=800G`` -> ``("warm", 858993459200)``."""
+    m = _TIER_NAME_RE.match(text)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"--budget must be NAME=SIZE (e.g. warm=800G), got {text!r}")
+    return m.group(1), parse_size(m.group(2))
+
+
+def _cmd_doctor(a: argparse.Namespace) -> int:
+    """``datapipe doctor``: check each tier; exit 1 when one failed."""
+    from .errors import OptionError
+    from .health import TierSpec, check_tiers, format_checks, tiers_from_config
+
+    specs: list[TierSpec] = []
+    for i, text in enumerate(a.tiers):
+        m = _TIER_NAME_RE.match(text)
+        name, url = (m.group(1), m.group(2)) if m else (f"tier{i}", text)
+        specs.append(TierSpec(name, url, storage_options=a.storage_options))
+    if a.config:
+        try:
+            with open(a.config) as f:
+                config = json.load(f)
+        except ValueError as e:
+            raise OptionError(f"--config {a.config}: not JSON ({e})") from None
+        for c in config if isinstance(config, list) else [config]:
+            if not isinstance(c, dict):
+                raise OptionError(f"--config {a.config}: expected a JSON object (a TieredCache or CheckpointWriter "
+                                  "config) or a list of them")
+            specs.extend(tiers_from_config(c))
+    if not specs:
+        raise OptionError("datapipe doctor needs at least one tier: PATH, URL or NAME=PATH, or --config FILE")
+    budgets = dict(a.budget)
+    for name in budgets:
+        if not any(s.name == name for s in specs):
+            names = ", ".join(s.name for s in specs)
+            raise OptionError(f"--budget {name}=...: no tier named {name!r} (tiers: {names})")
+    specs = [TierSpec(s.name, s.url, budget_bytes=budgets.get(s.name, s.budget_bytes),
+                      kind=s.kind, write=s.write, storage_options=s.storage_options) for s in specs]
+    checks = check_tiers(specs, probe_bytes=a.probe_bytes, probes=a.probes, timeout_s=a.timeout, min_mb_s=a.min_mb_s,
+                         storage_options=a.storage_options)
+    if a.json:
+        print(json.dumps([c.to_dict() for c in checks], indent=1))
+    else:
+        print(format_checks(checks))
+    failed = [c.name for c in checks if c.failed]
+    if failed and not a.json:
+        print(f"{len(failed)} tier(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _add_doctor(sub: Any) -> None:
+    p = sub.add_parser(
+        "doctor", help="check each storage tier: write, fsync, read back, free space, GET latency and errors",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Check each tier a cache or checkpoint writer uses. A folder (a local path) gets a probe file "
+                    "(.datapipe-doctor-<token>, removed after) written, fsync'd and read back, each timed, and its "
+                    "free space held against its --budget. An object store (any fsspec URL) gets --probes GETs of "
+                    "its manifest.json (or of a probe object put there and deleted), timed, errors counted.\n\n"
+                    "Prints a table (tier, path, write MB/s, read MB/s, fsync ms, free/budget, GET ms, status, "
+                    "problem). Exit code 0 when no tier failed (warnings included), 1 when one did, 2 on bad "
+                    "arguments.\n\n"
+                    "examples:\n"
+                    "  datapipe doctor warm=/mnt/nvme/cache shared=/mnt/lustre/cache cold=s3://bucket/dataset \\\n"
+                    "      --budget warm=800G --budget shared=20T\n"
+                    "  datapipe doctor --config cache.json --json   # a TieredCache or CheckpointWriter config")
+    p.add_argument("tiers", nargs="*", metavar="TIER",
+                   help="a folder or URL to check, optionally named: NAME=PATH or NAME=URL (default names tier0, ...)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a JSON file holding a TieredCache config (warm_dir, warm_bytes, local_tiers, shared_dir, "
+                        "shared_bytes, cold) or a CheckpointWriter config (url, tiers), or a list of them")
+    p.add_argument("--budget", action="append", default=[], type=_budget, metavar="NAME=SIZE",
+                   help="the byte budget of tier NAME (e.g. warm=800G): free space is held against it")
+    p.add_argument("--probe-bytes", type=parse_size, default="4M", metavar="SIZE",
+                   help="size of each probe file or object (default 4M)")
+    p.add_argument("--probes", type=int, default=5, metavar="N", help="GETs per object store (default 5)")
+    p.add_argument("--min-mb-s", type=float, default=None, metavar="X",
+                   help="fail a folder that writes or reads slower than X MB/s")
+    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="the most seconds one tier may take before it fails as hung (default 30)")
+    p.add_argument("--json", action="store_true", help="print the checks as JSON instead of a table")
+    _add_storage(p)
+    p.set_defaults(func=_cmd_doctor)
+
+
+def _rank_list(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]``."""
+    out: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()) or (sep and int(hi) < int(lo)) \
+                or (int(hi) - int(lo) if sep else 0) > 1 << 24:
+            raise argparse.ArgumentTypeError(f"--ranks: {part!r} is not a rank or a range of ranks (e.g. 0-7,9)")
+        out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    return out
+
+
+def _cmd_status(a: argparse.Namespace) -> int:
+    """``datapipe status RUN_DIR``: the stragglers of a job; exit 1 when one is named."""
+    from .errors import HealthError, ObjectNotFoundError
+    from .health import FileBoard, detect
+    from .storage import is_local_url
+
+    if is_local_url(a.run_dir) and not os.path.isdir(a.run_dir):
+        raise ObjectNotFoundError(f"no run directory at {a.run_dir}")
+    board = FileBoard(a.run_dir, group=a.group, storage_options=a.storage_options)
+    read = board.read(a.ranks)
+    if not read.docs and not read.unreadable:
+        raise HealthError(f"no window summary under {board.store.url(board.folder)}: is the job publishing there "
+                          "(datapipe.health.Publisher with a FileBoard of this folder)?")
+    report = detect(read.docs, k=a.k, ranks=a.ranks, stale_s=a.stale_s, min_share=a.min_share,
+                    unreadable=read.unreadable)
+    print(json.dumps(report.to_dict(), indent=1) if a.json else report.format())
+    return 0 if report.ok else 1
+
+
+def _add_status(sub: Any) -> None:
+    p = sub.add_parser(
+        "status", help="name a running job's stragglers, with their cause, from the summaries its ranks publish",
+        description="Read the window summaries the ranks of a job publish to RUN_DIR/health/ (a FileBoard; "
+                    "datapipe.health.Publisher), compare each rank with the median, and name the ranks whose step "
+                    "time or data wait is K times the median, with the cause: 'data' (which tier reads slowly, the "
+                    "cache hit ratio, throttling, decode time) or 'compute'. Ranks that stopped publishing are "
+                    "reported stale, not as stragglers. Exit code 0 when nothing is named, 1 when a rank is named "
+                    "(straggler, stale, idle, missing or unreadable), 2 when there is nothing to read.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (local path or URL) the ranks publish to")
+    p.add_argument("--group", default=None, help="the board group the ranks publish under (a sub-group's name)")
+    p.add_argument("--ranks", type=_rank_list, default=None, metavar="LIST",
+                   help="compare only these ranks, e.g. 0-7,16 (a sub-group); a rank without a summary is missing")
+    p.add_argument("-k", type=float, default=1.5, metavar="K",
+                   help="how many times the median step time or data wait names a straggler (default 1.5)")
+    p.add_argument("--min-share", type=float, default=0.05, metavar="X",
+                   help="the least data wait beyond the median, as a share of the median step, that names a data "
+                        "straggler (default 0.05)")
+    p.add_argument("--stale-s", type=float, default=None, metavar="S",
+                   help="a summary older than S seconds is stale (default: three windows, at least 30 s)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_storage(p)
+    p.set_defaults(func=_cmd_status)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="datapipe", description="Pack, cache, stream and checkpoint training data.")
     ap.add_argument("--version", action="version", version=f"datapipe {__version__}")
@@ -243,15 +418,52 @@ def build_parser() -> argparse.ArgumentParser:
     _add_storage(p)
     p.set_defaults(func=_cmd_pack)
 
-    p = sub.add_parser("index", help="index existing tar shards (WebDataset, GNU tar, Ray) where they are",
+    p = sub.add_parser("pack-tokens", help="tokenize Parquet/JSONL documents into a token dataset (Megatron .bin/.idx)",
+                       description="Write the documents of SRC (Parquet or JSONL files: files, folders, globs) as a "
+                                   "token dataset at DEST (a local path or any fsspec URL): parts in Megatron-LM's "
+                                   "indexed layout (part-PPPPP-KKK.bin/.idx, each readable by Megatron-LM and NeMo "
+                                   "as a --data-path prefix), datapipe's block checksums (.xxh) and a manifest, "
+                                   "written last. With --tokenizer, each row's text column is tokenized; without, "
+                                   "the tokens column holds the ids. Every document ends with the EOS token. "
+                                   "Running the same command again after a crash finishes the job.")
+    p.add_argument("src", nargs="+", metavar="SRC", help="Parquet/JSONL files, folders or globs")
+    p.add_argument("dest", metavar="DEST")
+    p.add_argument("--tokenizer", default=None, metavar="JSON",
+                   help="a Hugging Face tokenizers file (tokenizer.json, or a folder holding one); without it the "
+                        "input holds token ids")
+    p.add_argument("--text-column", default="text", help="the column of text, with --tokenizer (default text)")
+    p.add_argument("--tokens-column", default="input_ids",
+                   help="the column of token ids (lists of integers), without --tokenizer (default input_ids)")
+    p.add_argument("--eos-id", type=int, default=None, metavar="N",
+                   help="the end-of-document token appended to every document (default: the tokenizer's "
+                        "<|endoftext|> or </s>; required without a tokenizer)")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                   help="ids must be below it; it picks the dtype (uint16 below 65500, else int32). Default: the "
+                        "tokenizer's")
+    p.add_argument("--dtype", default=None, choices=["uint8", "int8", "int16", "uint16", "int32", "int64"],
+                   help="store ids as this type instead of the one the vocabulary size picks")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default: the CPU count)")
+    p.add_argument("--part-bytes", type=parse_size, default="256M",
+                   help="bound of a part's .bin (default 256M; a part exceeds it only for a single larger document)")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset (or an unfinished pack) at DEST")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_storage(p)
+    p.set_defaults(func=_cmd_pack_tokens)
+
+    p = sub.add_parser("index", help="index existing tar shards (WebDataset, GNU tar, Ray) or token files "
+                                     "(Megatron .bin/.idx, flat .bin) where they are",
                        description="Build the datapipe index (manifest, shard and sample tables with checksums) "
                                    "of existing uncompressed tar shards, which stay where they are: local paths or "
                                    "any fsspec URL, brace patterns (shard-{000000..000999}.tar) and globs. The index "
                                    "goes beside the shards, or to --index-to DEST (for a source you may not write). "
                                    "Each shard is read once; running the same command again skips shards already "
                                    "indexed. Whole-file compressed tars (.tar.gz, .tar.zst) are refused: no sample "
-                                   "of them can be reached by offset; decompress them first.")
-    p.add_argument("urls", nargs="+", metavar="URL", help="shard URLs, paths, brace patterns or globs")
+                                   "of them can be reached by offset; decompress them first. Token files (Megatron "
+                                   "prefixes, .bin/.idx paths, flat .bin files of raw ids) get block checksums "
+                                   "(.xxh) and a token manifest beside them, or under --index-to DIR.")
+    p.add_argument("urls", nargs="+", metavar="URL",
+                   help="shard URLs, paths, brace patterns or globs; or token files: Megatron prefixes (data/train "
+                        "for train.bin + train.idx), .bin/.idx paths")
     p.add_argument("--index-to", default=None, metavar="DEST",
                    help="where the index goes (default: the folder the shards share)")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: the CPU count)")
@@ -259,6 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="index only part I (0-based) of N of the shard list (records only); then run without "
                         "--part to commit")
     p.add_argument("--json", action="store_true", help="print the result (with timing) as JSON")
+    p.add_argument("--dtype", default=None, choices=["uint8", "int8", "int16", "uint16", "int32", "int64"],
+                   help="token files: the ids' type in flat .bin files (default uint16, nanoGPT's)")
+    p.add_argument("--eos-id", type=int, default=None, metavar="N",
+                   help="token files: a flat file's documents end after each N (else it is one document); recorded")
+    p.add_argument("--vocab-size", type=int, default=None, metavar="N", help="token files: every id must be below N")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_storage(p)
     p.set_defaults(func=_cmd_index)
@@ -294,6 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dirs", nargs="+", metavar="DIR", help="a warm_dir or shared_dir of a TieredCache")
     p.set_defaults(func=_cmd_cache)
 
+    _add_doctor(sub)
+    _add_status(sub)
     return ap
 
 

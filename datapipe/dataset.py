@@ -3,7 +3,6 @@ position or key, one range read per sample."""
 
 from __future__ import annotations
 
-import io
 import os
 import threading
 from collections import OrderedDict
@@ -31,7 +30,7 @@ from .format import (
     sample_rows,
 )
 from .options import check_int, check_mapping, check_path, show
-from .storage import Store, is_local_url, open_store, split_url
+from .storage import SeekableFile, Store, is_local_url, open_store, split_url
 
 __all__ = ["ShardInfo", "SampleTable", "DatasetIndex", "Dataset", "open_index"]
 
@@ -60,29 +59,16 @@ class SampleTable:
         return len(self.keys)
 
 
-class _VerifiedFile(io.RawIOBase):
+class _VerifiedFile(SeekableFile):
     """A seekable read-only file over ranged reads of one object, for pyarrow, that hands
     out only bytes verified against the manifest's per-block checksums of that object:
     a read fetches the whole blocks it touches and checks each before copying from it."""
 
     def __init__(self, store: Store, key: str, digest: dict[str, Any], where: str) -> None:
-        self._store, self._key, self._where, self._pos = store, key, where, 0
-        self._size, self._block, self._sums = digest["bytes"], digest["block"], digest["blocks"]
+        super().__init__(digest["bytes"])
+        self._store, self._key, self._where = store, key, where
+        self._block, self._sums = digest["block"], digest["blocks"]
         self._cache: OrderedDict[int, bytes] = OrderedDict()
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
 
     def _get(self, b: int) -> bytes:
         data = self._cache.get(b)

@@ -7,6 +7,8 @@ shard, sample key, byte offset or state path) and, where there is one, what to d
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "DatapipeError",
     "OptionError",
@@ -32,6 +34,8 @@ __all__ = [
     "ThrottledError",
     "TruncatedReadError",
     "ObjectChangedError",
+    "LeaseBusyError",
+    "LeaseLostError",
     "CacheBudgetError",
     "CacheOptionError",
     "PlanError",
@@ -44,6 +48,7 @@ __all__ = [
     "NoCheckpointError",
     "CorruptCheckpointError",
     "UnsupportedStateError",
+    "HealthError",
 ]
 
 
@@ -162,6 +167,26 @@ class ObjectChangedError(StorageError):
     """An object was rewritten while it was being read, so its parts would not agree."""
 
 
+class LeaseBusyError(StorageError):
+    """Another live writer holds the lease. ``holder``: its document (None if unreadable);
+    ``local``: the lease is a flock (freed when the holder's process exits); ``frees``:
+    how the lease of a dead holder is freed, for messages."""
+
+    def __init__(self, message: str, holder: dict[str, Any] | None, local: bool, frees: str) -> None:
+        super().__init__(message)
+        self.holder = holder
+        self.local = local
+        self.frees = frees
+
+
+class LeaseLostError(StorageError):
+    """This writer no longer holds its lease; ``why`` says how it was lost."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+
+
 class CacheBudgetError(StorageError):
     """A cache budget cannot hold what it is asked to hold."""
 
@@ -229,3 +254,12 @@ class CorruptCheckpointError(CheckpointError, IntegrityError):
 
 class UnsupportedStateError(CheckpointError, TypeError):
     """The state holds an object the checkpoint format cannot store; names its path."""
+
+
+# --- health: telemetry, straggler boards, tier checks ----------------------------------
+
+
+class HealthError(DatapipeError):
+    """Telemetry, a health board or a tier check could not do its job: a worker's counters
+    that do not parse, a metrics port that cannot be bound, a board that cannot be read.
+    A tier that fails its check is not an error: it is reported as failed."""

@@ -50,14 +50,14 @@ def is_parquet_source(url: str, storage_options: dict[str, Any] | None = None) -
         path = url[len("file://"):] if url.startswith("file://") else url
         if not os.path.isdir(path) or os.path.exists(os.path.join(path, "manifest.json")):
             return False
-        from .pack.commit import WORK
-        from .tarindex.build import RECORDS
+        from .publish import WORK
+        from .tarindex import RECORDS
 
         # the work folders pack and index write beside their index files: a folder holding
         # one is a datapipe destination whose manifest is still to come, not a table
         if any(os.path.isdir(os.path.join(path, ours)) for ours in (WORK, RECORDS)):
             return False
-        from .pack.sources import is_parquet_tree
+        from .packing import is_parquet_tree
 
         return is_parquet_tree(path)
     store = open_store(url, storage_options)
@@ -79,7 +79,7 @@ class ParquetTable:
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         import pyarrow as pa
 
-        from .pack.sources import parquet_dataset, row_group_bytes
+        from .packing import parquet_dataset, row_group_bytes
 
         self.url = os.fspath(url).rstrip("/")
         refuse_chained_url(self.url)
@@ -163,7 +163,7 @@ class ParquetTable:
         default here), else a :class:`~datapipe.errors.FormatError` before it is decoded."""
         import pyarrow as pa
 
-        from .pack.sources import read_fragment
+        from .packing import read_fragment
 
         frag, rg, rel = self._row_groups[i]
         if self._stat(rel) != self._files[rel]:

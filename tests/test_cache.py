@@ -260,7 +260,7 @@ def test_local_path_verifies_and_names_the_url(tmp_path):
 def test_counters_lose_no_update_under_threads():
     from concurrent.futures import ThreadPoolExecutor
 
-    from datapipe.cache.process import Stats
+    from datapipe.cache.state import Stats
 
     stats = Stats()
 

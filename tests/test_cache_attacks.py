@@ -18,7 +18,8 @@ from functools import partial
 
 import pytest
 
-from datapipe.cache import Tier, TieredCache
+from datapipe.cache import CacheTier as Tier
+from datapipe.cache import TieredCache
 from datapipe.cache.warm import url_key
 from datapipe.checksum import checksum
 from datapipe.errors import CacheBudgetError, ObjectChangedError, StorageError

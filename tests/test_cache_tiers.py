@@ -359,7 +359,7 @@ def test_a_shared_copy_with_a_garbage_record_is_never_served(tmp_path, record, p
 
 # -- more than one node-local directory ---------------------------------------------------
 def test_a_second_local_dir_fills_from_below_and_serves_what_the_first_evicted(tmp_path):
-    from datapipe.cache import Tier
+    from datapipe.cache import CacheTier as Tier
 
     cold = tmp_path / "cold"
     cold.mkdir()
@@ -389,7 +389,7 @@ def test_a_second_local_dir_fills_from_below_and_serves_what_the_first_evicted(t
 
 
 def test_local_tiers_are_checked(tmp_path):
-    from datapipe.cache import Tier
+    from datapipe.cache import CacheTier as Tier
 
     with pytest.raises(CacheBudgetError, match="bytes > 0"):
         TieredCache(warm_dir=tmp_path / "a", warm_bytes=1, local_tiers=[Tier(tmp_path / "b", 0)])

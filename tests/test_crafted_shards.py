@@ -18,7 +18,7 @@ import datapipe.loader
 from benchmarks.fuzz_reader import deadline
 from datapipe.errors import DatapipeError
 from datapipe.format import SampleRecords, ShardRecord
-from datapipe.pack.commit import write_index
+from datapipe.publish import write_index
 from datapipe.storage import open_store
 
 EOA = b"\0" * 1024

@@ -16,7 +16,7 @@ import pytest
 import datapipe
 from datapipe.errors import DatapipeError
 from datapipe.format import SampleRecords, ShardRecord
-from datapipe.pack.commit import write_index
+from datapipe.publish import write_index
 from datapipe.storage import open_store
 
 

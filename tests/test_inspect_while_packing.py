@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 
-from datapipe.pack.lock import WriterLock
+from datapipe.publish import WriterLock
 from datapipe.storage import open_store
 from datapipe.storage.lease import current_holder
 
@@ -41,7 +41,7 @@ def test_a_pack_that_died_still_gets_the_advice_to_run_it_again(tmp_path):
     dest = str(tmp_path / "ds")
     holder = textwrap.dedent(f"""
         import os, sys, time
-        from datapipe.pack.lock import WriterLock
+        from datapipe.publish import WriterLock
         from datapipe.storage import open_store
         lock = WriterLock(open_store({dest!r})).__enter__()
         open({str(tmp_path / "work.tmp")!r}, "w").write("a temporary of the killed pack")

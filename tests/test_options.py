@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import datapipe
 from datapipe import ShardWriter, Stream, StreamingDataLoader, StreamingDataset, TieredCache, open_dataset
-from datapipe.cache import Tier
+from datapipe.cache import CacheTier as Tier
 from datapipe.decode import DECODER_NAMES, make_decoder
 from datapipe.errors import (
     CacheBudgetError,

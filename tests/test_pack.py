@@ -109,7 +109,7 @@ def test_pack_jsonl_and_parquet(tmp_path):
 
 _CRASH_SCRIPT = """
 import os, signal, sys, datapipe
-from datapipe.pack.journal import Journal
+from datapipe.publish import Journal
 
 record = Journal.record
 recorded = []

@@ -66,7 +66,7 @@ _SWAP_AFTER_LISTING = """
 import os, sys
 import importlib
 import datapipe
-packer = importlib.import_module("datapipe.pack.packer")  # datapipe.pack is also the function
+packer = importlib.import_module("datapipe.packing.packer")
 
 real = packer.list_directory
 def listing(*a, **k):
@@ -198,7 +198,7 @@ def test_any_tree_of_links_and_special_files_packs_exactly_its_regular_files(kin
 
 @pytest.mark.parametrize("change", [b"grown!", b""])
 def test_changed_input_names_the_file_that_changed(tmp_path, monkeypatch, change):
-    packer = importlib.import_module("datapipe.pack.packer")  # datapipe.pack is also the function
+    packer = importlib.import_module("datapipe.packing.packer")
     src = str(tmp_path / "src")
     for field in ("cls", "jpg", "json"):
         _write(os.path.join(src, f"k.{field}"), b"0123456789")
@@ -291,7 +291,7 @@ def test_damaged_journal_is_a_named_error_or_repacked(tmp_path):
     assert datapipe.verify_dataset(str(dest)).ok
     # a pack stopped after recording its shards, before its index; one record then damaged
     shutil.rmtree(dest)
-    packer = importlib.import_module("datapipe.pack.packer")
+    packer = importlib.import_module("datapipe.packing.packer")
 
     def killed(*a, **k):
         raise KeyboardInterrupt

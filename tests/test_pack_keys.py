@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 import datapipe
 from datapipe.errors import PackOptionError
 from datapipe.format.tar import split_member_name
-from datapipe.pack import file_key
-from datapipe.pack.sources import DOT_FILE, DOT_FOLDER, LINKED_FOLDER, NO_EXTENSION
+from datapipe.packing import file_key
+from datapipe.packing.sources import DOT_FILE, DOT_FOLDER, LINKED_FOLDER, NO_EXTENSION
 
 # relative path -> content: the kinds of names a real /usr/share tree holds
 TREE = {

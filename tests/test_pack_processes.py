@@ -89,7 +89,7 @@ _KILL_AT = """
 import os, signal, sys
 import datapipe
 from datapipe.format.shard import ShardBuilder
-from datapipe.pack.journal import Journal
+from datapipe.publish import Journal
 from datapipe.storage import LocalStore
 
 def die(*a, **k):
@@ -352,7 +352,7 @@ def test_a_failed_pack_leaves_no_lock_or_folder_behind(tmp_path):
 
 
 def test_join_is_refused_while_another_writer_holds_the_destination(tmp_path):
-    from datapipe.pack.lock import WriterLock
+    from datapipe.publish import WriterLock
     from datapipe.storage import open_store
 
     src = tmp_path / "src"
@@ -374,7 +374,7 @@ def test_object_store_lease_is_exact_and_checked_before_commit(s3):
     conditional writes, not a read-back); a holder whose lease is gone cannot commit."""
     import threading
 
-    from datapipe.pack.lock import WriterLock
+    from datapipe.publish import WriterLock
 
     store = _s3_store(s3)
     start = threading.Barrier(4)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from datapipe.errors import FormatError, InputFileError
 from datapipe.format.parquet_pages import chunk_pages
-from datapipe.pack.sources import parquet_dataset, read_fragment
+from datapipe.packing import parquet_dataset, read_fragment
 
 _IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 

@@ -17,7 +17,7 @@ import datapipe.ray as dr  # noqa: E402
 from datapipe import cli  # noqa: E402
 from datapipe.errors import DestinationBusyError, DuplicateKeyError  # noqa: E402
 from datapipe.format import MANIFEST  # noqa: E402
-from datapipe.pack.lock import WriterLock  # noqa: E402
+from datapipe.publish import WriterLock  # noqa: E402
 from datapipe.storage import open_store  # noqa: E402
 from tools.corpus import generate_corpus, read_corpus  # noqa: E402
 

@@ -11,9 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from datapipe.format import shard_name
-from datapipe.pack.commit import retract_dataset
-from datapipe.pack.sources import list_directory
-from datapipe.pack.writer import ShardLimits, ShardSeries
+from datapipe.packing import list_directory
+from datapipe.publish import ShardLimits, ShardSeries, retract_dataset
 from datapipe.storage import LocalStore
 
 _NAMES = st.sampled_from(["a.jpg", "a.json", "b.txt", "b.tar.gz", "c", ".hidden.txt", "d.x.y", "E.PNG", "a.cls"])
@@ -103,7 +102,7 @@ _NO_RAY = "import sys; sys.modules['ray'] = None\n"
 
 def test_datapipe_works_without_ray_and_says_what_to_install(tmp_path):
     code = _NO_RAY + (
-        "import datapipe, datapipe.pack\n"
+        "import datapipe, datapipe.packing, datapipe.publish\n"
         "try:\n"
         "    import datapipe.ray\n"
         "except ImportError as e:\n"

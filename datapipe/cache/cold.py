@@ -20,9 +20,18 @@ from ..errors import (
     StorageError,
     ThrottledError,
 )
-from ..storage import FsspecStore, Store, open_store, split_url
-from ..storage.retry import RetryPolicy, call_with_retry, fetch_object, fetch_range, single_layer_options
-from ..storage.store import is_local_url
+from ..storage import (
+    FsspecStore,
+    RetryPolicy,
+    Store,
+    call_with_retry,
+    fetch_object,
+    fetch_range,
+    is_local_url,
+    open_store,
+    single_layer_options,
+    split_url,
+)
 from .hot import InflightBytes
 from .pacing import ColdPacer, PacedStore
 
@@ -91,6 +100,14 @@ class ColdReader:
 
     def size(self, url: str) -> int:
         return self.stat(url)[0]
+
+    def known_size(self, url: str, *, probe: bool) -> int | None:
+        """The size remembered from an earlier probe; without one, a probe when ``probe``,
+        else None."""
+        size = self.sizes.get(url)
+        if size is None and probe:
+            size = self.size(url)
+        return size
 
     def stat(self, url: str, *, fresh: bool = False) -> tuple[int, str | None]:
         """(size, version) of the cold object, remembered per process; ``fresh`` asks again

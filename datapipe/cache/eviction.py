@@ -24,6 +24,9 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable, KeysView, Sequence
 from typing import Generic, Protocol, TypeVar
 
+from ..errors import OptionError
+from ..options import check_int
+
 __all__ = ["NEVER", "Schedule", "NextUses", "VictimChooser", "choose_victims", "belady_hits", "lru_hits"]
 
 NEVER = float("inf")
@@ -74,10 +77,9 @@ class Schedule(Generic[K]):
 
     def __init__(self, keys: Sequence[K], position: int = 0, window: int = 64) -> None:
         self.keys = list(keys)
-        if not 0 <= position <= len(self.keys):
-            raise ValueError(f"schedule position {position} outside [0, {len(self.keys)}]")
-        self.position = position
-        self.window = window
+        self.position = check_int("position", position, min=0, max=len(self.keys),
+                                  hint=f"a schedule position within its {len(self.keys)} reads")
+        self.window = check_int("window", window, min=0, hint="how many reads ahead of the position a read may be")
         self.frontier = position
         self._claimed: set[int] = set()  # indexes in [frontier, position) a read took
         self._in_flight: set[int] = set()  # of those, the reads not yet served
@@ -152,7 +154,7 @@ class Schedule(Generic[K]):
     def advance(self, n: int = 1) -> int:
         """Skip ``n`` reads: they count as served."""
         if n < 0:
-            raise ValueError(f"a schedule only moves forward; advance({n})")
+            raise OptionError(f"a schedule only moves forward; advance({n})")
         end = min(len(self.keys), self.position + n)
         # the frontier lags the position by at most _lag(): only those indexes need a mark
         self._claimed.update(range(max(self.position, end - self._lag()), end))

@@ -1,5 +1,5 @@
-"""The hot tier (whole objects in this process's memory), the bound on bytes in flight, and
-the ordering of scheduled prefetches."""
+"""The hot tier (whole objects in this process's memory), the bound on bytes in flight, the
+ordering of scheduled prefetches, and the wait of a pin for room."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ import time
 from ..errors import CacheBudgetError
 from .eviction import VictimChooser
 
-__all__ = ["HotTier", "InflightBytes", "Turns"]
-
-
+__all__ = ["HotTier", "InflightBytes", "Turns", "Room"]
 
 
 class HotTier:
@@ -147,3 +145,20 @@ class Turns:
         with self._cond:
             self.closed = True
             self._cond.notify_all()
+
+
+class Room:
+    """Where a pin waiting for room in a directory tier sleeps: this process's releases,
+    fills and discards wake it (pins of other processes are released without a signal that
+    crosses processes, so a waiter also looks again after a timeout)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait(timeout)

@@ -40,8 +40,8 @@ from typing import Any
 
 import xxhash
 
-from ..storage import Store
-from ..storage.retry import is_throttle, queued
+from ..errors import OptionError
+from ..storage import Store, is_throttle, queued
 from .lockfds import close_lock, open_lock
 
 __all__ = ["ColdPacer", "PacedStore", "pacing_prefix", "pacing_state", "PACING_DIR", "DEFAULT_CEILING"]
@@ -107,7 +107,7 @@ class ColdPacer:
     def __init__(self, root: str | None, *, ceiling: int = DEFAULT_CEILING,
                  count: Callable[..., None] = lambda **_: None) -> None:
         if ceiling < 1:
-            raise ValueError(f"cold_concurrency must be >= 1, got {ceiling}")
+            raise OptionError(f"cold_concurrency must be >= 1, got {ceiling}")
         self.ceiling = ceiling
         self.count = count
         self.dir = None if root is None else os.path.join(root, PACING_DIR)

@@ -33,31 +33,28 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..checksum import checksum as compute_checksum
 from ..errors import DatapipeError, ObjectChangedError, StorageError
-from ..storage.lease import MAX_LEASE_BYTES, SharedFileLease
-from .cold import CHANGE_RESTARTS, SizeChanged
-from .eviction import VictimChooser
+from ..storage import MAX_LEASE_BYTES, SharedFileLease
+from .cold import CHANGE_RESTARTS, ColdReader, SizeChanged
 from .lockfds import open_lock
+from .tier import Count, DirTier, Route, Warn
 from .warm import (
     DISK_FULL_ERRNOS,
     SHARED_FORMAT,
     WarmDir,
-    _check_warm_dir,
-    _open_regular,
+    check_cache_dir,
     claim_dir,
     dir_meta,
+    open_regular,
     url_key,
     valid_record,
 )
 
 __all__ = ["SharedDir", "SharedTier", "shared_dir_stats", "clear_shared_dir", "is_shared_dir", "SHARED_MARKER",
            "DEFAULT_LEASE_TIMEOUT_S", "DEFAULT_SHARED_WAIT_S"]
-
-if TYPE_CHECKING:
-    from .process import ProcessState
 
 SHARED_MARKER = {"format": SHARED_FORMAT, "version": 1}
 DEFAULT_LEASE_TIMEOUT_S = 30.0
@@ -111,7 +108,7 @@ class SharedDir(WarmDir):
         os.replace(tmp, os.path.join(self.records_dir, key))
 
     def record_of(self, key: str, fd: int | None = None) -> tuple[int, str] | None:
-        rfd = _open_regular(os.path.join(self.records_dir, key))
+        rfd = open_regular(os.path.join(self.records_dir, key))
         if rfd is None:
             return None
         try:
@@ -221,7 +218,7 @@ class SharedDir(WarmDir):
 
     def _writer_alive(self, key: str, owner: str) -> bool:
         """Whether ``key``'s lease is held by ``owner`` and has beaten lately."""
-        fd = _open_regular(os.path.join(self.leases, key))
+        fd = open_regular(os.path.join(self.leases, key))
         if fd is None:
             return False
         try:
@@ -246,129 +243,116 @@ class SharedDir(WarmDir):
             pass  # only a statistic
 
 
-class SharedTier:
-    """One process's use of a shared directory: ``size`` and ``fetch`` of a URL through it
-    (see the module docstring). ``fetch`` returns the bytes and where they came from
-    (``"shared"`` or ``"cold"``); counters go to the process's stats as ``shared_*``."""
+class SharedTier(DirTier):
+    """One process's use of a shared directory as a tier (tier.py; see the module
+    docstring): a copy of another node's is a hit; a miss is filled from cold under the
+    key's lease, by one node of the cluster while the others wait. Bytes it had to fetch
+    count as cold's for the tier above (``warm_from_cold``): its own are ``shared_fills``."""
 
-    def __init__(self, root: str, budget_bytes: int, *, lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
-                 wait_s: float = DEFAULT_SHARED_WAIT_S) -> None:
-        self.dir = SharedDir(root, budget_bytes, lease_timeout_s)
+    dir: SharedDir
+
+    def __init__(self, root: str, budget_bytes: int, *, rank: int, cold: ColdReader, count: Count, warn: Warn,
+                 lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S, wait_s: float = DEFAULT_SHARED_WAIT_S,
+                 repair: Callable[[OSError], bool] | None = None) -> None:
+        super().__init__("shared", rank, SharedDir(root, budget_bytes, lease_timeout_s), cold=cold, count=count,
+                         warn=warn, repair=repair)
         self.wait_s = float(wait_s)
         self.cleaned = self.dir.cleaned
+        self.fetched_as = "cold"
 
     @property
     def root(self) -> str:
         return self.dir.root
 
-    def size(self, state: ProcessState, url: str) -> int:
-        """The object's size: from the record of a published copy (no request to cold),
-        else from cold."""
+    def known_size(self, url: str) -> int | None:
+        """From the record of a published copy (no request to cold)."""
         key = url_key(url)
         if os.path.exists(self.dir.path(key)):
             rec = self.dir.record_of(key)
             if rec is not None:
                 return rec[0]
-        return state.cold.size(url)
+        return None
 
-    def _copy(self, state: ProcessState, url: str, key: str, checksum: str | None) -> bytes | None:
-        """The published copy, verified against its record and ``checksum``; a copy that
-        fails is removed (only the file we checked) and None returned."""
-        from .fill import read_verified  # fill.py imports process.py, which opens this tier
+    def vanished(self, e: OSError) -> bool:
+        """Evicted under us by another host."""
+        return not isinstance(e, DatapipeError) and e.errno in (errno.ESTALE, errno.ENOENT, errno.EIO)
 
-        fd = self.dir.open_pinned(key)
-        if fd is None:
-            return None
-        try:
-            data = read_verified(state, self.dir, url, fd, checksum, tier="shared")
-        except OSError as e:
-            os.close(fd)
-            if isinstance(e, DatapipeError) or e.errno not in (errno.ESTALE, errno.ENOENT, errno.EIO):
-                raise
-            return None  # evicted under us by another host
-        if data is None:
-            self.dir.discard(key, fd)
-        else:
-            os.close(fd)
-        return data
-
-    def fetch(self, state: ProcessState, url: str, checksum: str | None, chooser: Callable[[], VictimChooser], *,
-              fixed_size: int | None = None, background: bool = False) -> tuple[bytes, str]:
+    def fill(self, url: str, checksum: str | None, route: Route, *,
+             fixed_size: int | None = None) -> tuple[bytes, str]:
+        """Take the key's lease and download, or wait for the node that holds it (polling
+        for its published copy, at most ``wait_s``; a lease whose holder falls silent is
+        taken over), or read around it from cold."""
         key = url_key(url)
         lease = self.dir.lease(key, url=url)
         t0 = time.monotonic()
         pause = _POLL_MIN_S
-        counted_miss = waited = False
+        waited = False
         try:
             while True:
-                data = self._copy(state, url, key, checksum)
-                if data is not None:
-                    state.stats.update(shared_hits=1, shared_bytes=len(data))
-                    return _sized(data, fixed_size), "shared"
-                if not counted_miss:
-                    state.stats.update(shared_misses=1)
-                    counted_miss = True
                 try:
                     got = lease.try_acquire()
                 except StorageError as e:  # a lease path that is no lease file of ours
-                    state.warn("shared_lease", f"shared cache {self.root}: {e}; reading {url} around it")
-                    return self._read_around(state, url, key, checksum, fixed_size, background), "cold"
+                    self.warn("shared_lease", f"shared cache {self.root}: {e}; reading {url} around it")
+                    return self._read_around(url, key, checksum, fixed_size, route.background), "cold"
                 if lease.takeovers:
-                    state.stats.update(shared_takeovers=lease.takeovers)
+                    self.count_event("takeovers", lease.takeovers)
                     lease.takeovers = 0
                 if got:
                     try:
-                        data = self._copy(state, url, key, checksum)  # published while we waited
-                        if data is not None:
-                            state.stats.update(shared_hits=1, shared_bytes=len(data))
-                            return _sized(data, fixed_size), "shared"
-                        return self._fill(state, url, key, checksum, chooser, lease, fixed_size, background)
+                        found = self.lookup(url, checksum)  # published while we waited
+                        if found.data is not None:
+                            self.count_hit(len(found.data))
+                            return found.data, "shared"
+                        return self._fill(url, key, checksum, route, lease, fixed_size)
                     finally:
                         lease.release()
                 if time.monotonic() - t0 >= self.wait_s:
-                    state.stats.update(shared_read_around=1)
-                    return self._read_around(state, url, key, checksum, fixed_size, background), "cold"
+                    self.count_read_around()
+                    return self._read_around(url, key, checksum, fixed_size, route.background), "cold"
                 if not waited:
-                    state.stats.update(shared_waits=1)
+                    self.count_event("waits")
                     waited = True
                 time.sleep(pause)
                 pause = min(_POLL_MAX_S, self.dir.lease_timeout_s / 8, pause * 2)
+                found = self.lookup(url, checksum)
+                if found.data is not None:
+                    self.count_hit(len(found.data))
+                    return found.data, "shared"
         finally:
-            if waited and not background:
-                state.stats.update(wait_seconds=time.monotonic() - t0)
+            if waited and not route.background:
+                self.count(wait_seconds=time.monotonic() - t0)
 
-    def _read_around(self, state: ProcessState, url: str, key: str, checksum: str | None,
-                     fixed_size: int | None, background: bool) -> bytes:
-        data = state.cold.fetch(url, checksum, fixed_size=fixed_size, background=background)
+    def _read_around(self, url: str, key: str, checksum: str | None, fixed_size: int | None,
+                     background: bool) -> bytes:
+        data = self.cold.fetch(url, checksum, fixed_size=fixed_size, background=background)
         self.dir.note_cold_get(key)
         return data
 
-    def _fill(self, state: ProcessState, url: str, key: str, checksum: str | None,
-              chooser: Callable[[], VictimChooser], lease: SharedFileLease, fixed_size: int | None,
-              background: bool) -> tuple[bytes, str]:
+    def _fill(self, url: str, key: str, checksum: str | None, route: Route, lease: SharedFileLease,
+              fixed_size: int | None) -> tuple[bytes, str]:
         """Under the key's lease: room reserved, the object fetched from cold once, the copy
         published. Without room (or with a full disk) the bytes are still returned."""
-        state.stats.update(shared_tmp_cleaned=self.dir.drop_tmp_of_others(key, lease.writer))
+        self.count_event("tmp_cleaned", self.dir.drop_tmp_of_others(key, lease.writer))
         resized = 0
         while True:
-            size = state.cold.size(url)
+            size = self.cold.size(url)
             if fixed_size is not None and size != fixed_size:
                 raise SizeChanged()
             res = None
             if size <= self.dir.budget:
                 before = self.dir.evictions
                 try:
-                    res = self.dir.reserve(key, size, chooser(), owner=lease.writer)
+                    res = self.dir.reserve(key, size, route.chooser(), owner=lease.writer)
                 except OSError as e:
                     if e.errno not in DISK_FULL_ERRNOS:
                         raise
-                    state.warn("shared_full", f"shared cache {self.root} cannot take {url} ({e}); reading through")
-                state.stats.update(shared_evictions=self.dir.evictions - before)
+                    self.warn("shared_full", f"shared cache {self.root} cannot take {url} ({e}); reading through")
+                self.count_event("evictions", self.dir.evictions - before)
             if res is None:
-                state.stats.update(shared_not_admitted=1)
-                return self._read_around(state, url, key, checksum, fixed_size, background), "cold"
+                self.count_event("not_admitted")
+                return self._read_around(url, key, checksum, fixed_size, route.background), "cold"
             try:
-                data = state.cold.fetch(url, checksum, fixed_size=size, background=background)
+                data = self.cold.fetch(url, checksum, fixed_size=size, background=route.background)
             except SizeChanged:
                 res.abort()
                 resized += 1
@@ -387,19 +371,13 @@ class SharedTier:
                 res.abort()
                 if isinstance(e, DatapipeError):
                     raise
-                state.warn("shared_full", f"shared cache {self.root} could not keep {url} ({e}); reading through")
+                self.warn("shared_full", f"shared cache {self.root} could not keep {url} ({e}); reading through")
                 return data, "cold"
             except BaseException:
                 res.abort()
                 raise
-            state.stats.update(shared_fills=1)
+            self.count_event("fills")
             return data, "cold"
-
-
-def _sized(data: bytes, fixed_size: int | None) -> bytes:
-    if fixed_size is not None and len(data) != fixed_size:
-        raise SizeChanged()
-    return data
 
 
 def is_shared_dir(root: str) -> bool:
@@ -409,7 +387,7 @@ def is_shared_dir(root: str) -> bool:
 
 
 def _check_shared_dir(root: str) -> str:
-    return _check_warm_dir(root, SHARED_MARKER, "shared", "shared_dir")
+    return check_cache_dir(root, SHARED_MARKER, "shared", "shared_dir")
 
 
 def shared_dir_stats(root: str) -> dict[str, Any]:

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -43,26 +42,20 @@ from ..options import (
 from ..storage import RetryPolicy, Store
 from .cold import CHANGE_RESTARTS, checksum_ok
 from .eviction import NextUses, Schedule, VictimChooser, choose_victims
-from .fill import fetch_below, fill, read_verified, size_below
 from .future import MergedFuture, future_key
 from .node_stats import COUNTER_KEYS, FLUSH_INTERVAL_S, sum_counter_files
+from .nodelocal import LocalTier
 from .pacing import DEFAULT_CEILING
-from .process import ProcessState
+from .settings import CacheTier, check_local_tiers, refuse_shared_folders
 from .shared import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_SHARED_WAIT_S
-from .warm import BROKEN_DIR_ERRNOS, WarmDir, url_key
+from .state import ProcessState
+from .walk import WARM_RANK
+from .warm import BROKEN_DIR_ERRNOS, url_key
 
-__all__ = ["TieredCache", "Tier", "CHANGE_RESTARTS"]
+__all__ = ["TieredCache", "CHANGE_RESTARTS"]
 
 #: the most threads ``prefetch_threads`` may start
 MAX_PREFETCH_THREADS = 256
-
-
-@dataclass(frozen=True)
-class Tier:
-    """A node-local directory and its byte budget, for ``TieredCache(local_tiers=...)``."""
-
-    path: str | os.PathLike[str]
-    bytes: int
 
 
 class TieredCache:
@@ -97,7 +90,7 @@ class TieredCache:
     may stay silent before another node takes its lease over; ``shared_wait_s``: how
     long a node waits for another's download before reading cold itself.
     ``local_tiers``: further node-local directories below ``warm_dir`` (a larger, slower
-    disk), each a :class:`Tier` (path, bytes), in order; a miss in one fills from the next
+    disk), each a :class:`CacheTier` (path, bytes), in order; a miss in one fills from the next
     (counters ``local2_*``, ``local3_*``, ...). Pins (:meth:`local_path`) are in
     ``warm_dir``. ``cold_concurrency``: the most requests in flight to one prefix of a remote cold store
     (bucket + first path segment) from the whole node (from this process without a warm
@@ -129,7 +122,7 @@ class TieredCache:
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
         shared_wait_s: float = DEFAULT_SHARED_WAIT_S,
         cold_concurrency: int = DEFAULT_CEILING,
-        local_tiers: Sequence[Tier] = (),
+        local_tiers: Sequence[CacheTier] = (),
     ) -> None:
         B = CacheOptionError  # a budget's error is a CacheBudgetError too
         hot_bytes, warm_bytes = check_bytes("hot_bytes", hot_bytes, error=B), check_bytes("warm_bytes", warm_bytes,
@@ -162,19 +155,9 @@ class TieredCache:
             raise OptionError(f"retry={show(retry)}: expected a datapipe.storage.RetryPolicy or None")
         if cold_wrapper is not None:
             check_callable("cold_wrapper", cold_wrapper, hint="a picklable function Store -> Store, or None")
-        if isinstance(local_tiers, (str, bytes)) or not isinstance(local_tiers, Sequence):
-            raise OptionError(f"local_tiers={show(local_tiers)}: expected a list of Tier(path, bytes)")
-        for i, tier in enumerate(local_tiers):
-            if not isinstance(tier, Tier):
-                raise OptionError(f"local_tiers[{i}]={show(tier)}: local_tiers takes Tier(path, bytes) records")
-            check_path(f"local_tiers[{i}].path", tier.path)
-            if not isinstance(tier.bytes, int) or isinstance(tier.bytes, bool) or tier.bytes <= 0:
-                raise B(f"local tier {tier.path!s} needs bytes > 0, got {show(tier.bytes)}")
-        if local_tiers and warm_dir is None:
-            raise B("local_tiers lie below warm_dir; give warm_dir (the fastest) as well")
-        folders: list[tuple[str, str | os.PathLike[str] | None]] = [("warm_dir", warm_dir), ("shared_dir", shared_dir)]
-        _refuse_shared_folders(folders[:1] + [(f"local_tiers[{i}]", t.path) for i, t in enumerate(local_tiers)]
-                               + folders[1:])
+        tiers = check_local_tiers(local_tiers, warm_dir)
+        refuse_shared_folders([("warm_dir", warm_dir), *((f"local_tiers[{i}]", t.path) for i, t in enumerate(tiers)),
+                               ("shared_dir", shared_dir)])
         self.hot_bytes = hot_bytes
         self.warm_dir = os.fspath(warm_dir) if warm_dir is not None else None
         self.warm_bytes = warm_bytes
@@ -190,7 +173,7 @@ class TieredCache:
         self.lease_timeout_s = float(lease_timeout_s)
         self.shared_wait_s = float(shared_wait_s)
         self.cold_concurrency = cold_concurrency
-        self.local_tiers = tuple(Tier(os.fspath(t.path), t.bytes) for t in local_tiers)
+        self.local_tiers = tiers
         self.schedule: Schedule[str] | None = None
         self._warm_urls: tuple[Schedule[str], dict[str, str]] | None = None  # warm file name -> URL
         self.schedule_checksums: dict[str, str] = {}
@@ -216,15 +199,7 @@ class TieredCache:
             with self._process_lock:
                 state = self._process
                 if state is None or state.pid != os.getpid() or state.closed:
-                    state = self._process = ProcessState(
-                        hot_bytes=self.hot_bytes, warm_dir=self.warm_dir, warm_bytes=self.warm_bytes,
-                        storage_options=self.storage_options, retry=self.retry,
-                        max_inflight_bytes=self.max_inflight_bytes, prefetch_threads=self.prefetch_threads,
-                        cold_wrapper=self.cold_wrapper, stats_interval_s=self.stats_interval_s,
-                        shared_dir=self.shared_dir, shared_bytes=self.shared_bytes,
-                        lease_timeout_s=self.lease_timeout_s, shared_wait_s=self.shared_wait_s,
-                        cold_concurrency=self.cold_concurrency,
-                        local_tiers=tuple((os.fspath(t.path), t.bytes) for t in self.local_tiers))
+                    state = self._process = ProcessState(self)
         return state
 
     def _current_state(self) -> ProcessState | None:
@@ -238,7 +213,7 @@ class TieredCache:
         """Before a download for the hot tier: an object it can never hold is an error
         now, not after its bytes were fetched and kept in warm."""
         if self.hot_bytes > 0:
-            self._refuse_over_hot(url, size_below(state, url))
+            self._refuse_over_hot(url, state.tiers.size(url))
 
     def _refuse_over_hot(self, url: str, size: int) -> None:
         if size > self.hot_bytes:
@@ -247,7 +222,7 @@ class TieredCache:
 
     def has_shared_tier(self) -> bool:
         """True when the shared tier opened in this process (else reads go to cold)."""
-        return self._state().shared is not None
+        return self._state().tiers.shared is not None
 
     def has_warm_tier(self) -> bool:
         """True when the warm tier opened in this process. A ``warm_dir`` that cannot be
@@ -288,82 +263,30 @@ class TieredCache:
         state.stats.update(hot_evictions=state.hot.evictions - before)
 
     def _below_hot(self, state: ProcessState, url: str, checksum: str | None, index: int | None) -> bytes:
-        warm = state.warm
+        chooser = self._dir_chooser(url, index)
+        warm = state.tiers.warm
         if warm is not None:
             for _attempt in (0, 1):  # once more after re-creating a deleted warm directory
                 try:
-                    return self._from_warm(state, warm, url, checksum, index)
+                    data, _origin = state.tiers.step(warm, url, checksum, chooser,
+                                                     before_fill=partial(self._check_hot_fits, state, url))
+                    return data
                 except OSError as e:
-                    if not state.warm_broken(e):
+                    if not warm.broken(e):
                         raise
-                    if state.warm is not warm:
+                    if state.tiers.warm is not warm:
                         break  # given up (someone else's folder at its path now)
-            self._check_hot_fits(state, url)
-            return fetch_below(state, url, checksum, self._shared_chooser(url, index), into="hot")
-        fut = state.pending.get(url)
-        if fut is not None:  # a prefetch of this URL is under way: wait for it
-            t0 = time.monotonic()
-            fut.exception()
-            state.stats.update(wait_seconds=time.monotonic() - t0)
-            hit = state.hot.get(url)  # already counted as a hot miss; the wait shows
-            if hit is not None and (checksum is None or checksum == hit[1] or checksum_ok(hit[0], checksum)):
-                return hit[0]
+        else:
+            fut = state.pending.get(url)
+            if fut is not None:  # a prefetch of this URL is under way: wait for it
+                t0 = time.monotonic()
+                fut.exception()
+                state.stats.update(wait_seconds=time.monotonic() - t0)
+                hit = state.hot.get(url)  # already counted as a hot miss; the wait shows
+                if hit is not None and (checksum is None or checksum == hit[1] or checksum_ok(hit[0], checksum)):
+                    return hit[0]
         self._check_hot_fits(state, url)
-        return fetch_below(state, url, checksum, self._shared_chooser(url, index), into="hot")
-
-    def _from_warm(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None,
-                   index: int | None) -> bytes:
-        key = url_key(url)
-        fd = warm.open_pinned(key)
-        if fd is not None:
-            try:
-                data = read_verified(state, warm, url, fd, checksum)
-            except BaseException:
-                os.close(fd)
-                raise
-            if data is None:
-                if not warm.discard(key, fd):  # pinned elsewhere: it stays, so read around it
-                    state.stats.update(warm_read_around=1)
-                    return fetch_below(state, url, checksum, self._shared_chooser(url, index), into="warm")
-            else:
-                os.close(fd)
-                state.stats.update(warm_hits=1, warm_bytes=len(data))
-                return data
-        state.stats.update(warm_misses=1)
-        self._check_hot_fits(state, url)
-        filled: bytes = self._fill(state, warm, url, checksum, index)
-        return filled
-
-    def _fill(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None, index: int | None, *,
-              pin: bool = False, read_through: bool = False, prefetch: bool = False, prefetch_at: int | None = None,
-              ticket: int | None = None) -> Any:
-        """Fetch ``url`` into the warm tier under the node-wide single-flight lock. Returns
-        the bytes, or with ``pin`` an fd pinning the published copy (always admitted); with
-        ``pin`` and ``read_through``, the fd when the policy admits the object, else its
-        bytes read through (see :func:`fill`). A prefetch returns None, and downloads
-        nothing when the policy would not admit the object (``prefetch_at``: its index in
-        the schedule; ``ticket``: its place in the order in which scheduled prefetches
-        reserve space)."""
-        force = pin and not read_through
-
-        def chooser() -> VictimChooser:
-            return self._chooser(url, index, prefetch_at=prefetch_at, force=force, to_url=self._warm_key_to_url(),
-                                 node=True)
-
-        if ticket is None:
-            return fill(state, warm, url, checksum, chooser, pin=pin, read_through=read_through, prefetch=prefetch,
-                        pin_wait_s=self.pin_wait_s)
-        try:
-            size_below(state, url)  # the HEAD request overlaps; only reservations go in turn
-            if not state.turns.wait(ticket):
-                return None
-            s = self.schedule
-            if s is not None and prefetch_at is not None and prefetch_at < s.position:
-                return None  # the reader got there first
-            return fill(state, warm, url, checksum, chooser, prefetch=True, ticket=ticket,
-                        pin_wait_s=self.pin_wait_s)
-        finally:
-            state.turns.done(ticket)
+        return state.tiers.read(url, checksum, chooser, into="hot", below=WARM_RANK)
 
     # -- byte ranges -------------------------------------------------------------------
     def read_range(self, url: str, start: int, end: int, *, checksum: str | None = None) -> bytes:
@@ -392,55 +315,56 @@ class TieredCache:
             state.stats.update(hot_hits=1, hot_bytes=end - start)
             return _slice(hit[0], start, end, url)
         state.stats.update(hot_misses=1)
-        warm = state.warm
+        warm = state.tiers.warm
         if warm is not None:
             for _attempt in (0, 1):  # once more after re-creating a deleted warm directory
                 try:
                     return self._range_from_warm(state, warm, url, start, end, index, checksum)
                 except OSError as e:
-                    if not state.warm_broken(e):
+                    if not warm.broken(e):
                         raise
-                    if state.warm is not warm:
+                    if state.tiers.warm is not warm:
                         break  # given up (someone else's folder at its path now)
         return self._range_from_cold(state, url, start, end, index)
 
-    def _range_from_warm(self, state: ProcessState, warm: WarmDir, url: str, start: int, end: int,
+    def _range_from_warm(self, state: ProcessState, warm: LocalTier, url: str, start: int, end: int,
                          index: int | None, checksum: str | None = None) -> bytes:
         """The range from the warm copy; ``checksum`` (of the range): a copy whose range
-        fails it is dropped and filled again, or, pinned by another process, read around."""
-        key = url_key(url)
-        fd: int | None = warm.open_pinned(key)
+        fails it is dropped and filled again, or, pinned by another process, read around.
+        The copy is trusted as read() trusts it: verified whole (hashed once while its
+        identity holds, so later ranges cost one pread), else refused and filled again."""
+        found = warm.lookup(url, None, want_bytes=False, keep=True)
+        kept = found.kept
+        fd = found.fd
         if fd is not None:
             try:
-                # trusted as read() trusts it: verified whole (hashed once while its identity
-                # holds, so later ranges cost one pread), else refused and filled again
-                if read_verified(state, warm, url, fd, None, want_bytes=False) is not None:
-                    size = os.fstat(fd).st_size
-                    if end > size:  # the copy is the whole object: a bad range
-                        _slice(b"", start, end, url, size)
-                    part = os.pread(fd, end - start, start)
-                    if len(part) == end - start and checksum_ok(part, checksum):
-                        state.stats.update(warm_hits=1, warm_bytes=end - start)
-                        return part
-                    if len(part) != end - start:
-                        state.stats.update(warm_corrupt=1)  # shrunk since it was verified
-                kept, fd = fd, None
-                if not warm.discard(key, kept):  # pinned elsewhere: it stays, so read around it
-                    state.stats.update(warm_read_around=1)
-                    return self._range_from_cold(state, url, start, end, index)
-            finally:
-                if fd is not None:
-                    os.close(fd)
-        state.stats.update(warm_misses=1)
+                size = os.fstat(fd).st_size
+                if end > size:  # the copy is the whole object: a bad range
+                    _slice(b"", start, end, url, size)
+                part = os.pread(fd, end - start, start)
+            except BaseException:
+                os.close(fd)
+                raise
+            if len(part) == end - start and checksum_ok(part, checksum):
+                os.close(fd)
+                warm.count_hit(end - start)
+                return part
+            if len(part) != end - start:
+                warm.count_corrupt()  # shrunk since it was verified
+            kept = not warm.discard(url, fd)
+        if kept:  # pinned elsewhere: it stays, so read around it
+            warm.count_read_around()
+            return self._range_from_cold(state, url, start, end, index)
+        warm.count_miss()
         self._check_hot_fits(state, url)
-        data: bytes = self._fill(state, warm, url, None, index)
+        data, _origin = warm.fill(url, None, state.tiers.route(warm, self._dir_chooser(url, index)))
         self._admit_hot(state, url, data, None, index)
         return _slice(data, start, end, url)
 
     def _range_from_cold(self, state: ProcessState, url: str, start: int, end: int, index: int | None) -> bytes:
-        if self.hot_bytes > 0 or state.shared is not None:
+        if self.hot_bytes > 0 or state.tiers.shared is not None:
             self._check_hot_fits(state, url)
-            data = fetch_below(state, url, None, self._shared_chooser(url, index), into="hot")
+            data = state.tiers.read(url, None, self._dir_chooser(url, index), into="hot", below=WARM_RANK)
             self._admit_hot(state, url, data, None, index)
             return _slice(data, start, end, url)
         size = state.cold.size(url)
@@ -474,43 +398,47 @@ class TieredCache:
 
     def _pin(self, url: str, checksum: str | None, caller: str, *, read_through: bool) -> str | bytes:
         state = self._state()
-        warm = state.warm
+        warm = state.tiers.warm
         if warm is None:
             raise StorageError(f"{caller}({url}) needs a usable warm_dir; this cache has none")
         with self._scheduled_read(state, url) as index:  # once per call: retries do not move the position again
             return self._pin_at(state, warm, url, checksum, index, caller, read_through)
 
-    def _pin_at(self, state: ProcessState, warm: WarmDir, url: str, checksum: str | None, index: int | None,
+    def _pin_at(self, state: ProcessState, warm: LocalTier, url: str, checksum: str | None, index: int | None,
                 caller: str, read_through: bool) -> str | bytes:
-        key = url_key(url)
         broken: OSError | None = None
+        route = state.tiers.route(warm, self._dir_chooser(url, index, force=not read_through))
         for _attempt in (0, 1, 2):
             try:
-                fd = warm.open_pinned(key)
-                if fd is not None:
-                    state.stats.update(warm_hits=1)
-                else:
-                    state.stats.update(warm_misses=1)
-                    got = self._fill(state, warm, url, checksum, index, pin=True, read_through=read_through)
-                    if not isinstance(got, int):  # not an fd: not admitted, read through, verified below
-                        return got  # type: ignore[no-any-return]  # _fill returns the bytes here
-                    fd = got
-                if read_verified(state, warm, url, fd, checksum, want_bytes=False) is not None:
-                    with state.lock:
-                        state.pins.setdefault(url, []).append(fd)
-                    return warm.path(key)
-                if not warm.discard(key, fd):  # corrupt copy: fill again, unless pinned elsewhere
+                found = warm.lookup(url, checksum, want_bytes=False, keep=True)
+                fd = found.fd
+                if found.kept:  # a corrupt copy pinned elsewhere
                     return self._pinned_elsewhere(state, url, checksum, index, caller, read_through)
-            except OSError as e:
-                if broken is None and state.warm_broken(e):
-                    broken = e  # re-created (or not): one more try
-                    if state.warm is warm:
+                if fd is not None:
+                    warm.count_hit()
+                else:
+                    warm.count_miss()
+                    got = warm.pin(url, checksum, route, read_through=read_through)
+                    if not isinstance(got, int):  # not an fd: not admitted, read through, verified below
+                        return got
+                    fd = got
+                    if warm.verify(url, fd, checksum, want_bytes=False) is None:  # another's fill, found corrupt
+                        if not warm.discard(url, fd):  # fill again, unless pinned elsewhere
+                            return self._pinned_elsewhere(state, url, checksum, index, caller, read_through)
                         continue
-                    raise StorageError(f"{caller}({url}): warm cache {warm.root} is unusable (its path "
+                with state.lock:
+                    state.pins.setdefault(url, []).append(fd)
+                return warm.path(url)
+            except OSError as e:
+                if broken is None and warm.broken(e):
+                    broken = e  # re-created (or not): one more try
+                    if state.tiers.warm is warm:
+                        continue
+                    raise StorageError(f"{caller}({url}): warm cache {warm.dir.root} is unusable (its path "
                                        "holds someone else's folder now); a local copy needs a "
                                        "warm_dir of its own") from e
                 if broken is not None and not isinstance(e, DatapipeError) and e.errno in BROKEN_DIR_ERRNOS:
-                    raise StorageError(f"{caller}({url}): warm cache {warm.root} is unusable "
+                    raise StorageError(f"{caller}({url}): warm cache {warm.dir.root} is unusable "
                                        f"({e}); a local copy needs a writable warm_dir") from e
                 raise
         raise StorageError(f"could not obtain a verified local copy of {url}")
@@ -520,10 +448,12 @@ class TieredCache:
         """The warm copy fails verification but another process holds it pinned, so it
         stays as it is: ``pin_or_read`` reads the object around it; ``local_path``, which
         needs that very file, cannot have one."""
-        state.stats.update(warm_read_around=1)
+        warm = state.tiers.warm
+        if warm is not None:
+            warm.count_read_around()
         if read_through:
-            return fetch_below(state, url, checksum, self._shared_chooser(url, index), into="warm")
-        path = state.warm.path(url_key(url)) if state.warm is not None else url
+            return state.tiers.read(url, checksum, self._dir_chooser(url, index), into="warm", below=WARM_RANK)
+        path = warm.path(url) if warm is not None else url
         raise StorageError(
             f"{caller}({url}): the warm copy {path} does not match "
             f"{'checksum ' + checksum if checksum else 'its fill record'} and another process holds it "
@@ -542,7 +472,7 @@ class TieredCache:
             if not fds:
                 del state.pins[url]
         os.close(fd)
-        state.notify_room()  # a pin waiting for room may fit now
+        state.room.notify()  # a pin waiting for room may fit now
 
     @contextmanager
     def pinned(self, url: str, *, checksum: str | None = None) -> Iterator[str]:
@@ -565,7 +495,7 @@ class TieredCache:
         else:
             cks = list(checksums) if checksums is not None else [None] * len(urls)
             if len(cks) != len(urls):
-                raise ValueError(f"prefetch: {len(urls)} urls but {len(cks)} checksums")
+                raise OptionError(f"prefetch: {len(urls)} urls but {len(cks)} checksums")
         state = self._state()
         return [self._submit_prefetch(state, u, c, None) for u, c in zip(urls, cks)]
 
@@ -573,7 +503,7 @@ class TieredCache:
         with state.lock:
             fut = state.pending.get(url)
             if fut is None:
-                ticket = state.turns.issue() if at is not None and state.warm is not None else None
+                ticket = state.turns.issue() if at is not None and state.tiers.warm is not None else None
                 fut = state.pool.submit(self._prefetch_one, state, url, checksum, at, ticket)
                 if ticket is not None:  # a cancelled task must not hold up the queue
                     fut.add_done_callback(partial(_release_turn, state, ticket))
@@ -584,12 +514,13 @@ class TieredCache:
     def _prefetch_one(self, state: ProcessState, url: str, checksum: str | None, at: int | None,
                       ticket: int | None = None) -> None:
         try:
-            if state.warm is not None:
-                self._fill(state, state.warm, url, checksum, None, prefetch=True, prefetch_at=at, ticket=ticket)
+            warm = state.tiers.warm
+            if warm is not None:
+                self._prefetch_warm(state, warm, url, checksum, at, ticket)
             elif url not in state.hot:
                 self._check_hot_fits(state, url)
-                data = fetch_below(state, url, checksum, self._shared_chooser(url, None, prefetch_at=at),
-                                   into="hot", background=True)
+                data = state.tiers.read(url, checksum, self._dir_chooser(url, None, prefetch_at=at), into="hot",
+                                        below=WARM_RANK, background=True)
                 self._admit_hot(state, url, data, checksum, at)
             state.stats.update(prefetched=1)
         except Exception as e:
@@ -597,6 +528,26 @@ class TieredCache:
             state.last_prefetch_error = f"{type(e).__name__}: {e}"
         if state.counters is not None and len(state.pending) <= 1:
             state.counters.file.flush(state.stats)  # the last of a pass (ours leaves pending after this)
+
+    def _prefetch_warm(self, state: ProcessState, warm: LocalTier, url: str, checksum: str | None, at: int | None,
+                       ticket: int | None) -> None:
+        """Fill the warm tier in the background; downloads nothing when the policy would not
+        admit the object (``at``: its index in the schedule; ``ticket``: its place in the
+        order in which scheduled prefetches reserve space)."""
+        route = state.tiers.route(warm, self._dir_chooser(url, None, prefetch_at=at), background=True)
+        if ticket is None:
+            warm.prefetch(url, checksum, route)
+            return
+        try:
+            state.tiers.size(url)  # the HEAD request overlaps; only reservations go in turn
+            if not state.turns.wait(ticket):
+                return
+            s = self.schedule
+            if s is not None and at is not None and at < s.position:
+                return  # the reader got there first
+            warm.prefetch(url, checksum, route, room_decided=partial(state.turns.done, ticket))
+        finally:
+            state.turns.done(ticket)
 
     # -- the access schedule -------------------------------------------------------------
     def set_schedule(self, urls: Sequence[str], *, checksums: dict[str, str] | None = None,
@@ -607,8 +558,8 @@ class TieredCache:
         the position (see the class docstring); so does :meth:`advance`. ``checksums``
         (url -> checksum) verify prefetched objects. ``set_schedule([])`` or
         :meth:`clear_schedule` returns to LRU."""
-        if lookahead < 0:
-            raise ValueError("lookahead must be >= 0")
+        lookahead = check_int("lookahead", lookahead, min=0, max=MAX_COUNT,
+                              hint="how many scheduled objects to prefetch ahead (0: none)")
         state = self._state()
         with state.lock:
             self.schedule = Schedule(list(urls), position, window) if len(urls) else None
@@ -672,7 +623,8 @@ class TieredCache:
                 # Objects fetched ahead occupy the tier before they are used, shrinking it
                 # for everything else; beyond the next object, look ahead only while that
                 # stays within a quarter of the tier (sizes known from earlier HEADs).
-                room = (self.warm_bytes if state.warm is not None else self.hot_bytes) // 4
+                warm = state.tiers.warm
+                room = (self.warm_bytes if warm is not None else self.hot_bytes) // 4
                 ahead = 0
                 for n, (i, url) in enumerate(upcoming):
                     ahead += state.cold.sizes.get(url, 0)
@@ -682,7 +634,7 @@ class TieredCache:
                         break
                     if url in state.pending or url in state.hot or state.refused.get(url) == pos:
                         continue
-                    if state.warm is not None and os.path.exists(state.warm.path(url_key(url))):
+                    if warm is not None and os.path.exists(warm.path(url)):
                         continue
                     state.refused[url] = pos  # tried at this position; retried once it moves
                     self._submit_prefetch(state, url, self.schedule_checksums.get(url), i)
@@ -767,11 +719,12 @@ class TieredCache:
 
         return belady
 
-    def _shared_chooser(self, url: str, index: int | None, *,
-                        prefetch_at: int | None = None) -> Callable[[], VictimChooser]:
-        """The victim chooser of the shared tier when it is filled without a warm fill
-        around it (the warm fill hands its own chooser down)."""
-        return lambda: self._chooser(url, index, prefetch_at=prefetch_at, to_url=self._warm_key_to_url(), node=True)
+    def _dir_chooser(self, url: str, index: int | None, *, prefetch_at: int | None = None,
+                     force: bool = False) -> Callable[[], VictimChooser]:
+        """The victim chooser of the directory tiers for one read (asked afresh each round
+        of a fill): against the node's merged future, by URL."""
+        return lambda: self._chooser(url, index, prefetch_at=prefetch_at, force=force,
+                                     to_url=self._warm_key_to_url(), node=True)
 
     def _warm_key_to_url(self) -> Callable[[str], str]:
         """Warm files are named by a hash of the URL; the schedule speaks URLs."""
@@ -804,15 +757,15 @@ class TieredCache:
         out["hot_used_bytes"] = state.hot.used
         out["hot_budget_bytes"] = self.hot_bytes
         out["warm_budget_bytes"] = self.warm_bytes
-        out["warm_used_bytes"] = self._warm_usage(state)
-        for i, d in enumerate(state.lower):
-            out[f"local{i + 2}_budget_bytes"] = d.budget
+        out["warm_used_bytes"] = state.warm_usage()
+        for t in state.tiers.lower:
+            out[f"{t.name}_budget_bytes"] = t.dir.budget
             try:
-                out[f"local{i + 2}_used_bytes"] = d.usage()
+                out[f"{t.name}_used_bytes"] = t.dir.usage()
             except OSError:
-                out[f"local{i + 2}_used_bytes"] = 0
+                out[f"{t.name}_used_bytes"] = 0
         out["shared_budget_bytes"] = self.shared_bytes
-        out["shared_used_bytes"] = self._shared_usage(state)
+        out["shared_used_bytes"] = state.shared_usage()
         out["inflight_peak_bytes"] = state.cold.inflight.peak
         out["cold_pacing"] = state.cold.pacer.limits() if state.cold.pacer is not None else {}
         out["pinned"] = state.pin_count()
@@ -833,36 +786,8 @@ class TieredCache:
         if summed["unreadable"]:
             out["unreadable_counter_files"] = summed["unreadable"]
         out["warm_budget_bytes"] = self.warm_bytes
-        out["warm_used_bytes"] = self._warm_usage(state)
+        out["warm_used_bytes"] = state.warm_usage()
         return out
-
-    def _shared_usage(self, state: ProcessState) -> int:
-        shared = state.shared
-        if shared is None:
-            return 0
-        try:
-            return shared.dir.usage()
-        except OSError as e:
-            state.shared_broken(e)
-            return 0
-
-    def _warm_usage(self, state: ProcessState) -> int:
-        """Bytes in the warm tier; 0 (with the one warning) when it is gone or unreadable:
-        stats must not fail because the directory did."""
-        warm = state.warm
-        if warm is None:
-            return 0
-        try:
-            return warm.usage()
-        except OSError as e:
-            if not state.warm_broken(e):
-                raise
-            if state.warm is not warm:
-                return 0  # given up (someone else's folder at its path now)
-            try:
-                return warm.usage()
-            except OSError:
-                return 0
 
     def close(self) -> None:
         """Stop background work, drop pins and the hot tier, and write this process's
@@ -876,23 +801,6 @@ class TieredCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _refuse_shared_folders(tiers: list[tuple[str, str | os.PathLike[str] | None]]) -> None:
-    """Each directory tier needs a folder of its own: two tiers in one folder (or one inside
-    the other) would wait on their own locks and evict each other's copies."""
-    seen: list[tuple[str, str]] = []
-    for name, path in tiers:
-        if path is None:
-            continue
-        real = os.path.realpath(os.fspath(path))
-        for other, other_real in seen:
-            if os.path.commonpath([real, other_real]) in (real, other_real):
-                how = "the same folder" if real == other_real else "folders one inside the other"
-                raise CacheBudgetError(
-                    f"{other}={other_real} and {name}={real} are {how}; each cache tier needs a "
-                    "folder of its own: give them separate paths")
-        seen.append((name, real))
 
 
 def _slice(data: bytes, start: int, end: int, url: str, size: int | None = None) -> bytes:

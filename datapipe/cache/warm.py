@@ -47,19 +47,21 @@ import re
 import stat
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
+from ..checksum import checksum as compute_checksum
 from ..errors import ObjectNotFoundError, StorageError
 from .eviction import VictimChooser
 from .lockfds import close_lock, forget, open_lock, register_opened
 from .node_stats import clear_counter_files, sum_counter_files
 
-__all__ = ["WarmDir", "Reservation", "warm_dir_stats", "clear_warm_dir", "DISK_FULL_ERRNOS"]
+__all__ = ["WarmDir", "Reservation", "warm_dir_stats", "clear_warm_dir", "claim_dir", "check_cache_dir", "dir_meta",
+           "open_regular", "url_key", "valid_record", "DISK_FULL_ERRNOS", "BROKEN_DIR_ERRNOS"]
 
 N_STRIPES = 1024
 DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
@@ -115,7 +117,7 @@ def _try_lock(fd: int, kind: int) -> bool:
         return False
 
 
-def _open_regular(path: str) -> int | None:
+def open_regular(path: str) -> int | None:
     """An fd of the regular file at ``path``, or None: gone, or something we never write
     there (a symbolic link, which is not followed, a FIFO, a directory), left alone."""
     try:
@@ -152,7 +154,7 @@ def _remove_unless_locked(path: str) -> bool | None:
     """Delete ``path`` unless a process holds a lock on it (a reader's pin, a live
     download): True when deleted, False when held, None when it was gone or had been
     replaced by a newer file (which is left alone: it was not the one found unlocked)."""
-    fd = register_opened(lambda: _open_regular(path))  # locked for a moment: never a forked child's
+    fd = register_opened(lambda: open_regular(path))  # locked for a moment: never a forked child's
     if fd is None:
         return None
     try:
@@ -281,6 +283,41 @@ class WarmDir:
             os.makedirs(d, exist_ok=True)
 
     # -- trust ---------------------------------------------------------------------------
+    def read_verified(self, key: str, fd: int, checksum: str | None, expected_size: Callable[[], int | None], *,
+                      want_bytes: bool = True) -> bytes | None:
+        """The whole copy of ``key`` open at ``fd`` (b"" when not ``want_bytes``), or None if
+        it fails verification: against ``checksum``, and against the size and digest the
+        copy was filled with (or, without that record, ``expected_size()``: the object's
+        size where known, None if not). This process skips hashing a copy it verified
+        before only while its size, mtime and ctime are unchanged, so a copy damaged or
+        truncated in place is verified again."""
+        st = os.fstat(fd)
+        record = self.record_of(key, fd)
+        if record is not None:
+            if record[0] != st.st_size:
+                return None
+        elif self.records:  # this filesystem keeps records: the copy is not a fill's
+            return None
+        else:
+            expected = expected_size()
+            if expected is not None and expected != st.st_size:
+                return None
+        wants = {d for d in (checksum, record[1] if record else None) if d}
+        known = all(self.is_verified(st, d) for d in wants)
+        if known and not want_bytes:
+            return b""
+        data = os.pread(fd, st.st_size, 0)
+        if len(data) != st.st_size:
+            return None
+        if known:
+            return data
+        digest = compute_checksum(data) if wants else None
+        if any(d != digest for d in wants):
+            return None
+        for d in wants:
+            self.mark_verified(st, d)
+        return data
+
     def is_verified(self, st: os.stat_result, digest: str) -> bool:
         seen = self._verified.get((st.st_dev, st.st_ino))
         return seen is not None and seen[0] == stat_signature(st) and digest in seen[1]
@@ -299,7 +336,7 @@ class WarmDir:
         """An fd of the published copy holding a shared flock (a pin), or None if absent.
         Also marks the copy as just used (its mtime is the node-wide LRU clock)."""
         path = self.path(key)
-        fd = _open_regular(path)  # a link planted in objects/ is a miss, never followed
+        fd = open_regular(path)  # a link planted in objects/ is a miss, never followed
         if fd is None:
             return None
         try:
@@ -532,7 +569,7 @@ def _clean_dead_tmp(tmpdir: str) -> int:
 def _size_and_held(path: str) -> tuple[int, bool] | None:
     """(size, whether a process holds a lock on it: a pin or a live download), or None
     when it is gone. Probing takes the lock for a moment; closing the fd drops it."""
-    fd = register_opened(lambda: _open_regular(path))  # locked for a moment: never a forked child's
+    fd = register_opened(lambda: open_regular(path))  # locked for a moment: never a forked child's
     if fd is None:
         return None
     try:
@@ -602,7 +639,7 @@ def claim_dir(root: str, marker: dict[str, Any], budget: int) -> str:
     )
 
 
-def _check_warm_dir(root: str, marker: dict[str, Any] = MARKER, what: str = "warm",
+def check_cache_dir(root: str, marker: dict[str, Any] = MARKER, what: str = "warm",
                     given: str = "warm_dir") -> str:
     root = os.path.abspath(root)
     if not os.path.isdir(root):
@@ -625,7 +662,7 @@ def warm_dir_stats(root: str) -> dict[str, Any]:
     (and dead ones awaiting cleanup), the budget last configured, and ``counters``: the
     cache counters of every process that used it since it was last cleared, summed
     (``processes``: how many; see ``TieredCache.stats(node=True)``)."""
-    root = _check_warm_dir(root)
+    root = check_cache_dir(root)
     objects = os.path.join(root, "objects")
     n = total = pinned = 0
     for name in os.listdir(objects):
@@ -664,7 +701,7 @@ def clear_warm_dir(root: str) -> int:
     returns how many of those were removed. Also resets the node-wide counters (their
     files are deleted, not counted in the result). Safe while other processes use the
     directory."""
-    root = _check_warm_dir(root)
+    root = check_cache_dir(root)
     objects = os.path.join(root, "objects")
     removed = sum(_remove_unless_locked(os.path.join(objects, n)) is True for n in os.listdir(objects))
     clear_counter_files(root)

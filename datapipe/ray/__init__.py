@@ -8,10 +8,11 @@ manifest last, as ``pack`` does), ``source`` (:func:`read`, :class:`DatapipeData
 one read task per shard range, each shard checked against its index before a row leaves
 it; packed datasets and indexes of existing tars), ``engine`` (:func:`pack`: ``datapipe
 pack --engine ray``: folders listed in parallel, samples planned into shards by the local
-packer's rules, written through the Datasink). May import :mod:`datapipe.pack`,
-:mod:`datapipe.dataset`, :mod:`datapipe.tarindex`, :mod:`datapipe.format`,
-:mod:`datapipe.storage`, :mod:`datapipe.errors`, :mod:`datapipe.checksum`, and Ray; nothing
-below imports this package, so datapipe works without Ray.
+packer's rules, written through the Datasink). May import (their faces only)
+:mod:`datapipe.packing`, :mod:`datapipe.publish`, :mod:`datapipe.dataset`,
+:mod:`datapipe.tarindex`, :mod:`datapipe.format`, :mod:`datapipe.storage`,
+:mod:`datapipe.errors`, :mod:`datapipe.checksum`, and Ray; nothing below imports this
+package, so datapipe works without Ray.
 """
 
 try:

@@ -3,7 +3,7 @@ run as Ray tasks.
 
 1. The driver lists the top of ``SRC`` without descending (more levels, up to three, while
    there are fewer folders than CPUs in the cluster), and Ray tasks list the folders below,
-   each a whole subtree (``pack.sources.list_directory(within=...)``). A sample's files always share a
+   each a whole subtree (``packing.list_directory(within=...)``). A sample's files always share a
    folder under both key rules, so no sample is split between listings.
 2. The driver merges the listings (sorted by key, as a local pack lists), reports what
    was dropped and merged, and cuts the samples into shards with the local packer's
@@ -26,9 +26,18 @@ import ray
 import ray.data
 
 from ..errors import EmptyInputError, PackOptionError
-from ..pack.packer import PackResult, describe_tree, plan_shards, refuse_tar_shards
-from ..pack.sources import KEY_RULES, DirectoryListing, FileSample, list_directory, source_kind
-from ..pack.writer import DEFAULT_SHARD_BYTES, DEFAULT_SHARD_SAMPLES, ShardLimits
+from ..packing import (
+    DirectoryListing,
+    FileSample,
+    PackResult,
+    describe_tree,
+    list_directory,
+    pack_options,
+    plan_shards,
+    refuse_tar_shards,
+    source_kind,
+)
+from ..publish import option_path
 from ..storage import open_store
 from .sink import FILE_COLUMNS, DatapipeDatasink, write_through
 
@@ -112,54 +121,42 @@ def file_block(samples: list[FileSample]) -> pa.Table:
     }).select(list(FILE_COLUMNS))
 
 
-def pack(
-    src: str,
-    dest: str,
-    *,
-    shard_bytes: int = DEFAULT_SHARD_BYTES,
-    shard_samples: int = DEFAULT_SHARD_SAMPLES,
-    compression: str | None = None,
-    level: int = 3,
-    overwrite: bool = False,
-    skip_errors: bool = False,
-    storage_options: dict[str, Any] | None = None,
-    progress: bool = False,
-    follow_links: bool = False,
-    keys: str = "first-dot",
-    tars_as_files: bool = False,
-    address: str | None = None,
-) -> PackResult:
+def pack(src: str, dest: str, *, address: str | None = None, **options: Any) -> PackResult:
     """:func:`datapipe.pack` of a directory of files, on Ray (``address``: as
     :func:`connect`): the same samples, keys and bytes per sample as a local pack, in
-    shards named by Ray write task (``shard-TTTTTT-NNNNNN.tar``). Not resumable: a pack
-    that failed is removed (what it wrote, by its journal); run it again. JSONL and
+    shards named by Ray write task (``shard-TTTTTT-NNNNNN.tar``). ``options``: those of
+    :func:`datapipe.pack` (checked by the same rules, :func:`datapipe.packing.pack_options`),
+    but ``workers`` and ``part``: Ray spreads the work over its cluster. Not resumable: a
+    pack that failed is removed (what it wrote, by its journal); run it again. JSONL and
     Parquet tables: ``ray.data.read_parquet``/``read_json`` and :func:`datapipe.ray.write`."""
     t0 = time.perf_counter()
-    if keys not in KEY_RULES:
-        raise PackOptionError(f"keys={keys!r}: expected one of {', '.join(KEY_RULES)}")
+    local_only = sorted(n for n in ("workers", "part") if n in options)
+    if local_only:
+        raise PackOptionError(f"{' and '.join(local_only)}: options of a local pack (--engine local); Ray spreads "
+                              "the work over its cluster")
+    o = pack_options(**options)  # checked before Ray starts
+    src, dest = option_path(src, "src"), option_path(dest, "dest")
     if source_kind(src) != "directory":
         raise PackOptionError(f"--engine ray packs a directory of files; {src} is a table: read it with "
                               "ray.data.read_parquet / read_json and write it with datapipe.ray.write(ds, DEST)")
-    ShardLimits(shard_bytes, shard_samples, names=("shard_bytes", "shard_samples"))  # checked before Ray starts
-    connect(address, progress)
-    sink = DatapipeDatasink(dest, max_bytes=shard_bytes, max_samples=shard_samples, compression=compression,
-                            level=level, storage_options=storage_options, overwrite=overwrite, rows="files",
-                            skip_errors=skip_errors)
+    connect(address, o.progress)
+    sink = DatapipeDatasink(dest, shard_bytes=o.limits.shard_bytes, shard_samples=o.limits.shard_samples,
+                            compression=o.compression, level=o.level, storage_options=o.storage_options,
+                            overwrite=o.overwrite, rows="files", skip_errors=o.skip_errors)
     sink.begin()  # the destination's lock now: a busy destination fails before the listing
     try:
-        listing = list_tree(src, skip_errors=skip_errors, follow_links=follow_links,
-                            exclude=open_store(dest, storage_options).local_path(""), keys=keys)
-        if not tars_as_files:
+        listing = list_tree(src, skip_errors=o.skip_errors, follow_links=o.follow_links,
+                            exclude=open_store(dest, o.storage_options).local_path(""), keys=o.keys)
+        if not o.tars_as_files:
             refuse_tar_shards(src, listing.samples)
-        plan = plan_shards(listing.samples, shard_bytes, shard_samples)
+        plan = plan_shards(listing.samples, o.limits.shard_bytes, o.limits.shard_samples)
         ds = ray.data.from_arrow([file_block(group) for group in plan])
     except BaseException as e:  # nothing written yet: the sink gives its lock back
         sink.on_write_failed(e if isinstance(e, Exception) else RuntimeError(repr(e)))
         raise
     result = write_through(ds, sink)
-    result.keys = keys
+    result.keys = o.keys
     result.skipped[:0] = list(listing.passed_over) + list(listing.bad)
     describe_tree(result, src, listing.dropped, listing.samples)
     result.dest, result.seconds = dest, time.perf_counter() - t0
     return result
-

@@ -15,7 +15,6 @@ journal and token name. The destination's writer lock is held on the driver thro
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -34,69 +33,57 @@ from ..errors import (
     EmptyInputError,
     InputFileError,
     PackError,
-    PackOptionError,
 )
-from ..format import MANIFEST, shard_name
-from ..format.rows import flatten_bytes_structs, key_text, row_fields
-from ..pack.commit import LEASE, LOCK, PLAN, WORK, check_destination
-from ..pack.journal import Journal, fingerprint
-from ..pack.lock import WriterLock
-from ..pack.packer import PackResult, commit_shards, pack_shard, plan_shards
-from ..pack.sources import FileSample, check_table_columns
-from ..pack.writer import (
-    DEFAULT_SHARD_BYTES,
-    DEFAULT_SHARD_SAMPLES,
-    ShardLimits,
+from ..format import MANIFEST, flatten_bytes_structs, key_text, row_fields, shard_name
+from ..packing import FileSample, PackResult, check_table_columns, commit_shards, pack_shard, plan_shards
+from ..publish import (
+    SHARD_FILES,
+    Journal,
     ShardSeries,
-    checked_compression,
-    checked_level,
+    WriterLock,
+    bad_option,
+    check_destination,
+    fingerprint,
+    journal_name,
+    option_flag,
+    writer_options,
 )
 from ..storage import MemoryStore, Store, open_store
 
 __all__ = ["DatapipeDatasink", "write", "ROW_KINDS", "FILE_COLUMNS"]
 
 #: what a row is: "samples" (``__key__`` plus fields: bytes, str, numbers, dicts/lists as
-#: JSON; nulls left out) or "files" (a sample listed by ``datapipe.pack.sources``: its
+#: JSON; nulls left out) or "files" (a sample listed by ``datapipe.packing.list_directory``: its
 #: files are read inside the write task; the columns are :data:`FILE_COLUMNS`)
 ROW_KINDS = ("samples", "files")
 FILE_COLUMNS = ("__key__", "__fields__", "__paths__", "__sizes__", "__tar_bytes__")
 
 # a shard name this sink gives: shard-<task>-<n>.tar[.zst]
-_OUR_SHARD = re.compile(r"^shard-\d{6,}-\d{6}\.tar(\.zst)?$")
+_OUR_SHARD = re.compile(r"shard-\d{6,}-\d{6}\.tar(\.zst)?")
 
 
 class DatapipeDatasink(Datasink[dict[str, Any]]):
     """``ds.write_datasink(DatapipeDatasink(dest))``: write the rows of a Ray Dataset as a
     datapipe dataset at ``dest`` (a local path or any fsspec URL reachable from every
-    node). Options as :class:`datapipe.ShardWriter`'s; ``rows`` as :data:`ROW_KINDS`;
+    node). ``options`` as :class:`datapipe.ShardWriter`'s (``shard_bytes``/``shard_samples``
+    or another spelling of them, ``compression``, ``level``, ``storage_options``,
+    ``overwrite``: checked by :func:`datapipe.publish.writer_options`); ``rows`` as
+    :data:`ROW_KINDS`;
     ``skip_errors`` (rows="files"): skip unreadable files, as ``pack --skip-errors``.
     After the write, ``result`` is the :class:`~datapipe.PackResult` and ``task_nodes``
     maps each write task's index to the Ray node id it ran on. One sink writes once."""
 
-    def __init__(
-        self,
-        dest: str,
-        *,
-        max_bytes: int = DEFAULT_SHARD_BYTES,
-        max_samples: int = DEFAULT_SHARD_SAMPLES,
-        compression: str | None = None,
-        level: int = 3,
-        storage_options: dict[str, Any] | None = None,
-        overwrite: bool = False,
-        rows: str = "samples",
-        skip_errors: bool = False,
-    ) -> None:
-        if rows not in ROW_KINDS:
-            raise PackOptionError(f"rows={rows!r}: expected one of {', '.join(ROW_KINDS)}")
-        self.dest = dest
-        self.storage_options = storage_options
-        self.limits = ShardLimits(max_bytes, max_samples)
-        self.compression = checked_compression(compression)
-        self.level, self.overwrite, self.rows, self.skip_errors = checked_level(level), overwrite, rows, skip_errors
-        base = open_store(dest, storage_options)
+    def __init__(self, dest: str, *, rows: str = "samples", skip_errors: bool = False, **options: Any) -> None:
+        if not isinstance(rows, str) or rows not in ROW_KINDS:
+            raise bad_option("rows", rows, f"must be one of {', '.join(ROW_KINDS)}")
+        o = writer_options(dest, **options)
+        self.dest, self.storage_options, self.limits = o.dest, o.storage_options, o.limits
+        self.compression, self.level, self.overwrite = o.compression, o.level, o.overwrite
+        self.rows, self.skip_errors = rows, option_flag(skip_errors, "skip_errors")
+        base = open_store(self.dest, self.storage_options)
         if isinstance(base, MemoryStore) or getattr(base, "protocol", None) == "memory":
-            raise PackOptionError(f"{dest}: Ray write tasks run in other processes, where this process's "
-                                  "memory store does not exist; write to a path or URL every node can reach")
+            raise bad_option("dest", self.dest, "Ray write tasks run in other processes, where this process's "
+                             "memory store does not exist; write to a path or URL every node can reach")
         # Made here, taken in begin(): its token names this write's temporaries and is in
         # the sink that Ray sends to the write tasks, whenever Ray serializes it.
         self._lock: WriterLock | None = WriterLock(base)
@@ -115,7 +102,7 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
         """Rows of samples: Ray bundles input blocks up to a shard's bytes per write task,
         so that tasks write full shards rather than one small shard per small block.
         Rows of files: each block is one planned shard already."""
-        return self.limits.max_bytes if self.rows == "samples" else None
+        return self.limits.shard_bytes if self.rows == "samples" else None
 
     # -- driver ------------------------------------------------------------------------
     def begin(self) -> None:
@@ -128,7 +115,7 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
             raise PackError(f"this DatapipeDatasink has written {self.dest} already: make a new one per write")
         lock.__enter__()
         try:
-            check_destination(lock.store, self.overwrite)
+            check_destination(lock.store, self.overwrite, files=SHARD_FILES)
             self._journal = Journal(lock.store, fingerprint({"ray-datasink": self.token}), self.overwrite)
         except BaseException:
             self._end()
@@ -157,7 +144,7 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
         self._remove_ours(keep=set(names))
         empty = PackResult(self.dest, 0, 0, 0, 0, 0.0)
         self.result = commit_shards(lock, journal, names, done, self.compression, empty,
-                                    max_bytes=self.limits.max_bytes)
+                                    shard_bytes=self.limits.shard_bytes)
         self._end()
 
     def on_write_failed(self, error: Exception) -> None:
@@ -178,29 +165,12 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
             raise PackError(f"the write to {self.dest} has not begun (or has ended): call begin() first")
         return self._lock, self._journal
 
-    def _journaled(self) -> list[str]:
-        """The shard names this write journaled (checked to carry this write's token)."""
-        base = self._held()[0].base
-        names = []
-        for key in base.list(WORK + "/"):
-            name = key[len(WORK) + 1 : -len(".json")]
-            if not key.endswith(".json") or key in (PLAN, LOCK, LEASE) or not _OUR_SHARD.match(name):
-                continue
-            try:
-                doc = json.loads(base.get(key))
-            except ValueError:
-                continue  # not a record this write made
-            if isinstance(doc, dict) and doc.get("writer") == self.token:
-                names.append(name)
-        return names
-
     def _remove_ours(self, keep: set[str]) -> None:
-        base = self._held()[0].base
-        for name in self._journaled():
-            if name not in keep:
-                base.delete(name)  # a shard of a failed attempt (or of a failed write)
-        for folder in ("", WORK):
-            base.remove_temporaries(folder, tokens=[self.token])
+        """Delete the shards this write journaled that are not in ``keep`` (written by an
+        attempt that failed, or by a write that failed) and this write's temporaries."""
+        lock, journal = self._held()
+        journal.discard(self.token, _OUR_SHARD, keep)
+        lock.remove_temporaries()
 
     def _end(self) -> None:
         lock, self._lock, self._journal = self._lock, None, None
@@ -219,7 +189,7 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
             return shard_name(j, self.compression, prefix=prefix)
 
         def journal(name: str) -> None:
-            store.put(f"{WORK}/{name}.json", json.dumps({"writer": self.token, "task": task}).encode())
+            journal_name(store, name, self.token, task=task)
 
         if self.rows == "files":
             results = self._write_files(store, blocks, names, journal)
@@ -250,7 +220,7 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
         """The rows of ``blocks`` as dicts of Python values, a batch at a time (struct
         columns holding bytes, such as Hugging Face images, flattened as ``pack``
         flattens them). A column no sample could keep is refused as ``pack`` refuses it
-        in a table (:func:`~datapipe.pack.sources.check_table_columns`: a ``__`` name other
+        in a table (:func:`~datapipe.packing.check_table_columns`: a ``__`` name other
         than ``__key__``, bytes inside a list), never dropped."""
         where = f"the rows written to {self.dest}"
         for block in blocks:
@@ -267,7 +237,7 @@ class DatapipeDatasink(Datasink[dict[str, Any]]):
             for key, fields, paths, sizes, tar_bytes in zip(*(cols[c] for c in FILE_COLUMNS)):
                 samples.append(FileSample(key, list(zip(fields, paths, sizes)), tar_bytes))
         results = []
-        for j, group in enumerate(plan_shards(samples, self.limits.max_bytes, self.limits.max_samples)):
+        for j, group in enumerate(plan_shards(samples, self.limits.shard_bytes, self.limits.shard_samples)):
             name = names(j)
             journal(name)
             res = pack_shard((store, name, self.compression, self.level, group, self.skip_errors))

@@ -6,25 +6,48 @@
 - memory.py, local.py, remote.py: backends (a dict, a local directory, any fsspec
   protocol); opening.py: ``open_store(url)`` picks one; options.py: storage options
   set once per URL prefix (or in ``DATAPIPE_STORAGE_OPTIONS``), merged by ``open_store``;
+  ``temporary_name``: how a writer's temporaries are named (``.tmp-<writer token>-<name>``);
 - retry.py: one retry and timeout layer for cold requests;
 - lease.py: one writer per destination (a flock locally; a lease with a heartbeat and
   conditional writes on object stores); SharedFileLease, a lease file (O_EXCL, heartbeat,
-  rename takeover) for directories several hosts mount;
+  rename takeover) for directories several hosts mount (their errors, ``LeaseBusyError``
+  and ``LeaseLostError``, are in :mod:`datapipe.errors`);
 - faults.py: a fault-injecting wrapper for tests and benchmarks (not exported here).
 
+Other packages import the names below from here, never from the modules inside.
 Imports: errors and checksum only. It knows no tar, no cache, no pack or checkpoint.
 """
 
-from .local import LocalStore, open_regular
+from .lease import (
+    MAX_LEASE_BYTES,
+    LeaseHolder,
+    SharedFileLease,
+    WriterLease,
+    current_holder,
+    describe_holder,
+    holder_here_fields,
+)
+from .local import LocalStore, open_regular, temporary_name
 from .memory import MemoryStore
-from .opening import in_this_process, open_store, refuse_chained_url
+from .opening import in_this_process, open_store, refuse_chained_url, refuse_mistyped_url
 from .options import set_storage_options, storage_options_for
+from .patterns import expand_braces
 from .remote import FsspecStore
-from .retry import RetryPolicy, call_with_retry
-from .store import Store, is_local_url, join_url, split_url
+from .retry import (
+    RetryPolicy,
+    call_with_retry,
+    fetch_object,
+    fetch_range,
+    is_throttle,
+    is_transient,
+    queued,
+    single_layer_options,
+)
+from .store import SeekableFile, Store, is_local_url, join_url, split_url
 
 __all__ = [
     "Store",
+    "SeekableFile",
     "MemoryStore",
     "LocalStore",
     "FsspecStore",
@@ -33,10 +56,26 @@ __all__ = [
     "split_url",
     "join_url",
     "is_local_url",
+    "expand_braces",
+    "refuse_mistyped_url",
     "refuse_chained_url",
     "open_regular",
+    "temporary_name",
     "RetryPolicy",
     "call_with_retry",
+    "fetch_object",
+    "fetch_range",
+    "is_throttle",
+    "is_transient",
+    "queued",
+    "single_layer_options",
     "set_storage_options",
     "storage_options_for",
+    "WriterLease",
+    "SharedFileLease",
+    "LeaseHolder",
+    "current_holder",
+    "describe_holder",
+    "holder_here_fields",
+    "MAX_LEASE_BYTES",
 ]

@@ -45,34 +45,16 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ..checksum import checksum
-from ..errors import ObjectNotFoundError, StorageError
+from ..errors import LeaseBusyError, LeaseLostError, ObjectNotFoundError, OptionError, StorageError
 from .store import Store
 
+# LeaseBusyError and LeaseLostError live in datapipe.errors (every error does); named here
+# too, where the leases that raise them are
 __all__ = ["WriterLease", "SharedFileLease", "LeaseBusyError", "LeaseLostError", "LeaseHolder", "current_holder",
-           "MAX_LEASE_BYTES"]
+           "describe_holder", "holder_here_fields", "MAX_LEASE_BYTES"]
 
 #: a lease document is small; anything larger is not one
 MAX_LEASE_BYTES = 1 << 16
-
-
-class LeaseBusyError(StorageError):
-    """Another live writer holds the lease. ``holder``: its document (None if unreadable);
-    ``local``: the lease is a flock (freed when the holder's process exits); ``frees``:
-    how the lease of a dead holder is freed, for messages."""
-
-    def __init__(self, message: str, holder: dict[str, Any] | None, local: bool, frees: str) -> None:
-        super().__init__(message)
-        self.holder = holder
-        self.local = local
-        self.frees = frees
-
-
-class LeaseLostError(StorageError):
-    """This writer no longer holds its lease; ``why`` says how it was lost."""
-
-    def __init__(self, message: str, why: str) -> None:
-        super().__init__(message)
-        self.why = why
 
 
 def _encode_json(doc: dict[str, Any]) -> bytes:
@@ -180,9 +162,9 @@ class WriterLease:
                  inherit: Callable[[dict[str, Any] | None], dict[str, Any]] | None = None,
                  take_over_dead_here: bool = False) -> None:
         if not isinstance(ttl, (int, float)) or not ttl > 0:
-            raise ValueError(f"lease ttl must be a positive number of seconds, got {ttl!r}")
+            raise OptionError(f"lease ttl must be a positive number of seconds, got {ttl!r}")
         if not isinstance(wait, (int, float)) or wait < 0:
-            raise ValueError(f"lease wait must be a number of seconds >= 0, got {wait!r}")
+            raise OptionError(f"lease wait must be a number of seconds >= 0, got {wait!r}")
         self.store, self.key, self.ttl, self.wait = store, key, float(ttl), float(wait)
         self.fields = dict(fields or {})
         self._encode, self._decode, self._inherit = encode, decode, inherit
@@ -525,7 +507,7 @@ class SharedFileLease:
 
     def __init__(self, path: str, *, timeout_s: float = 30.0, fields: dict[str, Any] | None = None) -> None:
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"lease timeout_s must be a positive number of seconds, got {timeout_s!r}")
+            raise OptionError(f"lease timeout_s must be a positive number of seconds, got {timeout_s!r}")
         self.path = path
         self.timeout_s = float(timeout_s)
         self.fields = dict(fields or {})

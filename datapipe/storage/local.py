@@ -14,11 +14,19 @@ from typing import BinaryIO
 from ..errors import ObjectChangedError, ObjectNotFoundError, StorageError, TruncatedReadError
 from .store import Store, changed_message, check_range
 
-__all__ = ["LocalStore", "open_regular"]
+__all__ = ["LocalStore", "open_regular", "temporary_name"]
 
 
 #: temporaries are named ``.tmp-<writer>-<name>``; listings hide them
 _TMP_MARK = ".tmp-"
+
+
+def temporary_name(token: str, name: str) -> str:
+    """The temporary name of the file ``name`` written by the writer ``token`` (letters and
+    digits): what :meth:`LocalStore.for_writer` writes before the rename that publishes it,
+    and what :meth:`Store.remove_temporaries` deletes for that writer. A writer that writes
+    its files itself (not through ``open_writer``) names them so, in the same folder."""
+    return f"{_TMP_MARK}{token}-{name}"
 
 
 def _file_version(st: os.stat_result) -> str:
@@ -197,7 +205,7 @@ class LocalStore(Store):
         d, name = os.path.split(final)
         os.makedirs(d, exist_ok=True)
         token = self.writer_token or uuid.uuid4().hex[:12]
-        return os.path.join(d, f"{_TMP_MARK}{token}-{name}")
+        return os.path.join(d, temporary_name(token, name))
 
     def _publish(self, tmp: str, key: str) -> None:
         os.replace(tmp, self.path(key))

@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
-from ..errors import StorageError
+from ..errors import OptionError, StorageError
 
 __all__ = ["set_storage_options", "storage_options_for"]
 
@@ -33,8 +34,11 @@ def set_storage_options(prefix: str, options: dict[str, Any] | None) -> None:
     path segments: ``"s3://bucket"`` is not a prefix of ``"s3://bucket-public/"``); ``None``
     forgets the prefix."""
     if not isinstance(prefix, str) or "://" not in prefix:
-        raise ValueError(f"a storage-options prefix is a URL prefix with a protocol, such as 's3://bucket/', "
-                         f"got {prefix!r}")
+        raise OptionError(f"a storage-options prefix is a URL prefix with a protocol, such as 's3://bucket/', "
+                          f"got {prefix!r}")
+    if options is not None and (not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options)):
+        raise OptionError(f"the storage options for {prefix!r} are a dict of fsspec options by name (str), or None "
+                          f"to forget the prefix; got {type(options).__name__}")
     with _lock:
         if options is None:
             _set.pop(prefix, None)

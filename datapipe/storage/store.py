@@ -10,13 +10,14 @@ temporaries named per writer). Backends: memory.py, local.py, remote.py (fsspec)
 
 from __future__ import annotations
 
+import io
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from typing import Any
 
 from ..errors import ObjectChangedError, StorageError, TruncatedReadError
 
-__all__ = ["Store", "split_url", "join_url", "is_local_url", "changed_message", "check_range"]
+__all__ = ["Store", "SeekableFile", "split_url", "join_url", "is_local_url", "changed_message", "check_range"]
 
 
 def is_local_url(url: str) -> bool:
@@ -149,6 +150,30 @@ class Store(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.root!r})"
+
+
+class SeekableFile(io.RawIOBase):
+    """A read-only file of ``size`` bytes that a reader (pyarrow) seeks in and reads from:
+    the position kept here, the reads the subclass's (``readinto`` or ``read``, from
+    :attr:`_pos`, moving it)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self._pos, self._size = 0, size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
 
 
 def changed_message(url: str, was: str | None, now: str | None) -> str:

@@ -40,15 +40,20 @@ from ..errors import (
     StorageError,
     TruncatedReadError,
 )
-from ..format import MANIFEST, SampleRecords, ShardRecord, parse_manifest
-from ..format.index import SAMPLES_FILE, SHARDS_FILE, TAR_INDEX, check_relative_name
-from ..format.tarscan import scan_tar
-from ..pack.commit import write_index
-from ..pack.lock import WriterLock
-from ..pack.packer import parse_part
+from ..format import (
+    MANIFEST,
+    SAMPLES_FILE,
+    SHARDS_FILE,
+    TAR_INDEX,
+    SampleRecords,
+    ShardRecord,
+    check_relative_name,
+    parse_manifest,
+    scan_tar,
+)
 from ..progress import progress_bar
-from ..storage import Store, open_store
-from ..storage.store import is_local_url, split_url
+from ..publish import WriterLock, commit, parse_part, write_index_files
+from ..storage import Store, is_local_url, open_store, split_url
 from .urls import ShardRef, expand_urls, stat_shards
 
 __all__ = ["IndexResult", "index_shards", "RECORDS", "default_dest"]
@@ -491,7 +496,6 @@ def _commit(lock: WriterLock, refs: list[ShardRef], found: dict[str, dict[str, A
     fields: set[str] = set()
     for rec in records:
         fields.update(rec["fields"])
-    lock.check()
-    write_index(store, shards, (SampleRecords(**rec["samples"]) for rec in records), "none", fields,
-                extra={"origin": TAR_INDEX})
+    commit(lock, lambda store: write_index_files(store, shards, (SampleRecords(**rec["samples"]) for rec in records),
+                                                 "none", fields, extra={"origin": TAR_INDEX}))
     return result

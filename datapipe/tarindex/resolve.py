@@ -25,10 +25,9 @@ from typing import Any, TypeVar, cast
 from ..dataset import Dataset, open_index
 from ..decode import make_decoder
 from ..errors import CorruptIndexError, DestinationBusyError, PlanError, StorageError
-from ..format import MANIFEST
-from ..format.index import TAR_INDEX
+from ..format import MANIFEST, TAR_INDEX
 from ..options import check_mapping
-from ..storage.opening import refuse_mistyped_url
+from ..storage import refuse_mistyped_url
 from .build import index_shards
 from .urls import ShardRef, expand_urls, is_tar_source, stat_shards
 

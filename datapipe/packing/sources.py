@@ -3,7 +3,6 @@ directory. Each source lists samples in a deterministic order."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import stat
@@ -12,13 +11,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import DatapipeError, EmptyInputError, InputFileError, InvalidMemberNameError, OptionError, PackError
-from ..format.parquet_pages import chunk_pages
-from ..format.rows import flatten_bytes_structs, key_text, python_rows, row_fields
-from ..format.tar import BLOCK, check_key, member_name, padding, split_member_name
+from ..format import (
+    BLOCK,
+    check_key,
+    chunk_pages,
+    flatten_bytes_structs,
+    key_text,
+    member_name,
+    padding,
+    python_rows,
+    row_fields,
+    split_member_name,
+)
+from ..storage import SeekableFile
 
 __all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table", "read_fragment",
            "row_group_bytes", "pack_row_group_bytes", "count_table_rows", "check_table_columns", "source_kind",
-           "PACK_ROW_GROUP_ENV"]
+           "PACK_ROW_GROUP_ENV", "is_parquet_tree", "parquet_dataset", "NO_EXTENSION", "DOT_FILE", "DOT_FOLDER",
+           "LINKED_FOLDER"]
 
 #: how a directory's files become samples: "first-dot" (WebDataset's rule, the default: key =
 #: the path up to the first dot of the file name, field = the rest, so files sharing that
@@ -158,7 +168,7 @@ def _value_bytes(meta: Any, c: int) -> int:
     return _VALUE_BYTES.get(column.physical_type, 8)
 
 
-class _PageCheckedFile(io.RawIOBase):
+class _PageCheckedFile(SeekableFile):
     """The Parquet file that pyarrow reads one row group of, through ``pyarrow.PythonFile``.
     Without pre-buffering pyarrow reads each column chunk in one read from its start; the
     page headers in it are read first (:func:`datapipe.format.parquet_pages.chunk_pages`),
@@ -168,8 +178,8 @@ class _PageCheckedFile(io.RawIOBase):
 
     def __init__(self, source: Any, meta: Any, g: int, limit: int, dictionaries: set[str], where: str,
                  refuse: Callable[[int, str], None], error: type[DatapipeError]) -> None:
-        super().__init__()
-        self._source, self._size, self._pos = source, int(source.size()), 0
+        super().__init__(int(source.size()))
+        self._source = source
         self._limit, self._where = limit, where
         self._refuse, self._error = refuse, error
         rg = meta.row_group(g)
@@ -184,19 +194,6 @@ class _PageCheckedFile(io.RawIOBase):
             unmeasured = chunk.physical_type == "BYTE_ARRAY" and chunk.path_in_schema not in dictionaries
             self._chunks[start] = (chunk.path_in_schema, int(chunk.total_compressed_size),
                                    int(chunk.num_values), _value_bytes(meta, c), unmeasured)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._pos = offset + (0, self._pos, self._size)[whence]
-        return self._pos
 
     def read(self, n: int | None = -1) -> bytes:
         start = self._pos

@@ -5,13 +5,10 @@ destination, and running the same command again skips what is recorded."""
 from __future__ import annotations
 
 import errno
+import inspect
 import multiprocessing as mp
-import numbers
 import os
-import re
-import signal
 import stat
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,6 +30,7 @@ from ..errors import (
 )
 from ..format import (
     SHARDS_FILE,
+    STAGING_BYTES,
     SampleRecords,
     ShardBuilder,
     ShardRecord,
@@ -40,12 +38,32 @@ from ..format import (
     read_shard_table,
     shard_name,
 )
-from ..format.shard import STAGING_BYTES
 from ..progress import progress_bar
+from ..publish import (
+    DEFAULT_SHARD_BYTES,
+    DEFAULT_SHARD_SAMPLES,
+    SHARD_FILES,
+    WORK,
+    Journal,
+    ShardLimits,
+    WriterLock,
+    bad_option,
+    check_destination,
+    checked_compression,
+    checked_level,
+    checked_storage_options,
+    checked_workers,
+    commit,
+    die_with_parent,
+    fingerprint,
+    option_flag,
+    option_path,
+    oversized_samples,
+    parse_part,
+    part_dir,
+    write_index_files,
+)
 from ..storage import Store, in_this_process, open_store
-from .commit import check_destination, write_index
-from .journal import Journal, fingerprint
-from .lock import WriterLock
 from .sources import (
     KEY_RULES,
     NO_EXTENSION,
@@ -55,21 +73,9 @@ from .sources import (
     list_directory,
     source_kind,
 )
-from .writer import (
-    DEFAULT_SHARD_BYTES,
-    DEFAULT_SHARD_SAMPLES,
-    ShardLimits,
-    bad_option,
-    checked_compression,
-    checked_level,
-    checked_storage_options,
-    checked_workers,
-    option_flag,
-    option_path,
-    oversized_samples,
-)
 
-__all__ = ["pack", "PackResult", "parse_part", "part_dir", "plan_shards", "pack_shard", "commit_shards"]
+__all__ = ["pack", "PackResult", "PackOptions", "pack_options", "plan_shards", "pack_shard", "commit_shards",
+           "describe_tree", "refuse_tar_shards"]
 
 
 @dataclass
@@ -162,32 +168,6 @@ def describe_tree(result: PackResult, src: str, dropped: list[tuple[str, str]], 
                 result.merged_examples.append((s.key, shown, len(s.files)))
 
 
-_PART = re.compile(r"\s*([0-9]+)\s*/\s*([0-9]+)\s*")
-
-
-def parse_part(part: object) -> tuple[int, int] | None:
-    """``"2/8" -> (2, 8)``: part 2 (0-based) of 8; a tuple ``(2, 8)`` is checked the same."""
-    if part is None:
-        return None
-    if isinstance(part, str):
-        m = _PART.fullmatch(part)
-        if m is None:
-            raise bad_option("part", part, "must look like I/N (e.g. 0/4): part I (from 0) of N")
-        i, n = int(m.group(1)), int(m.group(2))
-    elif (isinstance(part, tuple) and len(part) == 2
-          and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in part)):
-        i, n = int(part[0]), int(part[1])
-    else:
-        raise bad_option("part", part, "must be None, 'I/N' (e.g. '0/4') or a tuple (I, N) of integers")
-    if not 0 <= i < n <= 2**63 - 1:
-        raise bad_option("part", part, "needs 0 <= I < N: part I (from 0) of N")
-    return i, n
-
-
-def part_dir(i: int, n: int) -> str:
-    return f"part-{i:05d}-of-{n:05d}"
-
-
 # --- worker side --------------------------------------------------------------------
 
 _progress: Any = None  # (samples, bytes) shared counters, set in each worker
@@ -197,45 +177,7 @@ def _init_worker(counters: Any, parent: int | None = None, lock_fd: tuple[int, i
     global _progress
     _progress = counters
     if parent is not None:
-        _die_with(parent, lock_fd)
-
-
-def _die_with(parent: int, lock_fd: tuple[int, int, int] | None) -> None:
-    """Make this worker end when the pack that started it ends, however it ends: a worker
-    left behind by a kill -9 would block forever on its result pipe, holding its memory
-    (and, forked, a copy of the destination's lock)."""
-    if lock_fd is not None:  # a forked copy of the writer lock: the lock must die with the parent
-        fd, dev, ino = lock_fd
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) == (dev, ino):
-                os.close(fd)
-        except OSError:
-            pass  # the descriptor is not open here (spawned, not forked): no copy of the lock to drop
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:  # the kernel kills us the moment our parent exits (PR_SET_PDEATHSIG = 1)
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass  # no prctl: the watchdog thread below notices the parent's end instead
-    ppid = os.getppid()
-
-    def watch() -> None:  # the portable half, and the case of a parent that died before prctl
-        while True:
-            try:
-                os.kill(parent, 0)
-            except ProcessLookupError:
-                os._exit(1)
-            except PermissionError:
-                pass  # the pid exists (another user's process reuses it): os.getppid() decides
-            if os.getppid() != ppid:
-                os._exit(1)
-            time.sleep(0.5)
-
-    if os.getppid() != ppid:
-        os._exit(1)
-    threading.Thread(target=watch, daemon=True, name="datapipe-pack-watchdog").start()
+        die_with_parent(parent, lock_fd)
 
 
 class _InputFault(Exception):
@@ -344,14 +286,14 @@ class _AllSkipped(Exception):
 # --- planning ----------------------------------------------------------------------
 
 
-def plan_shards(samples: list[FileSample], max_bytes: int, max_samples: int) -> list[list[FileSample]]:
-    """Cut listed samples, in order, into shards of at most ``max_bytes`` tar bytes and
-    ``max_samples`` samples (the files of a sample are never split; a sample larger than
-    ``max_bytes`` is a shard of its own)."""
+def plan_shards(samples: list[FileSample], shard_bytes: int, shard_samples: int) -> list[list[FileSample]]:
+    """Cut listed samples, in order, into shards of at most ``shard_bytes`` tar bytes and
+    ``shard_samples`` samples (the files of a sample are never split; a sample larger than
+    ``shard_bytes`` is a shard of its own)."""
     shards: list[list[FileSample]] = []
     cur: list[FileSample] = []
     cur_bytes = 0
-    limits = ShardLimits(max_bytes, max_samples)
+    limits = ShardLimits(shard_bytes, shard_samples)
     for s in samples:
         if limits.starts_new(cur_bytes, len(cur), s.tar_bytes):
             shards.append(cur)
@@ -395,7 +337,7 @@ def pack(
     ``img1.jpg`` and ``img1.json`` are one sample and a name without a dot (``copyright``)
     is not packed. ``"file"``: one sample per file, key = its relative path with the dots
     of its name written ``%2E``, field = the last extension in lower case (``bin`` where there is none;
-    see :func:`datapipe.pack.file_key`). Dot-files and dot-folders are never packed.
+    see :func:`datapipe.packing.file_key`). Dot-files and dot-folders are never packed.
     ``PackResult`` counts the files dropped and merged, with examples.
 
     Symbolic links in a source directory are followed only to files inside it, unless
@@ -412,37 +354,70 @@ def pack(
     :class:`~datapipe.errors.PackOptionError` naming it."""
     t0 = time.perf_counter()
     src, dest = option_path(src, "src"), option_path(dest, "dest")
-    limits = ShardLimits(shard_bytes, shard_samples, names=("shard_bytes", "shard_samples"))
-    compression = checked_compression(compression)
-    level = checked_level(level)
-    workers = checked_workers(workers)
-    parsed = parse_part(part)
-    storage_options = checked_storage_options(storage_options)
-    for name, flag in (("overwrite", overwrite), ("skip_errors", skip_errors), ("progress", progress),
-                       ("follow_links", follow_links), ("tars_as_files", tars_as_files)):
-        option_flag(flag, name)
-    if not isinstance(keys, str) or keys not in KEY_RULES:
-        raise bad_option("keys", keys, f"must be one of {', '.join(KEY_RULES)}")
-    shard_bytes, shard_samples = limits.max_bytes, limits.max_samples
+    o = pack_options(shard_bytes=shard_bytes, shard_samples=shard_samples, compression=compression, level=level,
+                     workers=workers, part=part, overwrite=overwrite, skip_errors=skip_errors,
+                     storage_options=storage_options, progress=progress, follow_links=follow_links, keys=keys,
+                     tars_as_files=tars_as_files)
+    parsed, keys = o.part, o.keys
     if parsed is not None:
         dest = dest.rstrip("/") + "/" + part_dir(*parsed)
     kind = source_kind(src)
     if keys != "first-dot" and kind != "directory":
         raise PackOptionError(f"keys={keys!r} applies to a directory of files; {src} is a {kind} table "
                               "(a row is a sample, a column a field)")
-    opts = {"shard_bytes": shard_bytes, "shard_samples": shard_samples, "compression": compression,
-            "level": level, "part": parsed, "kind": kind, "src": os.path.abspath(src)}
-    with WriterLock(open_store(dest, storage_options)) as lock:
+    opts = {"shard_bytes": o.limits.shard_bytes, "shard_samples": o.limits.shard_samples,
+            "compression": o.compression, "level": o.level, "part": parsed, "kind": kind, "src": os.path.abspath(src)}
+    with WriterLock(open_store(dest, o.storage_options)) as lock:
         store = lock.store
-        check_destination(store, overwrite, resumable=True)
+        check_destination(store, o.overwrite, resumable=True, files=SHARD_FILES)
         if kind == "directory":
-            result = _pack_directory(src, lock, opts, workers, skip_errors, progress, overwrite, follow_links, keys,
-                                     tars_as_files)
+            result = _pack_directory(src, lock, opts, o.workers, o.skip_errors, o.progress, o.overwrite,
+                                     o.follow_links, keys, o.tars_as_files)
         else:
-            result = _pack_table(src, kind, lock, opts, progress, overwrite)
+            result = _pack_table(src, kind, lock, opts, o.progress, o.overwrite)
     result.dest = dest
     result.seconds = time.perf_counter() - t0
     return result
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """The options of :func:`pack` (and of the Ray engine, :func:`datapipe.ray.pack`), each
+    checked: made by :func:`pack_options`."""
+
+    limits: ShardLimits
+    compression: str
+    level: int
+    workers: int | None
+    part: tuple[int, int] | None
+    storage_options: dict[str, Any] | None
+    overwrite: bool
+    skip_errors: bool
+    progress: bool
+    follow_links: bool
+    keys: str
+    tars_as_files: bool
+
+
+def pack_options(**given: Any) -> PackOptions:
+    """The keyword arguments of :func:`pack` in ``given`` (those not given take its
+    defaults), each checked before anything is read or written: a bad one, or a keyword
+    ``pack`` does not take, raises :class:`~datapipe.errors.PackOptionError` naming it."""
+    defaults = {n: p.default for n, p in inspect.signature(pack).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise PackOptionError(f"{', '.join(unknown)}: not an option of pack (its options: {', '.join(defaults)})")
+    a = {**defaults, **given}
+    limits = ShardLimits(a["shard_bytes"], a["shard_samples"])
+    compression, level = checked_compression(a["compression"]), checked_level(a["level"])
+    workers, part = checked_workers(a["workers"]), parse_part(a["part"])
+    storage_options = checked_storage_options(a["storage_options"])
+    flags = [option_flag(a[n], n) for n in ("overwrite", "skip_errors", "progress", "follow_links", "tars_as_files")]
+    if not isinstance(a["keys"], str) or a["keys"] not in KEY_RULES:
+        raise bad_option("keys", a["keys"], f"must be one of {', '.join(KEY_RULES)}")
+    overwrite, skip_errors, progress, follow_links, tars_as_files = flags
+    return PackOptions(limits, compression, level, workers, part, storage_options, overwrite, skip_errors, progress,
+                       follow_links, a["keys"], tars_as_files)
 
 
 _TAR_FIELDS = ("tar", "tar.gz", "tgz", "tar.zst", "tar.zstd", "tar.bz2", "tar.xz")
@@ -477,7 +452,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
         samples = samples[i * len(samples) // n : (i + 1) * len(samples) // n]
     plan = plan_shards(samples, opts["shard_bytes"], opts["shard_samples"])
     names = [shard_name(i, opts["compression"]) for i in range(len(plan))]
-    with _writing(store.url("_pack")):
+    with _writing(store.url(WORK)):
         work = Journal(store, fingerprint([opts, [[s.key, s.files, s.tar_bytes] for s in samples]]), overwrite)
     result = PackResult("", len(plan), 0, 0, 0, 0.0, skipped=list(listing.passed_over) + list(listing.bad),
                         keys=keys)
@@ -554,7 +529,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
         stop.set()
         poller.join()
         bar.close()
-    return commit_shards(lock, work, names, done, opts["compression"], result, max_bytes=opts["shard_bytes"])
+    return commit_shards(lock, work, names, done, opts["compression"], result, shard_bytes=opts["shard_bytes"])
 
 
 def _worker_lost(store: Store, new_shards: int) -> PackError:
@@ -576,16 +551,16 @@ def pack_shard(args: tuple[Any, ...]) -> dict[str, Any]:
 
 
 def _finish(work: Journal, name: str, res: dict[str, Any], done: dict[str, Any]) -> None:
-    with _writing(work.store.url(f"_pack/{name}.json")):
+    with _writing(work.store.url(f"{WORK}/{name}.json")):
         work.record(name, res)
     done[name] = res
 
 
 def commit_shards(lock: WriterLock, work: Journal, names: list[str], done: dict[str, Any], compression: str,
-                  result: PackResult, *, max_bytes: int | None = None) -> PackResult:
+                  result: PackResult, *, shard_bytes: int | None = None) -> PackResult:
     """Publish the shards ``names`` (in that order) from their records in ``done``: the
     index, then the manifest, then the journal's removal. Refuses if another writer took
-    the destination over. ``max_bytes``: the shard limit, for ``result``'s count of the
+    the destination over. ``shard_bytes``: the shard limit, for ``result``'s count of the
     samples larger than it (each in a shard of its own)."""
     store = lock.store
     shards, sample_recs, fields = [], [], set()
@@ -599,13 +574,12 @@ def commit_shards(lock: WriterLock, work: Journal, names: list[str], done: dict[
         fields.update(res["fields"])
     if not shards:
         raise PackError(f"nothing packed into {store.root}: every sample was skipped")
-    lock.check()
     with _writing(f"the index of {store.root}"):
-        write_index(store, shards, sample_recs, compression, fields)
-    with _writing(store.url("_pack")):
+        commit(lock, lambda store: write_index_files(store, shards, sample_recs, compression, fields))
+    with _writing(store.url(WORK)):
         work.remove()
-    if max_bytes is not None:
-        oversized = oversized_samples(shards, sample_recs, max_bytes)
+    if shard_bytes is not None:
+        oversized = oversized_samples(shards, sample_recs, shard_bytes)
         result.oversized, result.oversized_examples = len(oversized), oversized[:_EXAMPLES]
     return _tally(result, shards)
 
@@ -617,7 +591,7 @@ def _finish_cleanup(store: Store, work: Journal, result: PackResult) -> PackResu
     """This plan's manifest is written; only the journal's removal was cut short (a kill):
     remove it, and report the dataset as it stands. Nothing published is rewritten."""
     shards = read_shard_table(store.get(SHARDS_FILE), store.url(SHARDS_FILE))
-    with _writing(store.url("_pack")):
+    with _writing(store.url(WORK)):
         work.remove()
     result.resumed_shards = len(shards)
     return _tally(result, shards)
@@ -642,7 +616,7 @@ def _pack_table(src: str, kind: str, lock: WriterLock, opts: dict[str, Any], pro
     if opts["part"] is not None:
         i, n = opts["part"]
         start, stop = i * total // n, (i + 1) * total // n
-    with _writing(store.url("_pack")):
+    with _writing(store.url(WORK)):
         work = Journal(store, fingerprint([opts, st.st_size, st.st_mtime_ns]), overwrite)
     if work.committed:
         return _finish_cleanup(store, work, PackResult("", 0, 0, 0, 0, 0.0))
@@ -689,4 +663,4 @@ def _pack_table(src: str, kind: str, lock: WriterLock, opts: dict[str, Any], pro
         bar.close()
     if not names:
         raise EmptyInputError(f"{src}: no rows to pack" + (" in this part" if opts["part"] else ""))
-    return commit_shards(lock, work, names, done, opts["compression"], result, max_bytes=opts["shard_bytes"])
+    return commit_shards(lock, work, names, done, opts["compression"], result, shard_bytes=opts["shard_bytes"])

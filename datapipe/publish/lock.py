@@ -1,7 +1,7 @@
-"""One pack writes a destination at a time, and a rerun cleans up exactly what a killed
-pack left behind.
+"""One writer per destination, and a rerun cleans up exactly what a killed writer left
+behind.
 
-Exclusion is the storage's writer lease (:class:`datapipe.storage.lease.WriterLease`):
+Exclusion is the storage's writer lease (:class:`datapipe.storage.WriterLease`):
 on a local destination an exclusive ``flock`` on ``_pack/writer.lock``, which the kernel
 drops when the holder dies (kill -9 included), so the rerun of a killed pack simply takes
 it; on an object store a lease object, ``_pack/lease.json``, created and refreshed with
@@ -19,18 +19,23 @@ Object stores publish an upload only when it completes: they have no temporaries
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
+import time
 import uuid
 from typing import Any
 
-from ..errors import DestinationBusyError, StorageError
-from ..storage import Store
-from ..storage.lease import LeaseBusyError, LeaseLostError, WriterLease, describe_holder
-from .commit import LEASE, LOCK, WORK
+from ..errors import DestinationBusyError, LeaseBusyError, LeaseLostError, StorageError
+from ..storage import Store, WriterLease, describe_holder
+from .layout import LEASE, LOCK, WORK
 
-__all__ = ["WriterLock"]
+__all__ = ["WriterLock", "LEASE_STALE_S", "TEMPORARY_FOLDERS", "die_with_parent"]
 
 LEASE_STALE_S = 120.0  # a heartbeat this old means the writer is gone
 _KEEP_TOKENS = 8
+#: the folders a writer creates temporaries in: the destination's top and the journal folder
+TEMPORARY_FOLDERS = ("", WORK)
 
 
 class WriterLock:
@@ -55,9 +60,17 @@ class WriterLock:
         lock by the moment the kernel takes to deliver its death signal."""
         old = (previous or {}).get("tokens", [])
         tokens = [t for t in old if isinstance(t, str) and t.isascii() and t.isalnum()] if isinstance(old, list) else []
-        for folder in ("", WORK):  # the folders a pack writes temporaries in
-            self.base.remove_temporaries(folder, tokens=tokens)
+        self._remove_temporaries(tokens)
         return {"tokens": [*tokens[-(_KEEP_TOKENS - 1):], self.token]}
+
+    def _remove_temporaries(self, tokens: list[str]) -> None:
+        for folder in TEMPORARY_FOLDERS:
+            self.base.remove_temporaries(folder, tokens=tokens)
+
+    def remove_temporaries(self) -> None:
+        """Delete the temporaries this writer's own unfinished writes left (a failed write
+        cleaning up after itself; those of earlier holders go when the lock is taken)."""
+        self._remove_temporaries([self.token])
 
     def __enter__(self) -> WriterLock:
         root = self.base.local_path("")
@@ -131,3 +144,42 @@ class WriterLock:
                 d = os.path.dirname(d)
         except OSError:
             pass  # another pack took the destination meanwhile; its folders stay
+
+
+def die_with_parent(parent: int, lock_fd: tuple[int, int, int] | None = None) -> None:
+    """Make a writer's worker process end when the writer that started it (pid ``parent``)
+    ends, however it ends: a worker left behind by a kill -9 would block forever on its
+    result pipe, holding its memory (and, forked, a copy of the destination's lock:
+    ``lock_fd``, from :meth:`WriterLock.inherited_fd`, is closed here)."""
+    if lock_fd is not None:  # a forked copy of the writer lock: the lock must die with the parent
+        fd, dev, ino = lock_fd
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (dev, ino):
+                os.close(fd)
+        except OSError:
+            pass  # the descriptor is not open here (spawned, not forked): no copy of the lock to drop
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:  # the kernel kills us the moment our parent exits (PR_SET_PDEATHSIG = 1)
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # no prctl: the watchdog thread below notices the parent's end instead
+    ppid = os.getppid()
+
+    def watch() -> None:  # the portable half, and the case of a parent that died before prctl
+        while True:
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass  # the pid exists (another user's process reuses it): os.getppid() decides
+            if os.getppid() != ppid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    if os.getppid() != ppid:
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="datapipe-pack-watchdog").start()

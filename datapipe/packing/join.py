@@ -9,10 +9,8 @@ from typing import Any
 from ..dataset import open_index
 from ..errors import DestinationExistsError, FormatError, PackError
 from ..format import MANIFEST, SampleRecords, ShardRecord
+from ..publish import WriterLock, commit, part_dir, write_index_files
 from ..storage import open_store
-from .commit import write_index
-from .lock import WriterLock
-from .packer import part_dir
 
 __all__ = ["join_parts"]
 
@@ -66,6 +64,6 @@ def _join(lock: WriterLock, dest: str, storage_options: dict[str, Any] | None, o
                 t = ix.shard_samples(j)
                 yield SampleRecords(t.keys, t.offsets.tolist(), t.lengths.tolist(), t.checksums)
 
-    lock.check()
-    write_index(store, shards, samples(), compressions.pop(), fields, extra={"parts": n})
+    compression = compressions.pop()
+    commit(lock, lambda store: write_index_files(store, shards, samples(), compression, fields, extra={"parts": n}))
     return sum(s.samples for s in shards)
