@@ -50,8 +50,7 @@ def is_parquet_source(url: str, storage_options: dict[str, Any] | None = None) -
         path = url[len("file://"):] if url.startswith("file://") else url
         if not os.path.isdir(path) or os.path.exists(os.path.join(path, "manifest.json")):
             return False
-        from .publish import WORK
-        from .tarindex import RECORDS
+        from .publish import RECORDS, WORK
 
         # the work folders pack and index write beside their index files: a folder holding
         # one is a datapipe destination whose manifest is still to come, not a table

@@ -58,7 +58,7 @@ loader, the cache or the checkpoint. Other packages import the names below from 
 
 from .commit import check_destination, commit, retract_dataset, write_index, write_index_files
 from .journal import Journal, fingerprint, journal_name
-from .layout import JOURNAL_FILES, LEASE, LOCK, PLAN, SHARD_FILES, WORK, DatasetFiles, part_dir
+from .layout import JOURNAL_FILES, LEASE, LOCK, PLAN, RECORDS, SHARD_FILES, WORK, DatasetFiles, part_dir
 from .lock import LEASE_STALE_S, TEMPORARY_FOLDERS, WriterLock, die_with_parent
 from .options import (
     ZSTD_LEVELS,
@@ -92,7 +92,7 @@ __all__ = [
     # the journal
     "Journal", "fingerprint", "journal_name",
     # what a destination holds
-    "DatasetFiles", "SHARD_FILES", "WORK", "PLAN", "LOCK", "LEASE", "JOURNAL_FILES", "part_dir",
+    "DatasetFiles", "SHARD_FILES", "WORK", "PLAN", "LOCK", "LEASE", "JOURNAL_FILES", "RECORDS", "part_dir",
     # refusing, retracting, committing
     "check_destination", "retract_dataset", "commit", "write_index", "write_index_files",
     # a series of shards and its limits

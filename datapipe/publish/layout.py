@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from ..format import MANIFEST, SAMPLES_FILE, SHARDS_FILE
 
-__all__ = ["WORK", "PLAN", "LOCK", "LEASE", "JOURNAL_FILES", "DatasetFiles", "SHARD_FILES", "part_dir"]
+__all__ = ["WORK", "PLAN", "LOCK", "LEASE", "JOURNAL_FILES", "RECORDS", "DatasetFiles", "SHARD_FILES", "part_dir"]
 
 #: the journal folder: the plan's fingerprint, a record per finished part, the names a
 #: writer is about to write, and the writer's lock
@@ -22,6 +22,9 @@ LOCK = f"{WORK}/writer.lock"
 LEASE = f"{WORK}/lease.json"
 #: keys under the journal folder that are neither records nor names a writer journaled
 JOURNAL_FILES = (PLAN, LOCK, LEASE)
+#: the folder of per-shard records ``datapipe index`` keeps in its destination (here, beside
+#: the journal folder, so that a reader of tables can tell a destination still being written)
+RECORDS = "_index"
 
 
 def part_dir(i: int, n: int) -> str:

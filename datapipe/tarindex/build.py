@@ -52,14 +52,11 @@ from ..format import (
     scan_tar,
 )
 from ..progress import progress_bar
-from ..publish import WriterLock, commit, parse_part, write_index_files
+from ..publish import RECORDS, WriterLock, commit, parse_part, write_index_files
 from ..storage import Store, is_local_url, open_store, split_url
 from .urls import ShardRef, expand_urls, stat_shards
 
 __all__ = ["IndexResult", "index_shards", "RECORDS", "default_dest"]
-
-#: the folder of per-shard records in the destination
-RECORDS = "_index"
 
 
 @dataclass
