@@ -23,18 +23,22 @@ buffer).
 The first read of a shard in a process checks the bytes read against the index's
 whole-shard checksum; a shard that fails is read sample by sample, each against its own
 checksum, so errors name the sample. A shard that passed is not hashed again while its
-file keeps the identity it had then (see :meth:`ShardSource._read_local`).
+file keeps the identity it had then (see :meth:`ShardSource._read_local`). Where each field
+of each sample lies comes from the index (version 2 records it), checked against the
+shard's tar headers in one vectorised pass (:func:`datapipe.format.check_layout`); an
+older index records none, and it is found from the headers (:func:`datapipe.format.find_layout`).
 """
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -42,7 +46,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..checksum import checksum, verify
-from ..dataset import DatasetIndex, ShardInfo, open_index
+from ..dataset import DatasetIndex, SampleTable, ShardInfo, open_index
 from ..errors import (
     CorruptShardError,
     DatapipeError,
@@ -52,7 +56,7 @@ from ..errors import (
     PlanError,
     StorageError,
 )
-from ..format import MemberTable, ShardLayout, find_layout
+from ..format import MemberTable, ShardLayout, check_layout, find_layout
 from ..storage import RetryPolicy, call_with_retry, open_regular
 from ..tables import ParquetTable, is_parquet_source
 from .layouts import LayoutCache
@@ -62,15 +66,13 @@ __all__ = ["BufferPool", "ShardData", "ShardSource", "TableRows"]
 
 @dataclass
 class ShardData:
-    """One fetched shard: its bytes and its sample table."""
+    """One fetched shard: its bytes and its sample table (``keys``, ``offsets`` and
+    ``lengths`` are the table's)."""
 
     shard: int
     url: str
     buf: memoryview
-    keys: list[str]
-    offsets: NDArray[Any]
-    lengths: NDArray[Any]
-    checksums: list[str]
+    table: SampleTable
     compression: str
     _closer: Any = None
     #: why the shard's bytes could not be had (its table could): every sample read raises it
@@ -82,8 +84,12 @@ class ShardData:
     #: where each field of each sample lies (verified uncompressed bytes only), found when
     #: the shard is fetched: the read stage picks its reader by it
     layout: ShardLayout | MemberTable | None = None
+    keys: list[str] = field(init=False)
+    offsets: NDArray[np.int64] = field(init=False)
+    lengths: NDArray[np.int64] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.keys, self.offsets, self.lengths = self.table.keys, self.table.offsets, self.table.lengths
         ends = self.offsets + self.lengths
         self.max_end = int(ends.max()) if ends.size else 0
         #: the bytes-like object under ``buf`` (bytes or mmap): slicing it yields bytes
@@ -112,8 +118,7 @@ class ShardData:
                 f"bytes {off}..{off + ln} but the shard holds {len(self.buf)}"
             )
         data = self.buf[off : off + ln]
-        if self.checksums:
-            verify(data, self.checksums[j] or None, f"{self.url} sample {self.keys[j]!r} (#{j})")
+        verify(data, self.table.checksums[j], f"{self.url} sample {self.keys[j]!r} (#{j})")
         return data
 
     def close(self) -> None:
@@ -144,6 +149,18 @@ def _open_source(url: str, storage_options: dict[str, Any] | None) -> Any:
     if is_parquet_source(url, storage_options):
         return ParquetTable(url, storage_options)
     return open_index(url, storage_options)
+
+
+def _shard_sizes(ix: Any) -> NDArray[np.int64]:
+    if isinstance(ix, DatasetIndex):
+        return ix.shard_sizes
+    return np.array([s.bytes for s in ix.shards], dtype=np.int64)
+
+
+def _shard_checksums(ix: Any) -> list[str]:
+    if isinstance(ix, DatasetIndex):
+        return ix.shard_checksums
+    return [s.checksum for s in ix.shards]
 
 
 def _has_warm_tier(cache: Any) -> bool:
@@ -309,6 +326,8 @@ class ShardSource:
         self.retry = retry or RetryPolicy()
         counts = [ix.sample_counts.astype(np.int64) for ix in self.indexes]
         self.counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+        #: stored bytes of each shard (what the prefetch budget counts)
+        self.sizes = np.concatenate([_shard_sizes(ix) for ix in self.indexes]).astype(np.int64)
         self.source_of = np.repeat(np.arange(len(counts)), [c.size for c in counts])
         self.shard_base = np.concatenate(([0], np.cumsum([c.size for c in counts]))).astype(np.int64)
         self.num_samples = int(self.counts.sum())
@@ -334,10 +353,8 @@ class ShardSource:
     def identity(self) -> str:
         """What makes these datasets these datasets (for resume checks): a checksum of their
         manifests and shard checksums, so a re-packed or different dataset does not match."""
-        import json
-
-        parts = [json.dumps(ix.manifest, sort_keys=True, default=str) + "\n" +
-                 "\n".join(str(s.checksum) for s in ix.shards) for ix in self.indexes]
+        parts = [json.dumps(ix.manifest, sort_keys=True, default=str) + "\n" + "\n".join(map(str, _shard_checksums(ix)))
+                 for ix in self.indexes]
         return checksum("\0".join(parts).encode())
 
     def info(self, g: int) -> tuple[DatasetIndex, ShardInfo]:
@@ -349,7 +366,7 @@ class ShardSource:
         return self.info(g)[1].url
 
     def shard_bytes(self, g: int) -> int:
-        return int(self.info(g)[1].bytes)
+        return int(self.sizes[g])
 
     def fetch(self, g: int, cache: Any = None) -> ShardData | TableRows:
         """Shard ``g``'s bytes and sample table (blocking; run it off the event loop); for
@@ -380,16 +397,19 @@ class ShardSource:
                           f"{info.bytes} bytes): it changed since it was indexed. Each sample is checked on "
                           "its own; members added since are not read. Index or pack it again",
                           RuntimeWarning, stacklevel=2)
-        data = ShardData(g, info.url, buf, list(table.keys), np.asarray(table.offsets, np.int64),
-                         np.asarray(table.lengths, np.int64), list(table.checksums or []),
-                         ix.compression, closer, error, verified, tar_bytes=info.tar_bytes)
+        data = ShardData(g, info.url, buf, table, ix.compression, closer, error, verified, tar_bytes=info.tar_bytes)
         if verified and self.find_layouts and data.compression == "none" and data.max_end <= len(data.buf):
             key = (g, len(data.buf), info.checksum)
             data.layout = self.layouts.get(key)
             if data.layout is None:
                 ends = data.offsets + data.lengths
                 try:
-                    data.layout = find_layout(data.src, data.offsets.tolist(), ends.tolist(), data.keys, info.url)
+                    if table.layout is not None:  # recorded by the writer: the shard's headers must bear it out
+                        data.layout = check_layout(data.src, table.layout, data.offsets, ends, *table.key_bytes,
+                                                   data.keys, info.url)
+                    else:  # an index that records none (version 1): found from the headers
+                        data.layout = find_layout(data.src, data.offsets.tolist(), ends.tolist(), data.keys,
+                                                  info.url)
                 except CorruptShardError as e:  # every sample raises it (or is skipped)
                     data.error = e
                 else:
