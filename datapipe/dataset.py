@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, overload
 
 import numpy as np
@@ -33,6 +33,7 @@ from .format import (
     next_member_name,
     parse_manifest,
     read_shard_columns,
+    sample_checksums,
     sample_rows,
     stored_layout,
 )
@@ -60,8 +61,10 @@ class SampleTable:
     starts in it; ``layout``: the member layout the index records (None for a version 1
     index, or a shard whose writer recorded none), not yet checked against the shard."""
 
-    def __init__(self, rows: SampleRows | None = None, layout: StoredLayout | None = None) -> None:
+    def __init__(self, rows: SampleRows | None = None, layout: StoredLayout | None = None,
+                 checksums: Callable[[], list[str]] | None = None) -> None:
         self._rows = rows
+        self._checksums = checksums
         self.layout = layout
         empty = np.zeros(0, dtype=np.int64)
         self.keys: list[str] = rows.keys if rows is not None else []
@@ -75,6 +78,8 @@ class SampleTable:
 
     @cached_property
     def checksums(self) -> list[str]:
+        if self._checksums is not None:
+            return self._checksums()  # read (and checked) now: the first reader that needs them
         return self._rows.checksums if self._rows is not None else []
 
     def records(self) -> SampleRecords:
@@ -241,6 +246,7 @@ class DatasetIndex:
         self._samples_file = self.manifest["samples_file"]
         self._samples_where = self.store.url(self._samples_file)
         self._groups: OrderedDict[int, pa.Table] = OrderedDict()
+        self._sums: OrderedDict[int, pa.Table] = OrderedDict()  # each row group's checksum column, read apart
         self._lock = threading.Lock()
         # the footer now, so that a damaged or inconsistent sample table fails at open
         self._pq: pq.ParquetFile | None = self._samples_parquet()
@@ -272,7 +278,7 @@ class DatasetIndex:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_pq"], state["_groups"], state["_lock"] = None, OrderedDict(), None
+        state["_pq"], state["_groups"], state["_sums"], state["_lock"] = None, OrderedDict(), OrderedDict(), None
         state["_shard_stores"] = {}
         return state
 
@@ -309,37 +315,55 @@ class DatasetIndex:
         _check_statistics(md, where, self.num_shards)
         return f
 
-    def _group(self, g: int) -> pa.Table:
-        """Row group ``g`` of ``samples.parquet``, read through verified blocks (a few kept)."""
+    def _group(self, g: int, checksums: bool = False) -> pa.Table:
+        """Row group ``g`` of ``samples.parquet`` (read through verified blocks; a few kept),
+        without its ``checksum`` column unless asked for: a reader of a shard verified whole
+        needs no sample's checksum, and they are the largest column (read apart, on demand)."""
         with self._lock:
-            table = self._groups.get(g)
+            cache = self._sums if checksums else self._groups
+            table = cache.get(g)
             if table is not None:
-                self._groups.move_to_end(g)
+                cache.move_to_end(g)
                 return table
             if self._pq is None:
                 self._pq = self._samples_parquet()
+            names = self._pq.schema_arrow.names
+            columns = ["checksum"] if checksums else [c for c in names if c != "checksum"]
             try:
-                table = self._pq.read_row_group(g, use_threads=False)  # no Arrow pool: see read_shard_columns
+                # no Arrow pool: see read_shard_columns
+                table = self._pq.read_row_group(g, columns=columns, use_threads=False)
             except DatapipeError:
                 raise
             except Exception as e:
                 raise _index_error(self._samples_where, e) from None
-            self._groups[g] = table
-            while len(self._groups) > 8:
-                self._groups.popitem(last=False)
+            cache[g] = table
+            while len(cache) > 8:
+                cache.popitem(last=False)
             return table
 
-    def _rows(self, start: int, stop: int) -> SampleRows:
-        """Global sample rows ``[start, stop)``, checked (:func:`datapipe.format.index.sample_rows`):
-        each row group is sliced to the rows asked for, so the cost follows the rows, not
-        the row groups."""
+    def _slice(self, start: int, stop: int, checksums: bool = False) -> pa.Table:
+        """Global sample rows ``[start, stop)`` of ``samples.parquet`` (its checksums only, if
+        asked): each row group is sliced to the rows asked for, so the cost follows the rows,
+        not the row groups."""
         rg = self._row_group
         pieces = []
         for g in range(start // rg, (stop - 1) // rg + 1):
             lo, hi = max(start, g * rg) - g * rg, min(stop, (g + 1) * rg) - g * rg
-            pieces.append(self._group(g).slice(lo, hi - lo))
-        table = pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
+            pieces.append(self._group(g, checksums).slice(lo, hi - lo))
+        return pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
+
+    def _rows(self, start: int, stop: int, checksums: bool = False) -> SampleRows:
+        """Global sample rows ``[start, stop)``, checked (:func:`datapipe.format.index.sample_rows`)."""
+        table = self._slice(start, stop)
+        if checksums:
+            table = table.append_column("checksum", self._slice(start, stop, checksums=True).column("checksum"))
         return sample_rows(table, f"{self._samples_where} rows {start}..{stop}", self.num_shards)
+
+    def _checksums(self, start: int, stop: int) -> list[str]:
+        """The checked sample checksums of rows ``[start, stop)``."""
+        column = self._slice(start, stop, checksums=True).column("checksum")
+        out: list[str] = sample_checksums(column, f"{self._samples_where} rows {start}..{stop}").to_pylist()
+        return out
 
     def shard_samples(self, i: int) -> SampleTable:
         """The rows of shard ``i``, checked to tile the shard (see
@@ -351,13 +375,14 @@ class DatasetIndex:
         rows = self._rows(info.first_sample, info.first_sample + info.samples)
         check_shard_rows(rows, i, info, self.compression, self._samples_where, gaps=self.tar_index)
         tar_bytes = None if self.compression == "none" else info.tar_bytes
-        return SampleTable(rows, stored_layout(rows, f"{self._samples_where} (shard #{i}, {info.name})", tar_bytes))
+        layout = stored_layout(rows, f"{self._samples_where} (shard #{i}, {info.name})", tar_bytes)
+        return SampleTable(rows, layout, partial(self._checksums, info.first_sample, info.first_sample + info.samples))
 
     def locate(self, i: int) -> tuple[int, str, int, int, str]:
         """``(shard, key, offset, length, checksum)`` of global sample ``i``."""
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.url} ({self.num_samples} samples)")
-        c = self._rows(i, i + 1)
+        c = self._rows(i, i + 1, checksums=True)
         shard, off, ln = int(c.shard[0]), int(c.offset[0]), int(c.length[0])
         info = self.shards[shard]
         if not info.first_sample <= i < info.first_sample + info.samples or off + ln > info.bytes:

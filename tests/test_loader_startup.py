@@ -114,3 +114,48 @@ def test_making_a_shard_readable_costs_no_python_step_per_sample(tmp_path, field
 
         counts.append(_python_calls(fetch))
     assert counts[1] - counts[0] < 20, counts  # old code: a str.encode per key, and more
+
+
+_WORK: list[str] = []  # what a process did (each forked DataLoader worker counts in its own copy)
+
+
+def test_fresh_workers_neither_hash_nor_check_what_earlier_workers_verified(tmp_path, monkeypatch):
+    """PyTorch starts DataLoader workers afresh at every epoch by default: a shard file the
+    workers of an earlier epoch verified (its bytes against its checksum, its recorded layout
+    against its headers) is read, not hashed or checked again, while it keeps its identity.
+    Old code: every fresh worker hashed and laid out every shard again."""
+    import datapipe.loader.source as source
+
+    url = _write(tmp_path / "ds", 6, 40)
+    monkeypatch.setattr(source, "_RACY_NS", 0)  # the files count as settled at once
+    real_checksum, real_check = source.checksum, source.check_layout
+
+    def counted_checksum(data):
+        _WORK.append("hash")
+        return real_checksum(data)
+
+    def counted_check(*args):
+        _WORK.append("layout")
+        return real_check(*args)
+
+    monkeypatch.setattr(source, "checksum", counted_checksum)
+    monkeypatch.setattr(source, "check_layout", counted_check)
+
+    def work(sample):
+        return {"__key__": sample["__key__"], "work": f"{_WORK.count('hash')}/{_WORK.count('layout')}"}
+
+    ds = datapipe.StreamingDataset(url, map=work, seed=3)
+    loader = datapipe.StreamingDataLoader(ds, batch_size=16, num_workers=2, persistent_workers=False,
+                                          multiprocessing_context="fork")
+    _WORK.clear()  # what opening the dataset here did (its identity hashes the manifests): not the workers'
+    seen = []
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        keys, work_done = [], set()
+        for batch in loader:
+            keys += batch["__key__"]
+            work_done.update(batch["work"])
+        assert sorted(keys) == sorted(f"d000/s{i:06d}" for i in range(240))
+        seen.append(work_done)
+    assert seen[0] != {"0/0"}  # the first epoch's workers hashed and checked
+    assert seen[1] == seen[2] == {"0/0"}, seen  # later ones took what those found

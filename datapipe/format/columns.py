@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
-__all__ = ["bad_checksums", "bad_paths", "int_column", "list_column", "string_column"]
+__all__ = ["array_of", "bad_checksums", "bad_paths", "int_column", "list_column", "string_column"]
 
 _SLASH, _DOT, _NUL, _BACKSLASH, _COLON = (ord(c) for c in "/.\0\\:")
 _PREFIX = np.frombuffer(b"xxh3_64:", dtype=np.uint8)
@@ -26,14 +26,17 @@ _HEX = np.zeros(256, dtype=bool)
 _HEX[list(b"0123456789abcdef")] = True
 
 
-def _array(column: Any) -> Any:
-    """One Arrow array of a column (a table's column is chunked)."""
-    return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+def array_of(column: Any) -> Any:
+    """One Arrow array of a column (a table's column is chunked): its one chunk as it is
+    (combining copies even one), else the chunks joined."""
+    if not isinstance(column, pa.ChunkedArray):
+        return column
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
 def int_column(column: Any, dtype: Any) -> NDArray[Any]:
     """A column of integers without nulls as a numpy array (a copy: it outlives the table)."""
-    arr = _array(column)
+    arr = array_of(column)
     n = len(arr)
     if n == 0:
         return np.zeros(0, dtype=dtype)
@@ -45,7 +48,7 @@ def int_column(column: Any, dtype: Any) -> NDArray[Any]:
 def string_column(column: Any) -> tuple[Any, NDArray[np.uint8], NDArray[np.int64]]:
     """(the Arrow string array, its bytes, where each row starts in them): row j is
     ``data[offsets[j]:offsets[j + 1]]``. Views of the array's buffers, no copy."""
-    arr = _array(column)
+    arr = array_of(column)
     n = len(arr)
     if n == 0:
         return arr, np.zeros(0, dtype=np.uint8), np.zeros(1, dtype=np.int64)
@@ -59,7 +62,7 @@ def string_column(column: Any) -> tuple[Any, NDArray[np.uint8], NDArray[np.int64
 def list_column(column: Any) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """(values, offsets) of a list<int64> column without nulls: row j holds
     ``values[offsets[j]:offsets[j + 1]]`` (offsets start at 0)."""
-    arr = _array(column)
+    arr = array_of(column)
     n = len(arr)
     if n == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)

@@ -29,7 +29,7 @@ from numpy.typing import NDArray
 from .._version import __version__
 from ..checksum import Hasher, checksum
 from ..errors import CorruptIndexError, FormatError
-from .columns import bad_checksums, bad_paths, int_column, list_column, string_column
+from .columns import array_of, bad_checksums, bad_paths, int_column, list_column, string_column
 from .layout import StoredLayout
 from .sample import COMPRESSIONS
 
@@ -52,6 +52,7 @@ __all__ = [
     "shard_table_bytes",
     "read_shard_table",
     "read_shard_columns",
+    "sample_checksums",
     "sample_rows",
     "stored_layout",
     "SampleTableWriter",
@@ -518,6 +519,9 @@ class SampleRows:
 
     @property
     def checksums(self) -> list[str]:
+        """The rows' checksums (when the rows were read with them)."""
+        if self.checksum_array is None:
+            raise FormatError("these sample rows were read without their checksums (a datapipe bug: please report it)")
         out: list[str] = self.checksum_array.to_pylist()
         return out
 
@@ -526,16 +530,17 @@ def sample_rows(table: pa.Table, where: str = "samples.parquet", num_shards: int
     """Consecutive rows of ``samples.parquet`` (a slice of its table), each checked: a safe
     key (UTF-8, relative, no empty, ``.`` or ``..`` component, no NUL or backslash, no dot
     in its last component), a shard number below ``num_shards``, a non-negative offset, a
-    positive length and a well-formed checksum; else :class:`CorruptIndexError` naming
-    ``where``. Column by column, vectorised (:mod:`.columns`)."""
+    positive length and, when the slice holds the ``checksum`` column (a reader of a shard
+    verified whole needs none, and reads it only when it needs it: :func:`sample_checksums`),
+    a well-formed checksum; else :class:`CorruptIndexError` naming ``where``. Column by
+    column, vectorised (:mod:`.columns`)."""
     for f in SAMPLE_SCHEMA:
-        if f.name not in SAMPLE_BASE and f.name not in table.column_names:
-            continue  # version 1: no layout columns
+        if f.name not in table.column_names and (f.name not in SAMPLE_BASE or f.name == "checksum"):
+            continue  # version 1: no layout columns; the checksums read apart
         if f.name not in table.column_names or table.schema.field(f.name).type != f.type \
                 or (f.name in SAMPLE_BASE and table.column(f.name).null_count):
             raise CorruptIndexError(f"{where}: sample table lacks column {f.name!r} of type {f.type} (or has nulls)")
     keys, key_data, key_offs = string_column(table.column("key"))
-    sums, sum_data, sum_offs = string_column(table.column("checksum"))
     shard = int_column(table.column("shard"), np.int32)
     offset, length = int_column(table.column("offset"), np.int64), int_column(table.column("length"), np.int64)
     try:
@@ -550,8 +555,6 @@ def sample_rows(table: pa.Table, where: str = "samples.parquet", num_shards: int
     elif key_bad is not None:
         key = bytes(key_data[key_offs[key_bad] : key_offs[key_bad + 1]]).decode()
         bad = f"key {key!r} is not a safe relative sample key"
-    elif bad_checksums(sum_data, sum_offs).any():
-        bad = "a sample checksum is missing or not an xxh3_64 checksum (nothing could be verified)"
     elif len(shard) and (shard.min() < 0 or (num_shards is not None and shard.max() >= num_shards)):
         bad = f"a shard number is outside [0, {num_shards})"
     elif len(offset) and (offset.min() < 0 or length.min() <= 0 or length.max() >= _MAX_INT
@@ -559,9 +562,23 @@ def sample_rows(table: pa.Table, where: str = "samples.parquet", num_shards: int
         bad = "an offset is negative or a length not positive"
     if bad:
         raise CorruptIndexError(f"{where}: {bad}; the index is damaged (re-run the pack that wrote it)")
-    fields = table.column("member_fields").combine_chunks() if "member_fields" in table.column_names else None
-    bounds = table.column("member_bounds").combine_chunks() if "member_bounds" in table.column_names else None
+    sums = sample_checksums(table.column("checksum"), where) if "checksum" in table.column_names else None
+    fields = array_of(table.column("member_fields")) if "member_fields" in table.column_names else None
+    bounds = array_of(table.column("member_bounds")) if "member_bounds" in table.column_names else None
     return SampleRows(keys, key_data, key_offs, shard, offset, length, sums, fields, bounds)
+
+
+def sample_checksums(column: Any, where: str) -> Any:
+    """The ``checksum`` column of consecutive rows of ``samples.parquet``, each checked to
+    be a well-formed checksum (else :class:`CorruptIndexError` naming ``where``); an Arrow
+    string array (``.to_pylist()`` makes them ``str``)."""
+    if column.null_count:
+        raise CorruptIndexError(f"{where}: sample table lacks column 'checksum' of type string (or has nulls)")
+    sums, data, offs = string_column(column)
+    if bad_checksums(data, offs).any():
+        raise CorruptIndexError(f"{where}: a sample checksum is missing or not an xxh3_64 checksum (nothing could be "
+                                "verified); the index is damaged (re-run the pack that wrote it)")
+    return sums
 
 
 def check_shard_rows(c: SampleRows, shard: int, record: Any, compression: str, where: str,

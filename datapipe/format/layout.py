@@ -103,6 +103,19 @@ class StoredLayout(NamedTuple):
         bounds: list[int] = self.bounds[self.first[j] : self.first[j + 1]].tolist()
         return self.shapes[int(self.shape[j])], bounds
 
+    def placed(self, offs: NDArray[Any]) -> ShardLayout | MemberTable:
+        """This layout placed in its shard (sample j starts at ``offs[j]``), as the reader
+        uses it; only once :func:`check_layout` has found the shard's bytes bear it out."""
+        counts = (self.first[1:] - self.first[:-1]) // 2
+        bounds = self.bounds + np.repeat(np.asarray(offs, dtype=np.int64), 2 * counts)
+        twice = np.array([len(set(f)) != len(f) for f in self.shapes])
+        if len(self.shapes) == 1 and not twice[0]:
+            return ShardLayout(self.shapes[0], bounds.reshape(len(offs), -1))
+        # a field held twice: read strictly when asked for, which names it (as shard_members marks it)
+        renumber = np.where(twice, -1, np.cumsum(~twice) - 1)
+        return MemberTable([f for f, t in zip(self.shapes, twice) if not t], renumber[self.shape],
+                           self.first[:-1].astype(np.int64), bounds)
+
 
 def sample_members(src: Any, off: int, end: int, key: str, where: str) -> tuple[tuple[str, ...], list[int]]:
     """(fields in stored order, [start, stop, ...] of each member's data in ``src``) of the
@@ -174,15 +187,7 @@ def check_layout(src: Any, stored: StoredLayout, offs: NDArray[Any], ends: NDArr
                 f"with data at {row[:6]}) are not the ones the index records ({'/'.join(want)[:200]} at "
                 f"{[off + b for b in rel[:6]]}): the index and the shard disagree (re-run the pack or index that "
                 "wrote them)")
-    counts = (stored.first[1:] - stored.first[:-1]) // 2
-    bounds = stored.bounds + np.repeat(np.asarray(offs, dtype=np.int64), 2 * counts)
-    twice = np.array([len(set(f)) != len(f) for f in stored.shapes])
-    if len(stored.shapes) == 1 and not twice[0]:
-        return ShardLayout(stored.shapes[0], bounds.reshape(len(offs), -1))
-    # a field held twice: read strictly when asked for, which names it (as shard_members marks it)
-    renumber = np.where(twice, -1, np.cumsum(~twice) - 1)
-    return MemberTable([f for f, t in zip(stored.shapes, twice) if not t], renumber[stored.shape],
-                       stored.first[:-1].astype(np.int64), bounds)
+    return stored.placed(offs)
 
 
 def _vouched(arr: NDArray[Any], stored: StoredLayout, offs: NDArray[Any], ends: NDArray[Any],
@@ -208,14 +213,13 @@ def _vouched(arr: NDArray[Any], stored: StoredLayout, offs: NDArray[Any], ends: 
     expect[firsts] = offs
     good = (head == expect) & (head % BLOCK == 0) & (head >= 0) & (size >= 0) & (size < 8**11) & (after <= arr.size)
     ok: NDArray[np.bool_] = after[np.cumsum(counts) - 1] == ends
-    # the members' header fields, gathered from the shard viewed as rows of 512-byte blocks
-    blocks = arr[: arr.size // BLOCK * BLOCK].reshape(-1, BLOCK)
+    # the members' headers up to the name prefix's first byte, gathered in one step from the
+    # shard viewed as rows of 512-byte blocks
     idx = np.flatnonzero(good)
-    rows = head[idx] // BLOCK
+    hdr = arr[: arr.size // BLOCK * BLOCK].reshape(-1, BLOCK)[head[idx] // BLOCK, :346]
     digits = ((size[idx, None] >> _SHIFTS) & 7).astype(np.uint8) + 48  # 11 octal digits, then NUL or space
-    size_field = blocks[rows, 124:136]
-    fine = (size_field[:, :11] == digits).all(axis=1) & ((size_field[:, 11] == 0) | (size_field[:, 11] == 32))
-    fine &= (blocks[rows, 156] == 48) & (blocks[rows, 345] == 0)  # a regular file, no name prefix
+    fine = (hdr[:, 124:135] == digits).all(axis=1) & ((hdr[:, 135] == 0) | (hdr[:, 135] == 32))
+    fine &= (hdr[:, 156] == 48) & (hdr[:, 345] == 0)  # a regular file, no name prefix
     # the name field: the key, "." and the field, then NULs to its 100 bytes; a longer name
     # needs a PAX header or a prefix, the strict parse's
     klen = key_offsets[1:] - key_offsets[:-1]
@@ -237,8 +241,7 @@ def _vouched(arr: NDArray[Any], stored: StoredLayout, offs: NDArray[Any], ends: 
         mine = np.flatnonzero((field == f) & (length <= 100))
         at = np.repeat(klen[js[mine]], suffix.size) + np.tile(np.arange(suffix.size), mine.size)
         want[np.repeat(mine, suffix.size), at] = np.tile(suffix, mine.size)
-    got = blocks[rows, :100]
-    fine &= (length <= 100) & (got.view(np.uint32) == want.view(np.uint32)).all(axis=1)
+    fine &= (length <= 100) & (hdr[:, :100] == want).all(axis=1)
     good[idx] = fine
     ok[sample[~good]] = False
     return ok

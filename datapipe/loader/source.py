@@ -59,7 +59,7 @@ from ..errors import (
 from ..format import MemberTable, ShardLayout, check_layout, find_layout
 from ..storage import RetryPolicy, call_with_retry, open_regular
 from ..tables import ParquetTable, is_parquet_source
-from .layouts import LayoutCache
+from .layouts import LayoutCache, ShardMemo
 
 __all__ = ["BufferPool", "ShardData", "ShardSource", "TableRows"]
 
@@ -334,6 +334,9 @@ class ShardSource:
         #: local shard files whose bytes matched their checksum in this process: path ->
         #: (file identity, checksum); see _read_local
         self._verified: dict[str, tuple[tuple[int, ...], str]] = {}
+        #: what this process and the others reading these datasets with it (DataLoader
+        #: workers) found: shard files verified, recorded layouts borne out (see .layouts)
+        self.memo = ShardMemo(self.num_shards)
         #: field layouts of verified shards, kept across epochs (bounded; see .layouts)
         self.layouts = LayoutCache()
         #: False: no layout is looked for, every sample is checked and parsed on its own by
@@ -387,8 +390,9 @@ class ShardSource:
         if len(table.keys) != info.samples:
             raise FormatError(f"{info.url}: index lists {len(table.keys)} samples, expected {info.samples}")
         error: Exception | None = None
+        identity: tuple[int, ...] | None = None
         try:
-            buf, closer, verified = self._bytes(ix, info, cache)
+            buf, closer, verified, identity = self._bytes(ix, info, cache, g)
         except (IntegrityError, CorruptShardError) as e:
             buf, closer, error, verified = memoryview(b""), None, e, False
         if not verified and error is None and info.checksum and info.url not in self._changed:
@@ -403,23 +407,29 @@ class ShardSource:
             data.layout = self.layouts.get(key)
             if data.layout is None:
                 ends = data.offsets + data.lengths
+                index = str(ix.manifest["manifest_checksum"])
                 try:
-                    if table.layout is not None:  # recorded by the writer: the shard's headers must bear it out
-                        data.layout = check_layout(data.src, table.layout, data.offsets, ends, *table.key_bytes,
-                                                   data.keys, info.url)
-                    else:  # an index that records none (version 1): found from the headers
+                    if table.layout is None:  # an index that records none (version 1): found from the headers
                         data.layout = find_layout(data.src, data.offsets.tolist(), ends.tolist(), data.keys,
                                                   info.url)
+                    elif identity is not None and self.memo.laid_out(g, identity, info.checksum, index):
+                        data.layout = table.layout.placed(data.offsets)  # these very bytes bore it out
+                    else:  # recorded by the writer: the shard's headers must bear it out
+                        data.layout = check_layout(data.src, table.layout, data.offsets, ends, *table.key_bytes,
+                                                   data.keys, info.url)
+                        if identity is not None:
+                            self.memo.note(g, identity, info.checksum, index)
                 except CorruptShardError as e:  # every sample raises it (or is skipped)
                     data.error = e
                 else:
                     self.layouts.put(key, data.layout)
         return data
 
-    def _bytes(self, ix: Any, info: Any, cache: Any) -> tuple[memoryview, Any, bool]:
-        """(bytes, closer, verified). A shard that fails its whole-shard checksum is still
-        returned, unverified: its samples are then checked one by one, so the error (or the
-        skip) names the bad sample and the good ones still read."""
+    def _bytes(self, ix: Any, info: Any, cache: Any, g: int) -> tuple[memoryview, Any, bool, tuple[int, ...] | None]:
+        """(bytes, closer, verified, identity of the settled local file they were read
+        from, else None). A shard that fails its whole-shard checksum is still returned,
+        unverified: its samples are then checked one by one, so the error (or the skip)
+        names the bad sample and the good ones still read."""
         if cache is not None:
             # the cache verifies what it serves against the checksum passed here
             if _has_warm_tier(cache):
@@ -436,40 +446,44 @@ class ShardSource:
                 except IntegrityError as e:
                     raise CorruptShardError(f"shard fails its checksum: {e}") from e
                 if isinstance(got, bytes):
-                    return memoryview(got), None, bool(info.checksum)
+                    return memoryview(got), None, bool(info.checksum), None
                 path = got
                 try:
                     # read while pinned; the private copy needs no pin once read
-                    return self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url)
+                    return self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url, g)
                 finally:
                     cache.release(info.url)
             try:
-                return memoryview(cache.read(info.url, checksum=info.checksum)), None, bool(info.checksum)
+                return memoryview(cache.read(info.url, checksum=info.checksum)), None, bool(info.checksum), None
             except IntegrityError as e:
                 raise CorruptShardError(f"shard fails its checksum: {e}") from e
         store, name = ix.shard_location(info)  # an index of existing tars names shards elsewhere
         local = store.local_path(name)
         if local is not None:
-            return self._read_local(local, info, f"shard {info.url}", ix.url)
+            return self._read_local(local, info, f"shard {info.url}", ix.url, g)
         # Transient failures are retried; a shard shorter than the index says is not
         # (asking again cannot lengthen it) and shows as truncated samples when read.
         data = call_with_retry(lambda: store.get(name), info.url, self.retry)
-        return memoryview(data), None, bool(info.checksum) and checksum(data) == info.checksum
+        return memoryview(data), None, bool(info.checksum) and checksum(data) == info.checksum, None
 
-    def _read_local(self, path: str, info: Any, what: str, listed_in: str) -> tuple[memoryview, Any, bool]:
-        """(bytes, closer, verified) of the local file ``path`` holding shard ``info``.
+    def _read_local(self, path: str, info: Any, what: str, listed_in: str,
+                    g: int) -> tuple[memoryview, Any, bool, tuple[int, ...] | None]:
+        """(bytes, closer, verified, the file's identity if it is settled and the bytes
+        verified, else None) of the local file ``path`` holding shard ``g`` (``info``).
 
         What is returned is a private copy, and "verified" is a claim about that copy:
         either its own hash matched, or the file's identity (device, inode, size, mtime,
         ctime) was, before and after this read, the one it had when a read of it was
-        hashed and matched. Any write, truncate, ``utime`` or replacement of the file
-        changes its ctime (or inode), so a file changed since then is hashed again; a
-        write racing this read moves ctime before its bytes land, so the status taken
-        after the read sees it. A match is remembered only for a file whose ctime was
-        older than the read by more than the clock's granularity (``_RACY_NS``), else a
-        later write in the same tick could keep the identity: such a file is hashed at
-        every read until it settles. Not covered: writes through another process's
-        writable map of the file, which move ctime only when a page is first dirtied.
+        hashed and matched, in this process or in another reading the dataset with it
+        (:class:`.layouts.ShardMemo`: the DataLoader workers of this dataset). Any write,
+        truncate, ``utime`` or replacement of the file changes its ctime (or inode), so a
+        file changed since then is hashed again; a write racing this read moves ctime
+        before its bytes land, so the status taken after the read sees it. A match is
+        remembered only for a file whose ctime was older than the read by more than the
+        clock's granularity (``_RACY_NS``), else a later write in the same tick could keep
+        the identity: such a file is hashed at every read until it settles. Not covered:
+        writes through another process's writable map of the file, which move ctime only
+        when a page is first dirtied.
         """
         t0 = time.time_ns()
         try:
@@ -493,10 +507,15 @@ class ShardSource:
         # a file longer than the index says holds members the index never saw: the first
         # bytes may still match, but the shard is not the one indexed
         whole = len(buf) == int(info.bytes) == st0.st_size and bool(info.checksum)
-        known = whole and before == after and self._verified.get(path) == (before, info.checksum)
+        stable = whole and before == after
+        known = stable and (self._verified.get(path) == (before, info.checksum)
+                            or self.memo.verified(g, before, info.checksum))
         ok = known or (whole and checksum(buf) == info.checksum)
-        if ok and not known and before == after and st0.st_ctime_ns < t0 - _RACY_NS:
+        settled = ok and stable and st0.st_ctime_ns < t0 - _RACY_NS
+        if settled and self._verified.get(path) != (before, info.checksum):
             self._verified[path] = (before, info.checksum)
+            if not self.memo.verified(g, before, info.checksum):
+                self.memo.note(g, before, info.checksum)
         elif not ok:
             self._verified.pop(path, None)
-        return buf, close, ok
+        return buf, close, ok, before if settled else None
