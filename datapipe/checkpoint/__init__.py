@@ -5,7 +5,7 @@ newest checkpoint that verifies. Layout: docs/CHECKPOINT_FORMAT.md.
 Holds: ``writer`` (``CheckpointWriter``, ``SaveHandle``), ``staging`` (the reused host
 buffer), ``flatten`` (state <-> leaves and JSON tree), ``format`` (key names, documents,
 limits), ``commit`` (parts, manifest, ``latest``, retention), ``lease`` (one writer per URL),
-``run_id`` (the id all ranks agree on), ``loader`` (``load_checkpoint``,
+``run_id`` (the attempt id a writer's ranks draw together), ``loader`` (``load_checkpoint``,
 ``list_checkpoints``), ``tiers`` (``Tier``: cadence, retention, node-local folders),
 ``replicate`` (the peer link that copies a node-local part to the next node),
 ``restore`` (``restore_checkpoint``: the newest step every rank can load, from the best

@@ -52,7 +52,8 @@ PARTS_INDEX_NAME = "parts-index.json"
 PARTS_INDEX_MAX_BYTES = 1 << 30
 
 _STEP_RE = re.compile(r"^step-(\d{12})$")
-# <run_id>-<n>: run_id as run_id.agree_run_id allows it, n the writer's save count
+# <attempt id>-<n>: the id as run_id.agree_writer_ids draws it (a given run_id, maybe with a nonce),
+# n the writer's save count of the step
 _ATTEMPT_RE = re.compile(r"^([A-Za-z0-9_]{1,64})-(\d{1,9})$")
 
 # Bounds a reader enforces before it parses or allocates anything named by a document.

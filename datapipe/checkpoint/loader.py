@@ -149,22 +149,106 @@ def _read_manifest(store: Store, step: int) -> dict[str, Any]:
     return doc
 
 
+#: listings one read of a checkpoint URL makes while a writer's retention deletes what the
+#: listing before showed (each further one means the writer committed again meanwhile)
+MAX_LISTINGS = 64
+_NO_MANIFEST = "no manifest (never committed, or deleted by retention)"
+
+
+@dataclass
+class _Listing:
+    """One listing of a checkpoint URL's step folders, and the manifests of those at or
+    above the newest one it showed (``top``; -1 if none), read after it (``read``: step ->
+    manifest, or the error reading it; a step whose manifest is absent is not there)."""
+
+    by_step: dict[int, list[str]]
+    top: int
+    read: dict[int, dict[str, Any] | Exception]
+
+    def listed(self, step: int) -> bool:
+        return manifest_key(step) in self.by_step[step]
+
+
+def _list_once(store: Store) -> _Listing:
+    """List ``store``'s step folders, then read the manifests at and above the newest one
+    the listing showed, oldest first (see :func:`_listings`)."""
+    by_step = scan_steps(store)
+    listed = [s for s in sorted(by_step) if manifest_key(s) in by_step[s]]
+    listing = _Listing(by_step, listed[-1] if listed else -1, {})
+    for s in sorted(by_step):  # oldest first
+        if s >= listing.top:
+            try:
+                listing.read[s] = _read_manifest(store, s)
+            except ObjectNotFoundError:
+                continue
+            except (CorruptCheckpointError, StorageError) as e:
+                listing.read[s] = e
+    return listing
+
+
+def _listings(store: Store, url: str) -> Iterator[_Listing]:
+    """Listings of the step folders from which a writer's retention, running meanwhile,
+    cannot have hidden both the step it deleted and the one it committed; the caller asks
+    for the next when a step it chose vanished since (deleted after a newer commit).
+
+    Retention deletes a step's manifest only after a newer step's manifest is written and
+    listed (commit.py). A listing is no snapshot (a local folder is walked in no set order,
+    an object store's listing comes in pages): it may show a step's folder before its
+    commit and an older step's after its deletion. So the manifests at and above the newest
+    one it showed are read again after it, oldest first: a manifest found missing there was
+    deleted after a newer one was written, whose folder existed by then and is read later
+    in the same pass, or was made after the listing: then, with no manifest found, the
+    folder is listed again (two listings alike without one say there is none: an empty
+    folder too, as a walk misses a folder deleted before it got there). Every listing past
+    the first means the writer committed again; the listings end after
+    :data:`MAX_LISTINGS`, and the caller then raises :func:`_churn`."""
+    seen: set[int] | None = None
+    for _ in range(MAX_LISTINGS):
+        listing = _list_once(store)
+        if listing.read or (listing.top < 0 and set(listing.by_step) == seen):
+            yield listing
+            seen = None
+        else:
+            seen = set(listing.by_step)
+
+
+def _churn(url: str) -> CheckpointError:
+    """What a read says when every step it chose vanished (never "no checkpoint": each
+    vanished step proved a newer commit)."""
+    return CheckpointError(
+        f"{url}: its checkpoints kept being deleted while they were read ({MAX_LISTINGS} listings): a writer's "
+        "retention deletes each step as it commits a newer one, faster than this read. Read again, or have "
+        "the writer keep more steps (keep_last >= 2) while others read"
+    )
+
+
 def list_checkpoints(url: str, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
     """Every step directory under ``url``, oldest first, with whether it is complete.
-    Checks manifests only; tensor data is verified by :func:`load_checkpoint`."""
+    Checks manifests only; tensor data is verified by :func:`load_checkpoint`. A writer's
+    retention deleting steps meanwhile never hides every complete step (see
+    :func:`_listings`)."""
     store = open_store(url, storage_options)
-    out = []
-    for step, keys in sorted(scan_steps(store).items()):
-        if manifest_key(step) not in keys:
-            out.append(CheckpointInfo(step, False, reason="no manifest (never committed)"))
-            continue
-        try:
-            doc = _read_manifest(store, step)
-        except (CheckpointError, StorageError) as e:
-            out.append(CheckpointInfo(step, False, reason=str(e)))
-            continue
-        out.append(CheckpointInfo(step, True, doc["world_size"], doc.get("data_bytes")))
-    return out
+    for listing in _listings(store, url):
+        out = []
+        vanished = False
+        for step in sorted(listing.by_step):
+            doc: dict[str, Any] | Exception | None = listing.read.get(step)
+            if doc is None and step < listing.top and listing.listed(step):
+                try:  # below the newest listed manifest: read now
+                    doc = _read_manifest(store, step)
+                except ObjectNotFoundError:
+                    vanished = True  # deleted after a newer commit
+                except (CheckpointError, StorageError) as e:
+                    doc = e
+            if doc is None:
+                out.append(CheckpointInfo(step, False, reason=_NO_MANIFEST))
+            elif isinstance(doc, Exception):
+                out.append(CheckpointInfo(step, False, reason=str(doc)))
+            else:
+                out.append(CheckpointInfo(step, True, doc["world_size"], doc.get("data_bytes")))
+        if not vanished or any(info.complete for info in out):
+            return out
+    raise _churn(url)
 
 
 def _resolve_rank(rank: int | None, world_size: int, where: str) -> int:
@@ -386,14 +470,18 @@ def _build_leaf(buf: Any, spec: Any, where: str, map_location: Any) -> Any:
         raise CorruptCheckpointError(f"{where}: leaf {path!r} ({kind} {dtype} {list(shape)}): {e}") from e
 
 
-def _load_step(store: Store, step: int, rank: int | None, map_location: Any, into: Any = None) -> Any:
+def _load_step(store: Store, step: int, rank: int | None, map_location: Any, into: Any = None,
+               doc: dict[str, Any] | None = None) -> Any:
+    """Step ``step``'s state; ``doc``: its manifest, if already read and checked."""
     with collections_paused():
-        return _load_step_paused(store, step, rank, map_location, into)
+        return _load_step_paused(store, step, rank, map_location, into, doc)
 
 
-def _load_step_paused(store: Store, step: int, rank: int | None, map_location: Any, into: Any) -> Any:
+def _load_step_paused(store: Store, step: int, rank: int | None, map_location: Any, into: Any,
+                      doc: dict[str, Any] | None) -> Any:
     where = f"checkpoint step {step} at {store.root}"
-    doc = _read_manifest(store, step)
+    if doc is None:
+        doc = _read_manifest(store, step)
     if into is not None:  # any world size: global tensors are read by overlap (reshard.py)
         from .reshard import load_into
 
@@ -484,26 +572,47 @@ def load_checkpoint(url: str | None = None, step: int | None = None, map_locatio
             raise NoCheckpointError(f"no complete checkpoint for step {step} at {url}: {e}") from e
     # A writer's retention may delete the step this load chose while it reads (it deletes
     # only steps older than a newer commit, so a fresh listing finds that commit): when a
-    # chosen step vanishes, list again (a few times: a writer may commit again meanwhile).
-    for rescan in (True, True, True, False):
-        by_step = scan_steps(store)
-        if not by_step:
+    # chosen step vanishes, list again. A step gone is never "no checkpoint".
+    for listing in _listings(store, url):
+        if not listing.by_step:
             raise NoCheckpointError(f"no checkpoint at {url}")
         vanished = False
-        for s in sorted(by_step, reverse=True):
-            if manifest_key(s) not in by_step[s]:
-                warnings.warn(f"skipping incomplete checkpoint step {s} at {url} (no manifest)", stacklevel=2)
-                continue
+        for s in sorted(listing.by_step, reverse=True):
+            doc: dict[str, Any] | Exception | None = listing.read.get(s)
             try:
-                return _load_step(store, s, rank, map_location, into)
-            except ObjectNotFoundError as e:
-                if rescan:
-                    vanished = True
-                    break
-                warnings.warn(f"skipping checkpoint step {s} at {url}: {e}", stacklevel=2)
+                if doc is None and s < listing.top and listing.listed(s):
+                    doc = _read_manifest(store, s)  # below the newest listed manifest: read now
+                if doc is None:
+                    warnings.warn(f"skipping incomplete checkpoint step {s} at {url} (no manifest)", stacklevel=2)
+                    continue
+                if isinstance(doc, Exception):
+                    raise doc
+                try:
+                    return _load_step(store, s, rank, map_location, into, doc)
+                except ObjectNotFoundError as e:
+                    if not _replaced(store, s, doc):  # still committed: the step is damaged
+                        raise CorruptCheckpointError(f"a file it names is missing ({e})") from e
+                    raise
+            except ObjectNotFoundError:
+                vanished = True  # deleted, or saved again, after a newer commit: list again
+                break
             except (CorruptCheckpointError, StorageError) as e:
                 # A wrong rank= or world size is the caller's error and propagates.
                 warnings.warn(f"skipping checkpoint step {s} at {url}: {e}", stacklevel=2)
         if not vanished:
-            break
-    raise NoCheckpointError(f"no complete, verifiable checkpoint at {url} (steps seen: {sorted(by_step)})")
+            raise NoCheckpointError(
+                f"no complete, verifiable checkpoint at {url} (steps seen: {sorted(listing.by_step)})")
+    raise _churn(url)
+
+
+def _replaced(store: Store, step: int, doc: dict[str, Any]) -> bool:
+    """Whether the manifest ``doc`` of ``step`` is gone from ``store`` or was replaced (a file
+    it names vanished: retention deleted the step, or the older attempt of a step saved
+    again) rather than still there, naming a file that is missing (the step is damaged)."""
+    try:
+        now = _read_manifest(store, step)
+    except ObjectNotFoundError:
+        return True
+    except (CheckpointError, StorageError):
+        return True  # rewritten since, and not readable now: not the one this load read
+    return (now["attempt"], now.get("created_unix")) != (doc["attempt"], doc.get("created_unix"))

@@ -39,6 +39,7 @@ from .format import (
     block_checksums,
     chunk_key,
     encode_doc,
+    is_data_key,
     manifest_key,
     parse_attempt,
     part_key,
@@ -168,10 +169,13 @@ class Persister:
     ``n`` of ``step`` (retention keeps attempts of saves after the one it commits)."""
 
     def __init__(self, tiers: list[Tier], rank: int, world_size: int, run_id: str,
-                 ranks_per_node: int | None, *, compression: str | None, zstd_level: int,
-                 io_threads: int, commit_timeout: float, nice: int, lease_ttl: float, lease_wait: float,
-                 link: PeerLink | None = None) -> None:
+                 ranks_per_node: int | None, *, attempt_id: str, fresh_attempts: bool, compression: str | None,
+                 zstd_level: int, io_threads: int, commit_timeout: float, nice: int, lease_ttl: float,
+                 lease_wait: float, link: PeerLink | None = None) -> None:
         self.tiers, self.rank, self.world_size, self.run_id = tiers, rank, world_size, run_id
+        # run_id.WriterIds: the <run_id> of this writer's attempt names, and whether it was
+        # drawn for this instance (else it is the given run_id, which must be fresh)
+        self.attempt_id, self.fresh_attempts = attempt_id, fresh_attempts
         self.ranks_per_node = ranks_per_node
         self.compression, self.zstd_level = compression, zstd_level
         self.io_threads, self.commit_timeout, self.nice = io_threads, commit_timeout, nice
@@ -214,15 +218,46 @@ class Persister:
             for tg in out:
                 if tg.commits:
                     tg.lease = Lease(tg.store, self.run_id, lease_ttl, lease_wait).acquire()
+                    by_step = scan_steps(tg.store)
                     # the highest complete step already there: a save below it is loaded by nobody
-                    tg.max_step = max((s for s, keys in scan_steps(tg.store).items()
-                                       if manifest_key(s) in keys), default=-1)
+                    tg.max_step = max((s for s, keys in by_step.items() if manifest_key(s) in keys), default=-1)
+                    if not self.fresh_attempts:
+                        self._refuse_used_run_id(tg.store, by_step)
         except BaseException:
             for tg in out:
                 if tg.lease is not None:
                     tg.lease.release()
             raise
         return out
+
+    def _refuse_used_run_id(self, store: Store, by_step: dict[int, list[str]]) -> None:
+        """A run_id that is the attempt id itself (ranks without a process group to draw one
+        with) names only this run's attempts: a folder of it left by an earlier run would be
+        taken for this run's, a rank's part there for one of this save (rank 0 cannot tell
+        them apart), so such a run_id is refused before anything is written."""
+        for keys in by_step.values():
+            for key in keys:
+                pa = parse_attempt(key.split("/")[1]) if is_data_key(key) else None
+                if pa is not None and pa[0] == self.attempt_id:
+                    raise CheckpointError(
+                        f"{store.url(key)}: run_id {self.run_id!r} was used by an earlier writer at {store.root}. "
+                        "Ranks without torch.distributed agree only on the run_id they are given, so each run "
+                        "needs a fresh one: pass a new run_id= (the same on every rank), or initialise "
+                        "torch.distributed so that the ranks draw a fresh id together"
+                    )
+
+    def _refuse_used_attempt(self, tg: _Target, step: int, attempt: str) -> None:
+        """Without a drawn attempt id, refuse to write into an attempt folder that already
+        holds this rank's part: an earlier writer given the same run_id saved this step there
+        (it may be a committed checkpoint, which our chunks would overwrite)."""
+        key = part_key(step, attempt, tg.rank)
+        if tg.store.exists(key):
+            raise CheckpointError(
+                f"step {step}: {tg.store.url(key)} exists already: an earlier writer given run_id "
+                f"{self.run_id!r} saved this step there, and a save never writes over another one; nothing "
+                "was written. Pass a fresh run_id= to each run (the same on every rank), or initialise "
+                "torch.distributed so that the ranks draw a fresh id together"
+            )
 
     def release(self) -> None:
         for targets in self._targets.values():
@@ -330,6 +365,8 @@ class Persister:
         (reused), or, with ``verify``, those a peer sent (each chunk is hashed again and
         must match)."""
         t0 = time.perf_counter()
+        if not self.fresh_attempts:
+            self._refuse_used_attempt(tg, step, attempt)
         ranges = chunk_ranges(total, cb)
         chunks = self._write_chunks(tg, step, attempt, view, ranges, known, verify)
         if chunks:
@@ -387,15 +424,15 @@ class Persister:
         done = time.monotonic() - job.t_start
         m.update(commit_s=t2 - t1, total_s=done, durable_s=done)
         if tg.commits:
-            run_id = self.run_id
+            attempt_id = self.attempt_id
 
             def in_flight(s: int, a: str) -> bool:
-                # An attempt of this job that rank 0 had not saved before this one: another
+                # An attempt of this writer that rank 0 had not saved before this one: another
                 # rank, which may be ahead of rank 0, may still be writing it. Attempts rank 0
                 # saved earlier are finished on every rank (each rank saves in call order and
                 # every part of this step exists).
                 pa = parse_attempt(a)
-                return (pa is not None and pa[0] == run_id
+                return (pa is not None and pa[0] == attempt_id
                         and self.saved_at.get((s, pa[1]), job.order + 1) > job.order)
 
             try:

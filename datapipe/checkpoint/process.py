@@ -252,6 +252,7 @@ def main() -> None:
     tiers = [Tier(**t) for t in cfg["tiers"]]
     try:
         p = Persister(tiers, cfg["rank"], cfg["world_size"], cfg["run_id"], cfg["ranks_per_node"],
+                      attempt_id=cfg["attempt_id"], fresh_attempts=cfg["fresh_attempts"],
                       compression=cfg["compression"], zstd_level=cfg["zstd_level"],
                       io_threads=cfg["io_threads"], commit_timeout=cfg["commit_timeout"], nice=0,
                       lease_ttl=cfg["lease_ttl"], lease_wait=cfg["lease_wait"])

@@ -515,11 +515,33 @@ class _Target:
     shape: tuple[int, ...]
 
 
-def _flat_bytes(local: Any, path: str) -> tuple[np.ndarray[Any, Any], Callable[[], None] | None]:
+def _shares_memory(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Whether two elements of a strided view may be one place in memory (an ``expand()``ed
+    tensor, a broadcast array): with the dimensions of more than one element ordered by
+    stride, each must step past everything the ones before it span. (A few layouts only
+    ``as_strided`` makes interleave without overlap and are counted as overlapping.)"""
+    span = itemsize
+    for stride, n in sorted((abs(st), n) for n, st in zip(shape, strides) if n > 1):
+        if stride < span:
+            return True
+        span += stride * (n - 1)
+    return False
+
+
+def _flat_bytes(local: Any, path: str, where: str) -> tuple[np.ndarray[Any, Any], Callable[[], None] | None]:
     """Row-major bytes of ``local`` to write into, and what to do after (copy back from a
-    host buffer when ``local`` is not a contiguous host array)."""
+    host buffer when ``local`` is not a contiguous host array). Refused, before anything is
+    read: a target with no memory of its own to fill (a ``meta`` tensor) or whose elements
+    share memory (an ``expand()``ed view): either would take the load and keep nothing."""
     if isinstance(local, np.ndarray):
-        if local.flags.c_contiguous and local.flags.writeable:
+        if not local.flags.writeable:
+            raise CheckpointError(f"into: {path!r} is a read-only numpy array: pass a writeable one ({where})")
+        if _shares_memory(local.shape, local.strides, local.itemsize):
+            raise CheckpointError(
+                f"into: {path!r} is an array whose elements share memory (shape {list(local.shape)}, strides "
+                f"{list(local.strides)}: a broadcast view): pass an array that holds each element, e.g. "
+                f"its .copy() ({where})")
+        if local.flags.c_contiguous:
             return local.reshape(-1).view(np.uint8), None
         host: np.ndarray[Any, Any] = np.empty(local.shape, local.dtype)
         return host.reshape(-1).view(np.uint8), lambda: np.copyto(local, host)
@@ -530,8 +552,19 @@ def _flat_bytes(local: Any, path: str) -> tuple[np.ndarray[Any, Any], Callable[[
     if not torch_copyable(local.dtype):
         raise CheckpointError(f"into: {path!r}: dtype {local.dtype} cannot be filled in place")
     t = local.detach()
+    if t.device.type == "meta":
+        raise CheckpointError(
+            f"into: {path!r} is a meta tensor, which has no memory to load into: allocate it first "
+            f"(an FSDP2 model: model.to_empty(device=...); then load) ({where})")
+    if _shares_memory(tuple(t.shape), tuple(t.stride()), 1):
+        raise CheckpointError(
+            f"into: {path!r} is a tensor whose elements share memory (shape {list(t.shape)}, strides "
+            f"{list(t.stride())}: an expand()ed view): pass a tensor that holds each element, e.g. its "
+            f".clone() ({where})")
     if t.device.type == "cpu" and t.is_contiguous():
-        return t.reshape(-1).view(torch.uint8).numpy(), None
+        # the same elements with stride 1: a dimension of one element may carry any stride,
+        # which a byte view refuses
+        return t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy(), None
     tmp = torch.empty(tuple(t.shape), dtype=t.dtype)
 
     def back() -> None:
@@ -578,7 +611,7 @@ class _Loader:
     def __init__(self, saved: SavedStep, rank: int, map_location: Any) -> None:
         self.saved, self.rank, self.map_location = saved, rank, map_location
         self.copies: list[_Copy] = []
-        self.finish: list[Callable[[], None]] = []
+        self.finish: list[tuple[str, Callable[[], None]]] = []  # (path, copy back into its target)
         self._index: dict[int, dict[Any, Any] | list[Any] | None] = {}
         self._boxes: dict[Any, Any] = {}  # dtensor_box's memo over `into`
 
@@ -710,10 +743,10 @@ class _Loader:
             raise CheckpointError(f"into: {path!r}: box {list(start)} + {list(t.shape)} lies outside {list(gt.shape)}")
         if math.prod(t.shape) == 0:
             return
-        flat, back = _flat_bytes(t.local, path)
+        flat, back = _flat_bytes(t.local, path, saved.where)
         self.copies += plan_copies(gt, flat, start, t.shape)
         if back is not None:
-            self.finish.append(back)
+            self.finish.append((path, back))
 
 
 def _leaf_indices(node: Any) -> list[int]:
@@ -761,8 +794,12 @@ def load_into(store: Store, step: int, manifest: dict[str, Any], into: Any, rank
     loader = _Loader(saved, _own_rank(rank), map_location)
     result = loader.fill(into, (), "")
     run_copies(saved, loader.copies)
-    for back in loader.finish:
-        back()
+    for path, back in loader.finish:
+        try:
+            back()
+        except (RuntimeError, TypeError, ValueError) as e:  # torch's or numpy's word on that target
+            raise CheckpointError(f"into: {path!r}: the loaded bytes could not be copied into it "
+                                  f"({type(e).__name__}: {e}) ({where})") from e
     return result
 
 

@@ -20,6 +20,7 @@ loop of a ``latest`` pointing at a partial folder plus a corrupt replica cannot 
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import time
 import warnings
@@ -75,10 +76,19 @@ class RestoreResult:
 _Copy = tuple[str, int, int]
 
 
+def _commit_time(doc: dict[str, Any]) -> float | None:
+    """A verified manifest's ``created_unix`` (its commit time), or None where it has none
+    that is a finite number of seconds: the order of two saves of one step."""
+    t = doc.get("created_unix")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not -(2.0**53) < t < 2.0**53:
+        return None
+    return float(t) if math.isfinite(t) else None
+
+
 def _complete(store: Store, origin: tuple[int, int] | None, world_size: int,
               skipped: list[str]) -> list[list[Any]]:
-    """``[[step, attempt], ...]`` of the steps in ``store`` whose manifest verifies (and,
-    in a node-local folder, names the expected job rank and world size)."""
+    """``[[step, attempt, commit time], ...]`` of the steps in ``store`` whose manifest
+    verifies (and, in a node-local folder, names the expected job rank and world size)."""
     # Any failure here is a note, never raised: this runs before the ranks first agree,
     # and a rank that raised would leave the others waiting out their timeout.
     out: list[list[Any]] = []
@@ -109,7 +119,7 @@ def _complete(store: Store, origin: tuple[int, int] | None, world_size: int,
             skipped.append(f"{store.url(manifest_key(s))}: saved by {doc['world_size']} ranks, "
                            f"this job has {world_size}")
             continue
-        out.append([s, doc["attempt"]])
+        out.append([s, doc["attempt"], _commit_time(doc)])
     return out
 
 
@@ -368,17 +378,36 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, 
 
     # (kind, tier, rank) -> set of (step, attempt) it holds
     have: dict[_Copy, set[tuple[int, str]]] = {}
+    # (step, attempt) -> the latest commit time of its manifests (one save, several copies)
+    when: dict[tuple[int, str], float] = {}
+
+    def saves(steps: list[list[Any]]) -> set[tuple[int, str]]:
+        for s, a, t in steps:
+            if t is not None:
+                when[(int(s), str(a))] = max(float(t), when.get((int(s), str(a)), float(t)))
+        return {(int(s), str(a)) for s, a, _t in steps}
+
     for r, info in enumerate(infos):
         for i, steps in info["own"].items():
-            have[(LOCAL, int(i), r)] = {(int(s), str(a)) for s, a in steps}
+            have[(LOCAL, int(i), r)] = saves(steps)
         if rpn is not None:
             for i, steps in info["held"].items():
-                have[(PEER_REPLICA, int(i), source_of(r, world, rpn))] = {(int(s), str(a)) for s, a in steps}
+                have[(PEER_REPLICA, int(i), source_of(r, world, rpn))] = saves(steps)
     for i, steps in infos[0]["shared"].items():
+        shared_steps = saves(steps)
         for r in range(world):
-            have[(REMOTE, int(i), r)] = {(int(s), str(a)) for s, a in steps}
+            have[(REMOTE, int(i), r)] = shared_steps
     bad: set[tuple[str, int, int, int, str]] = set()
-    candidates = sorted({sa for v in have.values() for sa in v}, reverse=True)
+
+    def newest(sa: tuple[int, str]) -> tuple[int, bool, float]:
+        # The highest step; of two saves of one step (a run that saved it again after a
+        # restart, into another tier), the one committed last: the other is older state.
+        # A manifest without a commit time (edited) ranks below one with.
+        t = when.get(sa)
+        return (sa[0], t is not None, 0.0 if t is None else t)
+
+    # (ties, refused below, in one order on every rank)
+    candidates = sorted({sa for v in have.values() for sa in v}, key=lambda sa: (newest(sa), sa[1]), reverse=True)
 
     def source(r: int, s: int, a: str) -> _Copy | None:
         best = [c for c, v in have.items() if c[2] == r and (s, a) in v and (c[0], c[1], r, s, a) not in bad]
@@ -387,10 +416,18 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, 
     while True:
         plan = None
         for s, a in candidates:
+            if plan is not None and newest((s, a)) != newest((plan[0], plan[1])):
+                break
             srcs = [source(r, s, a) for r in range(world)]
             if all(c is not None for c in srcs):
+                if plan is not None:
+                    # every rank computes this from the same gathered lists: all refuse alike
+                    raise CheckpointError(
+                        f"restore: step {s} was saved twice, as attempts {a} and {plan[1]}, and their manifests "
+                        f"in tiers {[t.url for t in tiers]} do not say which is newer (the same commit time, "
+                        "or none); delete the older one's step folder from the tier that holds it"
+                    )
                 plan = (s, a, srcs)
-                break
         if plan is None:
             raise NoCheckpointError(
                 f"no step is complete and verified for all {world} ranks in tiers "

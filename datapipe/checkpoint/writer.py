@@ -28,7 +28,7 @@ from ..topology import Topology
 from .flatten import Leaf, flatten
 from .format import MAX_CHUNK_BYTES
 from .persist import Persister, PersistJob, chunk_bytes_for, lower_thread_priority, replica_header
-from .run_id import agree_run_id
+from .run_id import agree_writer_ids
 from .staging import StagingBuffer
 from .tiers import Tier, resolve_ranks_per_node
 
@@ -150,11 +150,16 @@ class CheckpointWriter:
 
     ``compression`` is None or ``"zstd"`` (per chunk); ``if_busy`` is ``"wait"`` or
     ``"skip"`` for a save that finds the previous one still writing. ``rank``/``world_size``
-    default to torch.distributed's when it is initialized. The background work (the writer
-    process, or the threads) runs ``nice`` levels below the caller (0: same priority): 7
-    by default, where on this project's 2-core machine with both cores busy a save still
-    became durable within 2x of its time beside an idle trainer while the training step
-    stayed within 1.1x (10 missed the first, 0 the second; ``bench_checkpoint --tiers``).
+    default to torch.distributed's when it is initialized. ``run_id`` (default: drawn)
+    names the run in the lease; the attempt folders of this writer's saves are named by an
+    id its ranks draw together at construction (one broadcast over torch.distributed), so
+    a later run given the same ``run_id`` never writes into them (run_id.py).
+
+    The background work (the writer process, or the threads) runs ``nice`` levels below the
+    caller (0: same priority): 7 by default, where on this project's 2-core machine with
+    both cores busy a save still became durable within 2x of its time beside an idle
+    trainer while the training step stayed within 1.1x (10 missed the first, 0 the second;
+    ``bench_checkpoint --tiers``).
     """
 
     def __init__(self, url: str | None = None, *, keep_last: int = 3, keep_every: int | None = None,
@@ -209,8 +214,11 @@ class CheckpointWriter:
             )
         self.ranks_per_node = (resolve_ranks_per_node(ranks_per_node, self.world_size, f"Tier({replicated[0].url!r})")
                                if replicated else ranks_per_node)
-        self.run_id = agree_run_id(self.world_size, run_id)
-        # The peer link's gloo group is a collective: create it right after the run id, the
+        ids = agree_writer_ids(self.rank, self.world_size, run_id)
+        self.run_id = ids.run_id
+        # the <run_id> of this writer's attempt folders: drawn for this instance (run_id.py)
+        self._ids = ids
+        # The peer link's gloo group is a collective: create it right after the ids, the
         # other collective, before anything that can fail on one rank only (leases, stores,
         # the writer process); a rank failing there cannot leave the others in new_group.
         self._link: Any = None  # the peer link with replicate=1 (used by the Persister or by _run_link)
@@ -269,6 +277,7 @@ class CheckpointWriter:
         self._link_msgs: dict[int, dict[str, Any]] = {}  # order -> job message waiting for the peer exchange
         config: dict[str, Any] = dict(
             tiers=tiers, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
+            attempt_id=self._ids.attempt_id, fresh_attempts=self._ids.fresh,
             ranks_per_node=self.ranks_per_node, compression=compression, zstd_level=zstd_level,
             io_threads=io_threads, commit_timeout=commit_timeout, nice=nice,
             lease_ttl=lease_ttl, lease_wait=lease_wait)
@@ -440,7 +449,7 @@ class CheckpointWriter:
                          staging_allocated=self._staging.allocations > allocations,
                          staging_gbps=total / staging_s / 1e9 if staging_s > 0 else float("inf"))
         self._current = h
-        job = PersistJob(step, f"{self.run_id}-{n}", tree, specs, shared_total, due,
+        job = PersistJob(step, f"{self._ids.attempt_id}-{n}", tree, specs, shared_total, due,
                          time.monotonic() - (time.perf_counter() - t0), self._calls,
                          chunk_bytes_for(shared_total, self.chunk_bytes, self.io_threads))
         if local_specs is not None:
