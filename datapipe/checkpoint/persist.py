@@ -21,8 +21,7 @@ from typing import Any
 
 from ..checksum import Hasher
 from ..errors import CheckpointError, StorageError
-from ..storage import Store, open_store
-from ..storage.store import join_url
+from ..storage import Store, join_url, open_store
 from .commit import (
     apply_retention,
     await_parts,

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from .flatten import Leaf
+from .leaf import Leaf, torch_copyable, torch_dtype_from_name
 
 __all__ = ["ALIGN", "StagingBuffer", "plan_layout"]
 
@@ -158,8 +158,6 @@ class StagingBuffer:
         self._np = buf.numpy()
 
     def _build_views(self, leaves: list[Leaf], offsets: list[int], total: int) -> None:
-        from .flatten import torch_copyable, torch_dtype_from_name
-
         views: list[Any] = []
         prev_end = 0
         buf, npbuf = self._buf, self._np

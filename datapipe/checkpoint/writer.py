@@ -25,8 +25,9 @@ from typing import Any
 from ..errors import CheckpointError, TopologyError
 from ..storage import in_this_process, open_store, storage_options_for
 from ..topology import Topology
-from .flatten import Leaf, flatten
+from .flatten import flatten
 from .format import MAX_CHUNK_BYTES
+from .leaf import Leaf
 from .persist import Persister, PersistJob, chunk_bytes_for, lower_thread_priority, replica_header
 from .run_id import agree_writer_ids
 from .staging import StagingBuffer
