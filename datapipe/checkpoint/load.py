@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import (
     CheckpointError,
+    CheckpointOptionError,
     CorruptCheckpointError,
     NoCheckpointError,
     ObjectNotFoundError,
@@ -181,16 +182,16 @@ def load_checkpoint(url: str | None = None, step: int | None = None, map_locatio
     """
     if tiers is not None:
         if url is not None or step is not None or storage_options is not None or into is not None:
-            raise CheckpointError("load_checkpoint(tiers=...) takes no url, step, storage_options or into "
+            raise CheckpointOptionError("load_checkpoint(tiers=...) takes no url, step, storage_options or into "
                                   "(each Tier has its own store; resharding from tiers is not supported)")
         return restore_checkpoint(tiers, rank=rank, ranks_per_node=ranks_per_node,
                                   map_location=map_location).state
     if url is None:
-        raise CheckpointError("load_checkpoint needs a url or tiers=[Tier(...), ...]")
+        raise CheckpointOptionError("load_checkpoint needs a url or tiers=[Tier(...), ...]")
     store = open_store(url, storage_options)
     if step is not None:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise CheckpointError(f"step must be a non-negative int, got {step!r}")
+            raise CheckpointOptionError(f"step must be a non-negative int, got {step!r}")
         try:
             return read_step(store, step, rank, map_location, into)
         except ObjectNotFoundError as e:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointOptionError
 from ..storage import Store
 from ..topology import Topology
 from .dtensor import LocalShard, Replicated, dtensor_box, dtensor_type
@@ -114,9 +114,9 @@ def _flat_bytes(local: Any, path: str, where: str) -> tuple[np.ndarray[Any, Any]
     share memory (an ``expand()``ed view): either would take the load and keep nothing."""
     if isinstance(local, np.ndarray):
         if not local.flags.writeable:
-            raise CheckpointError(f"into: {path!r} is a read-only numpy array: pass a writeable one ({where})")
+            raise CheckpointOptionError(f"into: {path!r} is a read-only numpy array: pass a writeable one ({where})")
         if _shares_memory(local.shape, local.strides, local.itemsize):
-            raise CheckpointError(
+            raise CheckpointOptionError(
                 f"into: {path!r} is an array whose elements share memory (shape {list(local.shape)}, strides "
                 f"{list(local.strides)}: a broadcast view): pass an array that holds each element, e.g. "
                 f"its .copy() ({where})")
@@ -127,14 +127,14 @@ def _flat_bytes(local: Any, path: str, where: str) -> tuple[np.ndarray[Any, Any]
     import torch
 
     if not torch_copyable(local.dtype):
-        raise CheckpointError(f"into: {path!r}: dtype {local.dtype} cannot be filled in place")
+        raise CheckpointOptionError(f"into: {path!r}: dtype {local.dtype} cannot be filled in place")
     t = local.detach()
     if t.device.type == "meta":
-        raise CheckpointError(
+        raise CheckpointOptionError(
             f"into: {path!r} is a meta tensor, which has no memory to load into: allocate it first "
             f"(an FSDP2 model: model.to_empty(device=...); then load) ({where})")
     if _shares_memory(tuple(t.shape), tuple(t.stride()), 1):
-        raise CheckpointError(
+        raise CheckpointOptionError(
             f"into: {path!r} is a tensor whose elements share memory (shape {list(t.shape)}, strides "
             f"{list(t.stride())}: an expand()ed view): pass a tensor that holds each element, e.g. its "
             f".clone() ({where})")
@@ -354,7 +354,7 @@ def _rebuild(node: Any, leaf: Callable[[int], Any], where: str) -> Any:
 def _own_rank(rank: int | None) -> int:
     if rank is not None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise CheckpointError(f"rank must be an int >= 0, got {rank!r}")
+            raise CheckpointOptionError(f"rank must be an int >= 0, got {rank!r}")
         return rank
     live = Topology.distributed()
     return live.rank if live is not None else 0

@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ..errors import CheckpointError, NoCheckpointError, StorageError
+from ..errors import CheckpointError, CheckpointOptionError, NoCheckpointError, StorageError
 from ..storage import MemoryStore, Store, join_url, open_store
 from ..topology import Topology
 from .commit import scan_steps
 from .format import MAX_CHUNK_BYTES, MAX_PART_BYTES, manifest_key, part_key
 from .read import read_step
 from .step import check_chunk, check_part, part_state, probe_chunk, read_doc, read_manifest, read_part
-from .tiers import Tier, own_dir, peer_of, replica_dir, resolve_ranks_per_node, source_of
+from .tiers import Tier, check_tiers, own_dir, peer_of, replica_dir, resolve_ranks_per_node, source_of
 
 __all__ = ["RestoreResult", "restore_checkpoint", "LOCAL", "PEER_REPLICA", "REMOTE"]
 
@@ -315,12 +315,11 @@ def restore_checkpoint(tiers: list[Tier], *, rank: int | None = None, world_size
     destroyed at the end). A copy that fails to load on any rank, for any reason, is
     skipped on every rank with a warning naming it. See the module docstring."""
     t_start = time.perf_counter()
-    if not tiers or not all(isinstance(t, Tier) for t in tiers):
-        raise CheckpointError(f"tiers must be a non-empty list of Tier, got {tiers!r:.200}")
+    tiers = check_tiers(tiers)
     try:
         rank, world = Topology.resolve(rank, world_size, environment=False)
     except Exception as e:
-        raise CheckpointError(f"restore_checkpoint: {e}") from None
+        raise CheckpointOptionError(f"restore_checkpoint: {e}") from None
     live = Topology.distributed()
     if world > 1 and (live is None or live != (rank, world)):
         raise CheckpointError(

@@ -15,6 +15,7 @@
 Imports: errors and checksum only. It knows no tar, no cache, no pack or checkpoint.
 """
 
+from .lease import LeaseBusyError, LeaseLostError, WriterLease, describe_holder
 from .local import LocalStore
 from .memory import MemoryStore
 from .opening import in_this_process, open_store
@@ -35,4 +36,8 @@ __all__ = [
     "RetryPolicy",
     "set_storage_options",
     "storage_options_for",
+    "WriterLease",
+    "LeaseBusyError",
+    "LeaseLostError",
+    "describe_holder",
 ]
