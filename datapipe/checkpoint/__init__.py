@@ -2,8 +2,10 @@
 the background, commit with a manifest written last, keep a bounded history, load the
 newest checkpoint that verifies. Layout: docs/CHECKPOINT_FORMAT.md.
 
-Holds: ``writer`` (``CheckpointWriter``, ``SaveHandle``), ``staging`` (the reused host
-buffer), ``leaf`` (``Leaf``: one array of the state, and what its dtype means), ``flatten``
+Holds: ``writer`` (``CheckpointWriter``, ``SaveHandle``), ``background`` (where its
+background work runs, chosen once: a thread, or ``writer_process``), ``persist`` (that work:
+chunks, parts, commit; ``PersistJob``/``PersistConfig`` and their wire form), ``staging``
+(the reused host buffer), ``leaf`` (``Leaf``: one array of the state, and what its dtype means), ``flatten``
 (state <-> leaves and JSON tree), ``format`` (key names, documents, limits), ``commit``
 (parts, manifest, ``latest``, retention), ``lease`` (one writer per URL), ``run_id`` (the
 attempt id a writer's ranks draw together), ``tiers`` (``Tier``: cadence, retention,
@@ -34,15 +36,16 @@ __all__ = ["CheckpointWriter", "SaveHandle", "CheckpointInfo", "load_checkpoint"
            "Tier", "restore_checkpoint", "RestoreResult", "LocalShard", "Replicated"]
 
 #: public name -> the submodule that defines it, imported on first use: the writer process
-#: (``python -m datapipe.checkpoint.process``) needs none of the trainer's side
+#: (``python -m datapipe.checkpoint.writer_process``) needs none of the trainer's side
 _WHERE = {"CheckpointWriter": "writer", "SaveHandle": "writer", "CheckpointInfo": "load",
           "load_checkpoint": "load", "list_checkpoints": "load", "Tier": "tiers",
           "restore_checkpoint": "restore", "RestoreResult": "restore", "LocalShard": "dtensor",
           "Replicated": "dtensor"}
 
-#: the submodules the eager imports bound (`datapipe.checkpoint.writer.CheckpointWriter`)
-_SUBMODULES = frozenset({"commit", "dtensor", "flatten", "format", "gcpause", "leaf", "lease", "load", "overlap",
-                         "persist", "read", "replicate", "reshard", "restore", "run_id", "staging", "step", "tiers",
-                         "writer"})
+#: the submodules, reached as attributes (`datapipe.checkpoint.writer.CheckpointWriter`) and
+#: imported on first use
+_SUBMODULES = frozenset({"background", "commit", "dtensor", "flatten", "format", "gcpause", "leaf", "lease", "load",
+                         "overlap", "persist", "read", "replicate", "reshard", "restore", "run_id", "staging", "step",
+                         "tiers", "writer", "writer_process"})
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _WHERE, _SUBMODULES)
