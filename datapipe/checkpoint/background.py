@@ -26,6 +26,7 @@ from .persist import PersistConfig, Persister, PersistJob, lower_thread_priority
 from .replicate import PeerLink
 from .staging import StagingBuffer
 from .tiers import Tier
+from .writer_process import SharedBytes, WriterProcess
 
 __all__ = ["Background", "ThreadBackground", "ProcessBackground", "choose_background", "start_background"]
 
@@ -134,8 +135,6 @@ class ProcessBackground:
     kind: str = "process"
 
     def __init__(self, config: PersistConfig, staging: StagingBuffer, link: PeerLink | None) -> None:
-        from .writer_process import SharedBytes, WriterProcess
-
         self._staging = staging
         self._rank, self._world_size = config.rank, config.world_size
         self._in_flight: dict[int, tuple[dict[str, Any], Done]] = {}  # order -> the save's metrics, done

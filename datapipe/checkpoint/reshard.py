@@ -182,8 +182,9 @@ def _path(parent: str, key: Any) -> str:
     return f"{parent}.{key}" if parent else str(key)
 
 
-class _Loader:
-    """One ``load_checkpoint(into=...)`` on one rank."""
+class _StateBuilder:
+    """The state one rank loads from a SavedStep: its arrays read whole (``materialize``) or
+    into the targets of ``into=`` (``fill``: copies planned, run by ``load_into``)."""
 
     def __init__(self, saved: SavedStep, rank: int, map_location: Any) -> None:
         self.saved, self.rank, self.map_location = saved, rank, map_location
@@ -366,10 +367,10 @@ def load_into(store: Store, step: int, manifest: dict[str, Any], into: Any, rank
     structure with every other value taken from the checkpoint (see ``load_checkpoint``)."""
     where = f"checkpoint step {step} at {store.root}"
     saved = SavedStep(store, step, manifest, where)
-    loader = _Loader(saved, _own_rank(rank), map_location)
-    result = loader.fill(into, (), "")
-    run_copies(saved, loader.copies)
-    for path, back in loader.finish:
+    builder = _StateBuilder(saved, _own_rank(rank), map_location)
+    result = builder.fill(into, (), "")
+    run_copies(saved, builder.copies)
+    for path, back in builder.finish:
         try:
             back()
         except (RuntimeError, TypeError, ValueError) as e:  # torch's or numpy's word on that target
@@ -383,5 +384,5 @@ def load_part_full(store: Store, step: int, manifest: dict[str, Any], rank: int,
     without ``into=`` of a checkpoint holding DTensors or Replicated arrays)."""
     where = f"checkpoint step {step} at {store.root}"
     saved = SavedStep(store, step, manifest, where)
-    loader = _Loader(saved, rank, map_location)
-    return _rebuild(saved.parts[rank]["tree"], lambda i: loader.materialize(rank, i), saved.part_urls[rank])
+    builder = _StateBuilder(saved, rank, map_location)
+    return _rebuild(saved.parts[rank]["tree"], lambda i: builder.materialize(rank, i), saved.part_urls[rank])
