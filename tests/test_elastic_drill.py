@@ -24,15 +24,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # -- end to end -------------------------------------------------------------------------------
 
+def _run_drill(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """The drill as a command; past ``timeout`` it gets SIGTERM, which ends it through its
+    cleanup (every agent and rank it started killed), and only then SIGKILL."""
+    proc = subprocess.Popen([sys.executable, "-m", "tools.elastic_drill", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        raise AssertionError(f"the drill ran past {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 @pytest.mark.timeout(600)
 def test_elastic_drill(tmp_path):
     """Two torchrun agents of two ranks: node 1 throttled and named (data), killed (the job
     shrinks to 2 ranks, resharded from node 0's own parts and replicas), started again
     (the job grows back to 4 from a 2-rank checkpoint); every sample once."""
-    out = subprocess.run(
-        [sys.executable, "-m", "tools.elastic_drill", "--dir", str(tmp_path / "drill"), "--samples", "2048",
-         "--local-every", "4", "--remote-every", "8", "--json"],
-        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=580)
+    out = _run_drill(["--dir", str(tmp_path / "drill"), "--samples", "2048", "--local-every", "4",
+                      "--remote-every", "8", "--json"], timeout=500)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "named straggler: node 1 (data)" in out.stdout
     assert "every sample exactly once: True" in out.stdout
@@ -57,8 +73,7 @@ def test_a_foreign_dir_is_refused(tmp_path):
     work = tmp_path / "mine"
     (work / "node0").mkdir(parents=True)
     (work / "node0" / "keep.txt").write_text("not the drill's")
-    out = subprocess.run([sys.executable, "-m", "tools.elastic_drill", "--dir", str(work)],
-                         capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    out = _run_drill(["--dir", str(work)], timeout=120)
     assert out.returncode != 0 and "not made by the elastic drill" in out.stderr, out.stderr[-2000:]
     assert (work / "node0" / "keep.txt").read_text() == "not the drill's"
 

@@ -1,7 +1,7 @@
 """Elastic drill on torchrun: a slow node named with its cause, a node lost and the job
 shrunk onto the survivor, the node back and the job grown again, every sample once.
 
-    python -m tools.elastic_drill                  # a temporary folder, about a minute
+    python -m tools.elastic_drill                  # a temporary folder, 1-2 minutes on 2 cores
     python -m tools.elastic_drill --dir /tmp/ed --samples 3072 --local-every 4 --json
 
 Two "nodes" on this machine, each a torchrun agent of its own session (``torchrun
@@ -196,6 +196,7 @@ def _local_steps(tier_url: str) -> dict[int, dict[int, str]]:
     """step -> {job rank whose part it is: folder} of the complete steps this node holds
     (its ranks' own folders and the replicas it keeps), own folders preferred."""
     from datapipe.checkpoint import list_checkpoints
+    from datapipe.checkpoint.tiers import own_dir, replica_dir
 
     out: dict[int, dict[int, str]] = {}
     try:
@@ -203,9 +204,9 @@ def _local_steps(tier_url: str) -> dict[int, dict[int, str]]:
     except FileNotFoundError:
         return out
     for name in names:
-        m = re.fullmatch(r"(?:rank|replica-of-rank)-(\d{5})", name)
-        if m is None:
-            continue
+        m = re.fullmatch(r"\D+-(\d+)", name)
+        if m is None or name not in (own_dir(int(m.group(1))), replica_dir(int(m.group(1)))):
+            continue  # not a folder of the tier's layout (docs/CHECKPOINT_FORMAT.md, "Tiers")
         url = os.path.join(tier_url, name)
         for info in list_checkpoints(url):
             if info.complete:
@@ -489,7 +490,7 @@ def run_rank(a: argparse.Namespace) -> None:
         log.flush()
 
     try:
-        tel = Telemetry(window_s=a.window_s, rank=rank)
+        tel = Telemetry(window_s=a.window_s, rank=rank, metrics_path=os.path.join(logdir, f"{tag}-metrics.jsonl"))
         publisher = Publisher(tel, FileBoard(work), rank=rank)
         model, opt = make_model(world, a.hidden)
         wrapper = functools.partial(ThrottledStore, switch=os.path.join(work, f"throttle-node{node}"),
@@ -1121,6 +1122,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--hidden must be a multiple of {FULL_WORLD}")
     if a.local_every < 1 or a.remote_every < 1 or a.window_s <= 0 or a.throttle_s <= 0 or a.timeout <= 0:
         p.error("--local-every, --remote-every, --window-s, --throttle-s and --timeout must be positive")
+    # SIGTERM (a scheduler, a test's timeout) ends the drill through its cleanup, which
+    # kills every process it started
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     out = drill(a)
     if a.json:
         print(json.dumps(out, indent=1, default=str))
