@@ -276,11 +276,10 @@ def test_timeline_finds_each_kind_of_damage(tmp_path):
 
 def test_throttled_store_under_a_tiered_cache(tmp_path):
     """Through TieredCache(cold_wrapper=), every cold read goes through the wrapper (it
-    shows no local path), is counted in the telemetry as a cold read of its bytes, and the
-    bytes are the object's, with the throttle on and off."""
-    import functools
-
+    shows no local path) and is slowed while the switch file exists, never after; the
+    bytes are the object's, and the cache's telemetry counts them as cold reads."""
     import datapipe
+    from datapipe.storage import LocalStore
     from datapipe.telemetry import Telemetry
 
     cold = tmp_path / "cold"
@@ -289,17 +288,25 @@ def test_throttled_store_under_a_tiered_cache(tmp_path):
     (cold / "b.bin").write_bytes(os.urandom(5000))
     switch = tmp_path / "throttle"
     switch.write_text("on\n")
+    made: list[ed.ThrottledStore] = []
+
+    def wrapper(store: Any) -> ed.ThrottledStore:
+        made.append(ed.ThrottledStore(store, switch=str(switch), bytes_per_s=1e6))
+        return made[-1]
+
     tel = Telemetry(window_s=None)
-    wrapper = functools.partial(ed.ThrottledStore, switch=str(switch), bytes_per_s=1e6, telemetry=tel)
-    cache = datapipe.TieredCache(warm_dir=str(tmp_path / "warm"), warm_bytes=1 << 20, cold_wrapper=wrapper)
+    cache = datapipe.TieredCache(warm_dir=str(tmp_path / "warm"), warm_bytes=1 << 20, cold_wrapper=wrapper,
+                                 telemetry=tel)
     try:
         assert cache.read(str(cold / "a.bin")) == (cold / "a.bin").read_bytes()
+        throttled = sum(s.throttled for s in made)
         switch.unlink()
         assert cache.read(str(cold / "b.bin")) == (cold / "b.bin").read_bytes()
         assert cache.read(str(cold / "a.bin")) == (cold / "a.bin").read_bytes()  # a warm hit: no cold read
     finally:
         cache.close()
+    assert throttled >= 1 and sum(s.throttled for s in made) == throttled  # none once the switch is gone
     counts, _hist = tel.totals().tier("cold")
     assert counts["bytes"] == 8000 and counts["reads"] >= 2
-    store = wrapper(datapipe.storage.LocalStore(str(cold)))
+    store = ed.ThrottledStore(LocalStore(str(cold)), switch=str(switch), bytes_per_s=1e6)
     assert store.local_path("a.bin") is None and store.list() == ["a.bin", "b.bin"]

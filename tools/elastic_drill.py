@@ -70,15 +70,16 @@ __all__ = ["ThrottledStore", "Run", "drill", "sample_timeline", "exactly_once", 
 
 class ThrottledStore(Store):
     """A cold store as the cache sees it, slowed to ``bytes_per_s`` (shared by this process's
-    reads in flight) while the file ``switch`` exists, each read's bytes and seconds counted
-    in ``telemetry`` as cold reads (the cache itself does not feed a Telemetry yet). Passed
-    through ``TieredCache(cold_wrapper=)``, the one public hook below the loader; it
-    delegates everything else to ``inner`` and reports no local path, so every read of the
-    cold store comes through here."""
+    reads in flight) while the file ``switch`` exists. Passed through
+    ``TieredCache(cold_wrapper=)``, the one public hook below the loader, so the slow reads
+    are the cache's cold reads (which its ``telemetry=`` times); it delegates everything
+    else to ``inner`` and reports no local path, so every cold read comes through here.
+    ``throttled``: the reads slowed so far (in this process)."""
 
-    def __init__(self, inner: Store, *, switch: str, bytes_per_s: float, telemetry: Any = None) -> None:
+    def __init__(self, inner: Store, *, switch: str, bytes_per_s: float) -> None:
         super().__init__(inner.root)
-        self.inner, self.switch, self.bytes_per_s, self.telemetry = inner, switch, bytes_per_s, telemetry
+        self.inner, self.switch, self.bytes_per_s = inner, switch, bytes_per_s
+        self.throttled = 0
         self._lock = threading.Lock()
         self._free_at = 0.0  # when the throttled link is free again (reads in parallel share it)
 
@@ -94,15 +95,13 @@ class ThrottledStore(Store):
     def _read(self, n_of: Callable[[Any], int], read: Callable[[], Any]) -> Any:
         t0 = time.perf_counter()
         data = read()
-        n = n_of(data)
         if os.path.exists(self.switch):
             with self._lock:  # this read's bytes pass after those already queued on the link
-                done = self._free_at = max(self._free_at, t0) + n / self.bytes_per_s
+                done = self._free_at = max(self._free_at, t0) + n_of(data) / self.bytes_per_s
+                self.throttled += 1
             # in slices, so that a read under way ends soon after the switch is removed
             while (left := done - time.perf_counter()) > 0 and os.path.exists(self.switch):
                 time.sleep(min(left, 0.05))
-        if self.telemetry is not None:
-            self.telemetry.read("cold", n, time.perf_counter() - t0)
         return data
 
     def url(self, key: str) -> str:
@@ -494,9 +493,10 @@ def run_rank(a: argparse.Namespace) -> None:
         publisher = Publisher(tel, FileBoard(work), rank=rank)
         model, opt = make_model(world, a.hidden)
         wrapper = functools.partial(ThrottledStore, switch=os.path.join(work, f"throttle-node{node}"),
-                                    bytes_per_s=a.throttle_bps, telemetry=tel)
+                                    bytes_per_s=a.throttle_bps)
+        # the cache records each tier's reads, hits and misses into the rank's telemetry
         cache = datapipe.TieredCache(warm_dir=os.path.join(work, f"node{node}", "warm"), warm_bytes=256 << 20,
-                                     cold_wrapper=wrapper)
+                                     cold_wrapper=wrapper, telemetry=tel)
         # No read-ahead (chunks of one batch, a budget of one byte, one fetch at a time) and
         # shards read one after the other (window=1: samples shuffled within a shard, the
         # shards' order shuffled): a slow tier shows as a wait every shard, within a window
