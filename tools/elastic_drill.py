@@ -1103,7 +1103,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--last-call-s", type=int, default=2,
                    help="node 0's rendezvous last call: how long a round waits for more nodes (default 2)")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts (default 3)")
-    p.add_argument("--timeout", type=float, default=120.0, help="give up on any wait after this many seconds")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="give up on any wait after this many seconds (default 120)")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
     # one rank (started by torchrun)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
