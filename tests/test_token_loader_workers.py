@@ -55,6 +55,18 @@ def test_batches_cross_the_ring_as_tensors_equal_to_the_in_process_pass(root, co
     assert got[0]["input_ids"].dtype == torch.int64 and got[0]["input_ids"].shape == (5, L + (packing == "concat"))
 
 
+@pytest.mark.parametrize("packing", ["concat", "documents"])
+def test_batches_held_past_the_rings_slots_come_pickled_and_equal(root, packing):
+    """A worker writes each batch straight into a ring slot; a trainer that holds more
+    batches than the ring has slots gets the rest pickled, made from the same rows."""
+    want = _inprocess(root, 3, packing=packing)
+    loader = StreamingDataLoader(TokenDataset(root, L, packing=packing, **KW), batch_size=3, num_workers=2,
+                                 multiprocessing_context="fork", prefetch_factor=1)
+    held = list(loader)  # nothing dropped: every slot stays taken
+    assert loader.ring.fallbacks > 0 and loader.ring.opened > 0
+    _same(held, want)
+
+
 def test_a_plain_dataloader_gets_the_same_sequences(root):
     want = torch.cat([b["input_ids"] for b in _inprocess(root, 4)])
     items = DataLoader(TokenDataset(root, L, batch_size=4, **KW), batch_size=4, num_workers=2,

@@ -41,23 +41,24 @@ from ..loader import (
     pass_chunks,
     take_read_ahead,
 )
+from ..loader.batch import LazyTensor
 from ..loader.chunks import share_size
 from ..options import MAX_COUNT, check_bool, check_bytes, check_choice, check_int, check_mapping, check_path, show
 from ..plan import ConcatLayout, EpochPlan, layout_fingerprint
 from .read import (
     CHUNK_TOKENS,
     ChunkFetch,
+    DocumentRows,
     Layout,
     TokenChunk,
     TokenSource,
     cut_concat,
-    cut_documents,
     layout_identity,
     make_layout,
 )
 from .stream import MAX_EPOCH, TokenStream, check_topology, worker_info
 
-__all__ = ["TokenDataset", "MAX_SEQ_LEN", "cut_batch", "fetched_units", "new_batch", "torch_dtype"]
+__all__ = ["TokenDataset", "MAX_SEQ_LEN", "cut_batch", "fetched_units", "torch_dtype"]
 
 #: ``window=None``: every chunk (a full global shuffle)
 ALL_CHUNKS = 1 << 62
@@ -80,29 +81,27 @@ def torch_dtype(dtype: str) -> Any:
     return torch.int64 if dtype == "int64" else torch.int32
 
 
-def new_batch(layout: Layout, rows: int, dtype: Any) -> dict[str, Any]:
-    """Fresh tensors for a batch of ``rows`` sequences of ``layout``."""
-    import torch
-
-    L = layout.seq_len
-    if isinstance(layout, ConcatLayout):
-        return {"input_ids": torch.empty((rows, L + layout.extra), dtype=dtype)}
-    return {"input_ids": torch.empty((rows, L), dtype=dtype), "labels": torch.empty((rows, L), dtype=dtype),
-            "position_ids": torch.empty((rows, L), dtype=dtype), "padding": torch.empty(rows, dtype=torch.int64)}
-
-
 def cut_batch(layout: Layout, units: NDArray[Any], samples: NDArray[Any], chunks: dict[int, TokenChunk],
-              dtype: Any, pad_id: int) -> dict[str, Any]:
-    """One batch's tensors: the sequences (``units[i]``, ``samples[i]``) of fetched ``chunks``."""
+              dtype: Any, pad_id: int, lazy: bool = False) -> dict[str, Any]:
+    """One batch's fields: the sequences (``units[i]``, ``samples[i]``) of fetched ``chunks``.
+    ``lazy``: the big fields as :class:`~datapipe.loader.batch.LazyTensor` s, which a
+    loader's ring writes straight into shared memory (in a DataLoader worker); else tensors."""
     import torch
 
-    fields = new_batch(layout, int(units.size), dtype)
+    n, L = int(units.size), layout.seq_len
+    fields: dict[str, Any]
     if isinstance(layout, ConcatLayout):
-        cut_concat(units, samples, chunks, layout.seq_len, fields["input_ids"].numpy())
-        return fields
-    cu = cut_documents(units, samples, chunks, layout.seq_len, pad_id, fields["input_ids"].numpy(),
-                       fields["labels"].numpy(), fields["position_ids"].numpy(), fields["padding"].numpy())
-    fields["cu_seqlens"] = torch.from_numpy(cu)
+        tokens = {u: chunks[u].tokens for u in set(units.tolist())}  # held: their buffers stay unfilled
+        fields = {"input_ids": LazyTensor((n, L + layout.extra), dtype,
+                                          partial(cut_concat, units, samples, tokens, L))}
+    else:
+        rows = DocumentRows(units, samples, chunks, L, pad_id)
+        fields = {"input_ids": LazyTensor((n, L), dtype, rows.fill_input_ids),
+                  "labels": LazyTensor((n, L), dtype, rows.fill_labels),
+                  "position_ids": LazyTensor((n, L), dtype, rows.fill_position_ids),
+                  "padding": torch.from_numpy(rows.padding), "cu_seqlens": torch.from_numpy(rows.cu_seqlens)}
+    if not lazy:
+        fields = {k: v.tensor() if isinstance(v, LazyTensor) else v for k, v in fields.items()}
     return fields
 
 
@@ -310,13 +309,15 @@ class TokenDataset(TokenStream):
             progress.steps = self._worker_skip
             dtype = torch_dtype(self.dtype)
             fetching = self._fetch_stage(plan, key, info is not None)
+            # in a worker, a batch's tensors are written where the loader's ring puts them
+            lazy = info is not None and self.batched
             try:
                 for chunk in fetching.chunks():
                     units = fetched_units(chunk)
                     for a in range(0, chunk.steps.size, self.batch_size):
                         b = min(a + self.batch_size, chunk.steps.size)
                         fields = cut_batch(self.layout, chunk.shard[a:b], chunk.sample[a:b], units, dtype,
-                                           self.pad_id)
+                                           self.pad_id, lazy)
                         if self.batched:
                             progress.steps += b - a
                             yield Batch(fields, b - a)

@@ -300,7 +300,7 @@ class TokenMix(TokenStream):
                     source = np.searchsorted(fetch.base, chunk.shard, side="right") - 1
                     for a in range(0, chunk.steps.size, per):
                         fields = cut_batch(layout, chunk.shard[a:a + per], chunk.sample[a:a + per], units, dtype,
-                                           self.pad_id)
+                                           self.pad_id, info is not None)
                         fields["source"] = torch.from_numpy(source[a:a + per].astype(np.int64))
                         progress.steps += per
                         yield Batch(fields, per)

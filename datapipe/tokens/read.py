@@ -14,9 +14,10 @@ logical chunk of sequences fetched and verified, and batches cut from fetched ch
   token of it is used. A flipped bit is a :class:`~datapipe.errors.ChecksumError` naming the
   file and block, never a wrong token. What it returns (:class:`TokenChunk`) holds the
   chunk's tokens as one array and, for document packing, the chunk's packing.
-- :func:`cut_concat`, :func:`cut_documents`: the read stage: the rows of a batch cut from
-  fetched chunks with numpy (a strided view of each chunk's tokens, one gather per chunk a
-  batch reads from; no Python per token), written into the batch's tensors.
+- :func:`cut_concat`, :class:`DocumentRows`: the read stage: the rows of a batch cut from
+  fetched chunks with numpy (one slice assignment per row, converting the stored dtype as it
+  copies; no Python per token), written into the batch's tensors, or straight into a
+  loader's shared-memory slot (:class:`~datapipe.loader.batch.LazyTensor`).
 
 Memory: a chunk's bytes live in buffers of a :class:`~datapipe.loader.source.BufferPool`
 (reused across chunks, within the loader's prefetch budget) from the fetch until the read
@@ -54,7 +55,7 @@ __all__ = [
     "ChunkFetch",
     "make_layout",
     "cut_concat",
-    "cut_documents",
+    "DocumentRows",
 ]
 
 #: the label of a position no loss is taken at (padding, the token after a document's
@@ -298,13 +299,12 @@ class ChunkFetch:
 # gathering rows through a strided view with fancy indexing took 850 us (measured here).
 
 
-def cut_concat(units: Int64s, samples: Int64s, chunks: dict[int, TokenChunk], seq_len: int,
+def cut_concat(units: Int64s, samples: Int64s, tokens: dict[int, npt.NDArray[Any]], seq_len: int,
                out: npt.NDArray[Any]) -> None:
     """Fill ``out`` (rows x width: ``seq_len + 1``, or ``seq_len`` without the extra token)
     with the sequences (``units[i]``, ``samples[i]``): sequence j of a chunk is its tokens
-    ``[j*L, j*L + width)``."""
+    ``[j*L, j*L + width)`` (``tokens[unit]``: the chunk's tokens)."""
     width = out.shape[1]
-    tokens = {u: c.tokens for u, c in chunks.items()}
     for i, (u, j) in enumerate(zip(units.tolist(), samples.tolist())):
         a = j * seq_len
         out[i] = tokens[u][a:a + width]
@@ -336,45 +336,57 @@ def _counting(n: int) -> Int64s:
     return _COUNTING[:n]
 
 
-def cut_documents(units: Int64s, samples: Int64s, chunks: dict[int, TokenChunk], seq_len: int, pad_id: int,
-                  input_ids: npt.NDArray[Any], labels: npt.NDArray[Any], positions: npt.NDArray[Any],
-                  padding: npt.NDArray[Any]) -> npt.NDArray[np.int32]:
-    """Fill the rows of a batch of packed sequences (docs/TOKEN_FORMAT.md, "packing=
-    documents"): ``input_ids`` (rows x L: the sequence's tokens, then ``pad_id``),
-    ``labels`` (the next token; :data:`IGNORE_INDEX` after a document's last token, and at
-    padding), ``positions`` (restarting at 0 at every piece and for the padding) and
-    ``padding`` (per row); returns the batch's ``cu_seqlens`` (int32, flash-attn's varlen
-    convention: one segment per piece, one for each row's padding, ending at rows x L)."""
-    L = seq_len
-    n = units.size
-    count = np.empty(n, dtype=np.int64)
-    rows: list[tuple[PackedChunk, int]] = []
-    for i, (u, j) in enumerate(zip(units.tolist(), samples.tolist())):
-        chunk = chunks[u]
-        if chunk.packed is None or chunk.seq_start is None or chunk.seq_tokens is None:
-            raise PlanError(f"chunk {u} was fetched for concatenated sequences, not packed documents")
-        a, k = int(chunk.seq_start[j]), int(chunk.seq_tokens[j])
-        tokens = chunk.tokens
-        # a row's tokens are consecutive in the stream: its pieces are consecutive pieces
-        input_ids[i, :k] = tokens[a:a + k]
-        labels[i, :k] = tokens[a + 1:a + k + 1]  # the chunk holds L + 1 tokens more: always inside
-        if k < L:
-            input_ids[i, k:] = pad_id
-            labels[i, k:] = IGNORE_INDEX
-        count[i] = k
-        rows.append((chunk.packed, j))
-    per, length, continued = _gathered_pieces(rows)
-    pad = L - count
-    padding[:] = pad
-    # a piece's last label is the next token only when the next piece continues its document
-    done = ~continued
-    ends = np.cumsum(length) - 1  # in the rows' tokens laid end to end, without padding
-    row_of = np.repeat(_counting(n), per)[done]
-    flat = labels.reshape(-1)
-    flat[row_of * L + (ends[done] - (np.cumsum(count) - count)[row_of])] = IGNORE_INDEX
-    # segments: each row's pieces, then its padding where there is any
-    has_pad = pad > 0
-    segments = np.insert(length, np.cumsum(per)[has_pad], pad[has_pad])
-    starts = np.cumsum(segments) - segments
-    np.subtract(_counting(n * L), np.repeat(starts, segments), out=positions.reshape(-1), casting="unsafe")
-    return cu_seqlens(segments)
+class DocumentRows:
+    """A batch of packed sequences (docs/TOKEN_FORMAT.md, "packing=documents"), planned from
+    the chunks' packing (cheap: per piece), its big fields written by the ``fill_*``
+    methods: ``input_ids`` (rows x L: the sequence's tokens, then ``pad_id``), ``labels``
+    (the next token; :data:`IGNORE_INDEX` after a document's last token, and at padding),
+    ``position_ids`` (restarting at 0 at every piece and for the padding). ``padding``: per
+    row; ``cu_seqlens`` (int32, flash-attn's varlen convention: one segment per piece, one
+    for each row's padding, ending at rows x L). It holds the chunks' token arrays it reads."""
+
+    def __init__(self, units: Int64s, samples: Int64s, chunks: dict[int, TokenChunk], seq_len: int,
+                 pad_id: int) -> None:
+        L = self.seq_len = seq_len
+        self.pad_id = pad_id
+        n = self.rows = int(units.size)
+        count = np.empty(n, dtype=np.int64)
+        rows: list[tuple[PackedChunk, int]] = []
+        #: (the chunk's tokens, the row's first token there) of each row
+        self.where: list[tuple[npt.NDArray[Any], int]] = []
+        for i, (u, j) in enumerate(zip(units.tolist(), samples.tolist())):
+            chunk = chunks[u]
+            if chunk.packed is None or chunk.seq_start is None or chunk.seq_tokens is None:
+                raise PlanError(f"chunk {u} was fetched for concatenated sequences, not packed documents")
+            count[i] = chunk.seq_tokens[j]
+            self.where.append((chunk.tokens, int(chunk.seq_start[j])))
+            rows.append((chunk.packed, j))
+        self.count = count
+        per, length, continued = _gathered_pieces(rows)
+        self.padding = L - count
+        # a piece's last label is the next token only when the next piece continues its document
+        done = ~continued
+        ends = np.cumsum(length) - 1  # in the rows' tokens laid end to end, without padding
+        row_of = np.repeat(_counting(n), per)[done]
+        self.ignored = row_of * L + (ends[done] - (np.cumsum(count) - count)[row_of])
+        # segments: each row's pieces, then its padding where there is any
+        has_pad = self.padding > 0
+        self.segments = np.insert(length, np.cumsum(per)[has_pad], self.padding[has_pad])
+        self.cu_seqlens = cu_seqlens(self.segments)
+
+    def fill_input_ids(self, out: npt.NDArray[Any]) -> None:
+        for i, ((tokens, a), k) in enumerate(zip(self.where, self.count.tolist())):
+            # a row's tokens are consecutive in the stream: its pieces are consecutive pieces
+            out[i, :k] = tokens[a:a + k]
+            out[i, k:] = self.pad_id
+
+    def fill_labels(self, out: npt.NDArray[Any]) -> None:
+        for i, ((tokens, a), k) in enumerate(zip(self.where, self.count.tolist())):
+            out[i, :k] = tokens[a + 1:a + k + 1]  # the chunk holds L + 1 tokens more: always inside
+            out[i, k:] = IGNORE_INDEX
+        out.reshape(-1)[self.ignored] = IGNORE_INDEX
+
+    def fill_position_ids(self, out: npt.NDArray[Any]) -> None:
+        starts = np.cumsum(self.segments) - self.segments
+        np.subtract(_counting(self.rows * self.seq_len), np.repeat(starts, self.segments), out=out.reshape(-1),
+                    casting="unsafe")
