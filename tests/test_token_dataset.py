@@ -383,6 +383,33 @@ def test_a_pack_tokens_dataset_reads_back_as_the_tokenizers_ids(packed):
     assert got == stream.size - docs.layout.num_documents
 
 
+def test_files_indexed_in_place_read_where_they_lie(tmp_path):
+    """Megatron pairs and a nanoGPT flat file elsewhere, indexed into another folder: the
+    parts are named by absolute path, and read from there."""
+    rng = np.random.default_rng(9)
+    meg = write_tokens(tmp_path / "megatron", [random_documents(rng, 30)])
+    flat = rng.integers(0, 60_000, size=3000, dtype=np.uint16)
+    flat[::97] = 7
+    flat.tofile(tmp_path / "train.bin")
+    datapipe.index_tokens([str(tmp_path / "megatron" / "part-00000-000")], index_to=tmp_path / "ix1")
+    datapipe.index_tokens([str(tmp_path / "train.bin")], index_to=tmp_path / "ix2", eos_id=7)
+    for folder, stream in ((tmp_path / "ix1", meg), (tmp_path / "ix2", flat.astype(np.int64))):
+        ds = TokenDataset(folder, 16, seed=1, chunk_tokens=200, batch_size=4, batched=True)
+        assert ds.source.manifest.parts[0].prefix.startswith("/")
+        ids = ds.sequences().tolist()
+        for q, row in zip(ids, _rows(ds)):
+            np.testing.assert_array_equal(row["input_ids"], stream[q * 16:q * 16 + 17])
+        packed_docs = TokenDataset(folder, 16, packing="documents", chunk_tokens=200)
+        assert sum(16 - x["padding"] for x in packed_docs) == stream.size
+
+
+def test_a_streaming_dataloader_without_workers_cuts_the_same_batches(intact):
+    root, _ = intact
+    want = [b["input_ids"] for b in TokenDataset(root, 16, seed=1, batch_size=5, batched=True)]
+    got = list(datapipe.StreamingDataLoader(TokenDataset(root, 16, seed=1), batch_size=5))
+    assert len(got) == len(want) and all(g["input_ids"].equal(w) for g, w in zip(got, want))
+
+
 def test_reads_through_a_tiered_cache_give_the_same_tokens(packed, tmp_path):
     root, stream, _ = packed
     cache = datapipe.TieredCache(hot_bytes=1 << 20, warm_dir=tmp_path / "warm", warm_bytes=8 << 20)

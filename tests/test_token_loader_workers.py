@@ -158,6 +158,31 @@ def test_stateful_dataloader_resumes_from_any_batch(root):
         TokenDataset(root, L, **KW).load_state_dict(worker_state)
 
 
+def test_a_lazy_tensor_is_written_straight_into_a_ring_slot_and_made_once_elsewhere():
+    import multiprocessing
+    import pickle
+
+    from datapipe.loader import Batch
+    from datapipe.loader.batch import LazyTensor
+    from datapipe.loader.ring import BatchRing
+
+    calls = []
+
+    def fill(out):
+        calls.append(out.shape)
+        out[...] = np.arange(out.size).reshape(out.shape)
+
+    ring = BatchRing(1, 2, multiprocessing.get_context("fork"))
+    written = ring.write(0, Batch({"input_ids": LazyTensor((3, 5), torch.int64, fill)}, 3))
+    assert written is not None and written.fields["input_ids"][0] == "tensor"  # in the slot, not pickled
+    opened = ring.open(pickle.loads(pickle.dumps(written)), 3)
+    assert torch.equal(opened["input_ids"], torch.arange(15).reshape(3, 5)) and calls == [(3, 5)]
+    lazy = LazyTensor((2, 2), torch.int32, fill)
+    again = pickle.loads(pickle.dumps(lazy))  # sent pickled: the tensor, made once
+    assert torch.equal(again, torch.arange(4, dtype=torch.int32).reshape(2, 2)) and lazy.tensor() is lazy.tensor()
+    assert calls == [(3, 5), (2, 2)]
+
+
 def test_the_loader_refuses_what_is_no_dataset_of_its_kind():
     with pytest.raises(LoaderOptionError, match="TokenDataset or TokenMix"):
         StreamingDataLoader([1, 2, 3], batch_size=2)

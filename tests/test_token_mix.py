@@ -221,6 +221,21 @@ def test_an_endless_mix_and_the_stateful_dataloader(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(head + rest, want))
 
 
+def test_a_state_taken_in_this_process_after_k_batches(tmp_path):
+    streams = _sources(tmp_path, [30, 30], 6)
+    sources = dict.fromkeys(streams, 1.0)
+    mix = TokenMix(sources, L, global_batch=4, chunk_tokens=48, steps=8, dp_rank=1, dp_size=2)
+    full = [b["input_ids"].clone() for b in mix]
+    it = iter(mix)
+    head = [next(it)["input_ids"].clone() for _ in range(3)]
+    state = mix.state_dict()
+    assert state == mix.state_dict(samples_seen=6) and state["step"] == 3
+    it.close()
+    again = TokenMix(sources, L, global_batch=4, chunk_tokens=48, steps=8, dp_rank=1, dp_size=2)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(head + [b["input_ids"] for b in again], full))
+
+
 def test_bad_weights_batches_and_changes_are_named(tmp_path):
     streams = _sources(tmp_path, [20, 20], 5)
     a, b = list(streams)
