@@ -319,9 +319,13 @@ def test_a_flipped_bit_anywhere_is_a_named_error(intact, data):
         except (ChecksumError, CorruptIndexError, FormatError) as e:
             assert name in str(e) or "manifest" in str(e), e
             return
-        # only a byte of a block no sequence reads may go unnoticed: the tail that
-        # concatenation drops (the dataset's blocks are 4096 bytes, its tokens uint16)
-        assert name.endswith(".bin") and packing == "concat", f"a flipped bit in {name} at {at} went unnoticed"
+        # only a byte no token comes from may go unnoticed: concatenation reads no .idx, and
+        # no block past the tail it drops (the dataset's blocks are 4096 bytes, its tokens uint16)
+        assert packing == "concat" and name.endswith((".bin", ".idx")), f"a flipped bit in {name} at {at} unnoticed"
+        if name.endswith(".idx"):  # every token as the intact dataset gives it
+            want = [b["input_ids"] for b in TokenDataset(src, 16, chunk_tokens=256, batch_size=7, batched=True)]
+            assert len(got) == len(want) and all(g.equal(w) for g, w in zip(got, want))
+            return
         part = int(name.split("-")[1])
         part_start = 0 if part == 0 else (src / "part-00000-000.bin").stat().st_size // 2
         read_bytes = 2 * max(0, min(ds.num_sequences * 16 + 1 - part_start, len(raw) // 2))

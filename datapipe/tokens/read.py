@@ -2,9 +2,10 @@
 logical chunk of sequences fetched and verified, and batches cut from fetched chunks.
 
 - :class:`TokenSource`: a token dataset (docs/TOKEN_FORMAT.md) opened for reading: the
-  manifest (its own checksum), every part's ``.idx`` and ``.xxh`` (sizes and checksums the
-  manifest records, :func:`~datapipe.format.tokens.check_part`) and every ``.bin``'s size
-  are checked when it is opened, before any offset is used.
+  manifest (its own checksum), every part's ``.xxh`` and, for document packing, its ``.idx``
+  (sizes and checksums the manifest records, :func:`~datapipe.format.tokens.check_part`)
+  and every ``.bin``'s size are checked when it is opened, before any offset is used.
+  Concatenated sequences take no offset from an ``.idx``: it is not read.
 - :func:`make_layout`: the plan's view of it (:class:`~datapipe.plan.ConcatLayout` or
   :class:`~datapipe.plan.DocumentLayout`), whose chunks are the fetch stage's units.
 - :class:`ChunkFetch`: the fetch stage's ``fetch(unit)`` for one or more sources: the
@@ -39,6 +40,7 @@ from ..format.tokens import (
     MANIFEST,
     TokenManifest,
     block_span,
+    check_block_sums,
     check_part,
     parse_token_manifest,
     verify_blocks,
@@ -77,8 +79,9 @@ def _is_elsewhere(name: str) -> bool:
 class TokenSource:
     """A token dataset at ``url`` opened for reading; everything a reader uses is checked
     first (see the module docstring). ``parts[i]``: part i's checked index and block sums.
-    ``keep_lengths``: keep each part's document lengths (document packing plans from them;
-    concatenation needs only the token counts, so it keeps no ``.idx`` after the check)."""
+    ``keep_lengths``: read each part's ``.idx`` (checked) and keep its document lengths
+    (document packing plans from them); concatenation needs only the manifest's token counts
+    and the ``.xxh``: its ``.idx`` (12 bytes a document) is not read at all."""
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, keep_lengths: bool = False,
                  retry: RetryPolicy | None = None, max_pooled_bytes: int = 512 << 20) -> None:
@@ -108,17 +111,20 @@ class TokenSource:
         self.bin_keys: list[tuple[Store, str, str]] = []
         lengths: list[IntArray] = []
         for i, part in enumerate(m.parts):
-            idx_store, idx_key, idx_url = self._located(part.idx)
-            checked = check_part(m, i, self._get(idx_store, idx_key, idx_url),
-                                 self._get(self.store, part.xxh, self.store.url(part.xxh)), where=url)
+            xxh = self._get(self.store, part.xxh, self.store.url(part.xxh))
+            if keep_lengths:  # document packing plans from the .idx's lengths: checked, then viewed
+                idx_store, idx_key, idx_url = self._located(part.idx)
+                checked = check_part(m, i, self._get(idx_store, idx_key, idx_url), xxh, where=url)
+                lengths.append(checked.index.document_lengths())
+                sums = checked.sums
+            else:  # concatenation takes no offset from the .idx (O(documents) bytes): it is not read
+                sums = check_block_sums(m, i, xxh, where=url)
             located = self._located(part.bin)
             size = self._size(*located)
             if size != part.bin_bytes:
                 raise ChecksumError(f"{located[2]}: {size} bytes, the manifest records {part.bin_bytes}; the file was "
                                     "truncated, extended or replaced since it was packed (pack or index it again)")
-            if keep_lengths:  # views of the checked .idx bytes: concatenation keeps none of them
-                lengths.append(checked.index.document_lengths())
-            self.sums.append(checked.sums)
+            self.sums.append(sums)
             self.bin_keys.append(located)
         #: tokens of each part, in stream order
         self.part_tokens = np.array([p.tokens for p in m.parts], dtype=np.int64)
