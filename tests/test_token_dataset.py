@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -424,6 +425,29 @@ def test_reads_through_a_tiered_cache_give_the_same_tokens(packed, tmp_path):
     stats = cache.stats()
     assert stats["hot_hits"] + stats["hot_misses"] > 0
     cache.close()
+
+
+def test_a_damaged_copy_in_the_cache_is_read_again_from_the_store(intact, tmp_path):
+    src, stream = intact
+
+    class Damaging:  # a cache whose copies have a flipped bit
+        def read_range(self, url, start, end):
+            with open(url, "rb") as f:
+                f.seek(start)
+                data = bytearray(f.read(end - start))
+            data[len(data) // 2] ^= 4
+            return bytes(data)
+
+    ds = TokenDataset(src, 16, cache=Damaging(), chunk_tokens=256, shuffle=False, batch_size=8, batched=True)
+    with pytest.warns(RuntimeWarning, match=r"the cache's copy of .*part-0000[01]-000\.bin is damaged"):
+        rows = torch.cat([b["input_ids"] for b in ds])
+    np.testing.assert_array_equal(rows.numpy(), np.stack([stream[q * 16:q * 16 + 17] for q in range(len(rows))]))
+    root = tmp_path / "cut"
+    shutil.copytree(src, root)
+    ds = TokenDataset(root, 16, chunk_tokens=256, shuffle=False)
+    os.truncate(root / "part-00000-000.bin", 1000)  # cut short since the dataset was opened
+    with pytest.raises(ChecksumError, match=r"part-00000-000\.bin: bytes \[0, 4096\) read 1000 bytes; .*shorter"):
+        list(ds)
 
 
 def test_a_dataset_on_s3(packed, s3):

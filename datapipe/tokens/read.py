@@ -28,6 +28,7 @@ stage is done with the chunk; batches are copies, so nothing handed out views th
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ChecksumError, DatapipeError, ObjectNotFoundError, OptionError, PlanError, StorageError
+from ..errors import ChecksumError, DatapipeError, ObjectNotFoundError, PlanError, StorageError
 from ..format.tokens import (
     MANIFEST,
     TokenManifest,
@@ -78,8 +79,8 @@ def _is_elsewhere(name: str) -> bool:
 
 class TokenSource:
     """A token dataset at ``url`` opened for reading; everything a reader uses is checked
-    first (see the module docstring). ``parts[i]``: part i's checked index and block sums.
-    ``keep_lengths``: read each part's ``.idx`` (checked) and keep its document lengths
+    first (see the module docstring). ``sums[i]``, ``bin_keys[i]``: part i's block checksums
+    and where its ``.bin`` lies. ``keep_lengths``: read each part's ``.idx`` (checked) and keep its document lengths
     (document packing plans from them); concatenation needs only the manifest's token counts
     and the ``.xxh``: its ``.idx`` (12 bytes a document) is not read at all."""
 
@@ -100,7 +101,7 @@ class TokenSource:
         self.manifest: TokenManifest = parse_token_manifest(data, where)
         m = self.manifest
         if not m.parts or m.tokens == 0:
-            raise OptionError(f"{url}: the token dataset holds no token; nothing to read")
+            raise PlanError(f"{url}: the token dataset holds no token; nothing to read")
         self.dtype = m.dtype
         self.itemsize = int(m.dtype.itemsize)
         self.block_bytes = m.block_bytes
@@ -171,42 +172,46 @@ class TokenSource:
     def read_tokens(self, part: int, start: int, stop: int, cache: Any = None) -> tuple[npt.NDArray[Any], Any]:
         """(tokens ``[start, stop)`` of ``part``, the buffer holding them or None): the
         covering blocks read into a pooled buffer (or through ``cache.read_range``) and
-        verified before the view is made. Give the buffer back with :meth:`release`."""
+        verified before the view is made. Give the buffer back with :meth:`release`. Bytes
+        from the cache that fail their blocks are read again from the store (with a warning:
+        the cache's copy is bad); bytes from the store that fail are a ChecksumError."""
         bin_bytes = self.manifest.parts[part].bin_bytes
         store, key, url = self.bin_keys[part]
         isz = self.itemsize
         b0, b1, first = block_span(start * isz, stop * isz, self.block_bytes, bin_bytes)
         if b1 == b0:
             return np.zeros(0, dtype=self.dtype), None
-        mm = None
         if cache is not None:
             try:
-                data: Any = cache.read_range(url, b0, b1)
+                data = cache.read_range(url, b0, b1)
             except DatapipeError:
                 raise
             except OSError as e:
                 raise StorageError(f"{url}: reading bytes [{b0}, {b1}) through the cache failed: {e}") from e
-            got = len(data)
-        else:
-            mm = self.pool.take(b1 - b0)
             try:
-                with memoryview(mm) as view:
-                    got = call_with_retry(lambda: store.readinto(key, view, b0), url, self.retry)
-            except BaseException:
-                self.pool.give(mm)
-                raise
-            data = mm
+                self._verify(data, part, b0, b1, first)
+                return np.frombuffer(data, dtype=self.dtype, count=stop - start, offset=start * isz - b0), None
+            except ChecksumError as e:
+                warnings.warn(f"the cache's copy of {url} is damaged ({e}); reading the range from the store",
+                              RuntimeWarning, stacklevel=2)
+        mm = self.pool.take(b1 - b0)
         try:
+            with memoryview(mm) as view:
+                got = call_with_retry(lambda: store.readinto(key, view, b0), url, self.retry)
             if got != b1 - b0:
                 raise ChecksumError(f"{url}: bytes [{b0}, {b1}) read {got} bytes; the file is shorter than the "
                                     f"manifest's {bin_bytes} (truncated since it was packed?)")
-            verify_blocks(data, first, self.sums[part], self.block_bytes, where=url)
-            tokens = np.frombuffer(data, dtype=self.dtype, count=stop - start, offset=start * isz - b0)
+            self._verify(mm, part, b0, b1, first)
+            tokens = np.frombuffer(mm, dtype=self.dtype, count=stop - start, offset=start * isz - b0)
         except BaseException:
-            if mm is not None:
-                self.pool.give(mm)
+            self.pool.give(mm)
             raise
         return tokens, mm
+
+    def _verify(self, data: Any, part: int, b0: int, b1: int, first: int) -> None:
+        if len(data) != b1 - b0:
+            raise ChecksumError(f"{self.bin_keys[part][2]}: bytes [{b0}, {b1}) came back as {len(data)} bytes")
+        verify_blocks(data, first, self.sums[part], self.block_bytes, where=self.bin_keys[part][2])
 
     def release(self, buffer: Any) -> None:
         if buffer is not None:
