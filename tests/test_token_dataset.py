@@ -415,6 +415,33 @@ def test_a_streaming_dataloader_without_workers_cuts_the_same_batches(intact):
     assert len(got) == len(want) and all(g["input_ids"].equal(w) for g, w in zip(got, want))
 
 
+MCORE_PYTHON = os.environ.get("DATAPIPE_MCORE_PYTHON", "/work/venv-mcore/bin/python")
+
+
+def test_megatrons_own_reader_gets_the_tokens_token_dataset_serves(packed, tmp_path):
+    """megatron-core (in a venv of its own: it must not replace torch here) reads the parts
+    pack_tokens wrote with its IndexedDataset; its documents, laid end to end, are the
+    stream TokenDataset cuts its sequences from."""
+    import subprocess
+
+    if not os.path.exists(MCORE_PYTHON):
+        pytest.skip(f"megatron-core's venv ({MCORE_PYTHON}) is not here")
+    root, stream, _ = packed
+    ds = TokenDataset(root, 32, chunk_tokens=100)
+    prefixes = [str(root / p.prefix) for p in ds.source.manifest.parts]
+    code = ("import sys, numpy as np\n"
+            "from megatron.core.datasets.indexed_dataset import IndexedDataset\n"
+            "parts = [IndexedDataset(p) for p in sys.argv[2:]]\n"
+            "np.save(sys.argv[1], np.concatenate([d[i] for d in parts for i in range(len(d))]).astype(np.int64))\n")
+    out = tmp_path / "megatron.npy"
+    r = subprocess.run([MCORE_PYTHON, "-c", code, str(out), *prefixes], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    np.testing.assert_array_equal(np.load(out), stream)
+    q = ds.sequences()[:5].tolist()
+    assert all(np.array_equal(row["input_ids"], np.load(out)[k * 32:k * 32 + 33]) for k, row in
+               zip(q, _rows(TokenDataset(root, 32, chunk_tokens=100, batch_size=5, batched=True))))
+
+
 def test_reads_through_a_tiered_cache_give_the_same_tokens(packed, tmp_path):
     root, stream, _ = packed
     cache = datapipe.TieredCache(hot_bytes=1 << 20, warm_dir=tmp_path / "warm", warm_bytes=8 << 20)
