@@ -9,14 +9,18 @@ manifest). megatron-core reads that part as is; LitData gets the same documents 
 own ``optimize(..., item_loader=TokensLoader())``; the memmap reads the same ``.bin``.
 
 Each system runs in a fresh process (megatron-core in its own venv, ``/work/venv-mcore``,
-so it cannot replace torch here) for every (seq_len, num_workers): start-up (constructor
-to first batch; for GPTDataset the build of its document, sample and shuffle indices, and
-again with them cached), the memory the plan/index adds (RSS growth over construction),
-tokens/s over the next ``--tokens`` tokens (every sequence of L + 1 tokens as the model
-reads it: LitData's blocks of ``block_size = L + 1``, GPTDataset's ``tokens`` + the last
-label, datapipe's and the memmap's ``input_ids`` of L + 1), and the peak RSS of the main
-process and of a worker. Batches of ``--batch`` sequences, shuffled (each system's own
-shuffle); the page cache is warm (every file read once before).
+so it cannot replace torch here) for every (seq_len, num_workers): start-up (constructor to
+first batch; GPTDataset builds its document, sample and shuffle indices in its first run at a
+seq_len, num_workers=0, and reads them from its cache after), the memory the plan or index
+adds (RSS growth over construction, libraries imported before), tokens/s over ``--tokens``
+tokens after the first min(tokens / 2, 4 M) (workers start, the first windows are read),
+counting every sequence as the L + 1 tokens the model reads (LitData's blocks of
+``block_size = L + 1``, GPTDataset's ``tokens`` and its last label, datapipe's and the
+memmap's ``input_ids``), and the peak RSS of the main process and of a worker. datapipe
+hands out int64 (``datapipe``) or, with ``dtype="int32"``, the stored int32
+(``datapipe-int32``: the bytes LitData's TokensLoader hands out). Batches of ``--batch``
+sequences, shuffled (each system's own shuffle); the page cache is warm (every file read
+once before).
 
 Floor: ``memcpy`` of the bytes the loader hands out (batches of B x (L + 1) int64, one
 thread, buffers reused), in tokens/s; and ``read`` (the corpus file read once into a reused
@@ -52,7 +56,7 @@ VOCAB = 100_352
 EOS = 100_351
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MCORE_PYTHON = os.environ.get("DATAPIPE_MCORE_PYTHON", "/work/venv-mcore/bin/python")
-SYSTEMS = ("datapipe", "litdata", "megatron", "memmap")
+SYSTEMS = ("datapipe", "datapipe-int32", "litdata", "megatron", "memmap")
 
 
 # --- the corpus -----------------------------------------------------------------------------
@@ -147,7 +151,7 @@ def rss():
 
 L, B, W, want, system = spec["seq_len"], spec["batch"], spec["workers"], spec["tokens"], spec["system"]
 import torch  # imported before the baseline: the plan's memory is what construction adds
-if system == "datapipe":
+if system.startswith("datapipe"):
     from datapipe import StreamingDataLoader, TokenDataset
 elif system == "litdata":
     from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
@@ -157,8 +161,8 @@ elif system == "megatron":
 before = rss()
 t0 = time.perf_counter()
 extra = {}
-if system == "datapipe":
-    ds = TokenDataset(spec["corpus"], L, seed=0)
+if system.startswith("datapipe"):
+    ds = TokenDataset(spec["corpus"], L, seed=0, dtype="int32" if system.endswith("int32") else "int64")
     plan_bytes = rss() - before
     if W:
         it = StreamingDataLoader(ds, batch_size=B, num_workers=W)
@@ -205,7 +209,7 @@ for b in it:
         first = time.perf_counter() - t0
     k = count(b)
     if t1 is None:
-        if n >= 4 * k:  # a few batches to warm up, then the timed tokens
+        if n >= spec["warmup"]:  # the first tokens warm up (workers start, first windows read), then the timed ones
             t1, n = time.perf_counter(), 0
         else:
             n += k
@@ -283,6 +287,7 @@ def run(quick: bool = False, tokens: int | None = None, corpus_tokens: int | Non
     """Every figure as rows: one per (seq_len, workers, system), floors included."""
     tokens = tokens or (8_000_000 if quick else 60_000_000)
     corpus_tokens = corpus_tokens or (24_000_000 if quick else 200_000_000)
+    warmup = min(tokens // 2, 4_000_000)
     work = work or os.path.join(tempfile.gettempdir(), "datapipe-bench-tokens")
     corpus_dir = os.path.join(work, f"corpus-{corpus_tokens}")
     info = make_corpus(corpus_dir, corpus_tokens)
@@ -300,8 +305,8 @@ def run(quick: bool = False, tokens: int | None = None, corpus_tokens: int | Non
         for w in workers:
             for system in systems:
                 spec = {"root": ROOT, "system": system, "seq_len": L, "batch": batch, "workers": w,
-                        "tokens": tokens, "corpus": corpus_dir, "litdata": lit_dir, "bin": info["bin"],
-                        "prefix": info["bin"][:-4], "cache": os.path.join(work, f"mcore-cache-{L}"),
+                        "tokens": tokens, "warmup": warmup, "corpus": corpus_dir, "litdata": lit_dir,
+                        "bin": info["bin"], "prefix": info["bin"][:-4], "cache": os.path.join(work, f"mcore-cache-{L}"),
                         "corpus_tokens": info["tokens"], "vocab": VOCAB, "eos": EOS}
                 python = MCORE_PYTHON if system == "megatron" else sys.executable
                 if system == "megatron" and not os.path.exists(python):
@@ -332,7 +337,7 @@ def _line(r: dict[str, Any]) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The figures and the ratios the targets name."""
-    lines = [f"{'L':>5} {'workers':>7} {'system':<14} {'M tokens/s':>11} {'start-up s':>10} {'plan MiB':>9} "
+    lines = [f"{'L':>5} {'workers':>7} {'system':<15} {'M tokens/s':>11} {'start-up s':>10} {'plan MiB':>9} "
              f"{'RSS MiB':>8} {'worker MiB':>10}"]
     by = {}
     for r in rows:
@@ -340,29 +345,31 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             continue
         by[(r["seq_len"], r["workers"], r["system"])] = r
         if "error" in r:
-            lines.append(f"{r['seq_len']:>5} {r['workers']:>7} {r['system']:<14} {'-':>11}  {r['error'][:70]}")
+            lines.append(f"{r['seq_len']:>5} {r['workers']:>7} {r['system']:<15} {'-':>11}  {r['error'][:70]}")
         elif "startup_s" in r:
-            lines.append(f"{r['seq_len']:>5} {r['workers']:>7} {r['system']:<14} {r['tokens_per_s'] / 1e6:>11.1f} "
+            lines.append(f"{r['seq_len']:>5} {r['workers']:>7} {r['system']:<15} {r['tokens_per_s'] / 1e6:>11.1f} "
                          f"{r['startup_s']:>10.2f} {r['plan_bytes'] / 2**20:>9.0f} {r['peak_rss_main'] / 2**20:>8.0f} "
                          f"{r['peak_rss_worker'] / 2**20:>10.0f}")
         else:
-            lines.append(f"{r['seq_len']:>5} {'':>7} {r['system']:<14} {r['tokens_per_s'] / 1e6:>11.1f}")
+            lines.append(f"{r['seq_len']:>5} {'':>7} {r['system']:<15} {r['tokens_per_s'] / 1e6:>11.1f}")
     lines.append("")
     for L in sorted({k[0] for k in by}):
-        dp = by.get((L, 2, "datapipe"))
-        if dp is None or "error" in dp:
-            continue
-        for other, target in (("litdata", LITDATA_TARGET), ("megatron", MEGATRON_TARGET)):
-            o = by.get((L, 2, other))
-            if o is not None and "error" not in o:
-                ratio = dp["tokens_per_s"] / o["tokens_per_s"]
-                lines.append(f"L={L}, num_workers=2: datapipe / {other} = {ratio:.2f}x (target >= {target:g}x"
-                             f"{'' if L == 2048 else ', set at L=2048'}): {'met' if ratio >= target else 'NOT met'}")
-        floor = by.get((L, 0, "memcpy floor"))
-        if floor is not None:
-            ratio = dp["tokens_per_s"] / floor["tokens_per_s"]
-            lines.append(f"L={L}, num_workers=2: datapipe / memcpy floor = {ratio:.0%} (target >= "
-                         f"{FLOOR_TARGET:.0%}): {'met' if ratio >= FLOOR_TARGET else 'NOT met'}")
+        for ours in ("datapipe", "datapipe-int32"):
+            dp = by.get((L, 2, ours))
+            if dp is None or "error" in dp:
+                continue
+            for other, target in (("litdata", LITDATA_TARGET), ("megatron", MEGATRON_TARGET)):
+                o = by.get((L, 2, other))
+                if o is not None and "error" not in o:
+                    ratio = dp["tokens_per_s"] / o["tokens_per_s"]
+                    where = "" if L == 2048 else ", set at L=2048"
+                    lines.append(f"L={L}, num_workers=2: {ours} / {other} = {ratio:.2f}x (target >= {target:g}x"
+                                 f"{where}): {'met' if ratio >= target else 'NOT met'}")
+            floor = by.get((L, 0, "memcpy floor"))
+            if floor is not None:
+                ratio = dp["tokens_per_s"] / floor["tokens_per_s"]
+                lines.append(f"L={L}, num_workers=2: {ours} / memcpy floor = {ratio:.0%} (target >= "
+                             f"{FLOOR_TARGET:.0%}): {'met' if ratio >= FLOOR_TARGET else 'NOT met'}")
     for r in rows:
         if r.get("system") == "megatron helpers":
             lines.append(f"megatron-core: {r['note']}")
