@@ -13,6 +13,8 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from datapipe import StreamingDataLoader, TokenDataset
@@ -65,6 +67,25 @@ def test_batches_held_past_the_rings_slots_come_pickled_and_equal(root, packing)
     held = list(loader)  # nothing dropped: every slot stays taken
     assert loader.ring.fallbacks > 0 and loader.ring.opened > 0
     _same(held, want)
+
+
+@settings(max_examples=6)
+@given(workers=st.integers(1, 3), batch=st.integers(1, 6), packing=st.sampled_from(["concat", "documents"]),
+       seed=st.integers(0, 2**32), skip=st.integers(0, 40))
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+def test_any_number_of_workers_gives_the_rank_stream_in_order(root, workers, batch, packing, seed, skip):
+    """Real worker processes (fork), any count and batch size, from a resume point: the
+    loader's batches are the in-process pass's, in order."""
+    kw = KW | dict(seed=seed, packing=packing)
+    state = TokenDataset(root, L, **kw).state_dict(samples_seen=skip)
+    ref = TokenDataset(root, L, batch_size=batch, batched=True, **kw)
+    ref.load_state_dict(state)
+    want = [{k: v.clone() for k, v in b.items()} for b in ref]
+    ds = TokenDataset(root, L, **kw)
+    loader = StreamingDataLoader(ds, batch_size=batch, num_workers=workers, multiprocessing_context="fork",
+                                 persistent_workers=False)
+    loader.load_state_dict(state)
+    _same([{k: v.clone() for k, v in b.items()} for b in loader], want)
 
 
 def test_a_plain_dataloader_gets_the_same_sequences(root):
