@@ -184,18 +184,29 @@ def test_through_loader_workers_whole_per_rank_batches_in_step_order(tmp_path):
     assert all(torch.equal(a, w["input_ids"]) for a, w in zip(head + rest, want))
 
 
-def test_persistent_workers_take_new_weights_with_the_next_pass(tmp_path):
+def test_weights_changed_between_passes_reach_persistent_workers(tmp_path):
     streams = _sources(tmp_path, [40, 40], 3)
     names = list(streams)
-    kw = dict(global_batch=4, chunk_tokens=48, steps=6, seed=5)
+    kw = dict(global_batch=4, chunk_tokens=48, steps=10, seed=5)
     mix = TokenMix({names[0]: 1, names[1]: 1}, L, **kw)
     loader = StreamingDataLoader(mix, batch_size=4, num_workers=2, multiprocessing_context="fork",
                                  persistent_workers=True)
-    first = [b["source"].clone() for b in loader]
+    it = iter(loader)
+    first = [next(it)["source"].clone() for _ in range(4)]
     assert all(torch.bincount(s, minlength=2).tolist() == [2, 2] for s in first)
-    mix.set_weights({names[0]: 3, names[1]: 1}, from_step=2)
-    second = [b["source"].clone() for b in loader]
-    assert [torch.bincount(s, minlength=2).tolist() for s in second] == [[2, 2]] * 2 + [[3, 1]] * 4
+    with pytest.raises(WorkerStateError, match=r"mix.load_state_dict\(loader.state_dict\(\)\)"):
+        mix.set_weights({names[0]: 3, names[1]: 1}, from_step=2)  # the workers served past step 2 already
+    state = loader.state_dict()
+    del it
+    mix.load_state_dict(state)
+    assert mix.step == 4
+    mix.set_weights({names[0]: 3, names[1]: 1}, from_step=6)
+    rest = [b["source"].clone() for b in loader]
+    assert [torch.bincount(s, minlength=2).tolist() for s in rest] == [[2, 2]] * 2 + [[3, 1]] * 4
+    # the same batches as one uninterrupted run with that schedule
+    ref = TokenMix({names[0]: 1, names[1]: 1}, L, **kw)
+    ref.set_weights([3, 1], from_step=6)
+    assert all(torch.equal(a, b["source"]) for a, b in zip(first + rest, ref))
 
 
 def test_an_endless_mix_and_the_stateful_dataloader(tmp_path):

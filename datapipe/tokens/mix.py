@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import LoaderOptionError, OptionError, PlanError, StateMismatchError
+from ..errors import LoaderOptionError, OptionError, PlanError, StateMismatchError, WorkerStateError
 from ..loader import Batch, Chunk, PassFetch, PassKey, Prefetcher
 from ..options import (
     MAX_COUNT,
@@ -207,6 +207,11 @@ class TokenMix(TokenStream):
         if self._live is not None:
             raise PlanError("TokenMix.set_weights() during a pass of this object: its batches are planned ahead; "
                             "set the weights between passes (or before the first)")
+        if self._worker_passes.count != self._passes_seen:
+            raise WorkerStateError(
+                "TokenMix.set_weights(): DataLoader workers ran a pass of copies of this mix, and this object cannot "
+                "see how far they got (they may have served past from_step with the old weights). Load the loader's "
+                "state first, mix.load_state_dict(loader.state_dict()), then set the weights from mix.step on")
         if from_step < self._start:
             raise E(f"from_step={from_step} lies before step {self._start}, from which this mix's batches are fixed "
                     "(its resume point)")
