@@ -34,15 +34,15 @@ from ..loader import (
     Batch,
     Chunk,
     EpochPlanner,
+    LazyTensor,
     PassFetch,
     PassKey,
     Prefetcher,
     ReadAhead,
     pass_chunks,
+    share_size,
     take_read_ahead,
 )
-from ..loader.batch import LazyTensor
-from ..loader.chunks import share_size
 from ..options import MAX_COUNT, check_bool, check_bytes, check_choice, check_int, check_mapping, check_path, show
 from ..plan import ConcatLayout, EpochPlan, layout_fingerprint
 from .read import (

@@ -46,7 +46,7 @@ from ..format.tokens import (
     parse_token_manifest,
     verify_blocks,
 )
-from ..loader.source import BufferPool
+from ..loader import BufferPool
 from ..plan import ConcatLayout, DocumentLayout, PackedChunk, Pieces, cu_seqlens
 from ..storage import RetryPolicy, Store, call_with_retry, is_local_url, open_store, split_url
 

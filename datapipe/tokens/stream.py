@@ -24,8 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import LoaderOptionError, PlanError, StateMismatchError, WorkerStateError
-from ..loader import Progress, resolve_topology
-from ..loader.control import WorkerPasses
+from ..loader import Progress, WorkerPasses, resolve_topology
 from ..options import check_int, show
 from ..plan import data_parallel
 
