@@ -88,7 +88,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -728,7 +728,7 @@ MODE_FIGURES: dict[str, str] = {
 LITDATA_VARIANTS = ("litdata", "litdata@default")
 
 
-def _ok(r: Any) -> bool:
+def _ok(r: Any) -> TypeGuard[dict[str, Any]]:
     return isinstance(r, dict) and "epochs" in r and "error" not in r and "unavailable" not in r
 
 
@@ -884,7 +884,7 @@ def run_startup_job(job: dict[str, Any]) -> dict[str, Any]:
         m0 = time.monotonic()
         ds = StreamingDataset(job["dir"])
         m1 = time.monotonic()
-        samples = iter(ds)
+        samples: Any = iter(ds)  # a generator: close() ends its pass
         key = next(samples)["__key__"]
         m2 = time.monotonic()
         samples.close()
