@@ -17,7 +17,7 @@ from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from ..errors import (
     DatapipeError,
@@ -63,14 +63,17 @@ from ..publish import (
     part_dir,
     write_index_files,
 )
-from ..storage import Store, in_this_process, open_store
+from ..storage import LocalStore, Store, in_this_process, open_store
+from .pieces import ShardAssembly, cut_pieces
 from .sources import (
     KEY_RULES,
     NO_EXTENSION,
+    DirectoryListing,
     FileSample,
     count_table_rows,
     iter_table,
     list_directory,
+    list_in_pieces,
     source_kind,
 )
 
@@ -240,34 +243,80 @@ _staging: bytearray | None = None  # one reused staging buffer per worker proces
 
 def _pack_files(store: Store, name: str, compression: str, level: int, samples: list[FileSample],
                 skip_errors: bool) -> dict[str, Any]:
+    with _writing(store.url(name)), store.open_writer(name) as sink:
+        b, skipped = _write_samples(sink, name, compression, level, samples, skip_errors, None)
+        if not b.records.keys:
+            raise _AllSkipped(skipped)
+        record = b.finish()
+    return {"record": asdict(record), "samples": vars(b.records), "fields": sorted(b.fields), "skipped": skipped}
+
+
+def _write_samples(sink: BinaryIO, name: str, compression: str, level: int, samples: list[FileSample],
+                   skip_errors: bool, piece_at: int | None) -> tuple[ShardBuilder, list[tuple[str, str]]]:
+    """Read each sample's files into a shard (or, from ``piece_at``, a piece of one) on
+    ``sink``; the builder (flushed) and the inputs skipped. In a piece, the first input
+    skipped ends the piece: it moves every later offset (see :mod:`.pieces`)."""
     global _staging
     if _staging is None:
         _staging = bytearray(STAGING_BYTES)
     skipped: list[tuple[str, str]] = []
     done_samples = done_bytes = 0
-    with _writing(store.url(name)), store.open_writer(name) as sink:
-        b = ShardBuilder(sink, name, compression, level, staging=_staging)
-        for s in samples:
-            members = [(fld, size, partial(_fill_from, path, size)) for fld, path, size in s.files]
-            try:
-                b.add_members(s.key, members)
-            except _InputFault as e:
-                if not skip_errors:
-                    raise InputFileError(
-                        f"cannot read {e.path}: {e.why} (sample {s.key!r}; pass --skip-errors to skip such samples)"
-                    ) from None
-                skipped.append((e.path, e.why))
-                continue
-            done_samples += 1
-            done_bytes += sum(size for _, _, size in s.files)
-            if _progress is not None and done_samples % 64 == 0:
-                _bump(done_samples, done_bytes)
-                done_samples = done_bytes = 0
-        if not b.records.keys:
-            raise _AllSkipped(skipped)
-        record = b.finish()
+    b = ShardBuilder(sink, name, compression, level, staging=_staging, piece_at=piece_at)
+    for s in samples:
+        members = [(fld, size, partial(_fill_from, path, size)) for fld, path, size in s.files]
+        try:
+            b.add_members(s.key, members)
+        except _InputFault as e:
+            if not skip_errors:
+                raise InputFileError(
+                    f"cannot read {e.path}: {e.why} (sample {s.key!r}; pass --skip-errors to skip such samples)"
+                ) from None
+            skipped.append((e.path, e.why))
+            if piece_at is not None:
+                break
+            continue
+        done_samples += 1
+        done_bytes += sum(size for _, _, size in s.files)
+        if _progress is not None and done_samples % 64 == 0:
+            _bump(done_samples, done_bytes)
+            done_samples = done_bytes = 0
+    if piece_at is not None:
+        b.flush()
     _bump(done_samples, done_bytes)
-    return {"record": asdict(record), "samples": vars(b.records), "fields": sorted(b.fields), "skipped": skipped}
+    return b, skipped
+
+
+def pack_piece(args: tuple[Any, ...]) -> dict[str, Any]:
+    """Write one piece of a shard (:mod:`.pieces`) into the shard's temporary file, which
+    the pack process created: ``args`` = (path, url, name, piece, samples, skip_errors)
+    (``url``: the shard's, for errors), samples None in a worker forked with the plan.
+    Returns the piece's sample records, or ``redo`` when an input was skipped (the shard is
+    then written again, whole)."""
+    path, url, name, piece, samples, skip_errors = args
+    if samples is None:
+        samples = _inherited_plan()[piece.shard][piece.start : piece.stop]
+    with _writing(url):
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)  # never created here: the pack owns the file
+        with open(fd, "wb", buffering=0) as sink:
+            os.lseek(fd, piece.offset, os.SEEK_SET)
+            b, skipped = _write_samples(sink, name, "none", 0, samples, skip_errors, piece.offset)
+    if skipped:
+        return {"redo": True}
+    if b.stored_bytes != piece.end:
+        raise PackError(f"{path}: piece {piece} ended at byte {b.stored_bytes}, its plan at {piece.end} "
+                        "(a datapipe bug: please report it)")
+    return {"samples": vars(b.records), "fields": sorted(b.fields)}
+
+
+#: the plan of the pack that forked this worker (None elsewhere): tasks then name their
+#: samples by position instead of carrying them
+_plan: list[list[FileSample]] | None = None
+
+
+def _inherited_plan() -> list[list[FileSample]]:
+    if _plan is None:
+        raise PackError("a pack task names its samples by position, in a worker that has no plan (a datapipe bug)")
+    return _plan
 
 
 def _bump(samples: int, nbytes: int) -> None:
@@ -443,7 +492,15 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     dest_dir = lock.base.local_path("")
     if dest_dir is not None and opts["part"] is not None:
         dest_dir = os.path.dirname(dest_dir.rstrip(os.sep))
-    listing = list_directory(src, skip_errors, follow_links, exclude=dest_dir, keys=keys)
+    # Packing small files waits on the disk more than on the CPU: twice as many workers
+    # as cores overlap those waits (measured here, cold page cache: 4 workers 6.7 s vs
+    # 2 workers 8.6 s for 30k samples on 2 cores; warm: 2.7 s vs 2.2 s).
+    wanted = workers or 2 * (os.cpu_count() or 1)
+    if in_this_process(lock.base):
+        # worker processes would write into their own copies of this process's memory and
+        # the shards would be lost with them: pack here
+        wanted = 1
+    listing = _list_source(src, lock, wanted, skip_errors, follow_links, dest_dir, keys)
     samples = listing.samples
     if not tars_as_files:
         refuse_tar_shards(src, samples)
@@ -462,52 +519,69 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     done = work.done()
     todo = [i for i, name in enumerate(names) if name not in done]
     result.resumed_shards = len(plan) - len(todo)
-    # Packing small files waits on the disk more than on the CPU: twice as many workers
-    # as cores overlap those waits (measured here, cold page cache: 4 workers 6.7 s vs
-    # 2 workers 8.6 s for 30k samples on 2 cores; warm: 2.7 s vs 2.2 s).
-    nworkers = max(1, min(workers or 2 * (os.cpu_count() or 1), len(todo) or 1))
-    if in_this_process(lock.base):
-        # worker processes would write into their own copies of this process's memory and
-        # the shards would be lost with them: pack here
-        nworkers = 1
+    # few large shards would leave workers idle: those worth it are written in pieces
+    pieces = cut_pieces(plan, todo, wanted) if opts["compression"] == "none" and isinstance(store, LocalStore) else {}
+    jobs = [(i, k) for i in todo for k in (range(len(pieces[i])) if i in pieces else (None,))]
+    nworkers = max(1, min(wanted, len(jobs)))
     # fork when this process runs no other thread: no `if __name__ == "__main__"` guard is
     # needed in callers' scripts and workers start in milliseconds (filesystem objects are
-    # re-created per process). A caller with threads (a trainer) gets forkserver: forking
-    # a threaded process can copy a held lock into the child.
-    ctx = mp.get_context("fork" if threading.active_count() == 1 else "forkserver")
+    # re-created per process), and they inherit the plan (a task names its samples by
+    # position). A caller with threads (a trainer) gets forkserver: forking a threaded
+    # process can copy a held lock into the child.
+    forked = threading.active_count() == 1
+    ctx = mp.get_context("fork" if forked else "forkserver")
     counters = ctx.Array("q", 2)
-    args = [(store, names[i], opts["compression"], opts["level"], plan[i], skip_errors) for i in todo]
+    compression, level = opts["compression"], opts["level"]
+
+    def task(i: int, k: int | None) -> tuple[Any, tuple[Any, ...]]:
+        if k is None:
+            return _pack_planned, (i, store, names[i], compression, level, None if forked else plan[i], skip_errors)
+        p = pieces[i][k]
+        return pack_piece, (assemblies[i].path, store.url(names[i]), names[i], p,
+                            None if forked else plan[i][p.start : p.stop], skip_errors)
+
+    global _plan
+    assemblies: dict[int, ShardAssembly] = {}
     pool = None
-    futures: dict[Future[dict[str, Any]], str] = {}
-    if nworkers > 1:  # workers start before this process starts its progress threads
-        pool = ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=_init_worker,
-                                   initargs=(counters, os.getpid(), lock.inherited_fd()))
-        try:
-            futures = {pool.submit(pack_shard, a): a[1] for a in args}
-        except BrokenProcessPool:  # a worker died while the work was being handed out
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise _worker_lost(store, 0) from None
-    bar = _progress_bar(sum(len(plan[i]) for i in todo), progress)
+    futures: dict[Future[dict[str, Any]], tuple[int, int | None]] = {}
+    bar: Any = None
     stop = threading.Event()
-
-    def poll() -> None:
-        last = 0
-        while not stop.wait(0.2):
-            cur = counters[0]
-            bar.update(cur - last)
-            last = cur
-            el = bar.format_dict["elapsed"] or 1e-9
-            bar.set_postfix_str(f"{counters[1] / 1e6 / el:,.1f} MB/s", refresh=False)
-        bar.update(counters[0] - last)
-
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
+    poller = None
     try:
+        if nworkers > 1:
+            for i in pieces:
+                with _writing(store.url(names[i])):
+                    assemblies[i] = ShardAssembly(cast(LocalStore, store), names[i], pieces[i])
+            _plan = plan if forked else None
+            pool = ProcessPoolExecutor(nworkers, mp_context=ctx, initializer=_init_worker,
+                                       initargs=(counters, os.getpid(), lock.inherited_fd()))
+            try:
+                for job in jobs:
+                    fn, a = task(*job)
+                    futures[pool.submit(fn, a)] = job
+            except BrokenProcessPool:  # a worker died while the work was being handed out
+                raise _worker_lost(store, 0) from None
+        # after the workers started: tqdm's monitor thread would make the next pool forkserver's
+        bar = _progress_bar(sum(len(plan[i]) for i in todo), progress)
+        if progress:
+            def poll() -> None:
+                last = 0
+                while not stop.wait(0.2):
+                    cur = counters[0]
+                    bar.update(cur - last)
+                    last = cur
+                    el = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(f"{counters[1] / 1e6 / el:,.1f} MB/s", refresh=False)
+                bar.update(counters[0] - last)
+
+            poller = threading.Thread(target=poll, daemon=True)
+            poller.start()
         if pool is None:
             _init_worker(counters)
             try:
-                for a in args:
-                    _finish(work, a[1], pack_shard(a), done)
+                for i in todo:
+                    _finish(work, names[i], pack_shard((store, names[i], compression, level, plan[i], skip_errors)),
+                            done)
             finally:
                 _init_worker(None)
         else:
@@ -516,7 +590,24 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
                 while pending:
                     finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                     for fut in finished:
-                        _finish(work, futures[fut], fut.result(), done)
+                        i, k = futures.pop(fut)
+                        res = fut.result()
+                        if k is not None:
+                            asm = assemblies[i]
+                            with _writing(store.url(names[i])):
+                                asm.add(k, res)
+                                if not asm.complete:
+                                    continue
+                                del assemblies[i]
+                                if asm.redo:  # an input was skipped: the shard again, whole, as one task
+                                    asm.release()
+                                    fn, args = task(i, None)
+                                    redo = pool.submit(fn, args)
+                                    futures[redo] = (i, None)
+                                    pending.add(redo)
+                                    continue
+                                res = asm.publish()
+                        _finish(work, names[i], res, done)
             except BrokenProcessPool:
                 raise _worker_lost(store, len(done) - (len(plan) - len(todo))) from None
             except BaseException:
@@ -526,10 +617,46 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        _plan = None
+        for asm in assemblies.values():  # shards left unpublished by a pack that failed
+            asm.discard()
         stop.set()
-        poller.join()
-        bar.close()
-    return commit_shards(lock, work, names, done, opts["compression"], result, shard_bytes=opts["shard_bytes"])
+        if poller is not None:
+            poller.join()
+        if bar is not None:
+            bar.close()
+    return commit_shards(lock, work, names, done, compression, result, shard_bytes=opts["shard_bytes"])
+
+
+def _list_source(src: str, lock: WriterLock, workers: int, skip_errors: bool, follow_links: bool,
+                 exclude: str | None, keys: str) -> DirectoryListing:
+    """The listing of the folder ``src``: its folders listed by up to ``workers`` processes
+    (forked: this process runs no other thread), else here. Listing waits on the disk for
+    every file's status when the page cache is cold, and costs as much CPU as reading the
+    files when it is warm."""
+    if workers < 2 or threading.active_count() > 1:
+        return list_directory(src, skip_errors, follow_links, exclude=exclude, keys=keys)
+    pool = None
+
+    def list_folders(folders: list[str]) -> Iterator[DirectoryListing]:
+        nonlocal pool
+        pool = ProcessPoolExecutor(min(workers, len(folders)), mp_context=mp.get_context("fork"),
+                                   initializer=die_with_parent, initargs=(os.getpid(), lock.inherited_fd()))
+        return pool.map(_list_folder, [(src, skip_errors, follow_links, exclude, keys, f) for f in folders])
+
+    try:
+        return list_in_pieces(src, skip_errors, follow_links, exclude, keys, pieces=2 * workers,
+                              list_folders=list_folders)
+    except BrokenProcessPool:
+        raise _worker_lost(lock.store, 0) from None
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _list_folder(args: tuple[Any, ...]) -> DirectoryListing:
+    src, skip_errors, follow_links, exclude, keys, folder = args
+    return list_directory(src, skip_errors, follow_links, exclude, keys, within=folder, allow_empty=True)
 
 
 def _worker_lost(store: Store, new_shards: int) -> PackError:
@@ -548,6 +675,14 @@ def pack_shard(args: tuple[Any, ...]) -> dict[str, Any]:
         return _pack_files(*args)
     except _AllSkipped as e:
         return {"record": None, "skipped": e.skipped}
+
+
+def _pack_planned(args: tuple[Any, ...]) -> dict[str, Any]:
+    """``pack_shard`` of planned shard ``args[0]``: ``args[1:]`` as ``pack_shard`` takes
+    them, samples None in a worker forked with the plan."""
+    i, store, name, compression, level, samples, skip_errors = args
+    return pack_shard((store, name, compression, level, _inherited_plan()[i] if samples is None else samples,
+                       skip_errors))
 
 
 def _finish(work: Journal, name: str, res: dict[str, Any], done: dict[str, Any]) -> None:

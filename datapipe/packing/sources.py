@@ -25,10 +25,10 @@ from ..format import (
 )
 from ..storage import SeekableFile
 
-__all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table", "read_fragment",
-           "row_group_bytes", "pack_row_group_bytes", "count_table_rows", "check_table_columns", "source_kind",
-           "PACK_ROW_GROUP_ENV", "is_parquet_tree", "parquet_dataset", "NO_EXTENSION", "DOT_FILE", "DOT_FOLDER",
-           "LINKED_FOLDER"]
+__all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "list_in_pieces", "iter_table",
+           "read_fragment", "row_group_bytes", "pack_row_group_bytes", "count_table_rows", "check_table_columns",
+           "source_kind", "PACK_ROW_GROUP_ENV", "is_parquet_tree", "parquet_dataset", "NO_EXTENSION", "DOT_FILE",
+           "DOT_FOLDER", "LINKED_FOLDER"]
 
 #: how a directory's files become samples: "first-dot" (WebDataset's rule, the default: key =
 #: the path up to the first dot of the file name, field = the rest, so files sharing that
@@ -413,8 +413,65 @@ def list_directory(root: str, skip_errors: bool = False, follow_links: bool = Fa
         size = sum(_member_tar_bytes(f"{key}.{f}", s) for f, _, s in files)
         out.samples.append(FileSample(key, files, size))
     if not out.samples and not allow_empty:
-        hint = "files need a 'key.field' name, or pass --keys file" if keys == "first-dot" else "no regular file"
-        raise EmptyInputError(f"no sample found under {root} ({hint})")
+        raise _no_samples(root, keys)
+    return out
+
+
+def _no_samples(root: str, keys: str) -> EmptyInputError:
+    hint = "files need a 'key.field' name, or pass --keys file" if keys == "first-dot" else "no regular file"
+    return EmptyInputError(f"no sample found under {root} ({hint})")
+
+
+#: :func:`list_in_pieces` lists at most this many levels itself, looking for folders to hand out
+_MAX_LEVELS = 3
+
+
+def list_in_pieces(root: str, skip_errors: bool = False, follow_links: bool = False, exclude: str | None = None,
+                   keys: str = "first-dot", *, pieces: int,
+                   list_folders: Callable[[list[str]], Iterator[DirectoryListing]]) -> DirectoryListing:
+    """The listing :func:`list_directory` gives (the same samples, and the same files
+    dropped, skipped and passed over, in the same order, and the same first error), with
+    whole folders listed elsewhere: the top levels are listed here without descending,
+    until there are ``pieces`` folders (or three levels are listed), and
+    ``list_folders(folders)`` yields the listing of each folder's subtree
+    (``list_directory(..., within=folder, allow_empty=True)``), in order, in other
+    processes. A sample's files share a folder, so no sample is split between listings."""
+    # ``units`` in the order a serial listing reaches them: a folder's own entries, then
+    # its subfolders' subtrees, the last subfolder first (list_directory's stack)
+    units: list[DirectoryListing | DatapipeError | str] = [""]
+    for _ in range(_MAX_LEVELS):
+        if sum(isinstance(u, str) for u in units) >= pieces:
+            break
+        expanded: list[DirectoryListing | DatapipeError | str] = []
+        for u in units:
+            if not isinstance(u, str):
+                expanded.append(u)
+                continue
+            try:
+                top = list_directory(root, skip_errors, follow_links, exclude, keys, within=u, recursive=False,
+                                     allow_empty=True)
+            except DatapipeError as e:  # raised in its turn, as a serial listing would meet it
+                expanded.append(e)
+                continue
+            expanded.append(top)
+            expanded.extend(reversed(top.folders))
+        if len(expanded) == len(units):
+            break
+        units = expanded
+    folders = [u for u in units if isinstance(u, str)]
+    listed = list_folders(folders) if folders else iter(())
+    out = DirectoryListing([])
+    for u in units:
+        part = next(listed) if isinstance(u, str) else u  # a folder's error is raised here, in order
+        if isinstance(part, DatapipeError):
+            raise part
+        out.samples.extend(part.samples)
+        out.dropped.extend(part.dropped)
+        out.bad.extend(part.bad)
+        out.passed_over.extend(part.passed_over)
+    out.samples.sort(key=lambda s: s.key)
+    if not out.samples:
+        raise _no_samples(os.path.abspath(root), keys)
     return out
 
 
