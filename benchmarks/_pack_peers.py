@@ -155,10 +155,10 @@ def _datapipe(src: str, dest: str, shard_bytes: int, workers: int | None, compre
     res = datapipe.pack(src, dest, shard_bytes=shard_bytes, compression=compression, workers=workers,
                         progress=False)
     seconds = time.perf_counter() - t0
-    # datapipe starts min(workers, shards) processes (one shard is one task)
+    # the processes that read and wrote, as the pack reports them (a large shard is written
+    # in pieces by several; the pack process itself plans and commits)
     return {"seconds": seconds, "samples": res.samples, "shards": res.shards, "out_bytes": res.stored_bytes,
-            "pack_reported_seconds": res.seconds, "processes": max(1, min(workers or 1, res.shards)),
-            "settings": {"workers": workers}}
+            "pack_reported_seconds": res.seconds, "processes": res.workers, "settings": {"workers": workers}}
 
 
 # --- webdataset ----------------------------------------------------------------------------

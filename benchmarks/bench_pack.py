@@ -232,9 +232,13 @@ def run(config: PackBenchConfig | dict[str, Any] | None = None, log: Any = None)
     dp = next((r for r in rows if r["system"] == "datapipe"), None)
     verdict = None
     if dp and dp.get("seconds") is not None and floor:
+        # the ratio is to a floor with the processes datapipe used: say so when they differ
+        floor_procs = systems[BASE].get("processes")
         verdict = {"ratio_to_floor": dp["ratio_to_floor"], "target_ratio": TARGET_RATIO,
                    "meets_ratio": dp["ratio_to_floor"] <= TARGET_RATIO,
-                   "faster_than_every_peer": dp["faster_than_every_peer"]}
+                   "faster_than_every_peer": dp["faster_than_every_peer"],
+                   "processes": dp["processes"], "floor_processes": floor_procs,
+                   "same_processes": dp["processes"] == floor_procs}
     return {
         "config": asdict(c),
         "corpus": {k: corpus[k] for k in ("path", "bytes", "files", "generated", "gen_seconds")},
@@ -282,6 +286,9 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"datapipe.pack: {v['ratio_to_floor']:.2f}x the floor (target <= {v['target_ratio']}x: "
                      f"{'met' if v['meets_ratio'] else 'NOT met'}); faster than every peer: "
                      f"{'yes' if v['faster_than_every_peer'] else 'NO'}")
+        if not v.get("same_processes", True):
+            lines.append(f"  (datapipe packed with {v['processes']} processes, the floor read with "
+                         f"{v['floor_processes']}: the ratio is not to a floor with the same processes)")
     return "\n".join(lines)
 
 

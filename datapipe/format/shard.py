@@ -25,6 +25,7 @@ __all__ = ["ShardBuilder", "shard_name", "members_tar_bytes", "Fill"]
 
 STAGING_BYTES = 4 << 20
 _ZEROS = bytes(BLOCK)
+_ZERO_VIEW = memoryview(_ZEROS)
 
 #: writes a member's data into the view it is given and returns the byte count
 Fill = Callable[[memoryview], int]
@@ -137,9 +138,15 @@ class ShardBuilder:
         data into ``view`` (``size + 1`` bytes long, so that a source that grew is noticed)
         and returns the count; anything but ``size`` raises ``ValueError`` and the sample is
         not added. The key must already have passed ``check_key``."""
-        names = [member_name(key, f) for f, _, _ in members]
-        headers = [member_header(n, size) for n, (_, size, _) in zip(names, members)]
-        total = sum(len(h) + size + padding(size) for h, (_, size, _) in zip(headers, members))
+        # one pass for the headers (the room to reserve), one to fill: a few Python
+        # operations per member, beside the member's own reads (packing small files is
+        # bound by the per-file cost)
+        headers = []
+        total = 0
+        for field, size, _ in members:
+            header = member_header(member_name(key, field), size)
+            headers.append(header)
+            total += len(header) + size + (-size % BLOCK)
         if self._zstd is None:
             start = self._reserve(total + 1)
             mv = self._mv
@@ -149,20 +156,20 @@ class ShardBuilder:
             start, mv = 0, memoryview(self._scratch)
         p = start
         for header, (field, size, fill) in zip(headers, members):
-            mv[p : p + len(header)] = header
-            p += len(header)
-            got = fill(mv[p : p + size + 1])
+            q = p + len(header)
+            mv[p:q] = header
+            p = q + size
+            got = fill(mv[q : p + 1])
             if got != size:
                 raise ValueError(f"field {field!r} of sample {key!r} has {got} bytes, expected {size}")
-            p += size
-            pad = padding(size)
-            mv[p : p + pad] = _ZEROS[:pad]
-            p += pad
-        fields = [f for f, _, _ in members]
+            pad = -size % BLOCK
+            if pad:
+                mv[p : p + pad] = _ZERO_VIEW[:pad]
+                p += pad
         if self._zstd is not None:
-            return self._store_raw(key, mv[:total], fields)
+            return self._store_raw(key, mv[:total], [f for f, _, _ in members])
         self.tar_bytes += total
-        return self._record(key, start, total, fields)
+        return self._record(key, start, total, [f for f, _, _ in members])
 
     def finish(self) -> ShardRecord:
         if self._closed:

@@ -5,6 +5,7 @@ destination, and running the same command again skips what is recorded."""
 from __future__ import annotations
 
 import errno
+import gc
 import inspect
 import multiprocessing as mp
 import os
@@ -38,6 +39,7 @@ from ..format import (
     read_shard_table,
     shard_name,
 )
+from ..gcpause import collections_paused
 from ..progress import progress_bar
 from ..publish import (
     DEFAULT_SHARD_BYTES,
@@ -107,6 +109,9 @@ class PackResult:
     #: over the limit), and (key, size in the tar) of the first few
     oversized: int = 0
     oversized_examples: list[tuple[str, int]] = field(default_factory=list)
+    #: the processes that read the inputs and wrote the shards (worker processes, or 1:
+    #: this one), at most ``pack(workers=)``
+    workers: int = 1
 
     def summary(self) -> str:
         mb = self.input_bytes / 1e6
@@ -179,7 +184,11 @@ _progress: Any = None  # (samples, bytes) shared counters, set in each worker
 def _init_worker(counters: Any, parent: int | None = None, lock_fd: tuple[int, int, int] | None = None) -> None:
     global _progress
     _progress = counters
-    if parent is not None:
+    if parent is not None:  # a forked worker process
+        # What the worker inherited is never garbage here: the collector's full passes
+        # over it (the pack's whole heap, its imports) were a fifth of a listing worker's
+        # time, and each dirtied the pages it visited, copying them from the parent.
+        gc.freeze()
         die_with_parent(parent, lock_fd)
 
 
@@ -416,7 +425,8 @@ def pack(
                               "(a row is a sample, a column a field)")
     opts = {"shard_bytes": o.limits.shard_bytes, "shard_samples": o.limits.shard_samples,
             "compression": o.compression, "level": o.level, "part": parsed, "kind": kind, "src": os.path.abspath(src)}
-    with WriterLock(open_store(dest, o.storage_options)) as lock:
+    # the listing, plan and records (a few objects per input file) live until the commit
+    with WriterLock(open_store(dest, o.storage_options)) as lock, collections_paused():
         store = lock.store
         check_destination(store, o.overwrite, resumable=True, files=SHARD_FILES)
         if kind == "directory":
@@ -523,6 +533,7 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     pieces = cut_pieces(plan, todo, wanted) if opts["compression"] == "none" and isinstance(store, LocalStore) else {}
     jobs = [(i, k) for i in todo for k in (range(len(pieces[i])) if i in pieces else (None,))]
     nworkers = max(1, min(wanted, len(jobs)))
+    result.workers = nworkers
     # fork when this process runs no other thread: no `if __name__ == "__main__"` guard is
     # needed in callers' scripts and workers start in milliseconds (filesystem objects are
     # re-created per process), and they inherit the plan (a task names its samples by
@@ -641,7 +652,7 @@ def _list_source(src: str, lock: WriterLock, workers: int, skip_errors: bool, fo
     def list_folders(folders: list[str]) -> Iterator[DirectoryListing]:
         nonlocal pool
         pool = ProcessPoolExecutor(min(workers, len(folders)), mp_context=mp.get_context("fork"),
-                                   initializer=die_with_parent, initargs=(os.getpid(), lock.inherited_fd()))
+                                   initializer=_init_worker, initargs=(None, os.getpid(), lock.inherited_fd()))
         return pool.map(_list_folder, [(src, skip_errors, follow_links, exclude, keys, f) for f in folders])
 
     try:
