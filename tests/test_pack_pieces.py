@@ -128,7 +128,7 @@ def listing(*a, within="", recursive=True, **k):
 shard.ShardBuilder.__init__ = init
 sources.list_directory = packer.list_directory = listing
 r = datapipe.pack(sys.argv[1], sys.argv[2], workers=int(sys.argv[4]))
-print(json.dumps([r.shards, r.samples, os.getpid()]))
+print(json.dumps([r.shards, r.samples, os.getpid(), r.workers]))
 """
 
 
@@ -141,8 +141,8 @@ def test_one_large_shard_is_written_by_every_worker_with_the_bytes_of_one(corpus
     p = subprocess.run([sys.executable, "-c", _TRACED, corpus, par, str(trace), "3"], env=_env(), cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    shards, samples, me = json.loads(p.stdout)
-    assert (shards, samples) == (1, 1260)
+    shards, samples, me, workers = json.loads(p.stdout)
+    assert (shards, samples, workers) == (1, 1260, 3)
     writers = [json.loads(line) for line in (trace / "writers").read_text().splitlines()]
     assert all(piece for _, piece in writers) and len(writers) >= 3  # the one shard, in pieces for 3 workers
     assert me not in {pid for pid, _ in writers}

@@ -203,7 +203,7 @@ class _InputFault(Exception):
 
 #: how far a worker opens its inputs ahead of their reads (files, and bytes not yet read)
 _AHEAD_FILES, _AHEAD_BYTES = 32, 16 << 20
-_ADVISE = getattr(os, "posix_fadvise", None)  # Linux; elsewhere files are opened as read
+_ADVISE = hasattr(os, "posix_fadvise")  # Linux; elsewhere files are opened as they are read
 
 
 class _Inputs:
@@ -219,7 +219,7 @@ class _Inputs:
         self._opened = 0  # files opened (or failed to open) so far, in order
         self._ahead: deque[tuple[int, str, int | OSError, int]] = deque()  # (position, path, fd or error, size)
         self._bytes = 0
-        self._files = _AHEAD_FILES if _ADVISE is not None else 1
+        self._files = _AHEAD_FILES if _ADVISE else 1
 
     def _open_ahead(self) -> None:
         while len(self._ahead) < self._files and self._bytes < _AHEAD_BYTES:
@@ -233,9 +233,9 @@ class _Inputs:
                 fd: int | OSError = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError as e:
                 fd = e
-            if isinstance(fd, int) and _ADVISE is not None and size:
+            if isinstance(fd, int) and _ADVISE and size:
                 try:
-                    _ADVISE(fd, 0, min(size, _AHEAD_BYTES), os.POSIX_FADV_WILLNEED)
+                    os.posix_fadvise(fd, 0, min(size, _AHEAD_BYTES), os.POSIX_FADV_WILLNEED)
                 except OSError:
                     pass  # advice only
             self._ahead.append((self._opened, path, fd, size))
