@@ -292,9 +292,32 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
+_NUMPY_TYPES = {pa.int32(): np.int32, pa.int64(): np.int64}
+
+
+def _arrow_table(columns: dict[str, list[Any]], schema: pa.Schema) -> pa.Table:
+    """The table of ``schema`` (string and int32/int64 columns) holding ``columns``, built
+    from buffers: ``pa.array`` and ``Table.from_pydict`` import pandas to ask whether the
+    values are pandas objects (0.3 s warm, 0.75 s cold, in every pack's commit)."""
+    arrays = []
+    for f in schema:
+        values, n = columns[f.name], len(columns[f.name])
+        if f.type == pa.string():
+            data = [v.encode("utf-8") for v in values]
+            offsets = np.zeros(n + 1, np.int64)
+            np.cumsum([len(d) for d in data], out=offsets[1:])
+            if offsets[-1] >= 2**31:  # beyond int32 offsets: pyarrow's own conversion chunks it
+                return pa.Table.from_pydict(columns, schema=schema)
+            buffers = [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(data))]
+        else:
+            buffers = [None, pa.py_buffer(np.asarray(values, dtype=_NUMPY_TYPES[f.type]))]
+        arrays.append(pa.Array.from_buffers(f.type, n, buffers))
+    return pa.Table.from_arrays(arrays, schema=schema)
+
+
 def shard_table_bytes(shards: list[ShardRecord]) -> bytes:
     cols = {f: [getattr(s, f) for s in shards] for f in SHARD_SCHEMA.names}
-    table = pa.Table.from_pydict(cols, schema=SHARD_SCHEMA)
+    table = _arrow_table(cols, SHARD_SCHEMA)
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     return buf.getvalue()
@@ -370,7 +393,7 @@ class SampleTableWriter:
         cols = {f: p[f][:n] for f in SAMPLE_SCHEMA.names}
         for f in SAMPLE_SCHEMA.names:
             del p[f][:n]
-        table = pa.Table.from_pydict(cols, schema=SAMPLE_SCHEMA)
+        table = _arrow_table(cols, SAMPLE_SCHEMA)
         self._writer.write_table(table, row_group_size=SAMPLE_ROW_GROUP)
         self.rows += n
 
