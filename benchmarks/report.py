@@ -8,7 +8,9 @@
 Writes ``benchmarks/results/``: ``results.json`` (every figure), ``REPORT.md`` (tables with
 ratios to the floors and peers), and PNG plots: pack and read throughput per system, hit
 rate and bytes from cold against cache size per policy, the loader sweep (samples/s per cell and
-system through DataLoader workers), checkpoint stall and total time
+system in each mode: the first epoch of a new dataset, non-persistent and persistent DataLoader
+workers, steady state; with the start-up part, a 10^7-sample dataset of about 10 GB in the
+workdir unless --quick), checkpoint stall and total time
 against state size per system. Each part runs the module of the same name
 (``benchmarks.bench_pack`` ...), which can also be run alone.
 """

@@ -48,6 +48,7 @@ __all__ = [
     "NoCheckpointError",
     "CorruptCheckpointError",
     "UnsupportedStateError",
+    "CheckpointOptionError",
     "HealthError",
 ]
 
@@ -254,6 +255,11 @@ class CorruptCheckpointError(CheckpointError, IntegrityError):
 
 class UnsupportedStateError(CheckpointError, TypeError):
     """The state holds an object the checkpoint format cannot store; names its path."""
+
+
+class CheckpointOptionError(CheckpointError, OptionError):
+    """A bad argument to a checkpoint writer, tier, load or restore (names the argument and
+    the value): caught as a CheckpointError and as an OptionError (a ValueError) alike."""
 
 
 # --- health: telemetry, straggler boards, tier checks ----------------------------------

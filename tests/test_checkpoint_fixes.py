@@ -197,14 +197,14 @@ def _restore_failure_worker(rank: int, port: int, root: str) -> None:
         for step in (1, 2):
             w.save(step, {"w": torch.full((10,), float(step)), "rank": rank}).wait()
     if rank == 1:  # an unexpected error (not a CheckpointError) reading rank 1's part of step 2
-        real = restore_mod._load_step
+        real = restore_mod.read_step
 
         def load_step(store, step, *args, **kw):
             if step == 2:
                 raise OSError("injected: the disk went away")
             return real(store, step, *args, **kw)
 
-        restore_mod._load_step = load_step
+        restore_mod.read_step = load_step
     before = dist.distributed_c10d._world.group_count
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -348,6 +348,10 @@ def _set(doc, path, value, delete=False):
     node = doc
     for k in path[:-1]:
         node = node[k]
+    if isinstance(node, dict) and not isinstance(path[-1], str):
+        # an earlier edit made a list of the original a dict: a list index is no JSON key
+        # (a document with one would be the test's failure, not the loader's)
+        raise TypeError("a JSON object's keys are strings")
     if delete and isinstance(node, dict):
         node.pop(path[-1], None)
     else:

@@ -33,7 +33,7 @@ def test_process_writer_tiers_round_trip(tmp_path):
     local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
     tiers = [Tier(local, every=1, keep_last=2, node_local=True), Tier(remote, every=2, keep_last=1)]
     with CheckpointWriter(tiers=tiers, background="process", chunk_bytes=4096, compression="zstd") as w:
-        pid = w._process.pid
+        pid = w._background.pid
         assert pid != os.getpid() and _alive(pid)
         for step in range(1, 6):
             n = 1000 * step  # the state grows: the shared buffer is replaced and sent again
@@ -66,9 +66,9 @@ def test_writer_process_killed_fails_the_save_in_flight(tmp_path):
     url = str(tmp_path / "ckpt")
     w = CheckpointWriter(url, background="process", chunk_bytes=4096)
     w.save(1, {"x": torch.ones(1 << 20)}).wait()
-    os.kill(w._process.pid, signal.SIGSTOP)  # hold it inside nothing: the next save waits
+    os.kill(w._background.pid, signal.SIGSTOP)  # hold it inside nothing: the next save waits
     h = w.save(2, {"x": torch.ones(1 << 20) * 2})
-    os.kill(w._process.pid, signal.SIGKILL)
+    os.kill(w._background.pid, signal.SIGKILL)
     with pytest.raises(CheckpointError, match=r"writer process .* exited"):
         h.wait(timeout=60)
     with pytest.raises(CheckpointError, match="exited"):
@@ -84,7 +84,7 @@ import sys, torch
 from datapipe.checkpoint import CheckpointWriter
 w = CheckpointWriter(sys.argv[1], background="process")
 w.save(1, {"x": torch.ones(1000)}).wait()
-print(w._process.pid, flush=True)
+print(w._background.pid, flush=True)
 sys.stdin.read()
 """
 
@@ -110,11 +110,11 @@ def test_trainer_killed_writer_process_exits_and_frees_the_url(tmp_path):
 
 def test_auto_runs_a_writer_process_where_one_can_do_the_work(tmp_path):
     with CheckpointWriter(str(tmp_path / "a")) as w:
-        assert w.background == "process" and _alive(w._process.pid)
+        assert w.background == "process" and _alive(w._background.pid)
         w.save(1, {"x": torch.ones(4)}).wait()
     # objects in this process's memory: a writer process would write into a memory of its own
     with CheckpointWriter("memory://dp-auto-bg") as w:
-        assert w.background == "thread" and w._process is None
+        assert w.background == "thread" and w._background.pid is None
         w.save(1, {"x": torch.ones(4)}).wait()
     assert torch.equal(load_checkpoint("memory://dp-auto-bg")["x"], torch.ones(4))
     with pytest.raises(CheckpointError, match=r"background='process' is not possible here: tier 'memory://dp-p'"):
@@ -134,7 +134,7 @@ w = CheckpointWriter(sys.argv[1], compression="zstd", zstd_level=19, chunk_bytes
 w.save(1, {"x": torch.ones(3)}).wait()
 g = torch.Generator().manual_seed(0)
 w.save(2, {"x": torch.randint(0, 4, (64 << 20,), dtype=torch.uint8, generator=g)})  # seconds of zstd -19
-print(w._process.pid, flush=True)
+print(w._background.pid, flush=True)
 sys.stdin.read()
 """
 
@@ -209,7 +209,7 @@ child = os.fork()  # a worker forked after the writer (a fork Pool, a DataLoader
 if child == 0:
     time.sleep(60)
     os._exit(0)
-print(w._process.pid, child, flush=True)
+print(w._background.pid, child, flush=True)
 sys.stdin.read()
 """
 

@@ -6,6 +6,7 @@ for remote stores, the node's pacing of each prefix (pacing.py)."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,6 +33,7 @@ from ..storage import (
     single_layer_options,
     split_url,
 )
+from ..telemetry import Telemetry
 from .hot import InflightBytes
 from .pacing import ColdPacer, PacedStore
 
@@ -62,6 +64,7 @@ class ColdReader:
         self.cold_wrapper = cold_wrapper
         self.count = count
         self.pacer: ColdPacer | None = None  # set by the process state once its warm dir is known
+        self.telemetry: Telemetry | None = None  # each read's bytes and seconds, as tier "cold"
         self.stores: dict[str, Store] = {}  # per root, as opened (and wrapped by cold_wrapper)
         self._paced: dict[str, Store] = {}  # the same, as requests use them (paced if remote)
         self.sizes: dict[str, int] = {}
@@ -159,9 +162,11 @@ class ColdReader:
             self.count(wait_seconds=waited)
         try:
             for attempt in (0, 1):
+                t0 = time.perf_counter()
                 data = fetch_object(store, key, size, self.retry, pool=self.parts, version=version,
                                     on_retry=lambda e: self.count(cold_retries=1))
                 self.count(cold_reads=1, cold_bytes=len(data))
+                self.record(len(data), t0)
                 if checksum_ok(data, checksum):
                     return data
                 if attempt:
@@ -174,7 +179,15 @@ class ColdReader:
     def fetch_range(self, url: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` in one ranged request (the caller checked the size)."""
         store, key = self.store_for(url)
+        t0 = time.perf_counter()
         part = fetch_range(store, key, start, end, self.retry, pool=self.parts,
                            on_retry=lambda e: self.count(cold_retries=1))
         self.count(cold_reads=1, cold_bytes=len(part))
+        self.record(len(part), t0)
         return part
+
+    def record(self, nbytes: int, since: float) -> None:
+        """A read of ``nbytes`` from the cold store that began at ``since`` (perf_counter)."""
+        tel = self.telemetry
+        if tel is not None:
+            tel.read("cold", nbytes, time.perf_counter() - since)

@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import DatapipeError, StorageError
+from ..telemetry import Telemetry
 from .cold import ColdReader
 from .future import FutureBoard
 from .hot import HotTier, Room, Turns
@@ -38,11 +39,20 @@ class Stats(Counter[str]):
 
     def __init__(self) -> None:
         self._lock = threading.RLock()  # before Counter.__init__; Counter.update calls itself
+        #: a :class:`datapipe.telemetry.Telemetry` that also gets the cold store's retries and
+        #: throttled answers (counted here, wherever they happen)
+        self.telemetry: Telemetry | None = None
         super().__init__()
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         with self._lock:
             super().update(*args, **kwargs)
+        tel = self.telemetry
+        if tel is not None and kwargs:
+            if "cold_retries" in kwargs:
+                tel.cold_retry(int(kwargs["cold_retries"]))
+            if "cold_throttled" in kwargs:
+                tel.throttled(int(kwargs["cold_throttled"]))
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -127,6 +137,13 @@ class ProcessState:
                 self.warn("stats-init", f"cache counters cannot be kept in {s.warm_dir} ({e}); node-wide "
                           "stats will miss this process")
 
+    def set_telemetry(self, telemetry: Telemetry | None) -> None:
+        """Record this process's reads, hits, misses, broken tiers, retries and throttled
+        answers into ``telemetry`` too (None: no longer)."""
+        self.stats.telemetry = telemetry
+        self.tiers.telemetry = telemetry
+        self.cold.telemetry = telemetry
+
     def _local(self, name: str, rank: int, d: WarmDir, s: Settings, *, budget_arg: str | None = None,
                repair: Callable[[OSError], bool] | None = None) -> LocalTier:
         return LocalTier(name, rank, d, cold=self.cold, count=self.stats.update, warn=self.warn, room=self.room,
@@ -158,6 +175,8 @@ class ProcessState:
         if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS or tier is None:
             return False
         tier.count_event("errors")
+        if self.stats.telemetry is not None:
+            self.stats.telemetry.error(tier.telemetry_name)
         try:
             tier.dir.repair()
             repaired = ""

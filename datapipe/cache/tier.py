@@ -27,7 +27,7 @@ from .cold import ColdReader
 from .eviction import VictimChooser
 from .warm import BROKEN_DIR_ERRNOS, WarmDir, url_key
 
-__all__ = ["DirTier", "Lookup", "MISSING", "KEPT", "Route", "Count", "Warn"]
+__all__ = ["DirTier", "Lookup", "MISSING", "KEPT", "Route", "Count", "Warn", "telemetry_tier"]
 
 #: ``stats.update``: a mapping of counters, or counters as keywords
 Count = Callable[..., None]
@@ -67,6 +67,12 @@ class Route(Protocol):
     def fetch(self, url: str, checksum: str | None, *, fixed_size: int | None = None) -> bytes: ...
 
 
+def telemetry_tier(name: str) -> str:
+    """The telemetry tier of a directory tier named ``name``: ``warm_dir`` is ``warm``, each
+    of ``local_tiers`` (``local2``, ...) ``node-local``, ``shared_dir`` ``shared``."""
+    return "node-local" if name.startswith("local") else name
+
+
 class DirTier:
     """One cache directory as a tier of this process (see the module docstring). ``name``
     prefixes its counters; ``rank`` is its place in the order (``warm_dir`` 0, then
@@ -84,6 +90,8 @@ class DirTier:
         self.name, self.rank, self.dir = name, rank, d
         self.cold, self.count, self.warn, self.repair = cold, count, warn, repair
         self.fetched_as = name
+        #: the tier's name in :mod:`datapipe.telemetry` (``warm``, ``node-local``, ``shared``)
+        self.telemetry_name = telemetry_tier(name)
 
     def path(self, url: str) -> str:
         return self.dir.path(url_key(url))

@@ -40,6 +40,7 @@ from ..options import (
     show,
 )
 from ..storage import RetryPolicy, Store
+from ..telemetry import Telemetry
 from .cold import CHANGE_RESTARTS, checksum_ok
 from .eviction import NextUses, Schedule, VictimChooser, choose_victims
 from .future import MergedFuture, future_key
@@ -95,6 +96,9 @@ class TieredCache:
     ``warm_dir``. ``cold_concurrency``: the most requests in flight to one prefix of a remote cold store
     (bucket + first path segment) from the whole node (from this process without a warm
     directory); the limit in force adapts below it to throttling (pacing.py).
+    ``telemetry``: a :class:`datapipe.telemetry.Telemetry` to record each tier's reads
+    (bytes, seconds), hits, misses and failures, and the cold store's retries and
+    throttled answers into (a loader given ``telemetry=`` hands its own over).
 
     Errors: ObjectNotFoundError (no object at the URL), RemoteError (retries exhausted),
     ChecksumError (a fill failed its checksum twice), CacheBudgetError (an object larger
@@ -123,6 +127,7 @@ class TieredCache:
         shared_wait_s: float = DEFAULT_SHARED_WAIT_S,
         cold_concurrency: int = DEFAULT_CEILING,
         local_tiers: Sequence[CacheTier] = (),
+        telemetry: Telemetry | None = None,
     ) -> None:
         B = CacheOptionError  # a budget's error is a CacheBudgetError too
         hot_bytes, warm_bytes = check_bytes("hot_bytes", hot_bytes, error=B), check_bytes("warm_bytes", warm_bytes,
@@ -155,6 +160,8 @@ class TieredCache:
             raise OptionError(f"retry={show(retry)}: expected a datapipe.storage.RetryPolicy or None")
         if cold_wrapper is not None:
             check_callable("cold_wrapper", cold_wrapper, hint="a picklable function Store -> Store, or None")
+        if telemetry is not None and not isinstance(telemetry, Telemetry):
+            raise OptionError(f"telemetry={show(telemetry)}: expected a datapipe.telemetry.Telemetry or None")
         tiers = check_local_tiers(local_tiers, warm_dir)
         refuse_shared_folders([("warm_dir", warm_dir), *((f"local_tiers[{i}]", t.path) for i, t in enumerate(tiers)),
                                ("shared_dir", shared_dir)])
@@ -174,6 +181,7 @@ class TieredCache:
         self.shared_wait_s = float(shared_wait_s)
         self.cold_concurrency = cold_concurrency
         self.local_tiers = tiers
+        self._telemetry = telemetry
         self.schedule: Schedule[str] | None = None
         self._warm_urls: tuple[Schedule[str], dict[str, str]] | None = None  # warm file name -> URL
         self.schedule_checksums: dict[str, str] = {}
@@ -200,7 +208,24 @@ class TieredCache:
                 state = self._process
                 if state is None or state.pid != os.getpid() or state.closed:
                     state = self._process = ProcessState(self)
+                    state.set_telemetry(self._telemetry)
         return state
+
+    @property
+    def telemetry(self) -> Telemetry | None:
+        """The :class:`~datapipe.telemetry.Telemetry` this cache records into (bytes and
+        seconds of each read per tier, hits, misses, broken tiers, cold retries and throttled
+        answers), or None. A loader given a ``telemetry=`` hands it to its cache."""
+        return self._telemetry
+
+    @telemetry.setter
+    def telemetry(self, telemetry: Telemetry | None) -> None:
+        if telemetry is not None and not isinstance(telemetry, Telemetry):
+            raise OptionError(f"telemetry={show(telemetry)}: expected a datapipe.telemetry.Telemetry or None")
+        self._telemetry = telemetry
+        state = self._current_state()
+        if state is not None:
+            state.set_telemetry(telemetry)
 
     def _current_state(self) -> ProcessState | None:
         """This process's live state, without creating one."""
@@ -243,15 +268,29 @@ class TieredCache:
             return data
 
     def _from_hot(self, state: ProcessState, url: str, checksum: str | None) -> bytes | None:
+        t0 = time.perf_counter()
         hit = state.hot.get(url)
         if hit is not None:
             data, known = hit
             if checksum is None or checksum == known or checksum_ok(data, checksum):
                 state.stats.update(hot_hits=1, hot_bytes=len(data))
+                self._record_hot(len(data), t0)
                 return data
             state.hot.discard(url)
         state.stats.update(hot_misses=1)
+        self._record_hot(None, t0)
         return None
+
+    def _record_hot(self, nbytes: int | None, since: float) -> None:
+        """A hit of ``nbytes`` in the memory tier (None: a miss), for the telemetry."""
+        tel = self._telemetry
+        if tel is None:
+            return
+        if nbytes is None:
+            tel.miss("memory")
+        else:
+            tel.hit("memory")
+            tel.read("memory", nbytes, time.perf_counter() - since)
 
     def _admit_hot(self, state: ProcessState, url: str, data: bytes, checksum: str | None, index: int | None) -> None:
         if self.hot_bytes <= 0:
@@ -310,11 +349,14 @@ class TieredCache:
 
     def _range_once(self, state: ProcessState, url: str, start: int, end: int, index: int | None,
                     checksum: str | None = None) -> bytes:
+        t0 = time.perf_counter()
         hit = state.hot.get(url)
         if hit is not None:
             state.stats.update(hot_hits=1, hot_bytes=end - start)
+            self._record_hot(end - start, t0)
             return _slice(hit[0], start, end, url)
         state.stats.update(hot_misses=1)
+        self._record_hot(None, t0)
         warm = state.tiers.warm
         if warm is not None:
             for _attempt in (0, 1):  # once more after re-creating a deleted warm directory

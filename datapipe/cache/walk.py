@@ -11,9 +11,11 @@ walk goes on below it. What each step found is counted once, through the tier's 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..telemetry import Telemetry
 from .cold import ColdReader, SizeChanged
 from .eviction import VictimChooser
 from .nodelocal import LocalTier
@@ -37,6 +39,9 @@ class Tiers:
         self.warm: LocalTier | None = None
         self.lower: list[LocalTier] = []  # local_tiers that opened, in order
         self.shared: SharedTier | None = None
+        #: where each step's hit (bytes, seconds) or miss is recorded too (the process
+        #: state's :meth:`~.state.ProcessState.set_telemetry`)
+        self.telemetry: Telemetry | None = None
 
     def order(self) -> list[DirTier]:
         tiers: list[DirTier] = []
@@ -61,15 +66,22 @@ class Tiers:
         """One tier's step (see the module docstring): the bytes, and the name the tier
         above counts them as coming from. ``before_fill``: a check to run before a miss
         downloads anything (the hot tier's budget)."""
+        tel = self.telemetry
+        t0 = time.perf_counter() if tel is not None else 0.0
         found = tier.lookup(url, checksum)
         if found.data is not None:
             tier.count_hit(len(found.data))
+            if tel is not None:
+                tel.hit(tier.telemetry_name)
+                tel.read(tier.telemetry_name, len(found.data), time.perf_counter() - t0)
             return found.data, tier.name
         route = self.route(tier, chooser, background=background)
         if found.kept:
             tier.count_read_around()
             return route.fetch(url, checksum, fixed_size=fixed_size), tier.fetched_as
         tier.count_miss()
+        if tel is not None:
+            tel.miss(tier.telemetry_name)
         if before_fill is not None:
             before_fill()
         return tier.fill(url, checksum, route, fixed_size=fixed_size)

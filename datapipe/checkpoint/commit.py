@@ -217,7 +217,7 @@ def apply_retention(store: Store, committed: int, attempt: str, keep_last: int,
     complete = sorted(s for s, keys in by_step.items() if manifest_key(s) in keys)
     # The highest complete steps this listing shows, made after the commit: a step goes only
     # while newer ones show to a listing (a commit that does not show yet keeps the step
-    # before it), which is what readers listing meanwhile rely on (loader._listings).
+    # before it), which is what readers listing meanwhile rely on (load._listings).
     keep = set(complete[-keep_last:]) | {committed}
     pointed = read_latest_step(store)
     if pointed is not None:

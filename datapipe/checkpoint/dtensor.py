@@ -31,9 +31,9 @@ import zlib
 from typing import Any, NamedTuple
 
 from ..errors import UnsupportedStateError
-from .flatten import Leaf
+from .leaf import Leaf
 
-__all__ = ["Replicated", "LocalShard", "is_placed", "local_data", "place"]
+__all__ = ["Replicated", "LocalShard", "Box", "dtensor_type", "dtensor_box", "is_placed", "local_data", "place"]
 
 
 class Replicated:
@@ -75,7 +75,8 @@ class LocalShard:
                 f"offset={self.offset}, replica={self.replica})")
 
 
-def _dtensor_type() -> Any:
+def dtensor_type() -> Any:
+    """torch's DTensor class if torch.distributed.tensor is loaded (else no DTensor exists)."""
     mod = sys.modules.get("torch.distributed.tensor")
     return getattr(mod, "DTensor", None) if mod is not None else None
 
@@ -84,7 +85,7 @@ def is_placed(x: Any) -> bool:
     """Whether ``x`` is a DTensor or a :class:`LocalShard` (an array with a global place)."""
     if isinstance(x, LocalShard):
         return True
-    dt = _dtensor_type()
+    dt = dtensor_type()
     return dt is not None and isinstance(x, dt)
 
 

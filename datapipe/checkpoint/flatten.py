@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import math
 import sys
-import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedStateError
+from ..topology import Topology
+from .dtensor import Replicated, is_placed, local_data, place
+from .leaf import Leaf, dense_permuted, torch_copyable, torch_dtype_name
 
-__all__ = ["Leaf", "flatten", "unflatten", "torch_copyable", "torch_dtype_name", "torch_dtype_from_name",
-           "dense_permuted", "MAX_STATE_DEPTH", "MAX_INT_BITS", "MAX_TREE_PAYLOAD"]
+__all__ = ["flatten", "unflatten", "MAX_STATE_DEPTH", "MAX_INT_BITS", "MAX_TREE_PAYLOAD"]
 
 # What a save accepts is what a load can read back (format.py bounds the reader):
 # containers nested at most this deep (each encodes as up to three JSON levels) ...
@@ -36,94 +35,6 @@ MAX_INT_BITS = 13_000
 # ... and str/bytes in the tree that keep the part document under MAX_PART_BYTES
 # (bytes grow by 4/3 in base64); large blobs belong in a numpy uint8 array.
 MAX_TREE_PAYLOAD = 128 << 20
-
-
-@dataclass
-class Leaf:
-    """One array of the state: where it sits and what its bytes mean."""
-
-    path: str
-    kind: str  # "torch" | "numpy" | "npscalar"
-    dtype: str  # torch dtype name ("bfloat16") or numpy dtype str ("<f4")
-    shape: tuple[int, ...]
-    nbytes: int
-    strides: tuple[int, ...] | None  # element strides of a dense permuted layout, else None
-    obj: Any = None  # the live array (save side only)
-    device: str = "cpu"
-    # a piece of a global tensor (dtensor.place): {shape, offset, region, replica}
-    shard: dict[str, Any] | None = None
-    # a replica (shard["replica"]) keeps here the leaf of this rank's own copy of its bytes
-    # (region == shape, replica False): stored only in node-local parts, which must be whole
-    # on their own (writer.py stages it after the shared layout, and only when one is due)
-    copy: Leaf | None = None
-
-    def spec(self, offset: int) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "path": self.path,
-            "kind": self.kind,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "nbytes": self.nbytes,
-            "offset": offset,
-        }
-        if self.strides is not None:
-            d["strides"] = list(self.strides)
-        if self.shard is not None:
-            d["global"] = self.shard
-        return d
-
-
-def torch_dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def torch_dtype_from_name(name: str, where: str) -> Any:
-    value = _torch_dtype(name)
-    if value is None:
-        raise CorruptCheckpointError(f"{where}: unknown torch dtype {name!r}")
-    return value
-
-
-@functools.lru_cache(maxsize=64)  # a load looks up each leaf's dtype; the names are few
-def _torch_dtype(name: str) -> Any:
-    import torch
-
-    # A whitelist of real dtypes, never a free getattr on a name read from storage.
-    value = getattr(torch, name, None) if name.isidentifier() else None
-    return value if isinstance(value, torch.dtype) else None
-
-
-_COPYABLE: dict[Any, bool] = {}
-
-
-def torch_copyable(dtype: Any) -> bool:
-    """Whether torch's copy kernel handles ``dtype``; sub-byte types such as ``int4``
-    have none and are moved as raw bytes instead."""
-    ok = _COPYABLE.get(dtype)
-    if ok is None:
-        import torch
-
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
-                torch.empty(2, dtype=dtype).copy_(torch.empty(2, dtype=dtype))
-            ok = True
-        except (RuntimeError, TypeError, NotImplementedError):
-            ok = False
-        _COPYABLE[dtype] = ok
-    return ok
-
-
-def dense_permuted(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
-    """True if the strides are a permutation of a contiguous layout: no gaps, no overlap."""
-    expected = 1
-    for d in sorted(range(len(shape)), key=lambda d: strides[d]):
-        if shape[d] == 1:
-            continue
-        if strides[d] != expected:
-            return False
-        expected *= shape[d]
-    return True
 
 
 def _path(parent: str, key: Any) -> str:
@@ -166,11 +77,7 @@ def flatten(state: Any, *, allow_meta: bool = False, rank: int | None = None) ->
     DTensors, :class:`~.dtensor.LocalShard` and arrays inside :class:`~.dtensor.Replicated`
     become leaves of global tensors (dtensor.place); ``rank`` (default: torch.distributed's,
     else 0) decides which rank stores a replicated array."""
-    from .dtensor import Replicated, is_placed, local_data, place
-
     if rank is None:
-        from ..topology import Topology
-
         live = Topology.distributed()
         rank = live.rank if live is not None else 0
     leaves: list[Leaf] = []

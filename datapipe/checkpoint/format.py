@@ -38,6 +38,8 @@ __all__ = [
     "MAX_LATEST_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_CHUNK_BYTES",
+    "MAX_WORLD_SIZE",
+    "MAX_NDIM",
     "BLOCK_BYTES",
     "block_checksums",
 ]
@@ -63,6 +65,8 @@ MAX_PART_BYTES = 256 << 20
 MAX_LATEST_BYTES = 64 << 10
 MAX_JSON_DEPTH = 400  # a state nested 100 containers deep encodes to ~302 levels
 MAX_CHUNK_BYTES = 1 << 32
+MAX_WORLD_SIZE = 1 << 20  # ranks a manifest may name
+MAX_NDIM = 64  # dimensions of a leaf or a global tensor
 # Checksum granularity inside an uncompressed chunk (a chunk record's "blocks"): a reader of
 # a byte range (a shard of a global tensor, reshard.py) reads and checks the blocks that
 # overlap it instead of the whole chunk, so checking costs what the read costs.

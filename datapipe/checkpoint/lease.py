@@ -13,9 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import CheckpointError, CorruptCheckpointError, StorageError
-from ..storage import Store
-from ..storage.lease import LeaseBusyError, LeaseLostError, WriterLease, describe_holder
+from ..errors import (
+    CheckpointError,
+    CheckpointOptionError,
+    CorruptCheckpointError,
+    LeaseBusyError,
+    LeaseLostError,
+    StorageError,
+)
+from ..storage import Store, WriterLease, describe_holder
 from .format import decode_doc, encode_doc
 
 __all__ = ["LEASE_KEY", "Lease"]
@@ -28,9 +34,9 @@ class Lease:
 
     def __init__(self, store: Store, run_id: str, ttl: float = 60.0, wait: float = 0.0) -> None:
         if not isinstance(ttl, (int, float)) or not ttl > 0:
-            raise CheckpointError(f"lease_ttl must be a positive number of seconds, got {ttl!r}")
+            raise CheckpointOptionError(f"lease_ttl must be a positive number of seconds, got {ttl!r}")
         if not isinstance(wait, (int, float)) or wait < 0:
-            raise CheckpointError(f"lease_wait must be a number of seconds >= 0, got {wait!r}")
+            raise CheckpointOptionError(f"lease_wait must be a number of seconds >= 0, got {wait!r}")
         self.url = store.url(LEASE_KEY)
         self.run_id = run_id
         self._lease = WriterLease(store, LEASE_KEY, ttl=ttl, wait=wait, fields={"run_id": run_id},

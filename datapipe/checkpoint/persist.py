@@ -3,7 +3,10 @@ chunks (checksums, optional zstd, writes on ``io_threads`` threads), the rank's 
 commit where this process commits (manifest, ``latest``, retention), and the peer replica
 of a node-local tier. It runs in a thread of the training process or, with
 ``CheckpointWriter(background="process")``, in a writer process of its own
-(process.py) that reads the staging buffer from shared memory; the code is the same.
+(writer_process.py) that reads the staging buffer from shared memory; the code is the same.
+A save reaches it as a :class:`PersistJob` and the writer's settings as a
+:class:`PersistConfig`; each has its wire form (JSON, what a writer process is sent) here
+and only here.
 
 It sees the staged bytes only through ``view(start, end) -> memoryview`` (and, for the
 peer link, ``tensor(end)``), so it never imports torch itself unless a replica is sent.
@@ -16,13 +19,12 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from ..checksum import Hasher
 from ..errors import CheckpointError, StorageError
-from ..storage import Store, open_store
-from ..storage.store import join_url
+from ..storage import Store, join_url, open_store, storage_options_for
 from .commit import (
     apply_retention,
     await_parts,
@@ -48,7 +50,7 @@ from .lease import Lease
 from .replicate import PeerLink
 from .tiers import Tier, own_dir, replica_dir
 
-__all__ = ["Persister", "PersistJob", "chunk_bytes_for", "lower_thread_priority", "replica_header"]
+__all__ = ["Persister", "PersistConfig", "PersistJob", "chunk_bytes_for", "lower_thread_priority", "replica_header"]
 
 
 def lower_thread_priority(increment: int = 10) -> None:
@@ -61,6 +63,40 @@ def lower_thread_priority(increment: int = 10) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
     except OSError:
         pass  # not permitted or not supported: the thread runs at normal priority, which is only slower
+
+
+@dataclass(frozen=True)
+class PersistConfig:
+    """A writer's background as its constructor settled it: the tiers, who this rank is, the
+    ids of its attempts (run_id.WriterIds) and how chunks are written."""
+
+    tiers: list[Tier]
+    rank: int
+    world_size: int
+    run_id: str
+    ranks_per_node: int | None
+    attempt_id: str  # the <run_id> of this writer's attempt names
+    fresh_attempts: bool  # attempt_id was drawn for this writer (else it is the given run_id, which must be fresh)
+    compression: str | None
+    zstd_level: int
+    io_threads: int
+    nice: int  # how many levels below the caller the background threads run
+    lease_ttl: float
+    lease_wait: float
+
+    def to_wire(self) -> dict[str, Any]:
+        """The settings as a writer process is sent them (JSON: ``background.choose_background``
+        runs no writer process for storage options that are not). Each tier carries the
+        options that reach its store here, ``set_storage_options``' included: those are this
+        process's, and the writer process opens the store with what it is sent."""
+        doc = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tiers"}
+        doc["tiers"] = [dict(asdict(t), storage_options=storage_options_for(t.url, t.storage_options))
+                        for t in self.tiers]
+        return doc
+
+    @classmethod
+    def from_wire(cls, doc: dict[str, Any]) -> PersistConfig:
+        return cls(**dict(doc, tiers=[Tier(**t) for t in doc["tiers"]]))
 
 
 @dataclass
@@ -76,6 +112,7 @@ class PersistJob:
     t_start: float  # time.monotonic() at save(): comparable across processes (CLOCK_MONOTONIC)
     order: int  # position of this save() call among the writer's calls
     chunk_bytes: int  # of this save's shared layout: chunk_bytes_for(total, ...)
+    commit_timeout: float  # seconds rank 0 waits for every rank's part: the writer's at save()
     # (start, end) of a chunk of the staged bytes -> its raw checksum, shared by the tiers
     # (and the replica header) whose chunks cover the same range
     raw_checksums: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -96,6 +133,38 @@ class PersistJob:
         if node_local and self.local_specs is not None:
             return self.local_specs, self.local_total, self.local_chunk_bytes
         return self.specs, self.total, self.chunk_bytes
+
+    def to_wire(self) -> dict[str, Any]:
+        """The job as a writer process is sent it (JSON): the due tiers by URL, a received
+        replica by its size (its bytes lie in the shared mapping named ``replica``)."""
+        return {"step": self.step, "attempt": self.attempt, "tree": self.tree, "specs": self.specs,
+                "total": self.total, "due": [t.url for t in self.due], "t_start": self.t_start,
+                "order": self.order, "chunk_bytes": self.chunk_bytes, "commit_timeout": self.commit_timeout,
+                "raw_checksums": [[a, b, ck] for (a, b), ck in self.raw_checksums.items()],
+                "local": None if self.local_specs is None else {
+                    "specs": self.local_specs, "total": self.local_total, "chunk_bytes": self.local_chunk_bytes},
+                "received": None if self.received is None else {
+                    "header": self.received[0], "bytes": len(self.received[1])},
+                "link_error": self.link_error}
+
+    @classmethod
+    def from_wire(cls, msg: dict[str, Any], tiers: dict[str, Tier], replica: memoryview | None) -> PersistJob:
+        """The job :meth:`to_wire` sent; ``tiers``: the writer's by URL; ``replica``: the
+        shared mapping a received replica's bytes lie at the start of."""
+        local = msg["local"]
+        received = msg["received"]
+        if received is not None and replica is None:
+            raise CheckpointError(f"step {msg['step']}: a replica was sent without the memory that holds it")
+        return cls(msg["step"], msg["attempt"], msg["tree"], msg["specs"], msg["total"],
+                   [tiers[u] for u in msg["due"]], msg["t_start"], msg["order"], msg["chunk_bytes"],
+                   float(msg["commit_timeout"]),
+                   raw_checksums={(int(a), int(b)): str(ck) for a, b, ck in msg["raw_checksums"]},
+                   local_specs=None if local is None else local["specs"],
+                   local_total=0 if local is None else local["total"],
+                   local_chunk_bytes=0 if local is None else local["chunk_bytes"],
+                   received=None if received is None or replica is None else (
+                       received["header"], replica[: received["bytes"]]),
+                   link_error=msg["link_error"])
 
 
 @dataclass
@@ -168,17 +237,13 @@ class Persister:
     one save. ``saved_at[(step, n)]`` is the ``order`` of the save that made attempt
     ``n`` of ``step`` (retention keeps attempts of saves after the one it commits)."""
 
-    def __init__(self, tiers: list[Tier], rank: int, world_size: int, run_id: str,
-                 ranks_per_node: int | None, *, attempt_id: str, fresh_attempts: bool, compression: str | None,
-                 zstd_level: int, io_threads: int, commit_timeout: float, nice: int, lease_ttl: float,
-                 lease_wait: float, link: PeerLink | None = None) -> None:
-        self.tiers, self.rank, self.world_size, self.run_id = tiers, rank, world_size, run_id
-        # run_id.WriterIds: the <run_id> of this writer's attempt names, and whether it was
-        # drawn for this instance (else it is the given run_id, which must be fresh)
-        self.attempt_id, self.fresh_attempts = attempt_id, fresh_attempts
-        self.ranks_per_node = ranks_per_node
-        self.compression, self.zstd_level = compression, zstd_level
-        self.io_threads, self.commit_timeout, self.nice = io_threads, commit_timeout, nice
+    def __init__(self, config: PersistConfig, link: PeerLink | None = None) -> None:
+        tiers = config.tiers
+        self.tiers, self.rank, self.world_size, self.run_id = tiers, config.rank, config.world_size, config.run_id
+        self.attempt_id, self.fresh_attempts = config.attempt_id, config.fresh_attempts
+        self.ranks_per_node = config.ranks_per_node
+        self.compression, self.zstd_level = config.compression, config.zstd_level
+        self.io_threads, self.nice = config.io_threads, config.nice
         self.saved_at: dict[tuple[int, int], int] = {}
         self._tls = threading.local()
         self._targets: dict[str, list[_Target]] = {}
@@ -187,7 +252,7 @@ class Persister:
         self._link = link
         try:
             for t in tiers:
-                self._targets[t.url] = self._open_targets(t, lease_ttl, lease_wait)
+                self._targets[t.url] = self._open_targets(t, config.lease_ttl, config.lease_wait)
         except BaseException:
             self.release()
             raise
@@ -272,6 +337,11 @@ class Persister:
         save then raises naming each failed tier. Metrics of the first due tier are the
         save's top-level ones (as for a single-URL writer); each tier's are in
         ``metrics["tiers"][url]``."""
+        # saves are persisted in call order: every save made before this one is in saved_at
+        # by now, and one made after it is not (retention's in_flight tells them apart)
+        pa = parse_attempt(job.attempt)
+        if pa is not None:
+            self.saved_at[(job.step, pa[1])] = job.order
         m["tiers"] = {}
         errors: list[tuple[str, BaseException]] = []
         for tier in job.due:
@@ -394,7 +464,7 @@ class Persister:
         if tg.commits:
             # A reader of every part (a load onto another world size) then makes one
             # request, not world_size; a one-part checkpoint needs no index.
-            parts, docs = await_parts(tg.store, step, attempt, tg.world_size, self.commit_timeout,
+            parts, docs = await_parts(tg.store, step, attempt, tg.world_size, job.commit_timeout,
                                       keep_docs=PARTS_INDEX_MAX_BYTES if tg.world_size > 1 else 0)
             index = None
             if docs is not None and tg.world_size > 1:

@@ -15,7 +15,7 @@ header (JSON: step, attempt, rank, world size, tree, leaves, chunk size and the 
 checksum of every chunk: persist.replica_header, the same for both writers), then the
 data. The receiver checks the header names the save it is making and every chunk against
 the sender's checksum before it writes the replica; a header without them is refused. A
-writer process (process.py) runs the exchange in a thread of the training process (gloo's
+writer process (writer_process.py) runs the exchange in a thread of the training process (gloo's
 send and receive run without the GIL) into a shared receive buffer; that thread hashes
 the staged chunks for the header 1 MiB per GIL hold, and the writer process reuses those
 checksums for its own copy.
@@ -39,8 +39,7 @@ MAX_REPLICA_BYTES = 1 << 44  # a bound on what a header may announce, so a bad o
 class PeerLink:
     """This rank's end of the replica exchange. Create on every rank at once (a collective)."""
 
-    def __init__(self, rank: int, world_size: int, ranks_per_node: int, timeout_s: float,
-                 recv_alloc: Any = None) -> None:
+    def __init__(self, rank: int, world_size: int, ranks_per_node: int, timeout_s: float) -> None:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -53,10 +52,15 @@ class PeerLink:
         self.source = source_of(rank, world_size, ranks_per_node)
         self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._recv_buf: Any = None  # reused across saves, grown only for a larger part
-        # where received parts go instead: a function of the byte count returning a uint8
-        # tensor at least that long (the writer process's shared receive buffer)
-        self._recv_alloc = recv_alloc
+        # where received parts go instead (receive_into): a function of the byte count returning
+        # a uint8 tensor at least that long (the writer process's shared receive buffer)
+        self._recv_alloc: Any = None
         self.broken: str | None = None  # set when an exchange failed half way: the stream is out of step
+
+    def receive_into(self, alloc: Any) -> None:
+        """Receive parts into ``alloc(n)`` (a uint8 tensor of at least ``n`` bytes, e.g. the
+        shared memory a writer process maps) instead of a buffer of the link's own."""
+        self._recv_alloc = alloc
 
     def close(self) -> None:
         """Destroy the link's gloo group (its sockets and threads); idempotent."""

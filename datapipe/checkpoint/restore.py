@@ -28,24 +28,14 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ..errors import CheckpointError, NoCheckpointError, StorageError
-from ..storage import Store, open_store
-from ..storage.memory import MemoryStore
-from ..storage.store import join_url
+from ..errors import CheckpointError, CheckpointOptionError, NoCheckpointError, StorageError
+from ..storage import MemoryStore, Store, join_url, open_store
 from ..topology import Topology
 from .commit import scan_steps
 from .format import MAX_CHUNK_BYTES, MAX_PART_BYTES, manifest_key, part_key
-from .loader import (
-    _check_chunk,
-    _check_part,
-    _checked_part,
-    _load_step,
-    _part_state,
-    _probe_chunk,
-    _read_doc,
-    _read_manifest,
-)
-from .tiers import Tier, own_dir, peer_of, replica_dir, resolve_ranks_per_node, source_of
+from .read import read_step
+from .step import check_chunk, check_part, part_state, probe_chunk, read_doc, read_manifest, read_part
+from .tiers import Tier, check_tiers, own_dir, peer_of, replica_dir, resolve_ranks_per_node, source_of
 
 __all__ = ["RestoreResult", "restore_checkpoint", "LOCAL", "PEER_REPLICA", "REMOTE"]
 
@@ -101,7 +91,7 @@ def _complete(store: Store, origin: tuple[int, int] | None, world_size: int,
         if manifest_key(s) not in keys:
             continue  # never committed: a killed save; loaders skip it without a word
         try:
-            doc = _read_manifest(store, s)
+            doc = read_manifest(store, s)
         except (CheckpointError, StorageError) as e:
             skipped.append(f"{store.url(manifest_key(s))}: {e}")
             continue
@@ -167,16 +157,16 @@ def _replica_docs(store: Store, step: int, attempt: str) -> tuple[list[tuple[str
     are, and its chunk records, each chunk's size probed. The documents are checked here
     first, so a holder never reads or sends more than the part's chunks hold; the
     receiving rank checks everything again."""
-    doc = _read_manifest(store, step)
+    doc = read_manifest(store, step)
     if doc["attempt"] != attempt:
         raise CheckpointError(f"{store.url(manifest_key(step))}: attempt {doc['attempt']}, not {attempt}")
     mdata = store.get(manifest_key(step))
     entry = doc["parts"][0]
-    pdata, part = _read_doc(store, entry["key"], "part", MAX_PART_BYTES)
+    pdata, part = read_doc(store, entry["key"], "part", MAX_PART_BYTES)
     where = f"replica of step {step} at {store.root}"
-    _check_part(part, entry, step, attempt, 0, 1, where)
+    check_part(part, entry, step, attempt, 0, 1, where)
     for c in part["chunks"]:
-        _probe_chunk(store, c, part.get("compression") == "zstd", where)
+        probe_chunk(store, c, part.get("compression") == "zstd", where)
     return [(manifest_key(step), mdata), (entry["key"], pdata)], part["chunks"]
 
 
@@ -274,10 +264,10 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
             mem.put(key, recv_bytes(n))
         _check_attempt(mem, step, attempt)
         _check_origin(mem, step, rank, world)
-        doc = _read_manifest(mem, step)
+        doc = read_manifest(mem, step)
         if doc["world_size"] != 1:
             raise CheckpointError(f"rank {src} sent a checkpoint of {doc['world_size']} parts as a replica")
-        part = _checked_part(mem, doc, 0, where)
+        part = read_part(mem, doc, 0, where)
         chunks = part["chunks"]
         if [(c["key"], c["stored_bytes"]) for c in chunks] != files[2:]:
             raise CheckpointError(f"rank {src} announced chunks that are not the ones its part names")
@@ -291,9 +281,9 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
         for c, b, q in zip(chunks, bufs, pending):
             waited += 1  # before the wait: one that raised is not waited again
             q.wait()
-            _check_chunk(c, view[c["offset"]: c["offset"] + c["bytes"]], b.numpy() if compressed else None,
+            check_chunk(c, view[c["offset"]: c["offset"] + c["bytes"]], b.numpy() if compressed else None,
                          f"{c['key']} (from rank {src})", where)
-        return _part_state(part, data, where, map_location), int(part["data_bytes"])
+        return part_state(part, data, where, map_location), int(part["data_bytes"])
     except BaseException:
         try:  # take the rest of what src sends, so that its sends complete
             for q in pending[waited:]:  # each once: a second wait on a gloo receive waits for another
@@ -309,7 +299,7 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
 
 
 def _check_attempt(store: Store, step: int, attempt: str) -> None:
-    doc = _read_manifest(store, step)
+    doc = read_manifest(store, step)
     if doc["attempt"] != attempt:
         raise CheckpointError(f"{store.url(manifest_key(step))}: attempt {doc['attempt']}, not {attempt}: "
                               "another save of this step replaced it")
@@ -325,12 +315,11 @@ def restore_checkpoint(tiers: list[Tier], *, rank: int | None = None, world_size
     destroyed at the end). A copy that fails to load on any rank, for any reason, is
     skipped on every rank with a warning naming it. See the module docstring."""
     t_start = time.perf_counter()
-    if not tiers or not all(isinstance(t, Tier) for t in tiers):
-        raise CheckpointError(f"tiers must be a non-empty list of Tier, got {tiers!r:.200}")
+    tiers = check_tiers(tiers)
     try:
         rank, world = Topology.resolve(rank, world_size, environment=False)
     except Exception as e:
-        raise CheckpointError(f"restore_checkpoint: {e}") from None
+        raise CheckpointOptionError(f"restore_checkpoint: {e}") from None
     live = Topology.distributed()
     if world > 1 and (live is None or live != (rank, world)):
         raise CheckpointError(
@@ -466,12 +455,12 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, 
             if kind == LOCAL:
                 where = own[ti].root
                 _check_attempt(own[ti], s, a)
-                state = _load_step(own[ti], s, 0, map_location)
+                state = read_step(own[ti], s, 0, map_location)
                 nbytes = _manifest_bytes(own[ti], s)
             elif kind == REMOTE:
                 where = shared[ti].root
                 _check_attempt(shared[ti], s, a)
-                state = _load_step(shared[ti], s, rank, map_location)
+                state = read_step(shared[ti], s, rank, map_location)
                 nbytes = _manifest_bytes(shared[ti], s, rank)
             else:
                 holder = peer_of(rank, world, rpn)  # type: ignore[arg-type]
@@ -503,11 +492,11 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, 
 
 
 def _check_origin(store: Store, step: int, rank: int, world: int) -> None:
-    doc = _read_manifest(store, step)
+    doc = read_manifest(store, step)
     got = doc.get("origin")
     if not (isinstance(got, dict) and (got.get("rank"), got.get("world_size")) == (rank, world)):
         raise CheckpointError(f"the replica names origin {got!r:.80}, not rank {rank} of {world}")
 
 
 def _manifest_bytes(store: Store, step: int, rank: int = 0) -> int:
-    return int(_read_manifest(store, step)["parts"][rank]["data_bytes"])
+    return int(read_manifest(store, step)["parts"][rank]["data_bytes"])

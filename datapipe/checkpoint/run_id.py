@@ -21,7 +21,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from ..errors import CheckpointError
+from ..errors import CheckpointOptionError
 from ..topology import Topology
 
 __all__ = ["WriterIds", "agree_writer_ids"]
@@ -60,7 +60,7 @@ def _with_nonce(run_id: str, nonce: int) -> str:
 
 def agree_writer_ids(rank: int, world_size: int, run_id: str | None) -> WriterIds:
     if run_id is not None and not (isinstance(run_id, str) and _RUN_ID_RE.match(run_id)):
-        raise CheckpointError(f"run_id must match {_RUN_ID_RE.pattern}, got {run_id!r}")
+        raise CheckpointOptionError(f"run_id must match {_RUN_ID_RE.pattern}, got {run_id!r}")
     if world_size == 1:
         drawn = uuid.uuid4().hex[:_NONCE_HEX]
         if run_id is None:
@@ -71,7 +71,7 @@ def agree_writer_ids(rank: int, world_size: int, run_id: str | None) -> WriterId
     live = dist is not None and dist.is_available() and dist.is_initialized()
     if run_id is None:
         if not live:
-            raise CheckpointError(
+            raise CheckpointOptionError(
                 "world_size > 1 without an initialized torch.distributed: pass run_id=<the same fresh "
                 "string on every rank> so that the ranks' parts of one save can be matched"
             )

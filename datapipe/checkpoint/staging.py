@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError
-from .flatten import Leaf
+from ..errors import CheckpointError, CheckpointOptionError
+from .leaf import Leaf, torch_copyable, torch_dtype_from_name
 
 __all__ = ["ALIGN", "StagingBuffer", "plan_layout"]
 
@@ -92,7 +92,7 @@ class StagingBuffer:
 
     def __init__(self, max_bytes: int | None = None, shared: bool = False) -> None:
         if max_bytes is not None and max_bytes <= 0:
-            raise CheckpointError(f"max_staging_bytes must be positive, got {max_bytes}")
+            raise CheckpointOptionError(f"max_staging_bytes must be positive, got {max_bytes}")
         self.max_bytes = max_bytes
         # shared: the buffer is a memfd mapping a writer process maps too (fd, buffer_id)
         self.shared = shared
@@ -158,8 +158,6 @@ class StagingBuffer:
         self._np = buf.numpy()
 
     def _build_views(self, leaves: list[Leaf], offsets: list[int], total: int) -> None:
-        from .flatten import torch_copyable, torch_dtype_from_name
-
         views: list[Any] = []
         prev_end = 0
         buf, npbuf = self._buf, self._np

@@ -16,9 +16,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointOptionError
 
-__all__ = ["Tier", "own_dir", "replica_dir", "peer_of", "source_of", "resolve_ranks_per_node"]
+__all__ = ["Tier", "check_tiers", "writer_tiers", "own_dir", "replica_dir", "peer_of", "source_of",
+           "resolve_ranks_per_node"]
 
 
 @dataclass(frozen=True)
@@ -42,30 +43,63 @@ class Tier:
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
-            raise CheckpointError(f"Tier url must be a non-empty string, got {self.url!r}")
+            raise CheckpointOptionError(f"Tier url must be a non-empty string, got {self.url!r}")
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise CheckpointError(f"Tier({self.url!r}): every must be an int >= 1, got {self.every!r}")
+            raise CheckpointOptionError(f"Tier({self.url!r}): every must be an int >= 1, got {self.every!r}")
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 1:
-            raise CheckpointError(
+            raise CheckpointOptionError(
                 f"Tier({self.url!r}): keep_last must be an int >= 1 (the last good checkpoint is always "
                 f"kept), got {self.keep_last!r}"
             )
         if self.keep_every is not None and (isinstance(self.keep_every, bool)
                                             or not isinstance(self.keep_every, int) or self.keep_every < 1):
-            raise CheckpointError(f"Tier({self.url!r}): keep_every must be None or an int >= 1, "
+            raise CheckpointOptionError(f"Tier({self.url!r}): keep_every must be None or an int >= 1, "
                                   f"got {self.keep_every!r}")
         if self.replicate not in (0, 1) or isinstance(self.replicate, bool):
-            raise CheckpointError(f"Tier({self.url!r}): replicate must be 0 or 1, got {self.replicate!r}")
+            raise CheckpointOptionError(f"Tier({self.url!r}): replicate must be 0 or 1, got {self.replicate!r}")
         if self.node_local is None:
             object.__setattr__(self, "node_local", self.replicate > 0)
         if self.replicate and not self.node_local:
-            raise CheckpointError(
+            raise CheckpointOptionError(
                 f"Tier({self.url!r}): replicate=1 copies a node's part to another node's local tier; "
                 "a shared tier (node_local=False) is one copy already seen by every rank"
             )
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
+
+
+def check_tiers(tiers: Any) -> list[Tier]:
+    """``tiers`` as a list, checked: a non-empty list (or tuple) of :class:`Tier`."""
+    if not (isinstance(tiers, (list, tuple)) and tiers and all(isinstance(t, Tier) for t in tiers)):
+        raise CheckpointOptionError(f"tiers must be a non-empty list of Tier, got {tiers!r:.200}")
+    return list(tiers)
+
+
+def writer_tiers(url: str | None, tiers: list[Tier] | None, *, keep_last: int | None, keep_every: int | None,
+                 storage_options: dict[str, Any] | None) -> list[Tier]:
+    """The tiers a writer writes: ``tiers``, or the one shared tier ``url`` stands for:
+    ``url``, ``keep_last`` (default 3), ``keep_every`` and ``storage_options`` are the
+    shorthand of ``[Tier(url, keep_last=..., keep_every=..., storage_options=...)]``, and
+    are refused beside ``tiers=`` (each Tier has its own)."""
+    if tiers is None:
+        if url is None:
+            raise CheckpointOptionError("CheckpointWriter needs a url or tiers=[Tier(...), ...]")
+        return [Tier(url, every=1, keep_last=3 if keep_last is None else keep_last, keep_every=keep_every,
+                     storage_options=storage_options)]
+    if url is not None:
+        raise CheckpointOptionError("CheckpointWriter takes a url or tiers=, not both: a url is one Tier(url)")
+    given = [name for name, v in (("keep_last", keep_last), ("keep_every", keep_every),
+                                  ("storage_options", storage_options)) if v is not None]
+    if given:
+        raise CheckpointOptionError(
+            f"CheckpointWriter(tiers=...) takes no {', '.join(given)}: with a url they describe its one tier; "
+            "give them to each Tier(url, ...) instead"
+        )
+    tiers = check_tiers(tiers)
+    if len({t.url for t in tiers}) != len(tiers):
+        raise CheckpointOptionError(f"two tiers share a URL: {[t.url for t in tiers]}")
+    return tiers
 
 
 def own_dir(rank: int) -> str:
@@ -95,17 +129,17 @@ def resolve_ranks_per_node(ranks_per_node: int | None, world_size: int, where: s
     if ranks_per_node is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
         if env is None:
-            raise CheckpointError(
+            raise CheckpointOptionError(
                 f"{where}: replicate=1 needs the number of ranks per node: pass ranks_per_node= "
                 "or set LOCAL_WORLD_SIZE (torchrun sets it)"
             )
         try:
             ranks_per_node = int(env)
         except ValueError:
-            raise CheckpointError(f"{where}: LOCAL_WORLD_SIZE={env!r} is not an integer") from None
+            raise CheckpointOptionError(f"{where}: LOCAL_WORLD_SIZE={env!r} is not an integer") from None
     if (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
             or world_size % ranks_per_node != 0 or world_size // ranks_per_node < 2):
-        raise CheckpointError(
+        raise CheckpointOptionError(
             f"{where}: replicate=1 needs at least two nodes of equal size: ranks_per_node="
             f"{ranks_per_node!r} does not split world_size={world_size} into two or more nodes"
         )

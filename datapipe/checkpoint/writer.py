@@ -1,7 +1,8 @@
 """CheckpointWriter: the training loop pays for one copy into host memory, a background
-thread or a writer process does the rest (persist.py: chunks, checksums, optional zstd,
-the rank part, the commit manifest, ``latest``, retention) for every tier due at that step
-(tiers.py), including the peer replica of a node-local tier (replicate.py).
+thread or a writer process (background.py, chosen once) does the rest (persist.py: chunks,
+checksums, optional zstd, the rank part, the commit manifest, ``latest``, retention) for
+every tier due at that step (tiers.py; ``url=`` is the shorthand for one tier), including
+the peer replica of a node-local tier (replicate.py).
 
 One save is in flight at a time: the staging buffer holds exactly one state, so a save
 while the previous one still writes waits for it (or is skipped, if asked) and reports
@@ -12,9 +13,8 @@ the wait. A failure in the background is kept and raised at the next ``save()``,
 from __future__ import annotations
 
 import atexit
-import json
+import functools
 import os
-import queue
 import sys
 import threading
 import time
@@ -22,15 +22,16 @@ import warnings
 import weakref
 from typing import Any
 
-from ..errors import CheckpointError, TopologyError
-from ..storage import in_this_process, open_store, storage_options_for
+from ..errors import CheckpointError, CheckpointOptionError, TopologyError
 from ..topology import Topology
-from .flatten import Leaf, flatten
+from .background import choose_background, start_background
+from .flatten import flatten
 from .format import MAX_CHUNK_BYTES
-from .persist import Persister, PersistJob, chunk_bytes_for, lower_thread_priority, replica_header
+from .leaf import Leaf
+from .persist import PersistConfig, PersistJob, chunk_bytes_for
 from .run_id import agree_writer_ids
 from .staging import StagingBuffer
-from .tiers import Tier, resolve_ranks_per_node
+from .tiers import Tier, resolve_ranks_per_node, writer_tiers
 
 __all__ = ["CheckpointWriter", "SaveHandle"]
 
@@ -96,38 +97,15 @@ def _close_at_exit(ref: Any) -> None:
             print(f"datapipe: checkpoint writer for {w.url} failed at exit: {e}", file=sys.stderr)
 
 
-def choose_background(background: str, tiers: list[Tier]) -> str:
-    """Where a writer's background work runs: ``"auto"`` is a writer process wherever one
-    can do the work (a memfd to share the staging buffer through; every tier a store
-    another process can open, with storage options it can be sent as JSON), else threads
-    of this process. ``"process"`` where one cannot is refused, naming the tier."""
-    if background == "thread":
-        return background
-    why = None if hasattr(os, "memfd_create") else "this platform has no memfd to share the staging buffer through"
-    for t in tiers:
-        if why is not None:
-            break
-        if in_this_process(open_store(t.url, t.storage_options)):
-            why = f"tier {t.url!r} lives in this process's memory, which a writer process cannot see"
-        else:
-            try:
-                json.dumps(storage_options_for(t.url, t.storage_options))  # set_storage_options' too
-            except (TypeError, ValueError) as e:
-                why = f"the storage_options of tier {t.url!r} are not JSON ({e}), as a writer process is sent them"
-    if why is None:
-        return "process"
-    if background == "process":
-        raise CheckpointError(f"background='process' is not possible here: {why}; use background='thread'")
-    return "thread"
-
-
 class CheckpointWriter:
     """Nonblocking checkpoints to a local directory or any fsspec URL, or to several tiers.
 
-    ``CheckpointWriter(url, keep_last=3, keep_every=None)`` writes every save to one URL
-    (one shared tier). ``CheckpointWriter(tiers=[Tier(...), ...])`` writes a save of step
-    ``s`` to each tier with ``s % tier.every == 0``, from one staging copy; a save that no
-    tier is due for returns at once and copies nothing (``handle.skipped``,
+    ``CheckpointWriter(url, keep_last=3, keep_every=None, storage_options=None)`` writes
+    every save to one URL: it is the shorthand of ``CheckpointWriter(tiers=[Tier(url,
+    keep_last=3, keep_every=None, storage_options=None)])`` (those three arguments are
+    refused beside ``tiers=``). ``CheckpointWriter(tiers=[Tier(...), ...])`` writes a save
+    of step ``s`` to each tier with ``s % tier.every == 0``, from one staging copy; a save
+    that no tier is due for returns at once and copies nothing (``handle.skipped``,
     ``metrics["due_tiers"] == []``). A node-local tier with ``replicate=1`` also sends this
     rank's part to its peer ``(rank + ranks_per_node) % world_size`` over a gloo group of
     the writer's own and keeps the part of ``(rank - ranks_per_node) % world_size``
@@ -139,10 +117,10 @@ class CheckpointWriter:
     writes, commit, retention) in a writer process of its own, which reads the staging
     buffer from shared memory (a memfd, reused across saves; registered as pinned memory
     where the state is on a CUDA device), so it never takes this process's GIL and a
-    Python-heavy training loop cannot starve it (process.py). Where no writer process can
-    do the work (a ``memory://`` tier, storage options that are not JSON, no memfd) it runs
-    in threads of this process; ``background="thread"`` asks for threads, and
-    ``background="process"`` refuses to fall back. ``self.background`` says which ran.
+    Python-heavy training loop cannot starve it (writer_process.py). Where no writer
+    process can do the work (a ``memory://`` tier, storage options that are not JSON, no
+    memfd) it runs in threads of this process; ``background="thread"`` asks for threads,
+    and ``background="process"`` refuses to fall back. ``self.background`` says which ran.
     Warnings of the writer process (a ``latest`` pointer that could not be updated, a tier
     skipped) are raised again in this process as the save they belong to finishes. With
     ``replicate=1`` the peer exchange stays in a thread of this process that waits in
@@ -162,7 +140,7 @@ class CheckpointWriter:
     ``bench_checkpoint --tiers``).
     """
 
-    def __init__(self, url: str | None = None, *, keep_last: int = 3, keep_every: int | None = None,
+    def __init__(self, url: str | None = None, *, keep_last: int | None = None, keep_every: int | None = None,
                  compression: str | None = None, max_staging_bytes: int | None = None,
                  storage_options: dict[str, Any] | None = None, rank: int | None = None,
                  world_size: int | None = None, run_id: str | None = None,
@@ -170,45 +148,29 @@ class CheckpointWriter:
                  commit_timeout: float = 600.0, zstd_level: int = 3, nice: int = 7,
                  lease_ttl: float = 60.0, lease_wait: float = 0.0, tiers: list[Tier] | None = None,
                  ranks_per_node: int | None = None, background: str = "auto") -> None:
-        if not isinstance(keep_last, int) or keep_last < 1:
-            raise CheckpointError(
-                f"keep_last must be an int >= 1 (the last good checkpoint is always kept), got {keep_last!r}"
-            )
-        if keep_every is not None and (not isinstance(keep_every, int) or keep_every < 1):
-            raise CheckpointError(f"keep_every must be None or an int >= 1, got {keep_every!r}")
         if compression not in (None, "zstd"):
-            raise CheckpointError(f"compression must be None or 'zstd', got {compression!r}")
+            raise CheckpointOptionError(f"compression must be None or 'zstd', got {compression!r}")
         if not isinstance(chunk_bytes, int) or not 4096 <= chunk_bytes <= MAX_CHUNK_BYTES:
-            raise CheckpointError(f"chunk_bytes must be an int in [4096, 2**32], got {chunk_bytes!r}")
+            raise CheckpointOptionError(f"chunk_bytes must be an int in [4096, 2**32], got {chunk_bytes!r}")
         if not isinstance(io_threads, int) or io_threads < 1:
-            raise CheckpointError(f"io_threads must be an int >= 1, got {io_threads!r}")
+            raise CheckpointOptionError(f"io_threads must be an int >= 1, got {io_threads!r}")
         if if_busy not in ("wait", "skip"):
-            raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+            raise CheckpointOptionError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         if background not in ("auto", "thread", "process"):
-            raise CheckpointError(f"background must be 'auto', 'thread' or 'process', got {background!r}")
-        if tiers is None:
-            if url is None:
-                raise CheckpointError("CheckpointWriter needs a url or tiers=[Tier(...), ...]")
-            tiers = [Tier(url, every=1, keep_last=keep_last, keep_every=keep_every,
-                          storage_options=storage_options)]
-        else:
-            if url is not None:
-                raise CheckpointError("CheckpointWriter takes a url or tiers=, not both: a url is one Tier(url)")
-            tiers = list(tiers)
-            if not tiers or not all(isinstance(t, Tier) for t in tiers):
-                raise CheckpointError(f"tiers must be a non-empty list of Tier, got {tiers!r:.200}")
-            if len({t.url for t in tiers}) != len(tiers):
-                raise CheckpointError(f"two tiers share a URL: {[t.url for t in tiers]}")
+            raise CheckpointOptionError(f"background must be 'auto', 'thread' or 'process', got {background!r}")
+        tiers = writer_tiers(url, tiers, keep_last=keep_last, keep_every=keep_every, storage_options=storage_options)
         self.tiers: list[Tier] = tiers
         self.url = tiers[0].url
+        # the first tier's retention (with url=, its only one)
+        self.keep_last, self.keep_every = tiers[0].keep_last, tiers[0].keep_every
         background = choose_background(background, tiers)
         try:
             self.rank, self.world_size = Topology.resolve(rank, world_size, environment=False)
         except TopologyError as e:
-            raise CheckpointError(f"CheckpointWriter({self.url!r}): {e}") from None
+            raise CheckpointOptionError(f"CheckpointWriter({self.url!r}): {e}") from None
         replicated = [t for t in tiers if t.replicate]
         if replicated and if_busy != "wait":
-            raise CheckpointError(
+            raise CheckpointOptionError(
                 "if_busy must be 'wait' with replicate=1: every rank sends its part to its peer at the "
                 "same steps, and a rank that skipped a save would leave its peer waiting"
             )
@@ -216,46 +178,39 @@ class CheckpointWriter:
                                if replicated else ranks_per_node)
         ids = agree_writer_ids(self.rank, self.world_size, run_id)
         self.run_id = ids.run_id
-        # the <run_id> of this writer's attempt folders: drawn for this instance (run_id.py)
-        self._ids = ids
         # The peer link's gloo group is a collective: create it right after the ids, the
         # other collective, before anything that can fail on one rank only (leases, stores,
         # the writer process); a rank failing there cannot leave the others in new_group.
-        self._link: Any = None  # the peer link with replicate=1 (used by the Persister or by _run_link)
+        self._link: Any = None  # the peer link with replicate=1 (replicate.PeerLink)
         if replicated:
             from .replicate import PeerLink
 
-            recv_alloc = None
-            if background == "process":  # received parts go to shared memory the writer process maps
-                from .process import SharedBytes
-
-                self._replica_bytes = SharedBytes()
-                recv_alloc = self._replica_bytes.ensure
             self._link = PeerLink(self.rank, self.world_size, self.ranks_per_node,  # type: ignore[arg-type]
-                                  commit_timeout, recv_alloc=recv_alloc)
+                                  commit_timeout)
+        config = PersistConfig(
+            tiers=tiers, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
+            ranks_per_node=self.ranks_per_node, attempt_id=ids.attempt_id, fresh_attempts=ids.fresh,
+            compression=compression, zstd_level=zstd_level, io_threads=io_threads, nice=nice,
+            lease_ttl=lease_ttl, lease_wait=lease_wait)
         try:
-            self._init_rest(tiers, background, max_staging_bytes, keep_last, keep_every, compression, zstd_level,
-                            chunk_bytes, if_busy, commit_timeout, io_threads, nice, lease_ttl, lease_wait,
-                            bool(replicated))
+            self._start(config, background, max_staging_bytes, chunk_bytes, if_busy, commit_timeout)
         except BaseException:
             if self._link is not None:
                 self._link.close()
-                if background == "process":
-                    self._replica_bytes.close()
             raise
 
-    def _init_rest(self, tiers: list[Tier], background: str, max_staging_bytes: Any, keep_last: Any,
-                   keep_every: Any, compression: Any, zstd_level: Any, chunk_bytes: int, if_busy: str,
-                   commit_timeout: float, io_threads: int, nice: int, lease_ttl: float, lease_wait: float,
-                   replicated: bool) -> None:
-        """The constructor after the collectives: staging, stores and leases, the background."""
-        self.background = background
+    def _start(self, config: PersistConfig, background: str, max_staging_bytes: Any, chunk_bytes: int,
+               if_busy: str, commit_timeout: float) -> None:
+        """The constructor after the collectives: staging, then the background, which takes
+        the stores and leases (whoever commits to a store, rank 0 of a shared tier and every
+        rank in its node-local folders, holds its lease in the process that does the work)."""
+        self._attempt_id = config.attempt_id  # the <run_id> of this writer's attempt folders (run_id.py)
         self._calls = 0
         self._pid = os.getpid()
         self._api_lock = threading.Lock()  # one thread at a time in save/prepare/close
-        self.keep_last, self.keep_every = keep_last, keep_every
-        self.compression, self.zstd_level = compression, zstd_level
+        self.compression, self.zstd_level = config.compression, config.zstd_level
         self.chunk_bytes, self.if_busy = chunk_bytes, if_busy
+        self.io_threads, self.nice = config.io_threads, config.nice
         self._commit_timeout = float(commit_timeout)
         self._staging = StagingBuffer(max_staging_bytes, shared=background == "process")
         self._attempts: dict[int, int] = {}
@@ -264,43 +219,12 @@ class CheckpointWriter:
         self._prepare_thread: threading.Thread | None = None
         self._prepare_error: BaseException | None = None
         self._closed = False
-        self._queue: queue.Queue[tuple[PersistJob, SaveHandle] | None] = queue.Queue()
-        self.io_threads, self.nice = io_threads, nice
-        self._replicated = bool(replicated)
-        # The stores of each tier, with one writer per store: whoever commits there (rank 0
-        # of a shared tier, every rank in its node-local folders) holds that store's lease,
-        # in the process that does the background work.
-        self._persister: Persister | None = None
-        self._process: Any = None  # process.WriterProcess
-        self._thread: threading.Thread | None = None
-        self._in_flight: dict[int, SaveHandle] = {}  # order -> handle, for the writer process's replies
-        self._link_msgs: dict[int, dict[str, Any]] = {}  # order -> job message waiting for the peer exchange
-        config: dict[str, Any] = dict(
-            tiers=tiers, rank=self.rank, world_size=self.world_size, run_id=self.run_id,
-            attempt_id=self._ids.attempt_id, fresh_attempts=self._ids.fresh,
-            ranks_per_node=self.ranks_per_node, compression=compression, zstd_level=zstd_level,
-            io_threads=io_threads, commit_timeout=commit_timeout, nice=nice,
-            lease_ttl=lease_ttl, lease_wait=lease_wait)
-        if background == "thread":
-            self._persister = Persister(**config, link=self._link)
-            self._max_steps = self._persister.max_steps()
-            self._roots = {t.url: self._persister.roots(t.url) for t in tiers}
-            self.store = self._persister.store  # the first tier's store (this rank's folder if node-local)
-            self._thread = threading.Thread(target=self._run, name="datapipe-ckpt-writer", daemon=True)
-            self._thread.start()
-        else:
-            from .process import WriterProcess
-
-            self._process = WriterProcess(config, self._on_process_done)
-            self._max_steps = dict(self._process.max_steps)
-            self._roots = self._process.roots
-            self.store = open_store(self._roots[self.url][0], tiers[0].storage_options)
-            if replicated:
-                # The exchange with the peer stays in this process (the gloo group is this
-                # process's); it runs in a thread that waits in gloo without the GIL and
-                # receives into shared memory the writer process maps.
-                self._thread = threading.Thread(target=self._run_link, name="datapipe-ckpt-link", daemon=True)
-                self._thread.start()
+        self._replicated = self._link is not None
+        self._background = start_background(background, config, self._staging, self._link)
+        self.background = self._background.kind
+        self.store = self._background.store  # the first tier's store (this rank's folder if node-local)
+        self._max_steps = dict(self._background.max_steps)
+        self._roots = self._background.roots
         # Flush at exit before daemon threads stop: threading's exit hooks run before
         # atexit's, while the writer thread still runs (the hook concurrent.futures uses).
         getattr(threading, "_register_atexit", atexit.register)(_close_at_exit, weakref.ref(self))
@@ -308,16 +232,13 @@ class CheckpointWriter:
     # -- training side -------------------------------------------------------------------
     @property
     def commit_timeout(self) -> float:
-        """Seconds rank 0 waits for every rank's part before it gives the save up."""
+        """Seconds rank 0 waits for every rank's part before it gives a save up (each save
+        takes the value it has at its ``save()``)."""
         return self._commit_timeout
 
     @commit_timeout.setter
     def commit_timeout(self, seconds: float) -> None:
-        # the background's own copy too (a writer process is sent it with each job)
         self._commit_timeout = float(seconds)
-        persister: Persister | None = getattr(self, "_persister", None)
-        if persister is not None:
-            persister.commit_timeout = self._commit_timeout
 
     def _enter(self, what: str) -> None:
         if not self._api_lock.acquire(blocking=False):
@@ -379,12 +300,13 @@ class CheckpointWriter:
         if not self._replicated:
             self._raise_failed()
         if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 10**12:
-            raise CheckpointError(f"step must be an int in [0, 10**12), got {step!r}")
+            raise CheckpointOptionError(f"step must be an int in [0, 10**12), got {step!r}")
         mode = if_busy or self.if_busy
         if mode not in ("wait", "skip"):
-            raise CheckpointError(f"if_busy must be 'wait' or 'skip', got {mode!r}")
+            raise CheckpointOptionError(f"if_busy must be 'wait' or 'skip', got {mode!r}")
         if mode == "skip" and self._replicated:
-            raise CheckpointError("if_busy='skip' is refused with replicate=1: every rank must save the same steps")
+            raise CheckpointOptionError(
+                "if_busy='skip' is refused with replicate=1: every rank must save the same steps")
         due = [t for t in self.tiers if t.due(step)]
         if not due:  # nothing to write: no flatten, no copy, no wait
             self._raise_failed()  # no rank exchanges at a step no tier is due for
@@ -449,34 +371,18 @@ class CheckpointWriter:
                          staging_allocated=self._staging.allocations > allocations,
                          staging_gbps=total / staging_s / 1e9 if staging_s > 0 else float("inf"))
         self._current = h
-        job = PersistJob(step, f"{self._ids.attempt_id}-{n}", tree, specs, shared_total, due,
+        job = PersistJob(step, f"{self._attempt_id}-{n}", tree, specs, shared_total, due,
                          time.monotonic() - (time.perf_counter() - t0), self._calls,
-                         chunk_bytes_for(shared_total, self.chunk_bytes, self.io_threads))
+                         chunk_bytes_for(shared_total, self.chunk_bytes, self.io_threads), self._commit_timeout)
         if local_specs is not None:
             job.local_specs, job.local_total = local_specs, total
             job.local_chunk_bytes = chunk_bytes_for(total, self.chunk_bytes, self.io_threads)
         del leaves, copies  # no reference to the caller's tensors beyond this call
-        if self._persister is not None:
-            self._persister.saved_at[(step, n)] = self._calls
-            self._queue.put((job, h))
-        else:
-            self._in_flight[job.order] = h
-            msg = {"step": job.step, "attempt": job.attempt, "tree": job.tree, "specs": job.specs,
-                   "total": job.total, "due": [t.url for t in due], "t_start": job.t_start, "order": job.order,
-                   "chunk_bytes": job.chunk_bytes,
-                   "local": None if local_specs is None else {
-                       "specs": local_specs, "total": total, "chunk_bytes": job.local_chunk_bytes},
-                   "saved_at": [[step, n, self._calls]]}
-            if self._link is not None and any(t.replicate for t in due):
-                self._queue.put((job, h))  # the link thread exchanges with the peer, then submits
-                self._link_msgs[job.order] = msg
-            else:
-                try:
-                    self._submit(msg, with_replica=False)
-                except BaseException:
-                    self._in_flight.pop(job.order, None)
-                    self._current = None
-                    raise
+        try:
+            self._background.submit(job, h.metrics, functools.partial(self._done, h))
+        except BaseException:
+            self._current = None
+            raise
         h.metrics["stall_s"] = time.perf_counter() - t0
         if self._replicated and self._failed is not h:
             # With replicate=1 an earlier failure is raised only now, after this save was
@@ -485,54 +391,12 @@ class CheckpointWriter:
             self._raise_failed()
         return h
 
-    def _submit(self, msg: dict[str, Any], with_replica: bool) -> None:
-        st = self._staging
-        msg["commit_timeout"] = self._commit_timeout  # as it is now: the setter may have changed it
-        buffers = {"staging": (st.buffer_id, st.fd, st.capacity)}
-        if with_replica:
-            rb = self._replica_bytes
-            buffers["replica"] = (rb.buffer_id, rb.fd, rb.capacity)
-        self._process.submit(msg, buffers)
-
-    def _run_link(self) -> None:
-        """Writer process with replicate=1: exchange each due save with the peer here, then
-        hand the job (and the received part, in shared memory) to the writer process."""
-        link = self._link
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, handle = item
-            msg = self._link_msgs.pop(job.order)
-            t0 = time.perf_counter()
-            try:
-                header = replica_header(job, self.rank, self.world_size, self._staging.view)
-                # the writer process reuses them, by chunk range (its tiers' chunks may differ)
-                msg["raw_checksums"] = [[a, b, ck] for (a, b), ck in job.raw_checksums.items()]
-                hdr, data = link.exchange(header, self._staging.tensor(header["total"]))
-                msg["received"] = {"header": hdr, "bytes": len(data)}
-                handle.metrics["exchange_s"] = time.perf_counter() - t0
-            except BaseException as e:
-                msg["link_error"] = str(e)
-            try:
-                self._submit(msg, with_replica="received" in msg)
-            except BaseException as e:
-                self._on_process_done(job.order, {}, f"handing step {job.step} to the writer process failed: {e}")
-
-    def _on_process_done(self, order: int, metrics: dict[str, Any], error: str | None) -> None:
-        """A reply of the writer process (its reader thread): finish that save's handle.
-        ``order == -1``: the process is gone; every save in flight fails."""
-        handles = list(self._in_flight.values()) if order == -1 else [self._in_flight.get(order)]
-        for h in handles:
-            if h is None:
-                continue
-            self._in_flight.pop(next(k for k, v in self._in_flight.items() if v is h), None)
-            h.metrics.update(metrics)
-            if error is not None:
-                self._failed = h  # before the event, so a waiter sees it
-                h._finish(CheckpointError(error))
-            else:
-                h._finish()
+    def _done(self, handle: SaveHandle, error: BaseException | None) -> None:
+        """The background finished ``handle``'s save (its thread, or the writer process's
+        reply thread)."""
+        if error is not None:
+            self._failed = handle  # before the event, so a waiter sees it
+        handle._finish(error)
 
     def wait(self) -> None:
         """Block until the last save is done; raise any unreported background error."""
@@ -555,16 +419,7 @@ class CheckpointWriter:
                 if self._current is not None:
                     self._current._event.wait()
                 self._closed = True
-                if self._thread is not None and self._persister is not None:
-                    self._queue.put(None)
-                    self._thread.join()
-                    self._persister.release()
-                if self._process is not None:
-                    if self._thread is not None:
-                        self._queue.put(None)
-                        self._thread.join()
-                        self._replica_bytes.close()
-                    self._process.close(self.commit_timeout)
+                self._background.close(self.commit_timeout)
                 if self._link is not None:
                     self._link.close()  # after the threads that use it are done
                 self._staging.close()
@@ -612,30 +467,3 @@ class CheckpointWriter:
             err, self._prepare_error = self._prepare_error, None
             if err is not None:
                 raise err
-
-    # -- background side -----------------------------------------------------------------
-    def _run(self) -> None:
-        lower_thread_priority(self.nice)
-        persister = self._persister
-        if persister is None:
-            return
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, handle = item
-            try:
-                persister.persist(job, self._staging.view, self._staging.tensor, handle.metrics)
-            except BaseException as e:
-                err = e
-                if not isinstance(e, CheckpointError):
-                    err = CheckpointError(
-                        f"saving step {job.step} to {self.url} failed ({type(e).__name__}: {e}); "
-                        "the previous complete checkpoint is untouched"
-                    )
-                    err.__cause__ = e
-                self._failed = handle  # before the event, so a waiter sees it
-                handle._finish(err)
-            else:
-                handle._finish()
-

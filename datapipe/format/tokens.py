@@ -71,6 +71,7 @@ __all__ = [
     "make_token_manifest",
     "parse_token_manifest",
     "check_part",
+    "check_block_sums",
     "TokenPartWriter",
 ]
 
@@ -629,6 +630,30 @@ class PartIndex:
     sums: UInt64s
 
 
+def _check_recorded(name: str, data: Buffer, size: int, want: str, pre: str) -> None:
+    """``data`` (the file ``name``) has the size and checksum the manifest records."""
+    mv = _u8(data, name)
+    if len(mv) != size:
+        raise CorruptIndexError(f"{pre}{name}: {len(mv)} bytes, the manifest records {size}; "
+                                "the file was truncated, extended or replaced")
+    got = checksum(mv)
+    if got != want:
+        raise CorruptIndexError(f"{pre}{name}: checksum {got}, the manifest records {want}; "
+                                "the file was damaged or replaced (re-pack the dataset)")
+
+
+def check_block_sums(manifest: TokenManifest, i: int, xxh_data: Buffer, *, where: str = "") -> UInt64s:
+    """The block checksums of part ``i``'s ``.bin`` from its ``.xxh``, which must have the size
+    and checksum the manifest records (:class:`CorruptIndexError` naming the file). What a
+    reader needs that takes no offset from the ``.idx`` (concatenated sequences need only
+    the manifest's token counts)."""
+    part = manifest.parts[i]
+    pre = f"{where}: " if where else ""
+    _check_recorded(part.xxh, xxh_data, 8 * block_count(part.bin_bytes, manifest.block_bytes), part.xxh_checksum,
+                    pre)
+    return read_xxh(xxh_data, bin_bytes=part.bin_bytes, block_bytes=manifest.block_bytes, where=f"{pre}{part.xxh}")
+
+
 def check_part(manifest: TokenManifest, i: int, idx_data: Buffer, xxh_data: Buffer, *,
                where: str = "") -> PartIndex:
     """Part ``i`` of ``manifest`` from the bytes of its ``.idx`` and ``.xxh``: both must have
@@ -636,25 +661,14 @@ def check_part(manifest: TokenManifest, i: int, idx_data: Buffer, xxh_data: Buff
     counts and dtype exactly, else :class:`CorruptIndexError` naming the file."""
     part = manifest.parts[i]
     pre = f"{where}: " if where else ""
-    for name, data, size, want in ((part.idx, idx_data, part.idx_bytes, part.idx_checksum),
-                                   (part.xxh, xxh_data, 8 * block_count(part.bin_bytes, manifest.block_bytes),
-                                    part.xxh_checksum)):
-        mv = _u8(data, name)
-        if len(mv) != size:
-            raise CorruptIndexError(f"{pre}{name}: {len(mv)} bytes, the manifest records {size}; "
-                                    "the file was truncated, extended or replaced")
-        got = checksum(mv)
-        if got != want:
-            raise CorruptIndexError(f"{pre}{name}: checksum {got}, the manifest records {want}; "
-                                    "the file was damaged or replaced (re-pack the dataset)")
+    _check_recorded(part.idx, idx_data, part.idx_bytes, part.idx_checksum, pre)
+    sums = check_block_sums(manifest, i, xxh_data, where=where)
     index = read_idx(idx_data, bin_size=part.bin_bytes, where=f"{pre}{part.idx}")
     counts = (index.dtype, index.num_sequences, index.num_documents, index.num_tokens)
     expect = (manifest.dtype, part.sequences, part.documents, part.tokens)
     if counts != expect:
         raise CorruptIndexError(f"{pre}{part.idx}: (dtype, sequences, documents, tokens) = {counts}, "
                                 f"the manifest records {expect}")
-    sums = read_xxh(xxh_data, bin_bytes=part.bin_bytes, block_bytes=manifest.block_bytes,
-                    where=f"{pre}{part.xxh}")
     return PartIndex(part, index, sums)
 
 

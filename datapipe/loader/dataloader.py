@@ -144,10 +144,12 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
     given. ``state_dict()``/``load_state_dict()`` resume exactly; ``skipped`` lists the
     samples skipped in the last pass (``on_error="skip"``)."""
 
-    def __init__(self, dataset: StreamingDataset, batch_size: int | None = 1, **kwargs: Any) -> None:
-        if not isinstance(dataset, StreamingDataset):
-            raise LoaderOptionError(f"dataset={show(dataset)}: StreamingDataLoader needs a StreamingDataset, got "
-                                    f"{type(dataset).__name__}")
+    def __init__(self, dataset: StreamingDataset | Any, batch_size: int | None = 1, **kwargs: Any) -> None:
+        # or a dataset that keeps StreamingDataset's protocol with this loader (the token
+        # loaders, datapipe.TokenDataset and TokenMix: batch_size, batched, epoch, state_dict)
+        if not isinstance(dataset, StreamingDataset) and getattr(dataset, "feeds_streaming_loader", False) is not True:
+            raise LoaderOptionError(f"dataset={show(dataset)}: StreamingDataLoader needs a StreamingDataset (or a "
+                                    f"TokenDataset or TokenMix), got {type(dataset).__name__}")
         if batch_size is not None:
             batch_size = check_int("batch_size", batch_size, min=1, max=MAX_COUNT, error=LoaderOptionError,
                                    hint="or None for one sample at a time")

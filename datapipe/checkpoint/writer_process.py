@@ -4,8 +4,10 @@ process of its own, so it never takes the training process's GIL. Staging stays 
 training process and stays the only stall; the staging buffer is a memfd mapping shared
 with the writer process (sent once per buffer, reused across saves).
 
-The two processes talk over a socketpair in length-prefixed JSON frames (never pickle),
-with the memfd passed as ancillary data (SCM_RIGHTS) when the buffer is new. The writer
+The two processes talk over a socketpair in length-prefixed JSON frames (never pickle):
+the writer's settings once (``PersistConfig.to_wire``), then each save
+(``PersistJob.to_wire``), with the memfd passed as ancillary data (SCM_RIGHTS) when the
+buffer is new. The writer
 process is started with ``subprocess`` (no fork of a training process, no multiprocessing
 start method to agree on), takes the leases of the stores it commits to, and exits when
 told to or when the training process's end of the socket closes (it died): leases on a
@@ -15,6 +17,7 @@ step, as for a thread writer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -27,15 +30,15 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from ..errors import CheckpointError
-from ..storage import storage_options_for
+from .persist import PersistConfig, Persister, PersistJob
 from .staging import memfd_tensor
 
 __all__ = ["WriterProcess", "SharedBytes", "main"]
 
+_MODULE = "datapipe.checkpoint.writer_process"  # what the writer process runs (python -m)
 _PREFIX = struct.Struct("<Q")
 #: warning categories the writer process reports by name (any other is a UserWarning)
 _WARNINGS: dict[str, type[Warning]] = {c.__name__: c for c in (UserWarning, RuntimeWarning, ResourceWarning)}
@@ -82,16 +85,6 @@ def _recv(sock: socket.socket) -> tuple[Any, list[int]]:
     return json.loads(_recv_exactly(sock, n)), fds
 
 
-def _tier_doc(t: Any) -> dict[str, Any]:
-    """The tier as the writer process is sent it (JSON: ``writer.choose_background`` ran
-    no writer process for options that are not)."""
-    d = asdict(t)
-    # the options that reach its store here, set_storage_options' included: those are this
-    # process's, and the writer process opens the store with what it is sent
-    d["storage_options"] = storage_options_for(t.url, t.storage_options)
-    return d
-
-
 class SharedBytes:
     """A byte buffer in a memfd mapping, reused and regrown only for more bytes: where the
     training process receives a peer's part for the writer process to persist."""
@@ -126,12 +119,11 @@ class WriterProcess:
     reply to ``on_done(order, metrics, error)`` from a reader thread (blocked in recv,
     it holds no GIL while it waits)."""
 
-    def __init__(self, config: dict[str, Any], on_done: Callable[[int, dict[str, Any], str | None], None]) -> None:
-        config = dict(config, tiers=[_tier_doc(t) for t in config["tiers"]])
+    def __init__(self, config: PersistConfig, on_done: Callable[[int, dict[str, Any], str | None], None]) -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "datapipe.checkpoint.process", str(theirs.fileno())],
+            self.proc = subprocess.Popen([sys.executable, "-m", _MODULE, str(theirs.fileno())],
                                          pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
                                          stdout=subprocess.DEVNULL)  # holds no pipe of the trainer's
         finally:
@@ -141,7 +133,7 @@ class WriterProcess:
         self._send_lock = threading.Lock()
         self._sent: dict[str, int] = {}  # name -> id of the mapping the writer process has
         try:
-            _send(ours, config)
+            _send(ours, config.to_wire())
             reply, _ = _recv(ours)
         except (EOFError, OSError) as e:
             ours.close()
@@ -160,15 +152,15 @@ class WriterProcess:
         self._reader = threading.Thread(target=self._read, name="datapipe-ckpt-replies", daemon=True)
         self._reader.start()
 
-    def submit(self, job: dict[str, Any], buffers: dict[str, tuple[int, int, int]]) -> None:
+    def submit(self, job: PersistJob, buffers: dict[str, tuple[int, int, int]]) -> None:
         """Send one job; ``buffers``: name -> (id, fd, bytes) of the shared mappings it
         reads (``staging``, ``replica``), each sent along the first time it is used."""
         if self.error is not None:
             raise CheckpointError(self.error)
         with self._send_lock:
             new = {name: b for name, b in buffers.items() if self._sent.get(name) != b[0]}
-            job = dict(job, op="job", mappings=[[name, b[2]] for name, b in new.items()])
-            _send(self.sock, job, [b[1] for b in new.values()] or None)
+            msg = dict(job.to_wire(), op="job", mappings=[[name, b[2]] for name, b in new.items()])
+            _send(self.sock, msg, [b[1] for b in new.values()] or None)
             for name, b in new.items():
                 self._sent[name] = b[0]
 
@@ -238,24 +230,18 @@ def _die_with_trainer(sock: socket.socket) -> None:
 
 def main() -> None:
     """The writer process: config, then jobs until ``close`` or the socket closes."""
-    from .persist import Persister, PersistJob
-    from .tiers import Tier
-
     sock = socket.socket(fileno=int(sys.argv[1]))
     _die_with_trainer(sock)
-    cfg, _ = _recv(sock)
-    if cfg["nice"] > 0 and hasattr(os, "setpriority"):
+    doc, _ = _recv(sock)
+    config = PersistConfig.from_wire(doc)
+    if config.nice > 0 and hasattr(os, "setpriority"):
         try:  # the whole process: the trainer keeps the cores when they are scarce
-            os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + cfg["nice"]))
+            os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + config.nice))
         except OSError:
             pass
-    tiers = [Tier(**t) for t in cfg["tiers"]]
+    tiers = config.tiers
     try:
-        p = Persister(tiers, cfg["rank"], cfg["world_size"], cfg["run_id"], cfg["ranks_per_node"],
-                      attempt_id=cfg["attempt_id"], fresh_attempts=cfg["fresh_attempts"],
-                      compression=cfg["compression"], zstd_level=cfg["zstd_level"],
-                      io_threads=cfg["io_threads"], commit_timeout=cfg["commit_timeout"], nice=0,
-                      lease_ttl=cfg["lease_ttl"], lease_wait=cfg["lease_wait"])
+        p = Persister(dataclasses.replace(config, nice=0))  # the process is niced already
     except BaseException as e:
         _send(sock, {"op": "error", "error": f"{e}" if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"})
         return
@@ -284,34 +270,20 @@ def main() -> None:
             def view(a: int, b: int, v: memoryview = buf) -> memoryview:
                 return v[a:b]
 
-            job = PersistJob(msg["step"], msg["attempt"], msg["tree"], msg["specs"], msg["total"],
-                             [by_url[u] for u in msg["due"]], msg["t_start"], msg["order"], msg["chunk_bytes"])
-            if msg.get("local") is not None:  # the node-local layout (persist.PersistJob)
-                job.local_specs = msg["local"]["specs"]
-                job.local_total, job.local_chunk_bytes = msg["local"]["total"], msg["local"]["chunk_bytes"]
-            for step, n, order in msg["saved_at"]:
-                p.saved_at[(step, n)] = order
-            if msg.get("received") is not None:
-                rbytes = msg["received"]["bytes"]
-                job.received = (msg["received"]["header"], memoryview(mapped["replica"])[:rbytes])
-            job.link_error = msg.get("link_error")
-            p.commit_timeout = float(msg.get("commit_timeout", p.commit_timeout))
-            # hashed for the replica header, by chunk range
-            job.raw_checksums = {(int(a), int(b)): str(ck) for a, b, ck in msg.get("raw_checksums") or []}
+            received = memoryview(mapped["replica"]) if msg["received"] is not None and "replica" in mapped else None
             m: dict[str, Any] = {}
             error = None
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")  # the training process's filters decide
                 try:
-                    p.persist(job, view, no_tensor, m)
+                    p.persist(PersistJob.from_wire(msg, by_url, received), view, no_tensor, m)
                 except BaseException as e:
                     error = str(e) if isinstance(e, CheckpointError) else (
-                        f"saving step {job.step} failed ({type(e).__name__}: {e}); the previous complete "
+                        f"saving step {msg['step']} failed ({type(e).__name__}: {e}); the previous complete "
                         "checkpoint is untouched")
-            del buf, view
-            job.received = None
+            del buf, view, received  # no view of a mapping outlives its job
             said = [[w.category.__name__, str(w.message)] for w in caught]
-            _send(sock, {"order": job.order, "metrics": m, "error": error, "warnings": said})
+            _send(sock, {"order": msg["order"], "metrics": m, "error": error, "warnings": said})
     finally:
         p.release()
 
