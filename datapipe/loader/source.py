@@ -250,12 +250,37 @@ _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
+def huge_pages_without_stalls(defrag: str | None) -> bool:
+    """Whether memory advised ``MADV_HUGEPAGE`` gets huge pages without stalling its page
+    faults, given the kernel's transparent huge page ``defrag`` setting (the text of
+    /sys/kernel/mm/transparent_hugepage/defrag, the chosen one in brackets; None: unknown).
+    With ``always``, ``madvise`` or ``defer+madvise`` an advised fault compacts memory
+    directly when no huge page is free: on a busy machine that costs two to three times the
+    plain pages' faults and the copy together, in every fresh buffer of a first epoch."""
+    if defrag is None or "[" not in defrag:
+        return False
+    return defrag.split("[", 1)[1].split("]", 1)[0] in ("defer", "never")
+
+
+def _thp_defrag() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/defrag") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+#: read once, at import: the setting is the machine's
+_ASK_HUGE = _MADV_HUGEPAGE is not None and huge_pages_without_stalls(_thp_defrag())
+
+
 def _fresh_buffer(size: int) -> mmap.mmap:
-    """A new private buffer. One of 2 MB or more asks for huge pages: samples are read at
-    random places in it (a 4 KB page costs a TLB miss per read), and faulting it in takes
-    one trap per 2 MB instead of per 4 KB; it is then not populated up front (that would
-    map small pages before the advice could apply)."""
-    if size >= _HUGE_PAGE and _MADV_HUGEPAGE is not None:
+    """A new private buffer. One of 2 MB or more asks for huge pages where the kernel gives
+    them without stalling (:func:`huge_pages_without_stalls`): samples are read at random
+    places in it (a 4 KB page costs a TLB miss per read), and faulting it in takes one trap
+    per 2 MB instead of per 4 KB; it is then not populated up front (that would map small
+    pages before the advice could apply). Elsewhere it is populated in one call."""
+    if size >= _HUGE_PAGE and _ASK_HUGE:
         mm = mmap.mmap(-1, size, flags=_ANON_PRIVATE & ~getattr(mmap, "MAP_POPULATE", 0))
         try:
             mm.madvise(_MADV_HUGEPAGE)
