@@ -213,13 +213,14 @@ def _vouched(arr: NDArray[Any], stored: StoredLayout, offs: NDArray[Any], ends: 
     expect[firsts] = offs
     good = (head == expect) & (head % BLOCK == 0) & (head >= 0) & (size >= 0) & (size < 8**11) & (after <= arr.size)
     ok: NDArray[np.bool_] = after[np.cumsum(counts) - 1] == ends
-    # the members' headers up to the name prefix's first byte, gathered in one step from the
-    # shard viewed as rows of 512-byte blocks
+    # the members' headers' name and size fields, gathered in one step from the shard viewed
+    # as rows of 512-byte blocks; the type flag and the name prefix's first byte one by one
     idx = np.flatnonzero(good)
-    hdr = arr[: arr.size // BLOCK * BLOCK].reshape(-1, BLOCK)[head[idx] // BLOCK, :346]
+    at_head = head[idx]
+    hdr = arr[: arr.size // BLOCK * BLOCK].reshape(-1, BLOCK)[at_head // BLOCK, :136]
     digits = ((size[idx, None] >> _SHIFTS) & 7).astype(np.uint8) + 48  # 11 octal digits, then NUL or space
     fine = (hdr[:, 124:135] == digits).all(axis=1) & ((hdr[:, 135] == 0) | (hdr[:, 135] == 32))
-    fine &= (hdr[:, 156] == 48) & (hdr[:, 345] == 0)  # a regular file, no name prefix
+    fine &= (arr[at_head + 156] == 48) & (arr[at_head + 345] == 0)  # a regular file, no name prefix
     # the name field: the key, "." and the field, then NULs to its 100 bytes; a longer name
     # needs a PAX header or a prefix, the strict parse's
     klen = key_offsets[1:] - key_offsets[:-1]
@@ -241,7 +242,8 @@ def _vouched(arr: NDArray[Any], stored: StoredLayout, offs: NDArray[Any], ends: 
         mine = np.flatnonzero((field == f) & (length <= 100))
         at = np.repeat(klen[js[mine]], suffix.size) + np.tile(np.arange(suffix.size), mine.size)
         want[np.repeat(mine, suffix.size), at] = np.tile(suffix, mine.size)
-    fine &= (length <= 100) & (hdr[:, :100] == want).all(axis=1)
+    # four bytes at a time: a gathered row is contiguous, and its 100 name bytes 25 words
+    fine &= (length <= 100) & (hdr.view(np.uint32)[:, :25] == want.view(np.uint32)).all(axis=1)
     good[idx] = fine
     ok[sample[~good]] = False
     return ok
