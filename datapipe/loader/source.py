@@ -280,7 +280,7 @@ def _fresh_buffer(size: int) -> mmap.mmap:
     places in it (a 4 KB page costs a TLB miss per read), and faulting it in takes one trap
     per 2 MB instead of per 4 KB; it is then not populated up front (that would map small
     pages before the advice could apply). Elsewhere it is populated in one call."""
-    if size >= _HUGE_PAGE and _ASK_HUGE:
+    if size >= _HUGE_PAGE and _ASK_HUGE and _MADV_HUGEPAGE is not None:
         mm = mmap.mmap(-1, size, flags=_ANON_PRIVATE & ~getattr(mmap, "MAP_POPULATE", 0))
         try:
             mm.madvise(_MADV_HUGEPAGE)
@@ -288,6 +288,7 @@ def _fresh_buffer(size: int) -> mmap.mmap:
             pass
         return mm
     return mmap.mmap(-1, size, flags=_ANON_PRIVATE)
+
 
 #: A file whose status changed this recently (ns) is hashed again at its next read:
 #: status times come from a coarse clock (a jiffy here, a second or two on some file
