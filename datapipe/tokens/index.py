@@ -54,9 +54,9 @@ from ..format.tokens import (
 )
 from ..options import check_int, check_mapping, check_path
 from ..progress import progress_bar
-from ..storage import Store, expand_braces, is_local_url, open_store, split_url
+from ..storage import Store, expand_braces, glob_urls, has_glob, is_local_url, open_store, split_url
 from .publish_glue import WORK, WriterLock
-from .sources import absolute_url, glob_files, has_glob
+from .sources import absolute_url
 
 __all__ = ["index_tokens", "TokenIndexResult", "is_token_source", "ORIGIN", "NAMES"]
 
@@ -130,7 +130,7 @@ def _inputs(items: Any, storage_options: dict[str, Any] | None) -> list[_Input]:
             name = absolute_url(name)
             low = name.lower()
             if has_glob(name):
-                urls = glob_files(name, storage_options)
+                urls = glob_urls(name, storage_options)
             elif not low.endswith((".bin", ".idx")) and (os.path.isdir(name) if is_local_url(name)
                                                          else not _exists(name + ".bin", storage_options)):
                 store = open_store(name, storage_options)  # a folder: the .bin files directly in it
