@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +46,7 @@ from ..format.tokens import (
     token_dtype,
 )
 from ..options import check_bool, check_bytes, check_int, check_mapping, check_path
-from ..progress import progress_bar
+from ..progress import polled_progress, progress_bar
 from ..storage import Store, in_this_process, is_local_url, open_store
 from .publish_glue import Journal, WriterLock, check_destination, fingerprint, remove_stale_parts
 from .sources import EOS_TOKENS, Piece, list_inputs, load_tokenizer, plan_pieces
@@ -133,32 +131,12 @@ def _progress_bar(enabled: bool) -> Any:
     return progress_bar(None, enabled, unit="tok", unit_scale=True, desc="pack-tokens", smoothing=0.1)  # type: ignore[arg-type]
 
 
-@contextmanager
-def _polled(counters: Any, enabled: bool, input_bytes: int) -> Iterator[None]:
+def _polled(counters: Any, enabled: bool, input_bytes: int) -> AbstractContextManager[None]:
     """A progress bar of tokens (tokens/s), with documents and the share of the input done."""
-    bar = _progress_bar(enabled)
-    stop = threading.Event()
-
-    def poll() -> None:
-        last = 0
-        while not stop.wait(0.2):
-            cur = counters[0]
-            bar.update(cur - last)
-            last = cur
-            bar.set_postfix_str(f"{counters[1]:,} docs, {100 * counters[2] / max(1, input_bytes):.0f}% of input",
-                                refresh=False)
-        bar.update(counters[0] - last)
-
-    poller = threading.Thread(target=poll, daemon=True, name="datapipe-pack-tokens-progress") if enabled else None
-    if poller is not None:
-        poller.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        if poller is not None:
-            poller.join()
-        bar.close()
+    return polled_progress(
+        _progress_bar(enabled), counters,
+        lambda _bar: f"{counters[1]:,} docs, {100 * counters[2] / max(1, input_bytes):.0f}% of input",
+        enabled, name="datapipe-pack-tokens-progress")
 
 
 def _options(tokenizer: Any, text_column: Any, tokens_column: Any, eos_id: Any, vocab_size: Any, dtype: Any,
