@@ -35,9 +35,9 @@ from ..errors import (
 from ..options import check_path
 from ..storage import Store, expand_braces, glob_urls, has_glob, is_local_url, open_store, split_url
 
-__all__ = ["InputFile", "Piece", "Batch", "KINDS", "absolute_url", "list_inputs",
-           "plan_pieces", "read_piece", "load_tokenizer", "import_tokenizers", "column_kind", "StoreFile",
-           "EOS_TOKENS", "BATCH_DOCUMENTS", "BATCH_TOKENS", "MAX_LINE_BYTES"]
+__all__ = ["InputFile", "Piece", "Batch", "KINDS", "absolute_url", "list_inputs", "plan_pieces", "read_piece",
+           "load_tokenizer", "import_tokenizers", "column_kind", "StoreFile", "EOS_TOKENS", "BATCH_DOCUMENTS",
+           "BATCH_TOKENS", "MAX_LINE_BYTES"]
 
 #: file name endings -> kind
 KINDS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
