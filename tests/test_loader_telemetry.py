@@ -128,6 +128,24 @@ def test_a_caches_tiers_in_the_workers_reach_the_main_window(ds_url, tmp_path):
     assert second["cache_hit_ratio"] > first.cache_hit_ratio
 
 
+def test_a_warm_tiers_pinned_copies_count_as_warm_reads(ds_url, tmp_path):
+    """With a warm_dir the loader pins each shard's warm copy and reads it itself: the
+    cache counts the warm lookup (hit or miss), the loader the copy's bytes and seconds."""
+    tel = Telemetry(window_s=None, export_interval_s=0)
+    cache = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=64 << 20)
+    loader = StreamingDataLoader(StreamingDataset(ds_url, window=2, cache=cache), batch_size=B, num_workers=2,
+                                 telemetry=tel)
+    _drain(loader)
+    first = tel.close_window()
+    _drain(loader)
+    second = loader.stats()
+    tel.close()
+    assert first.tiers["cold"].reads > 0 and first.tiers["warm"].misses > 0
+    warm = second["tiers"]["warm"]
+    assert warm["hits"] > 0 and warm["reads"] > 0 and warm["bytes"] > 0 and warm["seconds"] > 0
+    assert "cold" not in second["tiers"]  # every shard is in the warm tier by now
+
+
 def test_without_workers_the_same_figures_are_recorded(ds_url):
     tel = Telemetry(window_s=None)
     loader = StreamingDataLoader(StreamingDataset(ds_url, window=2, map=_Sleep(0.001), telemetry=tel),

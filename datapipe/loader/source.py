@@ -420,7 +420,12 @@ class ShardSource:
                 path = got
                 try:
                     # read while pinned; the private copy needs no pin once read
-                    return self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url)
+                    t0 = time.perf_counter()
+                    read = self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url)
+                    tel = getattr(cache, "telemetry", None)  # the warm tier's bytes, as its reader timed them
+                    if tel is not None:
+                        tel.read("warm", len(read[0]), time.perf_counter() - t0)
+                    return read
                 finally:
                     cache.release(info.url)
             try:
