@@ -23,6 +23,8 @@ from datapipe import ShardWriter, StreamingDataLoader, StreamingDataset, TokenDa
 from datapipe.cache import TieredCache
 from datapipe.errors import LoaderOptionError, MissingDependencyError
 from datapipe.health import FileBoard, Publisher
+from datapipe.storage import RetryPolicy
+from datapipe.storage.faults import FaultInjectingStore
 from datapipe.telemetry import SUMMARY_FORMAT, Telemetry
 from tests.token_datasets import random_documents, write_tokens
 
@@ -144,6 +146,23 @@ def test_a_warm_tiers_pinned_copies_count_as_warm_reads(ds_url, tmp_path):
     warm = second["tiers"]["warm"]
     assert warm["hits"] > 0 and warm["reads"] > 0 and warm["bytes"] > 0 and warm["seconds"] > 0
     assert "cold" not in second["tiers"]  # every shard is in the warm tier by now
+
+
+def test_retries_and_throttling_of_reads_without_a_cache_are_counted(ds_url):
+    """Each shard's first read answers 503 SlowDown, its second a connection reset: the
+    loader's own retries count both, the 503 as throttled too."""
+    tel = Telemetry(window_s=None)
+    ds = StreamingDataset(ds_url, window=2, telemetry=tel)
+    ds.source.retry = RetryPolicy(base_delay_s=0.001, max_delay_s=0.01)
+    for ix in ds.source.indexes:
+        ix.store = FaultInjectingStore(ix.store, errors=1, resets=1)
+    loader = StreamingDataLoader(ds, batch_size=B, num_workers=0)
+    delivered = _drain(loader)
+    s = loader.stats()
+    tel.close()
+    shards = len(ds.source.counts)
+    assert delivered == N // B and s["tiers"]["cold"]["reads"] >= shards
+    assert s["cold_throttled"] == shards and s["cold_retries"] == 2 * shards
 
 
 def test_without_workers_the_same_figures_are_recorded(ds_url):

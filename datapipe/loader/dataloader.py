@@ -183,7 +183,22 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
     zero-copy :class:`~.batch.Column` s, tensors from ``map=`` stacked, numbers as tensors,
     other values as lists) through shared memory, or what ``collate_fn`` makes when one is
     given. ``state_dict()``/``load_state_dict()`` resume exactly; ``skipped`` lists the
-    samples skipped in the last pass (``on_error="skip"``)."""
+    samples skipped in the last pass (``on_error="skip"``).
+
+    Telemetry (see the module docstring): ``telemetry``, a
+    :class:`~datapipe.telemetry.Telemetry` (its windows, ``window_s``/``window_steps``, are
+    its own; default: the dataset's, if it was given one), handed to the dataset and its
+    cache where they have none; ``metrics_path``: each closed window appended as one JSON
+    line (a Telemetry with ``window_s=10`` is made when none is given); ``metrics_port``:
+    a Prometheus endpoint on ``metrics_addr`` (``0``: any free port; ``metrics_server.port``
+    and ``.url``), through ``prometheus_client`` (``pip install 'datapipe[metrics]'``,
+    else :class:`~datapipe.errors.MissingDependencyError`). :meth:`stats` is the window so
+    far; :meth:`close` stops the endpoint and closes a telemetry the loader made (its last
+    window, ``final``). The straggler detector reads the same windows from a board:
+
+        loader = StreamingDataLoader(ds, batch_size=32, num_workers=4, telemetry=Telemetry(window_s=10))
+        Publisher(loader.telemetry, FileBoard(run_dir))   # datapipe.health; `datapipe status run_dir`
+    """
 
     def __init__(self, dataset: StreamingDataset | Any, batch_size: int | None = 1, *,
                  telemetry: Telemetry | None = None, metrics_path: str | os.PathLike[str] | None = None,

@@ -229,10 +229,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                                   [s.storage_options or storage_options for s in self.streams],
                                   max_pooled_bytes=prefetch_bytes)
         self.cache = cache
-        #: where the pass records decode/map time, prefetch depth and reads (None: nowhere)
         self.telemetry = telemetry
-        if telemetry is not None and cache is not None and getattr(cache, "telemetry", telemetry) is None:
-            cache.telemetry = telemetry
         self.shuffle = shuffle
         self.seed = seed
         #: shards a sample may move across; None (every shard) is stored as 2**62
@@ -287,6 +284,18 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         self._worker_skip = 0
         if sum(self._targets) == 0:
             raise PlanError(f"{', '.join(self.source.urls)}: the mix asks for no sample per epoch")
+
+    @property
+    def telemetry(self) -> Telemetry | None:
+        """Where the pass records decode/map time, prefetch depth, reads and retries (None:
+        nowhere); set, it is handed to the cache too when the cache records nowhere."""
+        return self.source.telemetry
+
+    @telemetry.setter
+    def telemetry(self, telemetry: Telemetry | None) -> None:
+        self.source.telemetry = telemetry
+        if telemetry is not None and self.cache is not None and getattr(self.cache, "telemetry", telemetry) is None:
+            self.cache.telemetry = telemetry
 
     # -- pickling into DataLoader workers ------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
