@@ -259,6 +259,7 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
         self._merge_failed = False
         #: the Prometheus endpoint of ``metrics_port=`` (``.port``, ``.url``), or None
         self.metrics_server: Any = None
+        self._server_closer: weakref.finalize[Any, Any] | None = None
         if tel is not None and metrics_port is not None:
             from ..health import serve  # prometheus_client only when asked for
 
@@ -269,8 +270,8 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
                     tel.close()
                 raise
             # the port is freed when the loader is dropped without close()
-            closer = weakref.finalize(self, self.metrics_server.close)
-            closer.atexit = False
+            self._server_closer = weakref.finalize(self, self.metrics_server.close)
+            self._server_closer.atexit = False
 
     def __len__(self) -> int:
         if not self.columnar:
@@ -393,6 +394,8 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
         (its open window becomes the ``final`` line of ``metrics_path``); a telemetry
         given is the caller's to close."""
         server, self.metrics_server = self.metrics_server, None
+        if self._server_closer is not None:
+            self._server_closer.detach()
         if server is not None:
             server.close()
         if self._own_telemetry and self.telemetry is not None:
