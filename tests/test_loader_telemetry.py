@@ -18,6 +18,7 @@ import urllib.request
 import numpy as np
 import pytest
 from prometheus_client import parser
+from torch.utils.data import DataLoader
 
 from datapipe import ShardWriter, StreamingDataLoader, StreamingDataset, TokenDataset
 from datapipe.cache import TieredCache
@@ -221,6 +222,21 @@ def test_stats_without_telemetry_says_how_to_get_it(ds_url):
     assert loader.telemetry is None
     with pytest.raises(LoaderOptionError, match="telemetry="):
         loader.stats()
+
+
+def test_a_plain_dataloader_gets_only_what_runs_in_this_process(ds_url):
+    """What the StreamingDataLoader docstring says of a plain torch DataLoader: without
+    workers the pass records here; its workers' counts stay in their copies, and nothing
+    times next() (the trainer can, with wait_begin/wait_end/step)."""
+    tel = Telemetry(window_s=None)
+    ds = StreamingDataset(ds_url, window=2, map=_Sleep(0.0), telemetry=tel)
+    assert sum(1 for _ in DataLoader(ds, batch_size=B, num_workers=0)) == N // B
+    here = tel.close_window()
+    assert here.decoded_samples == N and here.waits == 0
+    assert sum(1 for _ in DataLoader(ds, batch_size=B, num_workers=2)) == N // B
+    workers = tel.close_window()
+    tel.close()
+    assert workers.decoded_samples == 0  # (the first pass's read ahead still fetches here)
 
 
 def _scrape(url):
