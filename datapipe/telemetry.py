@@ -37,9 +37,12 @@ Where each figure is recorded (one recorder per loader, handed to its dataset an
   ``step``: as each batch is handed to the trainer (just before its ``yield``).
 - ``export``/``merge``: the worker's ``_Collate`` puts ``export()`` beside each batch it
   returns (``None`` mostly: at most one per ``export_interval_s``; ``force=True`` with a
-  pass's last batch); the main loop merges it before it opens the batch.
-- ``decode``: once per batch (or chunk) where ``decode=``/``map=`` run, with its samples;
-  ``prefetch_depth``: where the prefetcher's count of shards (or bytes) read ahead changes.
+  batch shorter than the batch size, a pass's last); the main loop merges it before it
+  opens the batch. What a worker records after its last export arrives with its next one
+  (a persistent worker's next pass): ``export_interval_s=0`` exports with every batch.
+- ``decode``: every 64 samples and at each chunk's end where ``decode=``/``map=`` run,
+  with their samples; ``prefetch_depth``: where the prefetcher's bytes of shards held or
+  being fetched change.
 - ``read``/``hit``/``miss``/``error``: where the cache counts a hit or miss of a tier today
   (memory: the hot tier; warm: ``warm_dir``; node-local: ``local_tiers``; shared: the shared
   directory; cold: a read of the cold store, also the loader's reads without a cache), with
