@@ -17,7 +17,7 @@ import pytest
 
 import datapipe
 from datapipe.cli import main
-from datapipe.errors import InputFileError, MissingDependencyError, PackOptionError
+from datapipe.errors import InputFileError, MissingDependencyError, PackError, PackOptionError
 from datapipe.format.tokens import MANIFEST
 from datapipe.publish import Journal
 from tests.tokens_corpus import (
@@ -59,7 +59,7 @@ def _inputs(tmp_path, texts, tok):
 def test_ray_engine_writes_the_bytes_of_the_process_path(ray_local, corpus, tmp_path):
     texts, tok, eos = corpus
     files, ids = _inputs(tmp_path, texts, tok)
-    r = datapipe.pack_tokens(files, tmp_path / "ray", tokenizer=tok, part_bytes=4096, engine="ray")
+    r = datapipe.pack_tokens(files, tmp_path / "ray", tokenizer=tok, part_bytes=4096, engine="ray", progress=True)
     datapipe.pack_tokens(files, tmp_path / "local", tokenizer=tok, part_bytes=4096, workers=2)
     on_ray, local = dataset_files(tmp_path / "ray"), dataset_files(tmp_path / "local")
     assert len(on_ray) > 3 * 4 and MANIFEST in on_ray
@@ -156,6 +156,30 @@ def test_a_failing_piece_is_a_named_error_and_nothing_is_committed(ray_local, tm
     assert not (tmp_path / "out" / MANIFEST).exists()
     with pytest.raises(PackOptionError, match="memory store"):
         datapipe.pack_tokens(good, "memory://tokens-ray", eos_id=0, vocab_size=10, engine="ray")
+
+
+@pytest.mark.ray
+def test_a_task_that_breaks_or_keeps_dying_is_a_pack_error_naming_its_piece(ray_local, tmp_path, monkeypatch):
+    import datapipe.ray.tokens as ray_tokens
+
+    src = write_jsonl(tmp_path / "a.jsonl", [{"input_ids": [1, 2, 3]}] * 20)
+
+    def breaks(task):  # a bug, not a DatapipeError
+        raise KeyError("no such thing")
+
+    def always_killed(task):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(ray_tokens, "write_piece", breaks)
+    with pytest.raises(PackError, match=r"piece-00000 \(.*a\.jsonl\).*raised KeyError: 'no such thing'.*resume"):
+        datapipe.pack_tokens(src, tmp_path / "out", eos_id=0, vocab_size=10, engine="ray")
+    monkeypatch.setattr(ray_tokens, "write_piece", always_killed)
+    with pytest.raises(PackError, match=rf"piece-00000 .*lost its worker {ray_tokens.MAX_RETRIES + 1} times"):
+        datapipe.pack_tokens(src, tmp_path / "out", eos_id=0, vocab_size=10, engine="ray")
+    assert not (tmp_path / "out" / MANIFEST).exists()
+    monkeypatch.undo()
+    datapipe.pack_tokens(src, tmp_path / "out", eos_id=0, vocab_size=10, engine="ray")  # the rerun finishes
+    assert read_token_dataset(tmp_path / "out") == [[1, 2, 3, 0]] * 20
 
 
 @pytest.mark.parametrize("kwargs,says", [
