@@ -159,6 +159,28 @@ def test_a_failing_piece_is_a_named_error_and_nothing_is_committed(ray_local, tm
 
 
 @pytest.mark.ray
+def test_s3_source_and_destination_through_ray_tasks(ray_local, corpus, s3, tmp_path):
+    texts, tok, _ = corpus
+    root, opts = s3
+    from datapipe.storage import open_store
+
+    store = open_store(root, opts)
+    files, _ = _inputs(tmp_path, texts, tok)
+    for f in files[:2]:
+        store.put(f"in/{os.path.basename(f)}", open(f, "rb").read())
+    for name, engine in (("ray", {"engine": "ray"}), ("local", {"workers": 1})):
+        datapipe.pack_tokens(root + "/in", f"{root}/{name}", tokenizer=tok, part_bytes=4096, storage_options=opts,
+                             **engine)
+
+    def objects(prefix):
+        return {k[len(prefix):]: store.get(k) for k in store.list(prefix)}
+
+    on_ray = objects("ray/")
+    assert MANIFEST in on_ray and len(on_ray) > 2 * 3
+    assert on_ray == objects("local/")  # uploaded from the Ray workers, no journal or lock left
+
+
+@pytest.mark.ray
 def test_a_task_that_breaks_or_keeps_dying_is_a_pack_error_naming_its_piece(ray_local, tmp_path, monkeypatch):
     import datapipe.ray.tokens as ray_tokens
 

@@ -11,8 +11,8 @@ pack --engine ray``: folders listed in parallel, samples planned into shards by 
 packer's rules, written through the Datasink), ``tokens`` (:func:`write_token_pieces`:
 ``pack_tokens(..., engine="ray")``, each piece of the input a Ray task running the process
 worker's own function; ``pack_tokens`` stays the driver). May import (their faces only)
-:mod:`datapipe.packing`, :mod:`datapipe.publish`, :mod:`datapipe.dataset`, :mod:`datapipe.tokens`,
-:mod:`datapipe.tarindex`, :mod:`datapipe.format`, :mod:`datapipe.storage`,
+:mod:`datapipe.packing`, :mod:`datapipe.publish`, :mod:`datapipe.dataset`,
+:mod:`datapipe.tokens`, :mod:`datapipe.tarindex`, :mod:`datapipe.format`, :mod:`datapipe.storage`,
 :mod:`datapipe.errors`, :mod:`datapipe.checksum`, and Ray; nothing below imports this
 package, so datapipe works without Ray.
 """

@@ -1,11 +1,12 @@
 """Token datasets for language-model pretraining, in Megatron-LM's indexed layout with
 datapipe's checksums and manifest (docs/TOKEN_FORMAT.md).
 
-Holds: ``pack`` (:func:`pack_tokens`: plan, worker pool or Ray tasks, journal, commit), ``write`` (the
-worker side: one piece of the input tokenized and written into parts), ``sources`` (listing
-the input, cutting it into pieces, reading documents, loading a tokenizer), ``index``
-(:func:`index_tokens`: existing Megatron ``.bin``/``.idx`` pairs and flat token files indexed
-in place), ``publish_glue`` (the one module that uses pack's journal, lock and commit).
+Holds: ``pack`` (:func:`pack_tokens`: plan, worker pool or Ray tasks, journal, commit),
+``write`` (the worker side: one piece of the input tokenized and written into parts),
+``sources`` (listing the input, cutting it into pieces, reading documents, loading a
+tokenizer), ``index`` (:func:`index_tokens`: existing Megatron ``.bin``/``.idx`` pairs and
+flat token files indexed in place), ``publish_glue`` (the one module that uses pack's
+journal, lock and commit).
 
 The token loaders: ``dataset`` (:class:`TokenDataset`: fixed-length or document-packed
 sequences), ``mix`` (:class:`TokenMix`: sources mixed by weight with exact per-batch
@@ -55,6 +56,7 @@ _WHERE = {
 }
 
 __all__ = ["pack_tokens", "TokenPackResult", "index_tokens", "TokenIndexResult", "is_token_source",
-           "DEFAULT_PART_BYTES", "TokenDataset", "TokenMix", "IGNORE_INDEX", "PieceTask", "pack_piece", "init_worker"]
+           "DEFAULT_PART_BYTES", "TokenDataset", "TokenMix", "IGNORE_INDEX", "PieceTask", "pack_piece",
+           "init_worker"]
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _WHERE)

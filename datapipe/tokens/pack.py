@@ -5,12 +5,13 @@ The input is cut into pieces (:func:`~datapipe.tokens.sources.plan_pieces`: they
 input and ``part_bytes`` only); each piece is read, tokenized (``encode_batch``, documents in
 batches) and written by one worker process into parts of at most ``part_bytes`` bytes of
 tokens, named ``part-<piece>-<k>``, so the parts, their names and their bytes are the same
-whatever the number of workers. Every document is its token ids followed by the
-end-of-document token; an empty document is the EOS token alone. A finished piece is
-recorded in the destination's ``_pack/`` journal: a rerun of the same command (after a
-kill -9, say) skips recorded pieces and writes the others again, under the same names; a
-run of other input or options is refused unless ``overwrite``. The manifest is written
-last, so a dataset is either complete or absent.
+whatever the number of workers (or with ``engine="ray"``, where each piece is a Ray task
+running the same function: :mod:`datapipe.ray`'s ``write_token_pieces``). Every document is
+its token ids followed by the end-of-document token; an empty document is the EOS token
+alone. A finished piece is recorded in the destination's ``_pack/`` journal: a rerun of the
+same command (after a kill -9, say) skips recorded pieces and writes the others again,
+under the same names; a run of other input or options is refused unless ``overwrite``. The
+manifest is written last, so a dataset is either complete or absent.
 """
 
 from __future__ import annotations
