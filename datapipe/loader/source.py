@@ -57,8 +57,9 @@ from ..errors import (
     StorageError,
 )
 from ..format import MemberTable, ShardLayout, check_layout, find_layout
-from ..storage import RetryPolicy, call_with_retry, open_regular
+from ..storage import RetryPolicy, call_with_retry, is_throttle, open_regular
 from ..tables import ParquetTable, is_parquet_source
+from ..telemetry import Telemetry
 from .layouts import LayoutCache, ShardMemo
 
 __all__ = ["BufferPool", "ShardData", "ShardSource", "TableRows"]
@@ -372,6 +373,9 @@ class ShardSource:
         self.buffers = BufferPool(max_pooled_bytes)
         #: shards said to have changed since they were indexed (warned once each)
         self._changed: set[str] = set()
+        #: a :class:`datapipe.telemetry.Telemetry` counting the retried shard reads and the
+        #: throttled answers of reads without a cache (the dataset's; a cache counts its own)
+        self.telemetry: Telemetry | None = None
         if self.num_samples == 0:
             raise PlanError(f"{', '.join(self.urls)}: the dataset holds no sample; nothing to stream")
 
@@ -476,7 +480,12 @@ class ShardSource:
                 path = got
                 try:
                     # read while pinned; the private copy needs no pin once read
-                    return self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url, g)
+                    t0 = time.perf_counter()
+                    read = self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url, g)
+                    tel = getattr(cache, "telemetry", None)  # the warm tier's bytes, as its reader timed them
+                    if tel is not None:
+                        tel.read("warm", len(read[0]), time.perf_counter() - t0)
+                    return read
                 finally:
                     cache.release(info.url)
             try:
@@ -489,8 +498,15 @@ class ShardSource:
             return self._read_local(local, info, f"shard {info.url}", ix.url, g)
         # Transient failures are retried; a shard shorter than the index says is not
         # (asking again cannot lengthen it) and shows as truncated samples when read.
-        data = call_with_retry(lambda: store.get(name), info.url, self.retry)
+        data = call_with_retry(lambda: store.get(name), info.url, self.retry, on_retry=self._retried)
         return memoryview(data), None, bool(info.checksum) and checksum(data) == info.checksum, None
+
+    def _retried(self, error: BaseException) -> None:
+        tel = self.telemetry
+        if tel is not None:
+            tel.cold_retry()
+            if is_throttle(error):
+                tel.throttled()
 
     def _read_local(self, path: str, info: Any, what: str, listed_in: str,
                     g: int) -> tuple[memoryview, Any, bool, tuple[int, ...] | None]:

@@ -5,24 +5,23 @@ The input is cut into pieces (:func:`~datapipe.tokens.sources.plan_pieces`: they
 input and ``part_bytes`` only); each piece is read, tokenized (``encode_batch``, documents in
 batches) and written by one worker process into parts of at most ``part_bytes`` bytes of
 tokens, named ``part-<piece>-<k>``, so the parts, their names and their bytes are the same
-whatever the number of workers. Every document is its token ids followed by the
-end-of-document token; an empty document is the EOS token alone. A finished piece is
-recorded in the destination's ``_pack/`` journal: a rerun of the same command (after a
-kill -9, say) skips recorded pieces and writes the others again, under the same names; a
-run of other input or options is refused unless ``overwrite``. The manifest is written
-last, so a dataset is either complete or absent.
+whatever the number of workers (or with ``engine="ray"``, where each piece is a Ray task
+running the same function: :mod:`datapipe.ray`'s ``write_token_pieces``). Every document is
+its token ids followed by the end-of-document token; an empty document is the EOS token
+alone. A finished piece is recorded in the destination's ``_pack/`` journal: a rerun of the
+same command (after a kill -9, say) skips recorded pieces and writes the others again,
+under the same names; a run of other input or options is refused unless ``overwrite``. The
+manifest is written last, so a dataset is either complete or absent.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from ..checksum import checksum
 from ..errors import (
     DatapipeError,
     EmptyInputError,
+    MissingDependencyError,
     OptionError,
     PackError,
     PackOptionError,
@@ -47,12 +47,13 @@ from ..format.tokens import (
     parse_token_manifest,
     token_dtype,
 )
-from ..options import check_bool, check_bytes, check_int, check_mapping, check_path
-from ..progress import progress_bar
+from ..options import check_bool, check_bytes, check_int, check_path
+from ..progress import polled_progress, progress_bar
 from ..storage import Store, in_this_process, is_local_url, open_store
+from .arguments import check_block_bytes, check_fits, check_id_options
 from .publish_glue import Journal, WriterLock, check_destination, fingerprint, remove_stale_parts
 from .sources import EOS_TOKENS, Piece, list_inputs, load_tokenizer, plan_pieces
-from .write import PieceTask, init_worker, pack_piece, part_name
+from .write import PieceTask, init_worker, pack_piece, pack_piece_alone, part_name
 
 __all__ = ["pack_tokens", "TokenPackResult", "DEFAULT_PART_BYTES", "MAX_PIECE_BYTES", "part_name"]
 
@@ -63,6 +64,8 @@ DEFAULT_PART_BYTES = 256 << 20
 MAX_PIECE_BYTES = 64 << 20
 _MIN_PART_BYTES = 1 << 12
 ORIGIN = "pack-tokens"
+#: who writes the pieces: worker processes here, or Ray tasks (the same bytes either way)
+ENGINES = ("local", "ray")
 
 
 @dataclass
@@ -133,32 +136,12 @@ def _progress_bar(enabled: bool) -> Any:
     return progress_bar(None, enabled, unit="tok", unit_scale=True, desc="pack-tokens", smoothing=0.1)  # type: ignore[arg-type]
 
 
-@contextmanager
-def _polled(counters: Any, enabled: bool, input_bytes: int) -> Iterator[None]:
+def _polled(counters: Any, enabled: bool, input_bytes: int) -> AbstractContextManager[None]:
     """A progress bar of tokens (tokens/s), with documents and the share of the input done."""
-    bar = _progress_bar(enabled)
-    stop = threading.Event()
-
-    def poll() -> None:
-        last = 0
-        while not stop.wait(0.2):
-            cur = counters[0]
-            bar.update(cur - last)
-            last = cur
-            bar.set_postfix_str(f"{counters[1]:,} docs, {100 * counters[2] / max(1, input_bytes):.0f}% of input",
-                                refresh=False)
-        bar.update(counters[0] - last)
-
-    poller = threading.Thread(target=poll, daemon=True, name="datapipe-pack-tokens-progress") if enabled else None
-    if poller is not None:
-        poller.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        if poller is not None:
-            poller.join()
-        bar.close()
+    return polled_progress(
+        _progress_bar(enabled), counters,
+        lambda _bar: f"{counters[1]:,} docs, {100 * counters[2] / max(1, input_bytes):.0f}% of input",
+        enabled, name="datapipe-pack-tokens-progress")
 
 
 def _options(tokenizer: Any, text_column: Any, tokens_column: Any, eos_id: Any, vocab_size: Any, dtype: Any,
@@ -171,14 +154,8 @@ def _options(tokenizer: Any, text_column: Any, tokens_column: Any, eos_id: Any, 
     if workers is not None:
         check_int("workers", workers, min=1, max=4096, error=PackOptionError)
     check_bytes("part_bytes", part_bytes, min=_MIN_PART_BYTES, error=PackOptionError)
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or not 4096 <= block_bytes <= 1 << 30:
-        raise PackOptionError(f"block_bytes={block_bytes!r}: expected an int in [4096, 2**30]")
-    if storage_options is not None:
-        check_mapping("storage_options", storage_options, error=PackOptionError)
-    if vocab_size is not None:
-        vocab_size = check_int("vocab_size", vocab_size, min=1, max=1 << 40, error=PackOptionError)
-    if eos_id is not None:
-        eos_id = check_int("eos_id", eos_id, min=0, max=1 << 40, error=PackOptionError)
+    check_block_bytes(block_bytes)
+    vocab_size, eos_id = check_id_options(storage_options, vocab_size, eos_id)
     tok_json = None
     if tokenizer is not None:
         tok_json, tok_vocab, tok_eos = load_tokenizer(tokenizer, storage_options)
@@ -193,12 +170,8 @@ def _options(tokenizer: Any, text_column: Any, tokens_column: Any, eos_id: Any, 
         dt = optimal_dtype(vocab_size) if dtype is None else token_dtype(dtype)
     except OptionError as e:
         raise PackOptionError(str(e)) from None
-    top = int(np.iinfo(dt).max)
-    if vocab_size is not None and vocab_size - 1 > top:
-        raise PackOptionError(f"vocab_size={vocab_size} does not fit dtype={dt} (largest id {top}); pass a wider "
-                              "dtype or none (Megatron's rule picks one from the vocabulary size)")
-    if eos_id > (top if vocab_size is None else vocab_size - 1):
-        raise PackOptionError(f"eos_id={eos_id} lies outside the vocabulary (vocab_size={vocab_size}, dtype={dt})")
+    check_fits(dt, eos_id, vocab_size, dtype_is=f"dtype={dt}",
+               hint="; pass a wider dtype or none (Megatron's rule picks one from the vocabulary size)")
     mode = "text" if tokenizer is not None else "tokens"
     return tok_json, vocab_size, eos_id, dt, mode, text_column if mode == "text" else tokens_column
 
@@ -225,6 +198,8 @@ def pack_tokens(
     overwrite: bool = False,
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
+    engine: str = "local",
+    address: str | None = None,
 ) -> TokenPackResult:
     """Write the documents of ``source`` as a token dataset at ``dest`` (a local path or any
     fsspec URL): Megatron-LM's ``.bin``/``.idx`` parts, datapipe's block checksums (``.xxh``)
@@ -244,11 +219,18 @@ def pack_tokens(
     forkserver (spawn where there is none): a script that calls this needs an
     ``if __name__ == "__main__":`` guard. A rerun of the same call after a crash or kill
     finishes the job; other input or options at a ``dest`` that holds a dataset or an
-    unfinished pack are refused unless ``overwrite``. One writer per destination."""
+    unfinished pack are refused unless ``overwrite``. One writer per destination.
+
+    ``engine="ray"`` (``pip install 'datapipe[ray]'``): each piece is written by a Ray task
+    instead (:func:`datapipe.ray.write_token_pieces`, on the cluster at ``address``, as
+    ``pack --engine ray``), into the same bytes; this call stays the driver (lock, journal,
+    commit), so a pack either engine began, the other may finish. ``dest`` and the input
+    must be reachable from every node; ``workers`` is the local engine's."""
     t0 = time.perf_counter()
     dest = _dest_url(check_path("dest", dest, error=PackOptionError))
     check_bool("overwrite", overwrite, error=PackOptionError)
     check_bool("progress", progress, error=PackOptionError)
+    on_ray = _engine(engine, address, workers)
     tok_json, vocab, eos, dt, mode, column = _options(tokenizer, text_column, tokens_column, eos_id, vocab_size,
                                                        dtype, workers, part_bytes, block_bytes, storage_options)
     inputs = list_inputs(source, storage_options, exclude=dest)
@@ -262,7 +244,11 @@ def pack_tokens(
     })
     result = TokenPackResult(dest, 0, 0, 0, 0.0, input_bytes=sum(f.size for f in inputs),
                              dtype=str(dt.newbyteorder("=")), vocab_size=vocab, eos_id=eos)
-    with WriterLock(open_store(dest, storage_options)) as lock:
+    base = open_store(dest, storage_options)
+    if on_ray is not None and in_this_process(base):
+        raise PackOptionError(f"dest={dest!r}: Ray tasks run in other processes, where this process's memory store "
+                              "does not exist; with engine='ray' write to a path or URL every node can reach")
+    with WriterLock(base) as lock:
         store = lock.store
         check_destination(store, overwrite)
         work = Journal(store, fp, overwrite)
@@ -284,7 +270,10 @@ def pack_tokens(
         todo = [p for p in pieces if p.index not in done]
         tasks = [PieceTask(p, mode, column, tok_json, eos, vocab, str(dt), part_bytes, block_bytes, store, lock.token,
                        storage_options) for p in todo]
-        _run(tasks, work, done, workers, progress, sum(p.input_bytes for p in todo), in_this_process(lock.base))
+        if on_ray is not None:
+            _run_on_ray(on_ray, tasks, work, done, progress, address)
+        else:
+            _run(tasks, work, done, workers, progress, sum(p.input_bytes for p in todo), in_this_process(lock.base))
         parts = [part for p in pieces for part in done[p.index]]
         if not parts:
             raise EmptyInputError(f"{', '.join(f.url for f in inputs[:3])}: no document to pack")
@@ -299,6 +288,43 @@ def pack_tokens(
     result.tokens = sum(p.tokens for p in parts)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _engine(engine: Any, address: Any, workers: Any) -> Any:
+    """None for the local engine; for "ray", :func:`datapipe.ray.write_token_pieces`
+    (imported here only: datapipe.ray imports this package, never the reverse at import)."""
+    if not isinstance(engine, str) or engine not in ENGINES:
+        raise PackOptionError(f"engine={engine!r}: expected one of {', '.join(map(repr, ENGINES))}")
+    if engine == "local":
+        if address is not None:
+            raise PackOptionError(f"address={address!r}: applies to engine='ray' only")
+        return None
+    if address is not None and (not isinstance(address, str) or not address):
+        raise PackOptionError(f"address={address!r}: expected a Ray cluster address (a non-empty str, e.g. 'auto')")
+    if workers is not None:
+        raise PackOptionError(f"workers={workers!r}: an option of engine='local' (worker processes here); with "
+                              "engine='ray' Ray spreads the pieces over its cluster")
+    try:
+        from ..ray import write_token_pieces
+    except ImportError as e:
+        raise MissingDependencyError(f"engine='ray': {e}") from None
+    return write_token_pieces
+
+
+def _run_on_ray(write_pieces: Any, tasks: list[PieceTask], work: Journal, done: dict[int, list[TokenPart]],
+                progress: bool, address: str | None) -> None:
+    """Write ``tasks``' pieces as Ray tasks, journaling each here as it finishes."""
+    counters = [0, 0, 0]  # tokens, documents, input bytes: the progress bar's, counted as pieces finish
+    input_bytes = {t.piece.index: t.piece.input_bytes for t in tasks}
+
+    def finished(res: dict[str, Any]) -> None:
+        _record(work, res, done)
+        counters[0] += res["tokens"]
+        counters[1] += res["documents"]
+        counters[2] += input_bytes[res["record"]["piece"]]
+
+    with _polled(counters, progress, sum(input_bytes.values())):
+        write_pieces(tasks, finished, run=pack_piece_alone, address=address, progress=progress)
 
 
 def _record(work: Journal, res: dict[str, Any], done: dict[int, list[TokenPart]]) -> None:
