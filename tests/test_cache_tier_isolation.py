@@ -6,9 +6,7 @@ once, nothing crashes, the tier's failure is said once and its return once."""
 
 from __future__ import annotations
 
-import ctypes
 import os
-import shutil
 import subprocess
 import sys
 import warnings
@@ -19,6 +17,8 @@ from datapipe import ShardWriter
 from datapipe.cache import CacheTier, TieredCache
 from datapipe.errors import OptionError, StorageError
 from datapipe.loader import StreamingDataset
+from datapipe.telemetry import Telemetry
+from tests.folder_faults import ReadOnly
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 240
@@ -29,55 +29,6 @@ def _write(path, n=N, per_shard=12):
         for i in range(n):
             w.write({"__key__": f"k{i:05d}", "cls": str(i), "bin": bytes([i % 256]) * 700})
     return str(path)
-
-
-class ReadOnly:
-    """Make a folder tree refuse writes for real: ``chattr +i`` for root (chmod does not
-    stop root), chmod for anyone else. Skips the test where neither works."""
-
-    def __init__(self, path):
-        self.path = str(path)
-        self.root = os.geteuid() == 0
-
-    def on(self):
-        if self.root:
-            r = subprocess.run(["chattr", "-R", "+i", self.path], capture_output=True)
-            if r.returncode != 0:
-                pytest.skip(f"chattr +i does not work here: {r.stderr.decode().strip()}")
-        else:
-            for d, _dirs, _files in os.walk(self.path):
-                os.chmod(d, 0o555)
-        try:
-            open(os.path.join(self.path, "objects", "probe"), "wb").close()
-        except OSError:
-            return
-        self.off()
-        pytest.skip(f"{self.path} cannot be made read-only here")
-
-    def off(self, path=None):
-        path = self.path if path is None else str(path)
-        if self.root:
-            subprocess.run(["chattr", "-R", "-i", path], capture_output=True)
-        else:
-            for d, _dirs, _files in os.walk(path):
-                os.chmod(d, 0o755)
-
-    def replace_by_file(self):
-        """Remove the read-only folder and put a file at its path in one step (``renameat2``
-        with ``RENAME_EXCHANGE``), so that the cache never finds the path free or the
-        folder writable in between; the folder is then deleted."""
-        if self.root:
-            subprocess.run(["chattr", "-i", self.path], capture_output=True)  # the top only: movable
-        blocker = self.path + ".file"
-        with open(blocker, "wb") as f:
-            f.write(b"not a folder")
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.renameat2(-100, os.fsencode(blocker), -100, os.fsencode(self.path), 2) != 0:  # AT_FDCWD
-            err = ctypes.get_errno()
-            self.off()
-            pytest.skip(f"renameat2(RENAME_EXCHANGE) does not work here: {os.strerror(err)}")
-        self.off(blocker)  # the old folder, now at the blocker's name
-        shutil.rmtree(blocker)
 
 
 @pytest.fixture(scope="module")
@@ -138,8 +89,9 @@ def test_a_node_local_tier_that_fails_is_passed_by_and_probed_back(tmp_path):
         urls.append(str(cold / f"o{i}.bin"))
     local = tmp_path / "local2"
     ro = ReadOnly(local)
+    tel = Telemetry(window_s=3600)
     c = TieredCache(warm_dir=tmp_path / "warm", warm_bytes=1 << 20,
-                    local_tiers=[CacheTier(local, 1 << 20)], tier_retry_s=0)
+                    local_tiers=[CacheTier(local, 1 << 20)], tier_retry_s=0, telemetry=tel)
     try:
         assert c.read(urls[0]) == bytes([0]) * 3000
         ro.on()
@@ -148,6 +100,7 @@ def test_a_node_local_tier_that_fails_is_passed_by_and_probed_back(tmp_path):
             for i in (1, 2, 3):
                 assert c.read(urls[i]) == bytes([i]) * 3000  # through to cold: local2 is out
             s = c.stats()
+            window = tel.snapshot()
             ro.off()
             for i in (4, 5):
                 assert c.read(urls[i]) == bytes([i]) * 3000
@@ -155,7 +108,10 @@ def test_a_node_local_tier_that_fails_is_passed_by_and_probed_back(tmp_path):
     finally:
         ro.off()
         c.close()
+        tel.close()
     assert len(_messages(caught, "taken out of the path")) == 1
+    # the telemetry counts the failure that took the tier out; reads past it meet none
+    assert window.tiers["node-local"].errors == 1
     assert len(_messages(caught, "back in the path")) == 1
     assert s["local2_outs"] == 1 and s.get("local2_backs", 0) == 0
     assert st["local2_backs"] == 1 and st["local2_fills"] > s.get("local2_fills", 0)
