@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from ..checksum import Hasher, checksum
+from ..checksum import Hasher, canonical_json, checksum
 from ..errors import CorruptCheckpointError
 
 __all__ = [
@@ -177,15 +177,11 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _canonical(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
 def encode_doc(doc: dict[str, Any], kind: str) -> bytes:
     """JSON bytes of ``doc`` with ``format``/``kind``/``version`` and a self-checksum."""
     body = dict(doc, format=FORMAT, kind=kind, version=VERSION)
     body.pop("checksum", None)
-    body["checksum"] = checksum(_canonical(body))
+    body["checksum"] = checksum(canonical_json(body))
     return json.dumps(body, sort_keys=True, indent=1, allow_nan=False).encode()
 
 
@@ -215,7 +211,7 @@ def decode_doc(data: bytes, kind: str, where: str) -> dict[str, Any]:
         )
     expected = doc.pop("checksum", None)
     try:
-        got = checksum(_canonical(doc))
+        got = checksum(canonical_json(doc))
     except ValueError as e:  # 1e999 parses to inf, which canonical JSON refuses
         raise CorruptCheckpointError(f"{where}: not canonical JSON ({e})") from None
     if expected != got:

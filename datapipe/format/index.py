@@ -9,7 +9,6 @@ with a few range reads: no rank ever loads every sample's offset.
 from __future__ import annotations
 
 import io
-import json
 import re
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -20,8 +19,9 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from .._version import __version__
-from ..checksum import Hasher, checksum
-from ..errors import CorruptIndexError, FormatError
+from ..checksum import Hasher
+from ..errors import CorruptIndexError
+from .envelope import check_manifest_checksum, open_manifest, seal_manifest
 from .sample import COMPRESSIONS
 
 __all__ = [
@@ -151,11 +151,6 @@ def digest_bytes(data: bytes, block: int = INDEX_BLOCK) -> dict[str, Any]:
     return d.finish()
 
 
-def _canonical(doc: dict[str, Any]) -> bytes:
-    rest = {k: v for k, v in doc.items() if k != "manifest_checksum"}
-    return json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
 def make_manifest(
     shards: list[ShardRecord], compression: str, fields: list[str], extra: dict[str, Any] | None = None,
     index_files: dict[str, dict[str, Any]] | None = None,
@@ -180,8 +175,7 @@ def make_manifest(
     if index_files is not None:
         doc["index_checksums"] = {name: d["checksum"] for name, d in index_files.items()}
         doc["index_files"] = index_files
-    doc["manifest_checksum"] = checksum(_canonical(doc))
-    return json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
+    return seal_manifest(doc, allow_nan=True)  # as ever: NaN in an extra field is written, and read back
 
 
 def check_relative_name(name: Any, what: str, where: str) -> str:
@@ -229,29 +223,14 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
     """The manifest, once its own checksum matches and every field has the type, range and
     shape a reader relies on; else :class:`CorruptIndexError` (or :class:`FormatError` for
     an unknown format or version) naming ``where``."""
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptIndexError(f"{where}: manifest is not JSON: {e}") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise FormatError(f"{where}: not a datapipe dataset manifest (format != {FORMAT_NAME!r})")
-    if doc.get("version") != FORMAT_VERSION:
-        raise FormatError(
-            f"{where}: dataset format version {doc.get('version')!r}; this datapipe reads "
-            f"version {FORMAT_VERSION} (upgrade datapipe)"
-        )
-    stored = doc.get("manifest_checksum")
-    if stored is None:
+    doc = open_manifest(data, where, name=FORMAT_NAME, version=FORMAT_VERSION, what="dataset")
+    if doc.get("manifest_checksum") is None:
         raise CorruptIndexError(
             f"{where}: the manifest has no manifest_checksum (written by an older datapipe, or "
             "edited): its fields cannot be trusted. Re-run the `datapipe pack` (with --overwrite) "
             "or `datapipe join` that made the dataset to rewrite its index"
         )
-    if not is_checksum(stored) or checksum(_canonical(doc)) != stored:
-        raise CorruptIndexError(
-            f"{where}: manifest checksum mismatch (the manifest was damaged or edited); "
-            "re-run the pack or join that wrote it"
-        )
+    check_manifest_checksum(doc, where, "re-run the pack or join that wrote it", allow_nan=True)
     if doc.get("compression") not in COMPRESSIONS:
         raise CorruptIndexError(f"{where}: unknown compression {doc.get('compression')!r}")
     num_shards = _int(doc, "num_shards", where, 0, 1 << 31)

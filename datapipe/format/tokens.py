@@ -24,7 +24,6 @@ leaves the renames to its caller.
 from __future__ import annotations
 
 import io
-import json
 import os
 import struct
 import uuid
@@ -37,6 +36,7 @@ import numpy.typing as npt
 from .._version import __version__
 from ..checksum import ALGORITHM, Hasher, checksum
 from ..errors import ChecksumError, CorruptIndexError, FormatError, OptionError
+from .envelope import check_manifest_checksum, open_manifest, seal_manifest
 from .index import FileDigest, check_relative_name, check_shard_location, is_checksum
 
 __all__ = [
@@ -507,13 +507,6 @@ _PART_INTS = ("bin_bytes", "idx_bytes", "documents", "sequences", "tokens")
 _PART_FIELDS = ("prefix", "idx", "xxh", *_PART_INTS, "idx_checksum", "xxh_checksum")
 
 
-def _canonical(doc: dict[str, Any]) -> bytes:
-    # the same canonical JSON as the dataset manifest's self-checksum (format.index):
-    # every field but the checksum, sorted keys, no spaces, ASCII
-    rest = {k: v for k, v in doc.items() if k != "manifest_checksum"}
-    return json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
-
-
 def make_token_manifest(parts: list[TokenPart], *, dtype: Any, vocab_size: int | None = None,
                         eos_id: int | None = None, block_bytes: int = BLOCK_BYTES,
                         extra: dict[str, Any] | None = None) -> bytes:
@@ -537,8 +530,7 @@ def make_token_manifest(parts: list[TokenPart], *, dtype: Any, vocab_size: int |
         "created_by": f"datapipe {__version__}",
         "parts": [{f: getattr(p, f) for f in _PART_FIELDS} for p in parts],
     }
-    doc["manifest_checksum"] = checksum(_canonical(doc))
-    return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode() + b"\n"
+    return seal_manifest(doc)
 
 
 def _int(doc: dict[str, Any], k: str, where: str, lo: int = 0, hi: int = _MAX_INT, none: bool = False) -> Any:
@@ -557,23 +549,8 @@ def parse_token_manifest(data: bytes, where: str) -> TokenManifest:
     :class:`FormatError` for another format or version) naming ``where``."""
     if len(data) > _MAX_MANIFEST:
         raise CorruptIndexError(f"{where}: a {len(data)}-byte manifest is larger than any token manifest")
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptIndexError(f"{where}: manifest is not JSON: {e}") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise FormatError(f"{where}: not a datapipe token manifest (format != {FORMAT_NAME!r})")
-    if doc.get("version") != FORMAT_VERSION:
-        raise FormatError(f"{where}: token format version {doc.get('version')!r}; this datapipe reads "
-                          f"version {FORMAT_VERSION} (upgrade datapipe)")
-    stored = doc.get("manifest_checksum")
-    try:
-        ok = is_checksum(stored) and checksum(_canonical(doc)) == stored
-    except ValueError:  # 1e999 parses to inf, which canonical JSON refuses
-        ok = False
-    if not ok:
-        raise CorruptIndexError(f"{where}: manifest checksum mismatch (the manifest was damaged or edited); "
-                                "re-run the pack that wrote it")
+    doc = open_manifest(data, where, name=FORMAT_NAME, version=FORMAT_VERSION, what="token")
+    check_manifest_checksum(doc, where, "re-run the pack that wrote it")
     code = _int(doc, "dtype_code", where, 1, 8)
     if code not in DTYPE_CODES or code in _FLOAT_CODES or doc.get("dtype") != str(DTYPE_CODES[code].newbyteorder("=")):
         raise CorruptIndexError(f"{where}: dtype {doc.get('dtype')!r} with code {code} is not a token dtype")

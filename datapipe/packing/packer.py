@@ -41,7 +41,7 @@ from ..format import (
     shard_name,
 )
 from ..gcpause import collections_paused
-from ..progress import progress_bar
+from ..progress import polled_progress, progress_bar
 from ..publish import (
     DEFAULT_SHARD_BYTES,
     DEFAULT_SHARD_SAMPLES,
@@ -620,9 +620,6 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
     assemblies: dict[int, ShardAssembly] = {}
     pool = None
     futures: dict[Future[dict[str, Any]], tuple[int, int | None]] = {}
-    bar: Any = None
-    stop = threading.Event()
-    poller = None
     try:
         if nworkers > 1:
             for i in pieces:
@@ -639,68 +636,55 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
                 raise _worker_lost(store, 0) from None
         # after the workers started: tqdm's monitor thread would make the next pool forkserver's
         bar = _progress_bar(sum(len(plan[i]) for i in todo), progress)
-        if progress:
-            def poll() -> None:
-                last = 0
-                while not stop.wait(0.2):
-                    cur = counters[0]
-                    bar.update(cur - last)
-                    last = cur
-                    el = bar.format_dict["elapsed"] or 1e-9
-                    bar.set_postfix_str(f"{counters[1] / 1e6 / el:,.1f} MB/s", refresh=False)
-                bar.update(counters[0] - last)
 
-            poller = threading.Thread(target=poll, daemon=True)
-            poller.start()
-        if pool is None:
-            _init_worker(counters)
-            try:
-                for i in todo:
-                    _finish(work, names[i], pack_shard((store, names[i], compression, level, plan[i], skip_errors)),
-                            done)
-            finally:
-                _init_worker(None)
-        else:
-            pending = set(futures)
-            try:
-                while pending:
-                    finished, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for fut in finished:
-                        i, k = futures.pop(fut)
-                        res = fut.result()
-                        if k is not None:
-                            asm = assemblies[i]
-                            with _writing(store.url(names[i])):
-                                asm.add(k, res)
-                                if not asm.complete:
-                                    continue
-                                del assemblies[i]
-                                if asm.redo:  # an input was skipped: the shard again, whole, as one task
-                                    asm.release()
-                                    fn, args = task(i, None)
-                                    redo = pool.submit(fn, args)
-                                    futures[redo] = (i, None)
-                                    pending.add(redo)
-                                    continue
-                                res = asm.publish()
-                        _finish(work, names[i], res, done)
-            except BrokenProcessPool:
-                raise _worker_lost(store, len(done) - (len(plan) - len(todo))) from None
-            except BaseException:
-                for fut in pending:
-                    fut.cancel()
-                raise
+        def rate(b: Any) -> str:
+            return f"{counters[1] / 1e6 / (b.format_dict['elapsed'] or 1e-9):,.1f} MB/s"
+
+        with polled_progress(bar, counters, rate, progress):
+            if pool is None:
+                _init_worker(counters)
+                try:
+                    for i in todo:
+                        _finish(work, names[i], pack_shard((store, names[i], compression, level, plan[i], skip_errors)),
+                                done)
+                finally:
+                    _init_worker(None)
+            else:
+                pending = set(futures)
+                try:
+                    while pending:
+                        finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                        for fut in finished:
+                            i, k = futures.pop(fut)
+                            res = fut.result()
+                            if k is not None:
+                                asm = assemblies[i]
+                                with _writing(store.url(names[i])):
+                                    asm.add(k, res)
+                                    if not asm.complete:
+                                        continue
+                                    del assemblies[i]
+                                    if asm.redo:  # an input was skipped: the shard again, whole, as one task
+                                        asm.release()
+                                        fn, args = task(i, None)
+                                        redo = pool.submit(fn, args)
+                                        futures[redo] = (i, None)
+                                        pending.add(redo)
+                                        continue
+                                    res = asm.publish()
+                            _finish(work, names[i], res, done)
+                except BrokenProcessPool:
+                    raise _worker_lost(store, len(done) - (len(plan) - len(todo))) from None
+                except BaseException:
+                    for fut in pending:
+                        fut.cancel()
+                    raise
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         _plan = None
         for asm in assemblies.values():  # shards left unpublished by a pack that failed
             asm.discard()
-        stop.set()
-        if poller is not None:
-            poller.join()
-        if bar is not None:
-            bar.close()
     return commit_shards(lock, work, names, done, compression, result, shard_bytes=opts["shard_bytes"])
 
 

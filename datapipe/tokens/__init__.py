@@ -5,7 +5,8 @@ Holds: ``pack`` (:func:`pack_tokens`: plan, worker pool, journal, commit), ``wri
 worker side: one piece of the input tokenized and written into parts), ``sources`` (listing
 the input, cutting it into pieces, reading documents, loading a tokenizer), ``index``
 (:func:`index_tokens`: existing Megatron ``.bin``/``.idx`` pairs and flat token files indexed
-in place), ``publish_glue`` (the one module that uses pack's journal, lock and commit).
+in place), ``arguments`` (the checks of the arguments those two share), ``publish_glue`` (the
+one module that uses pack's journal, lock and commit).
 
 The token loaders: ``dataset`` (:class:`TokenDataset`: fixed-length or document-packed
 sequences), ``mix`` (:class:`TokenMix`: sources mixed by weight with exact per-batch
