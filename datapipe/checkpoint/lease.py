@@ -21,8 +21,7 @@ from ..errors import (
     LeaseLostError,
     StorageError,
 )
-from ..storage import Store, WriterLease, describe_holder
-from ..storage.lease import LEASE_FILE_DELETED
+from ..storage import LEASE_FILE_DELETED, Store, WriterLease, describe_holder
 from .format import decode_doc, encode_doc
 
 __all__ = ["LEASE_KEY", "Lease"]

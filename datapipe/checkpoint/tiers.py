@@ -177,13 +177,12 @@ class TiersOut:
         return None
 
     def failed(self, url: str, e: BaseException, step: int, written: list[str]) -> None:
-        """``url`` failed at ``step`` with ``e``: out of the path, said once per tier."""
+        """``url`` failed at ``step`` with ``e``: out of the path, said once per tier (by
+        the save's own error instead when no tier took the step: ``written`` empty)."""
         self.out[url] = f"{type(e).__name__}: {e}"
-        if url in self._warned:
+        if url in self._warned or not written:
             return
         self._warned.add(url)
-        where = (f"step {step} is committed on {', '.join(written)}" if written
-                 else f"step {step} is committed on no tier")
         warnings.warn(f"checkpoint tier {url} failed at step {step} ({type(e).__name__}: {e}): taken out of the "
-                      f"path; {where}; the tier is probed before each save it is due for and taken back when "
-                      "it answers", stacklevel=2)
+                      f"path; step {step} is committed on {', '.join(written)}; the tier is probed before each "
+                      "save it is due for and taken back when it answers", stacklevel=2)
