@@ -44,7 +44,14 @@ def test_a_warm_tier_made_read_only_then_removed_is_taken_out_and_back(ds_url, t
     warm = tmp_path / "warm"
     ro = ReadOnly(warm)
     cache = TieredCache(warm_dir=warm, warm_bytes=64 << 20, tier_retry_s=0)
-    ds = StreamingDataset(ds_url, cache=cache, window=2, seed=3)
+    # The faults must meet reads still to come: by default the pass is one chunk (8192
+    # samples) whose 20 shards are all fetched ahead of the reader, so under load a pass
+    # could be fetched whole before sample N // 4, and the faults met no read at all. In
+    # chunks of 24 samples with a budget of one byte, a chunk's shards are fetched only once
+    # the reader is on it: no fetch runs while a fault is injected, and every chunk after
+    # it fetches after the fault (one at a time: a single reader meets each failure).
+    ds = StreamingDataset(ds_url, cache=cache, window=2, seed=3, chunk_samples=24, prefetch_bytes=1,
+                          concurrency=1)
     epochs: list[list[int]] = []
     marks = {}
     try:
