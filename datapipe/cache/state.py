@@ -168,8 +168,10 @@ class ProcessState:
     def warn(self, kind: str, msg: str) -> None:
         """Count a warning of ``kind``; warn the first time this process sees it."""
         self.stats.update({f"warnings_{kind}": 1})
-        if kind not in self.warned:
+        with self.lock:  # threads that meet one failure together: the first says it
+            first = kind not in self.warned
             self.warned.add(kind)
+        if first:
             warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
     def warm_broken(self, e: OSError) -> bool:

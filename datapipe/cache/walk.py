@@ -17,6 +17,7 @@ that passes takes it back (:meth:`Tiers.in_path`), with one message.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,6 +58,10 @@ class Tiers:
         #: where each step's hit (bytes, seconds) or miss is recorded too (the process
         #: state's :meth:`~.state.ProcessState.set_telemetry`)
         self.telemetry: Telemetry | None = None
+        # Taking a tier out and probing it back are decided by one thread at a time: the
+        # reads of several threads (the loader's fetches, prefetches) meet a failure or a
+        # due probe together, and each out and each back is counted and said once.
+        self._out_lock = threading.Lock()
 
     def order(self) -> list[DirTier]:
         """The tiers in the path now, in order (a tier out of the path and not yet due for
@@ -77,10 +82,11 @@ class Tiers:
     def take_out(self, tier: DirTier, e: OSError) -> None:
         """Take ``tier`` out of the path after ``e`` (its probe failed too): counted as
         ``<tier>_outs``, probed again in ``retry_s`` seconds."""
-        if tier.retry_at is None:
-            tier.count_event("outs")
-        tier.out_error = f"{type(e).__name__}: {e}"
-        tier.retry_at = time.monotonic() + self.retry_s
+        with self._out_lock:
+            if tier.retry_at is None:
+                tier.count_event("outs")
+            tier.out_error = f"{type(e).__name__}: {e}"
+            tier.retry_at = time.monotonic() + self.retry_s
 
     def in_path(self, tier: DirTier) -> bool:
         """Whether ``tier`` is in the path: True unless it is out; an out tier due for its
@@ -91,20 +97,30 @@ class Tiers:
             return True
         if time.monotonic() < at:
             return False
-        try:
-            tier.probe()
-        except OSError as e:
-            tier.retry_at = time.monotonic() + self.retry_s
-            tier.count_event("probes_failed")
-            tier.out_error = f"{type(e).__name__}: {e}"
-            return False
-        except StorageError:  # its path is someone else's folder now: never touched again
-            tier.retry_at = float("inf")
+        with self._out_lock:  # one probe at a time: a thread that waited sees what it found
+            at = tier.retry_at
+            if at is None:
+                return True
+            if time.monotonic() < at:
+                return False
+            try:
+                tier.probe()
+            except OSError as e:
+                tier.retry_at = time.monotonic() + self.retry_s
+                tier.count_event("probes_failed")
+                tier.out_error = f"{type(e).__name__}: {e}"
+                return False
+            except StorageError:  # its path is someone else's folder now: never touched again
+                tier.retry_at = float("inf")
+                given_up = True
+            else:
+                given_up = False
+                tier.retry_at = None
+                tier.count_event("backs")
+        if given_up:
             if self.give_up is not None:
                 self.give_up(tier)
             return False
-        tier.retry_at = None
-        tier.count_event("backs")
         if self.warn is not None:
             self.warn(f"{tier.name}_back", f"{tier.name} cache {tier.dir.root} answers again (a probe was "
                       f"written, fsync'd and read back; it was out after {tier.out_error}): back in the path")
