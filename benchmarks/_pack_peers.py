@@ -5,7 +5,8 @@ once per measurement, so no two systems share an interpreter, imports or allocat
 this module prints one ``RESULT {json}`` line.
 
 Every system gets the same number of processes, ``--workers N``: datapipe's ``workers=N``,
-LitData's ``num_workers=N``, the floor reads 1/N of the files in each of N processes, and
+LitData's ``num_workers=N``, the floor reads 1/N of the files in each of N processes (with
+the read-ahead datapipe's workers use; ``floor-np-plain`` without it), and
 webdataset and MosaicML (whose writers are single-process) write N contiguous slices of the
 samples in N forked processes, as their documentation does for parallel conversion (one
 ``ShardWriter`` per process with its own shard names; one ``MDSWriter`` per sub-folder, then
@@ -25,11 +26,13 @@ import os
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 SYSTEMS = {
     "floor-np": "floor: read all files, N processes",
+    "floor-np-plain": "floor: no read-ahead, N processes",
+    "floor-np-write": "floor: read+write+fsync, N processes",
     "floor-1p": "floor: read all files, 1 process",
     "floor-1p-bytes": "floor: read() to new bytes, 1 proc",
     "datapipe": "datapipe.pack",
@@ -38,7 +41,7 @@ SYSTEMS = {
     "mds": "streaming MDSWriter",
     "litdata": "litdata optimize()",
 }
-FLOORS = ("floor-np", "floor-1p", "floor-1p-bytes")
+FLOORS = ("floor-np", "floor-np-plain", "floor-np-write", "floor-1p", "floor-1p-bytes")
 PEERS = ("webdataset", "mds", "litdata")
 OURS = ("datapipe", "datapipe-zstd")
 
@@ -87,23 +90,82 @@ def _tree_bytes(root: str) -> int:
 # --- the floor ---------------------------------------------------------------------------
 
 
-def _read_into(paths: list[str]) -> int:
+AHEAD = 32  # files opened ahead of their reads, the kernel asked to read them meanwhile (as datapipe.pack does)
+
+
+def _opened_ahead(paths: list[str], ahead: int) -> Iterator[int]:
+    """A descriptor of each file of ``paths`` in turn (closed once the next is asked for),
+    the next ``ahead`` already open with POSIX_FADV_WILLNEED, as datapipe.pack reads them:
+    from a cold page cache a process then waits on many files at once, and a floor that
+    waited on one at a time would not be the floor of a packer that does not."""
+    advise = getattr(os, "posix_fadvise", None) if ahead > 1 else None
+    opened: list[int] = []
+    it = iter(paths)
+    try:
+        while True:
+            while len(opened) < max(ahead, 1):
+                p = next(it, None)
+                if p is None:
+                    break
+                opened.append(os.open(p, os.O_RDONLY))
+                if advise is not None:
+                    advise(opened[-1], 0, 0, os.POSIX_FADV_WILLNEED)
+            if not opened:
+                return
+            fd = opened.pop(0)
+            try:
+                yield fd
+            finally:
+                os.close(fd)
+    finally:
+        for fd in opened:
+            os.close(fd)
+
+
+def _read_into(paths: list[str], ahead: int = AHEAD) -> int:
     # One buffer reused for every file: first-touch page faults on fresh memory are slow on
     # this machine, and the floor should be the cheapest way to read each file once.
     buf = bytearray(1 << 22)
     view = memoryview(buf)
     total = 0
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            while True:
-                n = os.readv(fd, [view])
-                total += n
-                if n < len(buf):
-                    break
-        finally:
-            os.close(fd)
+    for fd in _opened_ahead(paths, ahead):
+        while True:
+            n = os.readv(fd, [view])
+            total += n
+            if n < len(buf):
+                break
     return total
+
+
+def _read_write(part: tuple[list[str], str]) -> int:
+    """The write floor of one process: each file of ``paths`` read once (with the
+    read-ahead) into a 4 MiB buffer, written to the file ``out`` a buffer at a time, and
+    that file fsync'd: the least I/O a packer that makes its output durable does."""
+    paths, out = part
+    buf = bytearray(1 << 22)
+    view = memoryview(buf)
+    fill = total = 0
+    sink = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for fd in _opened_ahead(paths, AHEAD):
+            while True:
+                if fill == len(buf):
+                    os.write(sink, view)
+                    fill = 0
+                n = os.readv(fd, [view[fill:]])
+                fill += n
+                total += n
+                if not n or fill < len(buf):
+                    break
+        os.write(sink, view[:fill])
+        os.fsync(sink)
+    finally:
+        os.close(sink)
+    return total
+
+
+def _read_plain(paths: list[str]) -> int:
+    return _read_into(paths, ahead=1)
 
 
 def _read_new_bytes(paths: list[str]) -> int:
@@ -120,14 +182,22 @@ def _slices(items: list[Any], n: int) -> list[list[Any]]:
     return [items[i * len(items) // n : (i + 1) * len(items) // n] for i in range(n)]
 
 
-def _floor(src: str, variant: str, workers: int) -> dict[str, Any]:
+def _floor(src: str, variant: str, workers: int, dest: str = "") -> dict[str, Any]:
     t0 = time.perf_counter()
     samples = list_samples(src)
     list_s = time.perf_counter() - t0
     paths = [p for _, files in samples for _, p in files]
     procs = 1
     t0 = time.perf_counter()
-    if variant == "floor-np" and workers > 1:
+    if variant == "floor-np-write":
+        import multiprocessing as mp
+
+        os.makedirs(dest, exist_ok=True)
+        parts = [(part, os.path.join(dest, f"floor-{i:03d}")) for i, part in enumerate(_slices(paths, workers))]
+        procs = len(parts)
+        with mp.get_context("fork").Pool(procs) as pool:
+            nbytes = sum(pool.map(_read_write, parts))
+    elif variant in ("floor-np", "floor-np-plain") and workers > 1:
         import multiprocessing as mp
 
         # fork: the children start with the list already in memory, so the clock holds
@@ -135,14 +205,14 @@ def _floor(src: str, variant: str, workers: int) -> dict[str, Any]:
         parts = _slices(paths, workers)
         procs = len(parts)
         with mp.get_context("fork").Pool(procs) as pool:
-            nbytes = sum(pool.map(_read_into, parts))
+            nbytes = sum(pool.map(_read_plain if variant == "floor-np-plain" else _read_into, parts))
     elif variant == "floor-1p-bytes":
         nbytes = _read_new_bytes(paths)
     else:
         nbytes = _read_into(paths)
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "list_seconds": list_s, "samples": len(samples), "files": len(paths),
-            "input_bytes": nbytes, "out_bytes": 0, "processes": procs}
+            "input_bytes": nbytes, "out_bytes": _tree_bytes(dest) if dest else 0, "processes": procs}
 
 
 # --- datapipe ----------------------------------------------------------------------------
@@ -155,10 +225,10 @@ def _datapipe(src: str, dest: str, shard_bytes: int, workers: int | None, compre
     res = datapipe.pack(src, dest, shard_bytes=shard_bytes, compression=compression, workers=workers,
                         progress=False)
     seconds = time.perf_counter() - t0
-    # datapipe starts min(workers, shards) processes (one shard is one task)
+    # the processes that read and wrote, as the pack reports them (a large shard is written
+    # in pieces by several; the pack process itself plans and commits)
     return {"seconds": seconds, "samples": res.samples, "shards": res.shards, "out_bytes": res.stored_bytes,
-            "pack_reported_seconds": res.seconds, "processes": max(1, min(workers or 1, res.shards)),
-            "settings": {"workers": workers}}
+            "pack_reported_seconds": res.seconds, "processes": res.workers, "settings": {"workers": workers}}
 
 
 # --- webdataset ----------------------------------------------------------------------------
@@ -315,6 +385,8 @@ def _litdata(src: str, dest: str, shard_bytes: int, workers: int, workdir: str) 
 def measure(system: str, src: str, dest: str, shard_bytes: int, workers: int, workdir: str) -> dict[str, Any]:
     runners: dict[str, Callable[[], dict[str, Any]]] = {
         "floor-np": lambda: _floor(src, "floor-np", workers),
+        "floor-np-plain": lambda: _floor(src, "floor-np-plain", workers),
+        "floor-np-write": lambda: _floor(src, "floor-np-write", workers, dest),
         "floor-1p": lambda: _floor(src, "floor-1p", 1),
         "floor-1p-bytes": lambda: _floor(src, "floor-1p-bytes", 1),
         "datapipe": lambda: _datapipe(src, dest, shard_bytes, workers, None),

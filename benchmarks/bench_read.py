@@ -53,12 +53,12 @@ QUICK = {"samples": 3000, "shard_bytes": 4 << 20, "window": 4, "batch_size": 64}
 
 # -- corpus -------------------------------------------------------------------------------------
 
-def _corpus(root: str, n: int, mean_bytes: int, seed: int) -> list[tuple[str, dict[str, str]]]:
+def corpus_samples(root: str, n: int, mean_bytes: int, seed: int) -> list[tuple[str, dict[str, str]]]:
     """Samples as (key, {field: path}), in stored (key) order."""
     try:
         from tools.corpus import generate_corpus
     except ImportError:  # the lead's generator is optional: write the same shape here
-        generate_corpus = _generate_corpus
+        generate_corpus = write_corpus_files
     if not os.path.isdir(root):
         generate_corpus(root, n, seed, mean_bytes)
     groups: dict[str, dict[str, str]] = {}
@@ -69,7 +69,7 @@ def _corpus(root: str, n: int, mean_bytes: int, seed: int) -> list[tuple[str, di
     return sorted(groups.items())
 
 
-def _generate_corpus(root: str, n: int, seed: int, mean_bytes: int) -> None:
+def write_corpus_files(root: str, n: int, seed: int, mean_bytes: int) -> None:
     rng = np.random.default_rng(seed)
     for i in range(n):
         d = os.path.join(root, f"{i // 1000:05d}")
@@ -86,7 +86,7 @@ def _read(path: str) -> bytes:
         return f.read()
 
 
-def _sample(item: tuple[str, dict[str, str]]) -> dict[str, Any]:
+def sample_dict(item: tuple[str, dict[str, str]]) -> dict[str, Any]:
     """A corpus sample as a dict, fields in sorted order (LitData's writers infer one data
     format from the field order and refuse chunks written in another)."""
     key, files = item
@@ -137,7 +137,7 @@ def _webdataset(cfg: dict[str, Any], samples: list) -> tuple[Callable, Callable,
         os.makedirs(d, exist_ok=True)
         with wds.ShardWriter(os.path.join(d, "shard-%06d.tar"), maxsize=cfg["shard_bytes"], verbose=0) as w:
             for item in samples:
-                s = _sample(item)
+                s = sample_dict(item)
                 w.write({"__key__": s.pop("key"), **s})
 
     def open_(d: str, seed: int) -> Iterable:
@@ -147,7 +147,7 @@ def _webdataset(cfg: dict[str, Any], samples: list) -> tuple[Callable, Callable,
     return prepare, open_, lambda s: s["__key__"]
 
 
-def _import_streaming() -> Any:
+def import_streaming() -> Any:
     # PyPI's torchvision wheel does not load beside this torch build ("operator
     # torchvision::nms does not exist"), and `import streaming` imports torchvision only for
     # its vision datasets, which this benchmark never uses. A minimal stand-in module, put in
@@ -173,13 +173,13 @@ def _import_streaming() -> Any:
 
 
 def _mosaicml(cfg: dict[str, Any], samples: list) -> tuple[Callable, Callable, Callable]:
-    streaming = _import_streaming()
+    streaming = import_streaming()
 
     def prepare(d: str) -> None:
         cols = {"key": "str", "jpg": "bytes", "cls": "bytes", "json": "bytes"}
         with streaming.MDSWriter(out=d, columns=cols, size_limit=cfg["shard_bytes"]) as w:
             for item in samples:
-                w.write(_sample(item))
+                w.write(sample_dict(item))
 
     def open_(d: str, seed: int) -> Iterable:
         from streaming.base.util import clean_stale_shared_memory
@@ -191,15 +191,15 @@ def _mosaicml(cfg: dict[str, Any], samples: list) -> tuple[Callable, Callable, C
     return prepare, open_, lambda s: s["key"]
 
 
-def _litdata_fn(item: tuple[str, dict[str, str]]) -> dict[str, Any]:
-    return _sample(item)
+def litdata_sample(item: tuple[str, dict[str, str]]) -> dict[str, Any]:
+    return sample_dict(item)
 
 
 def _litdata(cfg: dict[str, Any], samples: list) -> tuple[Callable, Callable, Callable]:
     import litdata
 
     def prepare(d: str) -> None:
-        litdata.optimize(fn=_litdata_fn, inputs=samples, output_dir=d, chunk_bytes=cfg["shard_bytes"],
+        litdata.optimize(fn=litdata_sample, inputs=samples, output_dir=d, chunk_bytes=cfg["shard_bytes"],
                          num_workers=1, mode="overwrite")
 
     def open_(d: str, seed: int) -> Iterable:
@@ -282,7 +282,7 @@ def run(config: dict[str, Any] | None = None) -> dict[str, Any]:
     work = cfg["workdir"] or tempfile.mkdtemp(prefix="bench_read-")
     os.makedirs(work, exist_ok=True)
     corpus_dir = os.path.join(work, f"corpus-{cfg['samples']}-{cfg['mean_bytes']}-{cfg['seed']}")
-    samples = _corpus(corpus_dir, cfg["samples"], cfg["mean_bytes"], cfg["seed"])
+    samples = corpus_samples(corpus_dir, cfg["samples"], cfg["mean_bytes"], cfg["seed"])
     n = len(samples)
     payload = sum(os.path.getsize(p) for _, files in samples for p in files.values())
     result: dict[str, Any] = {"config": {k: v for k, v in cfg.items()}, "samples": n,

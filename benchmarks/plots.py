@@ -141,31 +141,43 @@ def checkpoint_png(r: dict[str, Any], path: str) -> None:
     _save(plt, fig, path)
 
 
+#: the loader panels: (title, where the figure is: mode and key, or the cell's mode figures)
+_LOADER_PANELS = (
+    ("(a) one process, first epoch of a new dataset", "first_epoch"),
+    ("(c) one process, steady state", "steady"),
+    ("(b) DataLoader, 2 new workers each epoch: slowest epoch", "nonpersistent_slowest"),
+    ("(c) DataLoader, 2 persistent workers: steady state", "persistent_steady"),
+)
+
+
 def loader_png(r: dict[str, Any], path: str) -> None:
-    """Samples/s per cell of the loader sweep: one bar per system variant, one panel for one
-    process and one for the DataLoader with workers (log scale: the rates span decades)."""
+    """Samples/s per cell of the loader sweep: one bar per system variant, one panel per
+    mode (a first epoch, b non-persistent workers, c steady states; log scale: the rates
+    span decades)."""
     plt = _plt()
     import numpy as np
 
     cells = r.get("cells", {})
     if not cells:
         raise ValueError("no sweep cells in this run")
-    names = sorted({n for c in cells.values() for n in c["systems"]}, key=lambda n: (n != "datapipe", n))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 0.45 * len(cells) * len(names) / 2 + 2.5), sharey=True)
+    names = sorted({n for c in cells.values() for n in c.get("modes", {}).get("systems", {})},
+                   key=lambda n: (n != "datapipe", n))
+    fig, axes = plt.subplots(2, 2, figsize=(13, 0.9 * len(cells) * len(names) / 2 + 4), sharey=True)
     y = np.arange(len(cells))
-    h = 0.8 / len(names)
-    for ax, mode in zip(axes, ("one_process", "dataloader"), strict=True):
+    h = 0.8 / max(len(names), 1)
+    for ax, (title, key) in zip(axes.flat, _LOADER_PANELS, strict=True):
         for i, n in enumerate(names):
-            vals = [c["systems"].get(n, {}).get(mode, {}).get("samples_per_s") or 0 for c in cells.values()]
+            vals = [c.get("modes", {}).get("systems", {}).get(n, {}).get(key) or 0 for c in cells.values()]
             base = n.split("@")[0]
             color = {"litdata": PEER, "mosaicml": "#2ca02c", "webdataset": "#9467bd"}.get(base, _color(n))
             ax.barh(y + i * h, vals, h, label=n, color=color, alpha=1.0 if "@" not in n else 0.45)
         ax.set_xscale("log")
         ax.set_xlabel("samples/s (higher is better)")
-        ax.set_title({"one_process": "one process, per sample", "dataloader": "DataLoader, 2 workers"}[mode])
-    axes[0].set_yticks(y + 0.4 - h / 2, list(cells))
-    axes[0].invert_yaxis()
-    axes[1].legend(fontsize=7, loc="lower right")
+        ax.set_title(title, fontsize=9)
+    for ax in axes[:, 0]:
+        ax.set_yticks(y + 0.4 - h / 2, list(cells))
+    axes[0, 0].invert_yaxis()
+    axes[0, 1].legend(fontsize=7, loc="lower right")
     _save(plt, fig, path)
 
 

@@ -5,12 +5,16 @@
     python -m benchmarks.report --quick         # a smoke run of every part, a few minutes
     python -m benchmarks.report --parts loader --workdir /tmp/dp-bench   # the issue-12 sweep alone, formats kept
 
-Writes ``benchmarks/results/``: ``results.json`` (every figure), ``REPORT.md`` (tables with
-ratios to the floors and peers), and PNG plots: pack and read throughput per system, hit
+Writes ``benchmarks/results/`` (or ``--out``): ``results.json`` (every figure), ``TABLES.md`` (tables
+with ratios to the floors and peers), and PNG plots: pack and read throughput per system, hit
 rate and bytes from cold against cache size per policy, the loader sweep (samples/s per cell and
-system through DataLoader workers), checkpoint stall and total time
+system in each mode: the first epoch of a new dataset, non-persistent and persistent DataLoader
+workers, steady state; with the start-up part, a 10^7-sample dataset of about 10 GB in the
+workdir unless --quick), checkpoint stall and total time
 against state size per system. Each part runs the module of the same name
-(``benchmarks.bench_pack`` ...), which can also be run alone.
+(``benchmarks.bench_pack`` ...), which can also be run alone. ``REPORT.md`` beside them is
+the hand-written narrative (which run printed each figure, what it means): a run never writes it,
+it links the tables.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from . import plots, tables
 PARTS = ("pack", "read", "loader", "cache", "checkpoint")
 OPTIONAL_PARTS = ("gpu",)  # only when asked (--parts ...,gpu): batches into accelerator memory
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: what a run writes into its output folder besides the plots (never REPORT.md: it is written by hand)
+RESULTS, TABLES = "results.json", "TABLES.md"
 
 
 def machine() -> dict[str, Any]:
@@ -107,6 +113,18 @@ def run_checkpoint(quick: bool, work: str) -> dict[str, Any]:
     return out
 
 
+def write_outputs(report: dict[str, Any], out: str) -> str:
+    """Write a run's figures (``results.json``), plots and tables (``TABLES.md``) into ``out``;
+    returns the tables. ``REPORT.md`` there is left as it is: it is the narrative, and links them."""
+    with open(os.path.join(out, RESULTS), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    images = plots.write_all(report, out)
+    md = tables.report_markdown(report, images)
+    with open(os.path.join(out, TABLES), "w") as f:
+        f.write(md)
+    return md
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=20_000, help="corpus size for pack and read (default 20000)")
@@ -149,17 +167,12 @@ def main(argv: list[str] | None = None) -> int:
             report[part] = {"error": f"{type(e).__name__}: {e}"}
             print(f"  {part} FAILED: {e}", flush=True)
         report["seconds"][part] = round(time.perf_counter() - t0, 1)
-        with open(os.path.join(a.out, "results.json"), "w") as f:
+        with open(os.path.join(a.out, RESULTS), "w") as f:  # each part's figures kept as it ends
             json.dump(report, f, indent=1, default=str)
     report["machine"]["loadavg_end"] = list(os.getloadavg())
-    with open(os.path.join(a.out, "results.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    images = plots.write_all(report, a.out)
-    md = tables.report_markdown(report, images)
-    with open(os.path.join(a.out, "REPORT.md"), "w") as f:
-        f.write(md)
+    md = write_outputs(report, a.out)
     print(md)
-    print(f"wrote {a.out}/results.json, REPORT.md and {len(images)} plots")
+    print(f"wrote {a.out}/{RESULTS}, {TABLES} and the plots")
     return 0
 
 

@@ -110,22 +110,126 @@ def _ratio(ours: dict[str, Any] | None, lit: float | None) -> str:
     return "—" if v is None or not lit else f"{v / lit:.2f}x"
 
 
+def _n(x: Any) -> str:
+    return "—" if not isinstance(x, (int, float)) else f"{x:,.0f}"
+
+
+def _s(x: Any) -> str:
+    return "—" if not isinstance(x, (int, float)) else f"{x:.3f}"
+
+
+def _x(x: Any) -> str:
+    return "—" if not isinstance(x, (int, float)) else f"{x:.2f}x"
+
+
+#: the columns of a cell's table by mode: (heading, figure key, format)
+_MODE_COLUMNS: list[tuple[str, str, Any]] = [
+    ("(a) first epoch, new object", "first_epoch", _n), ("first sample s", "first_sample_s", _s),
+    ("2nd epoch", "second_epoch", _n), ("(a) / 2nd", "first_over_second", _x),
+    ("(c) 1 proc steady", "steady", _n),
+    ("(b) non-persistent, each epoch", "nonpersistent_epochs", None),
+    ("(b) first batch s", "first_batch_s", _s),
+    ("new worker: first batch s after its start", "worker_first_batch_s", _s),
+    ("(c) persistent steady", "persistent_steady", _n), ("(b) slowest / (c)", "nonpersistent_over_persistent", _x),
+]
+
+
+def loader_modes_md(name: str, cell: dict[str, Any]) -> str:
+    """One cell's samples/s by mode, every system, and datapipe / LitData in each mode:
+    (a) the first epoch of a new dataset object, (b) every epoch with non-persistent
+    workers, (c) the steady state, in one process and with persistent workers. Columns no
+    system has a figure for are left out."""
+    m = cell.get("modes") or {}
+    figs: dict[str, dict[str, Any]] = m.get("systems", {})
+    if "shard_bytes" in cell:
+        title = (f"{name}: {cell['samples']:,} samples x {cell['mean_bytes'] / 1024:g} KiB, "
+                 f"{cell['shard_bytes'] / 2**20:g} MiB shards; samples/s by mode")
+    else:
+        title = f"{name}: {cell['samples']:,} samples x {cell['mean_bytes'] / 1024:g} KiB; samples/s by mode"
+    rows: list[list[str]] = []
+    for sys_name in sorted(figs, key=lambda n: (n != "datapipe", n)):
+        f = figs[sys_name]
+        row = [sys_name]
+        for _, key, fmt in _MODE_COLUMNS:
+            v = f.get(key)
+            row.append(" / ".join(_n(x) for x in v) if fmt is None and v else "—" if fmt is None else fmt(v))
+        rows.append(row)
+        if "batched_first_epoch" in f:
+            rows.append([f"{sys_name} batched", _n(f["batched_first_epoch"]), "—", "—", "—",
+                         _n(f.get("batched_steady"))] + ["—"] * (len(_MODE_COLUMNS) - 5))
+    ratios = m.get("datapipe_over_litdata", {})
+    if ratios:
+        where = {"first_epoch": 1, "steady": 5, "nonpersistent_epochs": 6, "persistent_steady": 9}
+        row = ["datapipe / LitData"] + ["—"] * len(_MODE_COLUMNS)
+        for key, col in where.items():
+            r = ratios.get("nonpersistent_slowest" if key == "nonpersistent_epochs" else key)
+            if r:
+                row[col] = f"**{r['ratio']:.2f}x** ({r['litdata_variant']}" + \
+                           (", slowest epochs)" if key == "nonpersistent_epochs" else ")")
+        rows.append(row)
+    keep = [0] + [i for i in range(1, len(_MODE_COLUMNS) + 1) if any(r[i] != "—" for r in rows)]
+    head = ["system"] + [h for h, _, _ in _MODE_COLUMNS]
+    return title + "\n\n" + _table([head[i] for i in keep], [[r[i] for i in keep] for r in rows])
+
+
+def loader_startup_md(startup: dict[str, Any]) -> str:
+    """The start-up part: a large dataset's first sample and first batches, and the small
+    job at every system's defaults."""
+    lines: list[str] = []
+    ix = startup.get("index", {})
+    if "shards" in ix:
+        ds = ix.get("dataset", {})
+        lines += [f"Start-up: a new dataset of {ix['shards']:,} shards and {ix['samples']:,} samples "
+                  f"({ds.get('bytes', 0) / 1e9:,.1f} GB on local disk), each run in a fresh interpreter (torch and "
+                  f"datapipe imported first, untimed) after an untimed warm-up run; {ix['repeats']} runs; seconds. "
+                  f"Loader: StreamingDataLoader(batch_size={ix['batch_size']}, num_workers={ix['workers']}, "
+                  "persistent_workers=False), two passes, each taken to every worker's first batch.", ""]
+    if "error" in ix:
+        lines += [f"start-up failed: {ix['error']}", ""]
+    elif "first_sample_s" in ix:
+        rows = []
+        for label, key in (("floor: one read of the index (Parquet decoded by pyarrow) and of one shard", "floor_s"),
+                           ("of which the index", "index_read_floor_s"),
+                           ("StreamingDataset(url) to its first sample", "first_sample_s"),
+                           ("of which StreamingDataset(url) itself", "open_s"),
+                           ("a new dataset through the loader to its first batch", "first_batch_s"),
+                           ("its second pass (new workers): iter() to the first batch", "second_pass_first_batch_s"),
+                           ("a new worker's start after iter() (slowest worker)", "worker_start_s"),
+                           ("a new worker's first batch after its start (slowest worker, both passes)",
+                            "worker_first_batch_s")):
+            s = ix.get(key, {})
+            rows.append([label, _s(s.get("best")), _s(s.get("median")), _s(s.get("slowest"))])
+        lines += [_table(["figure", "best", "median", "slowest"], rows), ""]
+    small = startup.get("small_defaults", {})
+    if "error" in small:
+        lines += [f"small job at defaults failed: {small['error']}", ""]
+    elif small.get("modes"):
+        lines += [loader_modes_md("A small job, one process, at each system's defaults", small), ""]
+        rows = [[name, _fmt_setting(e.get("format_settings", {})) or "its defaults", e.get("loader", ""),
+                 _fmt_setting(e.get("one_process", {}).get("settings", {})), e.get("error", "")]
+                for name, e in small["systems"].items()]
+        lines += [f"@default: the system's defaults (format and dataset); without it: our settings (datapipe's "
+                  f"default shard size, {small.get('datapipe_shard_bytes', 0) / 2**20:g} MiB, shuffled).", "",
+                  _table(["system", "format", "dataset", "settings seen", "error"], rows), ""]
+    return "\n".join(lines)
+
+
 def loader_md(r: dict[str, Any]) -> str:
     """The issue-12 sweep (one process, batched, DataLoader; ratios to LitData), every
     system at both settings, each peer's settings, the JPEG map, and the target checks."""
     c = r["config"]
-    lines = [f"Shuffled warm reads of raw bytes (page cache warmed first), best of {c['epochs']} epochs (medians in "
-             f"results.json); DataLoaders with num_workers={c['workers']}, batch_size={c['batch_size']}; each "
-             f"measurement in a fresh interpreter; every epoch's keys checked (each sample exactly once). "
-             f"The whole run took {r.get('seconds', 0):,.0f} s.", ""]
+    lines = [f"Shuffled warm reads of raw bytes (page cache warmed first), {c['epochs']} epochs per measurement; "
+             f"DataLoaders with num_workers={c['workers']}, batch_size={c['batch_size']}; each measurement in a fresh "
+             "interpreter that imports torch and the system first (untimed) and builds a new dataset object; every "
+             f"epoch's keys checked (each sample exactly once). The whole run took {r.get('seconds', 0):,.0f} s.",
+             "",
+             "Modes, the same for every system: **(a)** the first epoch of a new dataset object, from its "
+             "construction on; **(b)** every epoch through a DataLoader with persistent_workers=False (PyTorch's "
+             "default: each epoch starts new worker processes with new copies of the dataset); **(c)** the steady "
+             "state: the best epoch after the first, in one process and with persistent_workers=True (datapipe's "
+             "default). Each figure below says which mode it is.", ""]
     cells = r.get("cells", {})
     if cells:
-        persistent = {name: e["dataloader"]["settings"].get("persistent_workers")
-                      for name, e in next(iter(cells.values()))["systems"].items()
-                      if "persistent_workers" in e.get("dataloader", {}).get("settings", {})}
-        if persistent:
-            lines[0] += (" DataLoader workers persist across epochs: "
-                         + ", ".join(f"{k} {v}" for k, v in persistent.items()) + ".")
         rows = []
         for cell in cells.values():
             dp = cell["systems"].get("datapipe", {})
@@ -143,51 +247,66 @@ def loader_md(r: dict[str, Any]) -> str:
                          _mode_cell(dp, "dataloader", "MB_per_s"), lit_d,
                          _ratio(dp.get("dataloader"), litd), _mode_cell(mos, "dataloader"),
                          _mode_cell(wds, "dataloader")])
-        lines += ["samples/s; LitData is the faster of its two settings (ours, or its default where marked); "
-                  "x = datapipe / that LitData figure (batched: / LitData one process). Read floor: every shard "
-                  "file of datapipe's format read once from the page cache into buffers touched beforehand, one "
-                  "thread per core, nothing parsed or checked (best pass): the fastest rate at which epochs that "
-                  "each read every shard once can follow one another. One epoch can beat it by what was read "
-                  "ahead during the epoch before (at most prefetch_bytes), never epoch after epoch.",
+        lines += ["(c) steady state, samples/s; LitData is the faster of its two settings (ours, or its default "
+                  "where marked); x = datapipe / that LitData figure (batched: / LitData one process). Read floor: "
+                  "every shard file of datapipe's format read once from the page cache into buffers touched "
+                  "beforehand, one thread per core, nothing parsed or checked (best pass): the fastest rate at "
+                  "which epochs that each read every shard once can follow one another. One epoch can beat it by "
+                  "what was read ahead during the epoch before (at most prefetch_bytes), never epoch after epoch.",
                   "",
                   _table(["samples x size, shard", "read floor", "datapipe 1 proc", "LitData 1 proc", "x",
                           "datapipe batched", "x",
                           "datapipe DataLoader", "MB/s", "LitData DataLoader", "x", "MosaicML DataLoader",
                           "WebDataset DataLoader"], rows), ""]
+        lines += ["What users run, per cell: (a) first epochs, (b) non-persistent workers (each epoch listed), (c) "
+                  "steady states; datapipe / LitData per mode (LitData the faster of its two settings; in (b) the "
+                  "slowest epochs). The first sample and first batch count from the dataset's construction; a new "
+                  "worker's first batch from the worker's start (its worker_init_fn), the slowest worker of any "
+                  "epoch.", ""]
+        for cid, cell in cells.items():
+            if cell.get("modes"):
+                lines += [loader_modes_md(cid, cell), ""]
         rows = []
         for cid, cell in cells.items():
             for name, e in cell["systems"].items():
                 if "error" in e:
                     rows.append([cid, name, _fmt_setting(e["format_settings"]), "failed: " + e["error"][:80]]
-                                + [""] * 8)
+                                + [""] * 10)
+                    continue
+                if "same_format_as" in e:
+                    rows.append([cid, name, _fmt_setting(e["format_settings"]),
+                                 f"the files of {e['same_format_as']}: measured there"] + [""] * 10)
                     continue
                 mem = e.get("dataloader", {}).get("memory")
                 peak = "—" if not mem else (f"{mem['main_peak_rss_MB']:,.0f} / "
                                             f"{max(mem['worker_peak_rss_MB'], default=0):,.0f}")
                 fmt = _fmt_setting(e["format_settings"])
-                if "same_format_as" in e:
-                    fmt += f" (the files of {e['same_format_as']})"
                 rows.append([cid, name, fmt]
                             + [_mode_cell(e, m, k) for m in ("one_process", "dataloader")
                                for k in ("samples_per_s", "median_samples_per_s", "MB_per_s", "samples_per_cpu_s")]
+                            + [_mode_cell(e, "dataloader_nonpersistent", k)
+                               for k in ("median_samples_per_s", "slowest_samples_per_s")]
                             + [peak])
-        lines += ["Every system at our settings (the cell's shard size; DataLoader workers persistent across "
-                  "epochs, as datapipe's are by default) and at its own defaults (shard size and loader, whose "
-                  "workers restart each epoch):", "",
-                  _table(["cell", "system", "format", "1 proc samples/s", "median", "MB/s", "per CPU-s",
-                          "DataLoader samples/s", "median", "MB/s", "per CPU-s", "peak RSS MB main / worker"], rows),
+        lines += ["Every system at our settings (the cell's shard size) and at its own default shard size, each "
+                  "read the same ways: (c) steady state in one process and with persistent workers (best epoch after "
+                  "the first, median, payload MB/s, samples per CPU-second), (b) non-persistent workers (median and "
+                  "slowest epoch):", "",
+                  _table(["cell", "system", "format", "(c) 1 proc samples/s", "median", "MB/s", "per CPU-s",
+                          "(c) persistent DataLoader samples/s", "median", "MB/s", "per CPU-s",
+                          "(b) non-persistent median", "slowest", "peak RSS MB main / worker"], rows),
                   ""]
         errors = [f"- {cid} {name} {m}: {e[m].get('error') or e[m].get('unavailable')}"
                   for cid, cell in cells.items() for name, e in cell["systems"].items()
-                  for m in ("one_process", "batched", "dataloader")
+                  for m in ("one_process", "batched", "dataloader", "dataloader_nonpersistent")
                   if isinstance(e.get(m), dict) and ("error" in e[m] or "unavailable" in e[m])]
         if errors:
             lines += ["Errors and unavailable modes:", ""] + [x[:300] for x in errors] + [""]
         settings = []
         first = next(iter(cells.values()))
         for name, e in first["systems"].items():
-            loader = "; ".join(f"{m}: " + _fmt_setting(e[m].get("settings", {})) for m in ("one_process", "batched",
-                               "dataloader") if isinstance(e.get(m), dict) and "settings" in e[m])
+            loader = "; ".join(f"{m}: " + _fmt_setting(e[m].get("settings", {}))
+                               for m in ("one_process", "batched", "dataloader", "dataloader_nonpersistent")
+                               if isinstance(e.get(m), dict) and "settings" in e[m])
             settings.append([name, _fmt_setting(e["format_settings"]) + (" (the cell's shard size)"
                                                                          if "@" not in name else ""), loader])
         lines += ["Settings (format as written for the first cell; the loaders' as passed):", "",
@@ -209,11 +328,15 @@ def loader_md(r: dict[str, Any]) -> str:
                   f"{m['shard_bytes'] / 2**20:g} MiB for both.", "",
                   _table(["system", "1 worker images/s", "2 workers images/s",
                           "no workers, 2 map threads images/s", "2 workers / 1"], rows), ""]
+    if r.get("startup"):
+        lines += [loader_startup_md(r["startup"]), ""]
     targets = r.get("targets", [])
-    if targets:
-        lines += ["Targets of issue 12 (this run):", ""]
-        lines += [f"- **{t['status']}** {t['target']}: " + "; ".join(t["figures"]) for t in targets]
-    return "\n".join(lines)
+    for issue in sorted({t.get("issue", 12) for t in targets}):
+        lines += [f"Targets of issue {issue} (this run):", ""]
+        lines += [f"- **{t['status']}** {t['target']}: " + "; ".join(t["figures"])
+                  for t in targets if t.get("issue", 12) == issue]
+        lines.append("")
+    return "\n".join(lines).rstrip("\n")
 
 
 def gpu_md(r: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; at run time each comes 
     from .packing import PackResult, ShardWriter, join_parts, pack
     from .storage import set_storage_options
     from .tarindex import IndexResult, index_shards, open_dataset
-    from .tokens import index_tokens, pack_tokens
+    from .tokens import TokenDataset, TokenMix, index_tokens, pack_tokens
     from .verify import VerifyReport, verify_dataset
 
 #: public name -> the submodule that defines it, imported on first use (see _lazy.py)
@@ -43,6 +43,8 @@ _WHERE = {
     "StreamingDataLoader": "loader",
     "StreamingDataset": "loader",
     "TieredCache": "cache",
+    "TokenDataset": "tokens",
+    "TokenMix": "tokens",
     "VerifyReport": "verify",
     "index_shards": "tarindex",
     "index_tokens": "tokens",
@@ -73,6 +75,8 @@ __all__ = [
     "StreamingDataLoader",
     "StreamingDataset",
     "TieredCache",
+    "TokenDataset",
+    "TokenMix",
     "VerifyReport",
     "index_shards",
     "index_tokens",

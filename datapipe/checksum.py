@@ -6,11 +6,15 @@ moving it. The algorithm name travels with the digest so the format can change l
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from typing import Any
+
 import xxhash
 
 from .errors import ChecksumError
 
-__all__ = ["ALGORITHM", "Hasher", "checksum", "verify"]
+__all__ = ["ALGORITHM", "Hasher", "checksum", "verify", "canonical_json"]
 
 ALGORITHM = "xxh3_64"
 
@@ -45,3 +49,11 @@ def verify(data: bytes | bytearray | memoryview, expected: str | None, what: str
     got = checksum(data)
     if got != expected:
         raise ChecksumError(f"checksum mismatch for {what}: expected {expected}, got {got}")
+
+
+def canonical_json(doc: Mapping[str, Any], *, omit: str | None = None, allow_nan: bool = False) -> bytes:
+    """The bytes a JSON document's self-checksum covers (manifests, checkpoint documents):
+    every field but ``omit`` (the checksum's own), keys sorted, no spaces, ASCII. NaN and
+    infinities are refused (``ValueError``) unless ``allow_nan``."""
+    rest = doc if omit is None else {k: v for k, v in doc.items() if k != omit}
+    return json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=allow_nan).encode()

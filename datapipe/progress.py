@@ -8,10 +8,12 @@ progress means no tqdm object at all.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
-__all__ = ["progress_bar", "progress_iter"]
+__all__ = ["progress_bar", "progress_iter", "polled_progress"]
 
 T = TypeVar("T")
 
@@ -48,3 +50,32 @@ def progress_iter(items: Iterable[T], enabled: bool, **options: Any) -> Iterator
     from tqdm import tqdm
 
     return iter(tqdm(items, **options))
+
+
+@contextmanager
+def polled_progress(bar: Any, counters: Any, postfix: Callable[[Any], str], enabled: bool,
+                    name: str | None = None) -> Iterator[None]:
+    """``bar`` kept up with ``counters[0]`` (shared counters that worker processes add to)
+    by a thread that looks every 0.2 s and shows ``postfix(bar)`` beside it; on exit the
+    thread stops, the bar takes the last count and is closed. No thread unless ``enabled``."""
+    stop = threading.Event()
+
+    def poll() -> None:
+        last = 0
+        while not stop.wait(0.2):
+            cur = counters[0]
+            bar.update(cur - last)
+            last = cur
+            bar.set_postfix_str(postfix(bar), refresh=False)
+        bar.update(counters[0] - last)
+
+    poller = threading.Thread(target=poll, daemon=True, name=name) if enabled else None
+    if poller is not None:
+        poller.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if poller is not None:
+            poller.join()
+        bar.close()

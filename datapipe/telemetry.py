@@ -37,9 +37,12 @@ Where each figure is recorded (one recorder per loader, handed to its dataset an
   ``step``: as each batch is handed to the trainer (just before its ``yield``).
 - ``export``/``merge``: the worker's ``_Collate`` puts ``export()`` beside each batch it
   returns (``None`` mostly: at most one per ``export_interval_s``; ``force=True`` with a
-  pass's last batch); the main loop merges it before it opens the batch.
-- ``decode``: once per batch (or chunk) where ``decode=``/``map=`` run, with its samples;
-  ``prefetch_depth``: where the prefetcher's count of shards (or bytes) read ahead changes.
+  batch shorter than the batch size, a pass's last); the main loop merges it before it
+  opens the batch. What a worker records after its last export arrives with its next one
+  (a persistent worker's next pass): ``export_interval_s=0`` exports with every batch.
+- ``decode``: every 64 samples and at each chunk's end where ``decode=``/``map=`` run,
+  with their samples; ``prefetch_depth``: where the prefetcher's bytes of shards held or
+  being fetched change.
 - ``read``/``hit``/``miss``/``error``: where the cache counts a hit or miss of a tier today
   (memory: the hot tier; warm: ``warm_dir``; node-local: ``local_tiers``; shared: the shared
   directory; cold: a read of the cold store, also the loader's reads without a cache), with
@@ -249,6 +252,14 @@ def _refuse(name: str, value: Any, allowed: str) -> OptionError:
     return OptionError(f"Telemetry.{name}: {show(value)} is not {allowed}")
 
 
+def _below(value: Any, top: float) -> bool:
+    """Whether ``0 <= value < top``; False for what does not compare with numbers."""
+    try:
+        return bool(0 <= value < top)
+    except TypeError:
+        return False
+
+
 class Telemetry:
     """The recorder of one process (see the module docstring).
 
@@ -314,6 +325,20 @@ class Telemetry:
         self._local.v = v
         return v
 
+    def _slot(self) -> list[float]:
+        """This thread's counters."""
+        try:
+            return self._local.v  # type: ignore[no-any-return]
+        except AttributeError:
+            return self._new_slot()
+
+    def _time(self, index: int, seconds: float) -> None:
+        """Count one timing of ``seconds``: its number, sum and histogram bucket."""
+        v = self._slot()
+        v[index] += 1
+        v[index + 1] += seconds
+        v[index + 2 + bisect_left(BUCKET_BOUNDS, seconds)] += 1
+
     def wait_begin(self) -> float:
         """Mark the start of a wait for data (before ``next()``); returns the time to give
         :meth:`wait_end`. A wait still open shows in a window as ``waiting_now_s``."""
@@ -329,19 +354,9 @@ class Telemetry:
 
     def data_wait(self, seconds: float) -> None:
         """Count ``seconds`` the trainer waited for a batch."""
-        try:
-            ok = 0.0 <= seconds < _MAX_SECONDS
-        except TypeError:
-            ok = False
-        if not ok:
+        if not _below(seconds, _MAX_SECONDS):
             raise _refuse("data_wait", seconds, "a number of seconds >= 0")
-        try:
-            v = self._local.v
-        except AttributeError:
-            v = self._new_slot()
-        v[_WAIT] += 1
-        v[_WAIT + 1] += seconds
-        v[_WAIT + 2 + bisect_left(BUCKET_BOUNDS, seconds)] += 1
+        self._time(_WAIT, seconds)
 
     def step(self) -> None:
         """Mark a step (a batch handed to the trainer): the time since the previous mark is
@@ -351,14 +366,7 @@ class Telemetry:
         self._last_step = now
         self._steps += 1
         if last:
-            seconds = now - last
-            try:
-                v = self._local.v
-            except AttributeError:
-                v = self._new_slot()
-            v[_STEP] += 1
-            v[_STEP + 1] += seconds
-            v[_STEP + 2 + bisect_left(BUCKET_BOUNDS, seconds)] += 1
+            self._time(_STEP, now - last)
         if self.window_steps is not None and not self._asked \
                 and self._steps - self._window_step0 >= self.window_steps:
             self._asked = True
@@ -368,19 +376,9 @@ class Telemetry:
         """Count ``seconds`` of the trainer's own work in a step (forward and backward,
         without the collectives that wait on other ranks): in synchronous training every
         rank's step time is the slowest rank's, and only this tells the slow one."""
-        try:
-            ok = 0.0 <= seconds < _MAX_SECONDS
-        except TypeError:
-            ok = False
-        if not ok:
+        if not _below(seconds, _MAX_SECONDS):
             raise _refuse("compute", seconds, "a number of seconds >= 0")
-        try:
-            v = self._local.v
-        except AttributeError:
-            v = self._new_slot()
-        v[_COMPUTE] += 1
-        v[_COMPUTE + 1] += seconds
-        v[_COMPUTE + 2 + bisect_left(BUCKET_BOUNDS, seconds)] += 1
+        self._time(_COMPUTE, seconds)
 
     def read(self, tier: str, nbytes: int, seconds: float) -> None:
         """Count a read of ``nbytes`` served by ``tier`` (one of :data:`TIERS`) in
@@ -392,10 +390,7 @@ class Telemetry:
             ok = False
         if not ok:
             raise self._bad_tier("read", tier, f"nbytes={show(nbytes)}, seconds={show(seconds)}")
-        try:
-            v = self._local.v
-        except AttributeError:
-            v = self._new_slot()
+        v = self._slot()
         v[base] += 1
         v[base + _T_BYTES] += nbytes
         v[base + _T_SECONDS] += seconds
@@ -418,11 +413,7 @@ class Telemetry:
             base = _TIER_BASE[tier]
         except (KeyError, TypeError):
             raise self._bad_tier(name, tier, "") from None
-        try:
-            v = self._local.v
-        except AttributeError:
-            v = self._new_slot()
-        v[base + offset] += 1
+        self._slot()[base + offset] += 1
 
     def cold_retry(self, n: int = 1) -> None:
         """Count ``n`` retried cold requests (failures asked again)."""
@@ -433,48 +424,26 @@ class Telemetry:
         self._count("throttled", n, _THROTTLED)
 
     def _count(self, name: str, n: int, index: int) -> None:
-        try:
-            ok = 0 <= n < _MAX_COUNT
-        except TypeError:
-            ok = False
-        if not ok:
+        if not _below(n, _MAX_COUNT):
             raise _refuse(name, n, "a count >= 0")
-        try:
-            v = self._local.v
-        except AttributeError:
-            v = self._new_slot()
-        v[index] += n
+        self._slot()[index] += n
 
     def prefetch_depth(self, depth: float) -> None:
         """Set the prefetch depth now (batches or bytes read ahead, as the loader counts
         them): a gauge, the last value set in this process, summed with its workers'."""
-        try:
-            ok = 0 <= depth < _MAX_COUNT
-        except TypeError:
-            ok = False
-        if not ok:
+        if not _below(depth, _MAX_COUNT):
             raise _refuse("prefetch_depth", depth, "a depth >= 0")
         self._depth = depth
-        try:
-            v = self._local.v
-        except AttributeError:
-            v = self._new_slot()
+        v = self._slot()
         v[_DEPTH] += depth
         v[_DEPTH + 1] += 1
 
     def decode(self, seconds: float, samples: int = 1) -> None:
         """Count ``seconds`` of decode/map work over ``samples`` samples (one call per
         batch, not per sample: a sample of 16 KiB takes microseconds)."""
-        try:
-            ok = 0.0 <= seconds < _MAX_SECONDS and 0 <= samples < _MAX_COUNT
-        except TypeError:
-            ok = False
-        if not ok:
+        if not (_below(seconds, _MAX_SECONDS) and _below(samples, _MAX_COUNT)):
             raise _refuse("decode", (seconds, samples), "(seconds >= 0, samples >= 0)")
-        try:
-            v = self._local.v
-        except AttributeError:
-            v = self._new_slot()
+        v = self._slot()
         v[_DECODE] += 1
         v[_DECODE + 1] += seconds
         v[_DECODE + 2] += samples

@@ -13,7 +13,8 @@ pytest.importorskip("litdata")
 
 def test_every_system_gets_the_same_processes(tmp_path) -> None:
     cfg = bench_pack.PackBenchConfig(samples=240, quick=True, repeats=1, workers=2, shard_mb=0.5, workdir=str(tmp_path),
-                                     systems=("floor-np", "datapipe", "webdataset", "mds", "litdata"), cache="warm")
+                                     systems=("floor-np", "floor-np-plain", "floor-np-write", "datapipe", "webdataset",
+                                              "mds", "litdata"), cache="warm")
     r = bench_pack.run(cfg)
     assert r["config"]["workers"] == 2 and r["floor_system"] == "floor-np"
     rows = {row["system"]: row for row in r["rows"]}

@@ -348,6 +348,10 @@ def _set(doc, path, value, delete=False):
     node = doc
     for k in path[:-1]:
         node = node[k]
+    if isinstance(node, dict) and not isinstance(path[-1], str):
+        # an earlier edit made a list of the original a dict: a list index is no JSON key
+        # (a document with one would be the test's failure, not the loader's)
+        raise TypeError("a JSON object's keys are strings")
     if delete and isinstance(node, dict):
         node.pop(path[-1], None)
     else:
@@ -442,10 +446,11 @@ def test_any_edit_loads_a_saved_state_or_raises_a_datapipe_error(pristine, tmp_p
 
 def _signed_doc_text(body: dict) -> str:
     """``body`` as a part document with a valid self-checksum, not ASCII-escaped."""
-    from datapipe.checkpoint.format import FORMAT, VERSION, _canonical
+    from datapipe.checkpoint.format import FORMAT, VERSION
+    from datapipe.checksum import canonical_json
 
     doc = dict(body, format=FORMAT, kind="part", version=VERSION)
-    doc["checksum"] = checksum(_canonical(doc))
+    doc["checksum"] = checksum(canonical_json(doc))
     return json.dumps(doc, ensure_ascii=False, sort_keys=True)
 
 

@@ -34,6 +34,8 @@ PUBLIC = {
     "StreamingDataLoader": ("datapipe.loader", "class"),
     "StreamingDataset": ("datapipe.loader", "class"),
     "TieredCache": ("datapipe.cache", "class"),
+    "TokenDataset": ("datapipe.tokens", "class"),  # sequences of a token dataset (concat or packed documents)
+    "TokenMix": ("datapipe.tokens", "class"),  # token datasets mixed by weight, exact per global batch
     "VerifyReport": ("datapipe.verify", "class"),
     "verify_dataset": ("datapipe.verify", "function"),
     "pack_tokens": ("datapipe.tokens", "function"),

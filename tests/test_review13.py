@@ -322,7 +322,7 @@ def test_a_cached_index_of_other_shards_is_not_used(tmp_path):
 def test_brace_counts_match_the_expansion(pattern):
     """The bound is checked on a count made without expanding: it must be the number of
     names the expansion makes, for any pattern (nested, unbalanced, literal braces)."""
-    from datapipe.tarindex.urls import _count_names, _expand
+    from datapipe.storage.patterns import _count_names, _expand
 
     try:
         names = _expand(pattern)

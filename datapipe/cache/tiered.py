@@ -456,10 +456,15 @@ class TieredCache:
                 fd = found.fd
                 if found.kept:  # a corrupt copy pinned elsewhere
                     return self._pinned_elsewhere(state, url, checksum, index, caller, read_through)
+                tel = self._telemetry  # the pinned copy's bytes are timed by its reader (the loader)
                 if fd is not None:
                     warm.count_hit()
+                    if tel is not None:
+                        tel.hit(warm.telemetry_name)
                 else:
                     warm.count_miss()
+                    if tel is not None:
+                        tel.miss(warm.telemetry_name)
                     got = warm.pin(url, checksum, route, read_through=read_through)
                     if not isinstance(got, int):  # not an fd: not admitted, read through, verified below
                         return got

@@ -43,7 +43,7 @@ from .layout import MemberTable, ShardLayout, find_layout
 from .parquet_pages import chunk_pages
 from .rows import flatten_bytes_structs, key_text, python_rows, python_values, row_fields
 from .sample import COMPRESSIONS, decode_sample, decompress_frame, encode_sample, field_bytes
-from .shard import STAGING_BYTES, ShardBuilder, shard_name
+from .shard import STAGING_BYTES, ShardBuilder, members_tar_bytes, shard_name
 from .tar import (
     BLOCK,
     END_OF_ARCHIVE,
@@ -88,6 +88,7 @@ __all__ = [
     "key_text",
     "make_manifest",
     "member_name",
+    "members_tar_bytes",
     "next_member_name",
     "padding",
     "parse_manifest",

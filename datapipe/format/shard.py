@@ -9,7 +9,7 @@ packing small files costs one read per file and no intermediate bytes objects.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import xxhash
@@ -21,13 +21,26 @@ from .index import SampleRecords, ShardRecord
 from .sample import COMPRESSIONS, encode_sample
 from .tar import BLOCK, END_OF_ARCHIVE, member_header, member_name, padding
 
-__all__ = ["ShardBuilder", "shard_name", "Fill"]
+__all__ = ["ShardBuilder", "shard_name", "members_tar_bytes", "Fill"]
 
 STAGING_BYTES = 4 << 20
 _ZEROS = bytes(BLOCK)
+_ZERO_VIEW = memoryview(_ZEROS)
 
 #: writes a member's data into the view it is given and returns the byte count
 Fill = Callable[[memoryview], int]
+
+
+def members_tar_bytes(key: str, members: Iterable[tuple[str, int]]) -> int:
+    """The bytes that the members ``(field, size)`` of sample ``key`` take in an
+    uncompressed shard (headers, data, padding), exactly as :meth:`ShardBuilder.add_members`
+    lays them out: what a piece of a shard written at a known offset needs."""
+    total = 0
+    for field, size in members:
+        name = f"{key}.{field}"
+        header = BLOCK if len(name) <= 100 and name.isascii() else len(member_header(name, size))
+        total += header + size + padding(size)
+    return total
 
 
 def shard_name(index: int, compression: str, prefix: str = "shard") -> str:
@@ -40,17 +53,22 @@ class ShardBuilder:
     blocks a last frame, so ``zstd -d`` yields a valid tar and each sample is one range."""
 
     def __init__(self, sink: BinaryIO, name: str, compression: str = "none", level: int = 3,
-                 staging: bytearray | None = None) -> None:
+                 staging: bytearray | None = None, piece_at: int | None = None) -> None:
         if compression not in COMPRESSIONS:
             raise FormatError(f"unknown compression {compression!r}; choose one of {COMPRESSIONS}")
+        if piece_at is not None and compression != "none":
+            raise FormatError("a piece of a shard is written uncompressed: its offsets are known in advance")
         self.sink = sink
         self.name = name
         self.compression = compression
         self._zstd = zstandard.ZstdCompressor(level=level) if compression == "zstd" else None
-        self._hash = Hasher()
+        # a piece (of a shard that several processes write at once, each from ``piece_at``,
+        # its first byte in the shard) records shard offsets and no whole-shard checksum:
+        # the one process that assembles the shard hashes it whole (and writes its end)
+        self._hash: Hasher | None = None if piece_at is not None else Hasher()
         self.records = SampleRecords([], [], [], [])
         self.fields: set[str] = set()
-        self.stored_bytes = 0  # written to the sink or staged
+        self.stored_bytes = piece_at or 0  # written to the sink or staged (in the shard, from its start)
         self.tar_bytes = 0
         self._closed = False
         self._buf = staging if staging is not None else bytearray(STAGING_BYTES)
@@ -69,7 +87,8 @@ class ShardBuilder:
         if not n:
             return
         view = self._mv[:n]
-        self._hash.update(view)
+        if self._hash is not None:
+            self._hash.update(view)
         if self._fd is not None:
             self.sink.flush()
             while view:
@@ -119,9 +138,15 @@ class ShardBuilder:
         data into ``view`` (``size + 1`` bytes long, so that a source that grew is noticed)
         and returns the count; anything but ``size`` raises ``ValueError`` and the sample is
         not added. The key must already have passed ``check_key``."""
-        names = [member_name(key, f) for f, _, _ in members]
-        headers = [member_header(n, size) for n, (_, size, _) in zip(names, members)]
-        total = sum(len(h) + size + padding(size) for h, (_, size, _) in zip(headers, members))
+        # one pass for the headers (the room to reserve), one to fill: a few Python
+        # operations per member, beside the member's own reads (packing small files is
+        # bound by the per-file cost)
+        headers = []
+        total = 0
+        for field, size, _ in members:
+            header = member_header(member_name(key, field), size)
+            headers.append(header)
+            total += len(header) + size + (-size % BLOCK)
         if self._zstd is None:
             start = self._reserve(total + 1)
             mv = self._mv
@@ -131,24 +156,26 @@ class ShardBuilder:
             start, mv = 0, memoryview(self._scratch)
         p = start
         for header, (field, size, fill) in zip(headers, members):
-            mv[p : p + len(header)] = header
-            p += len(header)
-            got = fill(mv[p : p + size + 1])
+            q = p + len(header)
+            mv[p:q] = header
+            p = q + size
+            got = fill(mv[q : p + 1])
             if got != size:
                 raise ValueError(f"field {field!r} of sample {key!r} has {got} bytes, expected {size}")
-            p += size
-            pad = padding(size)
-            mv[p : p + pad] = _ZEROS[:pad]
-            p += pad
-        fields = [f for f, _, _ in members]
+            pad = -size % BLOCK
+            if pad:
+                mv[p : p + pad] = _ZERO_VIEW[:pad]
+                p += pad
         if self._zstd is not None:
-            return self._store_raw(key, mv[:total], fields)
+            return self._store_raw(key, mv[:total], [f for f, _, _ in members])
         self.tar_bytes += total
-        return self._record(key, start, total, fields)
+        return self._record(key, start, total, [f for f, _, _ in members])
 
     def finish(self) -> ShardRecord:
         if self._closed:
             raise FormatError(f"shard {self.name} is already finished")
+        if self._hash is None:
+            raise FormatError(f"a piece of shard {self.name} has no end of its own: flush() it")
         self._closed = True
         tail = self._zstd.compress(END_OF_ARCHIVE) if self._zstd is not None else END_OF_ARCHIVE
         self.tar_bytes += len(END_OF_ARCHIVE)

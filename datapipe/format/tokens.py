@@ -24,7 +24,6 @@ leaves the renames to its caller.
 from __future__ import annotations
 
 import io
-import json
 import os
 import struct
 import uuid
@@ -37,6 +36,7 @@ import numpy.typing as npt
 from .._version import __version__
 from ..checksum import ALGORITHM, Hasher, checksum
 from ..errors import ChecksumError, CorruptIndexError, FormatError, OptionError
+from .envelope import check_manifest_checksum, open_manifest, seal_manifest
 from .index import FileDigest, check_relative_name, check_shard_location, is_checksum
 
 __all__ = [
@@ -71,6 +71,7 @@ __all__ = [
     "make_token_manifest",
     "parse_token_manifest",
     "check_part",
+    "check_block_sums",
     "TokenPartWriter",
 ]
 
@@ -506,13 +507,6 @@ _PART_INTS = ("bin_bytes", "idx_bytes", "documents", "sequences", "tokens")
 _PART_FIELDS = ("prefix", "idx", "xxh", *_PART_INTS, "idx_checksum", "xxh_checksum")
 
 
-def _canonical(doc: dict[str, Any]) -> bytes:
-    # the same canonical JSON as the dataset manifest's self-checksum (format.index):
-    # every field but the checksum, sorted keys, no spaces, ASCII
-    rest = {k: v for k, v in doc.items() if k != "manifest_checksum"}
-    return json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
-
-
 def make_token_manifest(parts: list[TokenPart], *, dtype: Any, vocab_size: int | None = None,
                         eos_id: int | None = None, block_bytes: int = BLOCK_BYTES,
                         extra: dict[str, Any] | None = None) -> bytes:
@@ -536,8 +530,7 @@ def make_token_manifest(parts: list[TokenPart], *, dtype: Any, vocab_size: int |
         "created_by": f"datapipe {__version__}",
         "parts": [{f: getattr(p, f) for f in _PART_FIELDS} for p in parts],
     }
-    doc["manifest_checksum"] = checksum(_canonical(doc))
-    return json.dumps(doc, indent=1, sort_keys=True, allow_nan=False).encode() + b"\n"
+    return seal_manifest(doc)
 
 
 def _int(doc: dict[str, Any], k: str, where: str, lo: int = 0, hi: int = _MAX_INT, none: bool = False) -> Any:
@@ -556,23 +549,8 @@ def parse_token_manifest(data: bytes, where: str) -> TokenManifest:
     :class:`FormatError` for another format or version) naming ``where``."""
     if len(data) > _MAX_MANIFEST:
         raise CorruptIndexError(f"{where}: a {len(data)}-byte manifest is larger than any token manifest")
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptIndexError(f"{where}: manifest is not JSON: {e}") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise FormatError(f"{where}: not a datapipe token manifest (format != {FORMAT_NAME!r})")
-    if doc.get("version") != FORMAT_VERSION:
-        raise FormatError(f"{where}: token format version {doc.get('version')!r}; this datapipe reads "
-                          f"version {FORMAT_VERSION} (upgrade datapipe)")
-    stored = doc.get("manifest_checksum")
-    try:
-        ok = is_checksum(stored) and checksum(_canonical(doc)) == stored
-    except ValueError:  # 1e999 parses to inf, which canonical JSON refuses
-        ok = False
-    if not ok:
-        raise CorruptIndexError(f"{where}: manifest checksum mismatch (the manifest was damaged or edited); "
-                                "re-run the pack that wrote it")
+    doc = open_manifest(data, where, name=FORMAT_NAME, version=FORMAT_VERSION, what="token")
+    check_manifest_checksum(doc, where, "re-run the pack that wrote it")
     code = _int(doc, "dtype_code", where, 1, 8)
     if code not in DTYPE_CODES or code in _FLOAT_CODES or doc.get("dtype") != str(DTYPE_CODES[code].newbyteorder("=")):
         raise CorruptIndexError(f"{where}: dtype {doc.get('dtype')!r} with code {code} is not a token dtype")
@@ -629,6 +607,30 @@ class PartIndex:
     sums: UInt64s
 
 
+def _check_recorded(name: str, data: Buffer, size: int, want: str, pre: str) -> None:
+    """``data`` (the file ``name``) has the size and checksum the manifest records."""
+    mv = _u8(data, name)
+    if len(mv) != size:
+        raise CorruptIndexError(f"{pre}{name}: {len(mv)} bytes, the manifest records {size}; "
+                                "the file was truncated, extended or replaced")
+    got = checksum(mv)
+    if got != want:
+        raise CorruptIndexError(f"{pre}{name}: checksum {got}, the manifest records {want}; "
+                                "the file was damaged or replaced (re-pack the dataset)")
+
+
+def check_block_sums(manifest: TokenManifest, i: int, xxh_data: Buffer, *, where: str = "") -> UInt64s:
+    """The block checksums of part ``i``'s ``.bin`` from its ``.xxh``, which must have the size
+    and checksum the manifest records (:class:`CorruptIndexError` naming the file). What a
+    reader needs that takes no offset from the ``.idx`` (concatenated sequences need only
+    the manifest's token counts)."""
+    part = manifest.parts[i]
+    pre = f"{where}: " if where else ""
+    _check_recorded(part.xxh, xxh_data, 8 * block_count(part.bin_bytes, manifest.block_bytes), part.xxh_checksum,
+                    pre)
+    return read_xxh(xxh_data, bin_bytes=part.bin_bytes, block_bytes=manifest.block_bytes, where=f"{pre}{part.xxh}")
+
+
 def check_part(manifest: TokenManifest, i: int, idx_data: Buffer, xxh_data: Buffer, *,
                where: str = "") -> PartIndex:
     """Part ``i`` of ``manifest`` from the bytes of its ``.idx`` and ``.xxh``: both must have
@@ -636,25 +638,14 @@ def check_part(manifest: TokenManifest, i: int, idx_data: Buffer, xxh_data: Buff
     counts and dtype exactly, else :class:`CorruptIndexError` naming the file."""
     part = manifest.parts[i]
     pre = f"{where}: " if where else ""
-    for name, data, size, want in ((part.idx, idx_data, part.idx_bytes, part.idx_checksum),
-                                   (part.xxh, xxh_data, 8 * block_count(part.bin_bytes, manifest.block_bytes),
-                                    part.xxh_checksum)):
-        mv = _u8(data, name)
-        if len(mv) != size:
-            raise CorruptIndexError(f"{pre}{name}: {len(mv)} bytes, the manifest records {size}; "
-                                    "the file was truncated, extended or replaced")
-        got = checksum(mv)
-        if got != want:
-            raise CorruptIndexError(f"{pre}{name}: checksum {got}, the manifest records {want}; "
-                                    "the file was damaged or replaced (re-pack the dataset)")
+    _check_recorded(part.idx, idx_data, part.idx_bytes, part.idx_checksum, pre)
+    sums = check_block_sums(manifest, i, xxh_data, where=where)
     index = read_idx(idx_data, bin_size=part.bin_bytes, where=f"{pre}{part.idx}")
     counts = (index.dtype, index.num_sequences, index.num_documents, index.num_tokens)
     expect = (manifest.dtype, part.sequences, part.documents, part.tokens)
     if counts != expect:
         raise CorruptIndexError(f"{pre}{part.idx}: (dtype, sequences, documents, tokens) = {counts}, "
                                 f"the manifest records {expect}")
-    sums = read_xxh(xxh_data, bin_bytes=part.bin_bytes, block_bytes=manifest.block_bytes,
-                    where=f"{pre}{part.xxh}")
     return PartIndex(part, index, sums)
 
 

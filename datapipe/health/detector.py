@@ -139,11 +139,11 @@ def detect(summaries: SummaryTable | Iterable[WindowSummary | Mapping[str, Any]]
     age = now - table.time
     stale = age > stale_after
     idle = ~stale & (table.steps == 0) & (table.waiting_now == 0)
-    for i in np.flatnonzero(stale):
+    for i in np.flatnonzero(stale).tolist():
         others.append(Finding(int(table.ranks[i]), "stale", f"stale: its last summary (window {table.seq[i]:.0f}) is "
                               f"{seconds(age[i])} old, older than {seconds(stale_after)}: it stopped publishing "
                               "(ended, hung, or lost the board); not compared", table.hosts[i]))
-    for i in np.flatnonzero(idle):
+    for i in np.flatnonzero(idle).tolist():
         others.append(Finding(int(table.ranks[i]), "idle", f"idle: no step and no wait for data in its last window "
                               f"(window {table.seq[i]:.0f}); not compared", table.hosts[i]))
     t = table.take(np.flatnonzero(~stale & ~idle))
@@ -163,12 +163,12 @@ def detect(summaries: SummaryTable | Iterable[WindowSummary | Mapping[str, Any]]
     found = []
     if data.any() or compute.any():
         medians = _Medians(t)
-        for i in np.flatnonzero(data):
+        for i in np.flatnonzero(data).tolist():
             message = (f"data: {medians.cause(i, k)} (waits {seconds(wait[i])} per step for data, median "
                        f"{seconds(med_wait)})")
             found.append(Finding(int(t.ranks[i]), "data", message, t.hosts[i], float(metric[i] / med_metric)))
         what = "compute time" if by_compute else "step time"
-        for i in np.flatnonzero(compute):
+        for i in np.flatnonzero(compute).tolist():
             ratio = float(metric[i] / med_metric)
             message = (f"compute: data wait normal ({seconds(wait[i])} per step), {what} {ratio:.1f}x the median "
                        f"({seconds(metric[i])} against {seconds(med_metric)})")

@@ -28,8 +28,10 @@ recorder's own bounds, so each count is exact.
 
 from __future__ import annotations
 
+import os
 import socketserver
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -66,11 +68,27 @@ class _Quiet(WSGIRequestHandler):
         pass
 
 
+#: the endpoints serving in this process: a forked child (a DataLoader worker) closes its
+#: copies of their sockets, else it would hold the port (and accept scrapes nobody answers)
+#: after the endpoint closed
+_SERVING: weakref.WeakSet[MetricsServer] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for server in list(_SERVING):
+        server._server.socket.close()
+    _SERVING.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 class MetricsServer:
     """A running endpoint: ``port`` (the one bound, when 0 was asked), ``url``, ``close()``."""
 
     def __init__(self, server: WSGIServer, addr: str) -> None:
         self._server = server
+        _SERVING.add(self)
         self.port: int = server.server_port
         host = "127.0.0.1" if addr in ("", "0.0.0.0") else addr
         self.url = f"http://{host}:{self.port}/metrics"

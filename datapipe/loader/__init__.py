@@ -18,7 +18,8 @@ Beside them: ``dataset`` (``StreamingDataset``: configuration and state, and the
 composed of the stages), ``pass_state`` (progress and the error policy every stage shares),
 ``dataloader`` (``StreamingDataLoader``), ``ring`` (the shared-memory batch ring), ``control``
 (what the main process and DataLoader workers tell each other). A token loader plugs its own
-planner, fetch and reader into the plan and fetch stages.
+planner, fetch and reader into the plan and fetch stages (the face gives it what it reuses:
+``LazyTensor``, ``share_size``, ``WorkerPasses``, ``BufferPool`` beside the stage parts).
 
 Imports ``plan``, ``format``, ``storage``, ``tables``, ``tarindex`` (to resolve shard URLs),
 ``datapipe.dataset``, ``decode`` and the leaves; never ``pack`` or ``checkpoint``. Names load
@@ -31,24 +32,28 @@ from .._lazy import lazy_exports
 from ..decode import DEFAULT_DECODERS, make_decoder
 
 if TYPE_CHECKING:
-    from .batch import Batch, Column
-    from .chunks import Chunk, EpochPlanner, PassKey, pass_chunks
+    from .batch import Batch, Column, LazyTensor
+    from .chunks import Chunk, EpochPlanner, PassKey, pass_chunks, share_size
+    from .control import WorkerPasses
     from .dataloader import StreamingDataLoader
     from .dataset import StreamingDataset, resolve_topology
     from .mixing import Stream
     from .pass_state import ErrorPolicy, Progress, Skipped
     from .prefetch import PassFetch, Prefetcher, ReadAhead, take_read_ahead
+    from .source import BufferPool
 
 __all__ = ["DEFAULT_DECODERS", "Stream", "StreamingDataLoader", "StreamingDataset", "make_decoder",
            "resolve_topology", "Batch", "Column", "Chunk", "EpochPlanner", "PassKey", "pass_chunks", "ErrorPolicy",
-           "Progress", "Skipped", "PassFetch", "Prefetcher", "ReadAhead", "take_read_ahead"]
+           "Progress", "Skipped", "PassFetch", "Prefetcher", "ReadAhead", "take_read_ahead", "LazyTensor",
+           "share_size", "WorkerPasses", "BufferPool"]
 
 #: public name -> the submodule that defines it, imported on first use
 _WHERE = {"Stream": "mixing", "StreamingDataLoader": "dataloader", "StreamingDataset": "dataset",
           "resolve_topology": "dataset", "Batch": "batch", "Column": "batch", "Chunk": "chunks",
           "EpochPlanner": "chunks", "PassKey": "chunks", "pass_chunks": "chunks", "ErrorPolicy": "pass_state",
           "Progress": "pass_state", "Skipped": "pass_state", "PassFetch": "prefetch", "Prefetcher": "prefetch",
-          "ReadAhead": "prefetch", "take_read_ahead": "prefetch"}
+          "ReadAhead": "prefetch", "take_read_ahead": "prefetch", "LazyTensor": "batch", "share_size": "chunks",
+          "WorkerPasses": "control", "BufferPool": "source"}
 
 #: the submodules an eager import of the package used to bind (`datapipe.loader.source`)
 _SUBMODULES = frozenset({"batch", "chunks", "control", "dataset", "decoding", "layouts", "mixing", "pass_state",

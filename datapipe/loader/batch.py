@@ -37,7 +37,7 @@ from .pass_state import Progress, Skipped, split_skipped
 if TYPE_CHECKING:
     from .readers import ChunkRead, LaidOutRows
 
-__all__ = ["Batch", "Column", "batch_chunks", "cut_batches", "distinct"]
+__all__ = ["Batch", "Column", "LazyTensor", "batch_chunks", "cut_batches", "distinct"]
 
 _BYTES = (bytes, bytearray, memoryview)
 _MISSING = object()
@@ -195,6 +195,50 @@ class Column:
 
 def _contiguous_column(data: NDArray[np.uint8], offsets: NDArray[np.int64]) -> Column:
     return Column([data], offsets[:-1], offsets[1:])
+
+
+class LazyTensor:
+    """A tensor field of a :class:`Batch` written where it is read: a loader's ring writes it
+    straight into its shared-memory slot (``fill_into``), which saves making it and copying
+    it there; anything else gets it made once (:meth:`tensor`, and pickling, which sends the
+    tensor). ``fill(array)`` writes the values into a numpy array of ``shape`` and ``dtype``
+    (a torch dtype); it must keep alive whatever it reads (its references are dropped once
+    the tensor is made)."""
+
+    __slots__ = ("_fill", "_tensor", "dtype", "shape")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, fill: Any) -> None:
+        self.shape, self.dtype, self._fill = tuple(shape), dtype, fill
+        self._tensor: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        import torch
+
+        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty(0, dtype=self.dtype).element_size()
+
+    def fill_into(self, out: Any) -> None:
+        """Write the values into ``out``, a CPU tensor of this shape and dtype."""
+        if self._tensor is not None:
+            out.copy_(self._tensor)
+        elif out.numel():
+            self._fill(out.numpy())
+
+    def tensor(self) -> Any:
+        if self._tensor is None:
+            import torch
+
+            t = torch.empty(self.shape, dtype=self.dtype)
+            self.fill_into(t)
+            self._tensor, self._fill = t, None
+        return self._tensor
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _identity, (self.tensor(),)
+
+
+def _identity(value: Any) -> Any:
+    return value
 
 
 def _collate(values: list[Any]) -> Any:

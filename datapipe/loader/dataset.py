@@ -36,6 +36,7 @@ from ..options import MAX_COUNT, check_bool, check_bytes, check_choice, check_in
 from ..plan import EpochPlan, fetch_order, layout_fingerprint
 from ..tables import ParquetTable
 from ..tarindex import resolve_source
+from ..telemetry import Telemetry
 from ..topology import Topology
 from .batch import batch_chunks
 from .chunks import EpochPlanner, PassKey, pass_chunks, share_size
@@ -146,6 +147,10 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
     from the shards' layouts with numpy, viewing the shard buffers). ``map_threads=N``: run
     ``decode=``/``map=`` in N threads (in each DataLoader worker too), in stream order: a
     gain where they release the GIL, as PIL and torchvision image decoding does.
+    ``telemetry``: a :class:`~datapipe.telemetry.Telemetry` the pass records its decode/map
+    time, prefetch depth and reads into (handed to ``cache`` too when it has none); a
+    :class:`~datapipe.loader.StreamingDataLoader` adds data wait and step time, and brings
+    its workers' counts into this process.
 
     With a plain ``DataLoader`` and ``persistent_workers=False`` (the default), each pass
     pickles this object into the workers, so ``set_epoch`` and ``load_state_dict`` reach them.
@@ -178,7 +183,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                  storage_options: dict[str, Any] | None = None, on_error: str = "raise",
                  epoch_size: int | None = None, prefetch_bytes: int = 512 << 20, concurrency: int = 4,
                  chunk_samples: int = 8192, return_position: bool = False, batched: bool = False,
-                 map_threads: int = 0) -> None:
+                 map_threads: int = 0, telemetry: Telemetry | None = None) -> None:
         # every argument is checked before anything is read (indexing tar shards, opening indexes)
         E = LoaderOptionError
         sources = _check_source(source)
@@ -210,6 +215,8 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
             storage_options = check_mapping("storage_options", storage_options, error=E)
         if cache is not None and not callable(getattr(cache, "read", None)):
             raise E(f"cache={show(cache)}: expected a TieredCache (an object with read(url, checksum=...)) or None")
+        if telemetry is not None and not isinstance(telemetry, Telemetry):
+            raise E(f"telemetry={show(telemetry)}: expected a datapipe.telemetry.Telemetry or None")
         self._decode = make_decoder(decode, map)  # a package the decoders need is imported here
         streams = resolve_source(sources, storage_options, cache)  # tar shard URLs: indexed on first use
         self.streams = [s if isinstance(s, Stream) else Stream(s) for s in streams]
@@ -222,6 +229,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                                   [s.storage_options or storage_options for s in self.streams],
                                   max_pooled_bytes=prefetch_bytes)
         self.cache = cache
+        self.telemetry = telemetry
         self.shuffle = shuffle
         self.seed = seed
         #: shards a sample may move across; None (every shard) is stored as 2**62
@@ -276,6 +284,18 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         self._worker_skip = 0
         if sum(self._targets) == 0:
             raise PlanError(f"{', '.join(self.source.urls)}: the mix asks for no sample per epoch")
+
+    @property
+    def telemetry(self) -> Telemetry | None:
+        """Where the pass records decode/map time, prefetch depth, reads and retries (None:
+        nowhere); set, it is handed to the cache too when the cache records nowhere."""
+        return self.source.telemetry
+
+    @telemetry.setter
+    def telemetry(self, telemetry: Telemetry | None) -> None:
+        self.source.telemetry = telemetry
+        if telemetry is not None and self.cache is not None and getattr(self.cache, "telemetry", telemetry) is None:
+            self.cache.telemetry = telemetry
 
     # -- pickling into DataLoader workers ------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -516,7 +536,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                                 columnar=self.batched and decoder.is_identity)
             if not decoder.is_identity:
                 reads = decode_chunks(reads, decoder, progress, on_error, positions=positions,
-                                      threads=self.map_threads, pool=self._map_pool)
+                                      threads=self.map_threads, pool=self._map_pool, telemetry=self.telemetry)
             parts = batch_chunks(reads, progress, batch_size=self.batch_size if self.batched else None,
                                  positions=positions, markers=self.yield_skip_markers, skips=on_error.skip)
             try:
@@ -578,7 +598,8 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         chunks = pass_chunks(plan, real, key, self._worker_skip, self._planner() if reads_on else None, step)
         source = self.source
         pre = Prefetcher(chunks, partial(source.fetch, cache=self.cache), source.shard_bytes,
-                         max_bytes=self.prefetch_bytes, concurrency=self.concurrency)
+                         max_bytes=self.prefetch_bytes, concurrency=self.concurrency, telemetry=self.telemetry,
+                         read_tier="cold" if self.cache is None else None)
         return PassFetch(pre, key, 0, step)
 
     def _report_skipped(self) -> None:

@@ -21,6 +21,11 @@ Budget: bytes of shards held or being fetched stay under ``max_bytes``, except t
 shards of the chunk being read are always fetched (else a window larger than the budget
 could never be read); so the bound is ``max(max_bytes, bytes of one chunk's shards)``.
 
+Telemetry: given a :class:`~datapipe.telemetry.Telemetry`, the prefetcher sets its
+``prefetch_depth`` gauge to the bytes held or being fetched each time they change, and
+with ``read_tier`` (a loader without a cache: its fetches are its reads of the dataset's
+store) counts each fetch as a read of that tier, its unit's bytes in the fetch's seconds.
+
 Reading ahead across passes: a pass whose chunks run on into the next pass's (see
 :func:`.chunks.chained_chunks`) ends when the next pass's first chunk arrives; it leaves a
 :class:`ReadAhead`, which the next pass adopts when it is the pass guessed, else closes.
@@ -31,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -40,6 +46,7 @@ from multiprocessing import util as mp_util
 from typing import Any, NamedTuple
 
 from ..errors import OptionError
+from ..telemetry import Telemetry
 from .chunks import Chunk, PassKey
 
 __all__ = ["PassFetch", "Prefetcher", "ReadAhead", "ReadAheadCloser", "take_read_ahead"]
@@ -71,7 +78,8 @@ class Prefetcher:
     def __init__(self, chunks: Iterator[Chunk], fetch: Callable[[int], Any],
                  shard_bytes: Callable[[int], int], *, max_bytes: int = 512 << 20,
                  concurrency: int = 8, lookahead_chunks: int = 4,
-                 close_timeout_s: float = 30.0) -> None:
+                 close_timeout_s: float = 30.0, telemetry: Telemetry | None = None,
+                 read_tier: str | None = None) -> None:
         if max_bytes < 1 or concurrency < 1 or lookahead_chunks < 1 or not close_timeout_s > 0:
             raise OptionError(f"max_bytes={max_bytes!r}, concurrency={concurrency!r}, lookahead_chunks="
                               f"{lookahead_chunks!r}, close_timeout_s={close_timeout_s!r}: max_bytes, concurrency, "
@@ -79,6 +87,8 @@ class Prefetcher:
         self._chunks = chunks
         self._fetch = fetch
         self._shard_bytes = shard_bytes
+        self._telemetry = telemetry
+        self._read_tier = read_tier if telemetry is not None else None
         self.max_bytes = int(max_bytes)
         self.concurrency = int(concurrency)
         self.close_timeout_s = float(close_timeout_s)
@@ -146,6 +156,8 @@ class Prefetcher:
                     if slot.ready.is_set():
                         closing.append(_take(slot))
             chunk.slots = {}
+            if self._telemetry is not None:
+                self._telemetry.prefetch_depth(self._held)
             # the next chunk is now the one being read: its shards may exceed the budget
             self._reading = max(self._reading, chunk.number + 1)
         for data in closing:
@@ -192,6 +204,8 @@ class Prefetcher:
         with self._lock:
             slots, self._live = list(self._live), set()
             closing = [_take(slot) for slot in slots if slot.ready.is_set()]
+            if self._telemetry is not None:  # stopped: nothing is read ahead any more
+                self._telemetry.prefetch_depth(0)
         for data in closing:
             if data is not None:
                 data.close()
@@ -295,6 +309,8 @@ class Prefetcher:
                         self._live.add(new)
                         self._held += new.size
                         self.peak_bytes = max(self.peak_bytes, self._held)
+                        if self._telemetry is not None:
+                            self._telemetry.prefetch_depth(self._held)
                         return True
 
                 if not await self._until(reserve):
@@ -329,7 +345,12 @@ class Prefetcher:
 
     def _fetch_tracked(self, g: int) -> Any:
         try:
-            return self._fetch(g)
+            if self._read_tier is None or self._telemetry is None:
+                return self._fetch(g)
+            t0 = time.perf_counter()
+            data = self._fetch(g)
+            self._telemetry.read(self._read_tier, max(int(self._shard_bytes(g)), 0), time.perf_counter() - t0)
+            return data
         finally:
             with self._lock:
                 self._fetching.discard(g)

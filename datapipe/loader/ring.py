@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from .batch import Batch, Column
+from .batch import Batch, Column, LazyTensor
 
 __all__ = ["BatchRing", "RingBatch"]
 
@@ -120,6 +120,8 @@ def _measure(batch: Batch) -> int:
     for value in batch.values():
         if isinstance(value, Column):
             need += _aligned(value.nbytes) + _aligned(8 * (len(value) + 1))
+        elif isinstance(value, LazyTensor):
+            need += _aligned(value.nbytes)
         elif _raw_tensor(value):
             need += _aligned(value.numel() * value.element_size())
     return need
@@ -218,6 +220,12 @@ class BatchRing:
                     view[opos : opos + offsets.nbytes] = offsets.view(np.uint8).data
                     fields[name] = ("column", pos, nbytes, opos, len(value))
                     pos = opos + _aligned(offsets.nbytes)
+                elif isinstance(value, LazyTensor):  # written straight into the slot
+                    nbytes = value.nbytes
+                    if nbytes:
+                        value.fill_into(torch.frombuffer(view[pos : pos + nbytes], dtype=value.dtype).view(value.shape))
+                    fields[name] = ("tensor", pos, str(value.dtype).removeprefix("torch."), value.shape)
+                    pos += _aligned(nbytes)
                 elif _raw_tensor(value):
                     nbytes = value.numel() * value.element_size()
                     dst = torch.frombuffer(view[pos : pos + nbytes], dtype=value.dtype) if nbytes else None

@@ -53,8 +53,9 @@ from ..errors import (
     StorageError,
 )
 from ..format import MemberTable, ShardLayout, find_layout
-from ..storage import RetryPolicy, call_with_retry, open_regular
+from ..storage import RetryPolicy, call_with_retry, is_throttle, open_regular
 from ..tables import ParquetTable, is_parquet_source
+from ..telemetry import Telemetry
 from .layouts import LayoutCache
 
 __all__ = ["BufferPool", "ShardData", "ShardSource", "TableRows"]
@@ -324,6 +325,9 @@ class ShardSource:
         self.buffers = BufferPool(max_pooled_bytes)
         #: shards said to have changed since they were indexed (warned once each)
         self._changed: set[str] = set()
+        #: a :class:`datapipe.telemetry.Telemetry` counting the retried shard reads and the
+        #: throttled answers of reads without a cache (the dataset's; a cache counts its own)
+        self.telemetry: Telemetry | None = None
         if self.num_samples == 0:
             raise PlanError(f"{', '.join(self.urls)}: the dataset holds no sample; nothing to stream")
 
@@ -420,7 +424,12 @@ class ShardSource:
                 path = got
                 try:
                     # read while pinned; the private copy needs no pin once read
-                    return self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url)
+                    t0 = time.perf_counter()
+                    read = self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url)
+                    tel = getattr(cache, "telemetry", None)  # the warm tier's bytes, as its reader timed them
+                    if tel is not None:
+                        tel.read("warm", len(read[0]), time.perf_counter() - t0)
+                    return read
                 finally:
                     cache.release(info.url)
             try:
@@ -433,8 +442,15 @@ class ShardSource:
             return self._read_local(local, info, f"shard {info.url}", ix.url)
         # Transient failures are retried; a shard shorter than the index says is not
         # (asking again cannot lengthen it) and shows as truncated samples when read.
-        data = call_with_retry(lambda: store.get(name), info.url, self.retry)
+        data = call_with_retry(lambda: store.get(name), info.url, self.retry, on_retry=self._retried)
         return memoryview(data), None, bool(info.checksum) and checksum(data) == info.checksum
+
+    def _retried(self, error: BaseException) -> None:
+        tel = self.telemetry
+        if tel is not None:
+            tel.cold_retry()
+            if is_throttle(error):
+                tel.throttled()
 
     def _read_local(self, path: str, info: Any, what: str, listed_in: str) -> tuple[memoryview, Any, bool]:
         """(bytes, closer, verified) of the local file ``path`` holding shard ``info``.

@@ -2,10 +2,12 @@
 
 Holds: ``packer`` (``pack()``: plan, worker processes, resume; ``plan_shards``, the cut of
 listed samples into shards; ``pack_shard``, one planned shard written; ``commit_shards``,
-finished shards published), ``writer`` (``ShardWriter``), ``sources`` (listing a directory
-by the key rules, ``file_key``, reading JSONL/Parquet rows), ``join`` (parts -> one
-dataset). How the result is made visible (the writer lock, the ``_pack/`` journal, the
-commit with the manifest last, the shard series and its limits, the checks of a writer's
+finished shards published), ``pieces`` (a large shard written by several workers at once,
+at offsets known from the listing), ``writer`` (``ShardWriter``), ``sources`` (listing a
+directory by the key rules, in pieces by several processes too, ``file_key``, reading
+JSONL/Parquet rows), ``join`` (parts -> one dataset). How the result is made visible (the
+writer lock, the ``_pack/`` journal, the commit with the manifest last, the shard series and
+its limits, the checks of a writer's
 arguments) is :mod:`datapipe.publish`'s. May import :mod:`datapipe.publish`,
 :mod:`datapipe.format`, :mod:`datapipe.storage`, :mod:`datapipe.dataset` (``join`` reads
 the parts' indexes), :mod:`datapipe.progress`, :mod:`datapipe.errors`; never the loader, the

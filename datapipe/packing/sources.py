@@ -18,17 +18,16 @@ from ..format import (
     flatten_bytes_structs,
     key_text,
     member_name,
-    padding,
     python_rows,
     row_fields,
     split_member_name,
 )
 from ..storage import SeekableFile
 
-__all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "iter_table", "read_fragment",
-           "row_group_bytes", "pack_row_group_bytes", "count_table_rows", "check_table_columns", "source_kind",
-           "PACK_ROW_GROUP_ENV", "is_parquet_tree", "parquet_dataset", "NO_EXTENSION", "DOT_FILE", "DOT_FOLDER",
-           "LINKED_FOLDER"]
+__all__ = ["FileSample", "DirectoryListing", "KEY_RULES", "file_key", "list_directory", "list_in_pieces", "iter_table",
+           "read_fragment", "row_group_bytes", "pack_row_group_bytes", "count_table_rows", "check_table_columns",
+           "source_kind", "PACK_ROW_GROUP_ENV", "is_parquet_tree", "parquet_dataset", "NO_EXTENSION", "DOT_FILE",
+           "DOT_FOLDER", "LINKED_FOLDER"]
 
 #: how a directory's files become samples: "first-dot" (WebDataset's rule, the default: key =
 #: the path up to the first dot of the file name, field = the rest, so files sharing that
@@ -287,8 +286,12 @@ def source_kind(src: str) -> str:
 
 
 def _member_tar_bytes(name: str, size: int) -> int:
-    extra = 0 if len(name.encode("utf-8", "surrogateescape")) <= 100 else 3 * BLOCK  # PAX/prefix
-    return BLOCK + extra + size + padding(size)
+    long = len(name) > 100 or (not name.isascii() and len(name.encode("utf-8", "surrogateescape")) > 100)
+    return BLOCK + (3 * BLOCK if long else 0) + size + (-size % BLOCK)  # a long name: PAX or a ustar prefix
+
+
+#: a file's status looked up by name in its folder's descriptor (``os.stat(name, dir_fd=)``)
+_STAT_AT = os.stat in os.supports_dir_fd and os.scandir in os.supports_fd and hasattr(os, "O_DIRECTORY")
 
 
 _KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
@@ -348,73 +351,147 @@ def list_directory(root: str, skip_errors: bool = False, follow_links: bool = Fa
     checked: set[str] = set()
     start = within.strip("/")
     stack = [(os.path.join(root, *start.split("/")) if start else root, start + "/" if start else "")]
+    tar_bytes: dict[str, int] = {}
+    first_dot = keys == "first-dot"
     while stack:
         dirpath, prefix = stack.pop()
+        fd = None
         try:
-            entries = sorted(os.scandir(dirpath), key=lambda e: e.name)
+            # entries by a descriptor of the folder: each file's status is then looked up
+            # by name in it, not by its whole path again (a third of a listing's time)
+            fd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if _STAT_AT else None
+            entries = sorted(os.scandir(dirpath if fd is None else fd), key=lambda e: e.name)
         except OSError as e:
+            if fd is not None:
+                os.close(fd)
             raise InputFileError(f"cannot list {dirpath}: {e.strerror}") from None
-        for entry in entries:
-            name = entry.name
-            if entry.is_dir(follow_symlinks=False):
-                if name.startswith("."):
-                    out.dropped.append((entry.path, DOT_FOLDER))
-                elif os.path.realpath(entry.path) == skip_dir:
-                    pass
-                elif recursive:
-                    stack.append((entry.path, prefix + name + "/"))
-                else:
-                    out.folders.append(prefix + name)
-                continue
-            if entry.is_dir():  # a link to a directory: not followed, as os.walk does
-                out.dropped.append((entry.path, LINKED_FOLDER))
-                continue
-            path = entry.path
-            rel = prefix + name
-            cut = cut_name(rel)
-            if cut is None:
-                out.dropped.append((path, DOT_FILE if name.startswith(".") else NO_EXTENSION))
-                continue
-            try:
-                if cut[0] not in checked:
-                    rel.encode("utf-8")
-                    check_key(cut[0])
-                    checked.add(cut[0])
-                member_name(cut[0], cut[1])  # the field too (c..d: field ".d"), here, not in a worker
-            except (UnicodeEncodeError, InvalidMemberNameError) as e:
-                reason = (f"file name cannot be stored in tar as UTF-8: {e}" if isinstance(e, UnicodeEncodeError)
-                          else f"file name cannot be stored in tar: {e}")
-                if not skip_errors:
-                    raise InvalidMemberNameError(f"{path!r}: {reason} (rename it, or pass --skip-errors)") from None
-                out.bad.append((path, reason))
-                continue
-            read_at = path
-            if entry.is_symlink():
-                target = os.path.realpath(path)
-                if not follow_links and not _inside(target, real_root):
-                    out.passed_over.append((path, f"symbolic link to {target}, outside {root} "
-                                                  "(not followed; pass --follow-links to follow it)"))
+        base = os.path.join(dirpath, "")
+        try:
+            for entry in entries:
+                name = entry.name
+                path = base + name
+                if entry.is_dir(follow_symlinks=False):
+                    if name.startswith("."):
+                        out.dropped.append((path, DOT_FOLDER))
+                    elif os.path.realpath(path) == skip_dir:
+                        pass
+                    elif recursive:
+                        stack.append((path, prefix + name + "/"))
+                    else:
+                        out.folders.append(prefix + name)
                     continue
-                read_at = target  # read what was checked, whatever the link says later
-            try:
-                st = os.stat(read_at)
-            except OSError as e:
-                if not skip_errors:
-                    raise InputFileError(f"cannot stat {path}: {e.strerror} (pass --skip-errors to skip it)") from None
-                out.bad.append((path, e.strerror or str(e)))
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
-                out.passed_over.append((path, f"{kind}, not a regular file (not read)"))
-                continue
-            groups.setdefault(cut[0], []).append((cut[1], read_at, st.st_size))
+                if entry.is_dir():  # a link to a directory: not followed, as os.walk does
+                    out.dropped.append((path, LINKED_FOLDER))
+                    continue
+                rel = prefix + name
+                cut = cut_name(rel)
+                if cut is None:
+                    out.dropped.append((path, DOT_FILE if name.startswith(".") else NO_EXTENSION))
+                    continue
+                key, fld = cut
+                try:
+                    if key not in checked:
+                        rel.encode("utf-8")
+                        check_key(key)
+                        checked.add(key)
+                    member_name(key, fld)  # the field too (c..d: field ".d"), here, not in a worker
+                except (UnicodeEncodeError, InvalidMemberNameError) as e:
+                    reason = (f"file name cannot be stored in tar as UTF-8: {e}" if isinstance(e, UnicodeEncodeError)
+                              else f"file name cannot be stored in tar: {e}")
+                    if not skip_errors:
+                        raise InvalidMemberNameError(f"{path!r}: {reason} (rename it, or pass --skip-errors)") from None
+                    out.bad.append((path, reason))
+                    continue
+                read_at = path
+                try:
+                    if entry.is_symlink():
+                        target = os.path.realpath(path)
+                        if not follow_links and not _inside(target, real_root):
+                            out.passed_over.append((path, f"symbolic link to {target}, outside {root} "
+                                                          "(not followed; pass --follow-links to follow it)"))
+                            continue
+                        read_at = target  # read what was checked, whatever the link says later
+                        st = os.stat(target)
+                    else:
+                        st = os.stat(path) if fd is None else os.stat(name, dir_fd=fd)
+                except OSError as e:
+                    if not skip_errors:
+                        raise InputFileError(f"cannot stat {path}: {e.strerror} (pass --skip-errors to skip it)"
+                                             ) from None
+                    out.bad.append((path, e.strerror or str(e)))
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+                    out.passed_over.append((path, f"{kind}, not a regular file (not read)"))
+                    continue
+                size = st.st_size
+                groups.setdefault(key, []).append((fld, read_at, size))
+                tar_bytes[key] = tar_bytes.get(key, 0) + _member_tar_bytes(rel if first_dot else f"{key}.{fld}", size)
+        finally:
+            if fd is not None:
+                os.close(fd)
     for key in sorted(groups):
-        files = sorted(groups[key])
-        size = sum(_member_tar_bytes(f"{key}.{f}", s) for f, _, s in files)
-        out.samples.append(FileSample(key, files, size))
+        out.samples.append(FileSample(key, sorted(groups[key]), tar_bytes[key]))
     if not out.samples and not allow_empty:
-        hint = "files need a 'key.field' name, or pass --keys file" if keys == "first-dot" else "no regular file"
-        raise EmptyInputError(f"no sample found under {root} ({hint})")
+        raise _no_samples(root, keys)
+    return out
+
+
+def _no_samples(root: str, keys: str) -> EmptyInputError:
+    hint = "files need a 'key.field' name, or pass --keys file" if keys == "first-dot" else "no regular file"
+    return EmptyInputError(f"no sample found under {root} ({hint})")
+
+
+#: :func:`list_in_pieces` lists at most this many levels itself, looking for folders to hand out
+_MAX_LEVELS = 3
+
+
+def list_in_pieces(root: str, skip_errors: bool = False, follow_links: bool = False, exclude: str | None = None,
+                   keys: str = "first-dot", *, pieces: int,
+                   list_folders: Callable[[list[str]], Iterator[DirectoryListing]]) -> DirectoryListing:
+    """The listing :func:`list_directory` gives (the same samples, and the same files
+    dropped, skipped and passed over, in the same order, and the same first error), with
+    whole folders listed elsewhere: the top levels are listed here without descending,
+    until there are ``pieces`` folders (or three levels are listed), and
+    ``list_folders(folders)`` yields the listing of each folder's subtree
+    (``list_directory(..., within=folder, allow_empty=True)``), in order, in other
+    processes. A sample's files share a folder, so no sample is split between listings."""
+    # ``units`` in the order a serial listing reaches them: a folder's own entries, then
+    # its subfolders' subtrees, the last subfolder first (list_directory's stack)
+    units: list[DirectoryListing | DatapipeError | str] = [""]
+    for _ in range(_MAX_LEVELS):
+        if sum(isinstance(u, str) for u in units) >= pieces:
+            break
+        expanded: list[DirectoryListing | DatapipeError | str] = []
+        for u in units:
+            if not isinstance(u, str):
+                expanded.append(u)
+                continue
+            try:
+                top = list_directory(root, skip_errors, follow_links, exclude, keys, within=u, recursive=False,
+                                     allow_empty=True)
+            except DatapipeError as e:  # raised in its turn, as a serial listing would meet it
+                expanded.append(e)
+                continue
+            expanded.append(top)
+            expanded.extend(reversed(top.folders))
+        if len(expanded) == len(units):
+            break
+        units = expanded
+    folders = [u for u in units if isinstance(u, str)]
+    listed = list_folders(folders) if folders else iter(())
+    out = DirectoryListing([])
+    for u in units:
+        part = next(listed) if isinstance(u, str) else u  # a folder's error is raised here, in order
+        if isinstance(part, DatapipeError):
+            raise part
+        out.samples.extend(part.samples)
+        out.dropped.extend(part.dropped)
+        out.bad.extend(part.bad)
+        out.passed_over.extend(part.passed_over)
+    out.samples.sort(key=lambda s: s.key)
+    if not out.samples:
+        raise _no_samples(os.path.abspath(root), keys)
     return out
 
 

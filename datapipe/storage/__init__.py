@@ -7,6 +7,8 @@
   protocol); opening.py: ``open_store(url)`` picks one; options.py: storage options
   set once per URL prefix (or in ``DATAPIPE_STORAGE_OPTIONS``), merged by ``open_store``;
   ``temporary_name``: how a writer's temporaries are named (``.tmp-<writer token>-<name>``);
+- patterns.py: patterns in URLs, brace patterns (``expand_braces``) and globs
+  (``has_glob``, ``glob_urls``: matched against one listing of the folder above them);
 - retry.py: one retry and timeout layer for cold requests;
 - lease.py: one writer per destination (a flock locally; a lease with a heartbeat and
   conditional writes on object stores); SharedFileLease, a lease file (O_EXCL, heartbeat,
@@ -31,7 +33,7 @@ from .local import LocalStore, open_regular, temporary_name
 from .memory import MemoryStore
 from .opening import in_this_process, open_store, refuse_chained_url, refuse_mistyped_url
 from .options import set_storage_options, storage_options_for
-from .patterns import expand_braces
+from .patterns import expand_braces, glob_urls, has_glob
 from .remote import FsspecStore
 from .retry import (
     RetryPolicy,
@@ -57,6 +59,8 @@ __all__ = [
     "join_url",
     "is_local_url",
     "expand_braces",
+    "has_glob",
+    "glob_urls",
     "refuse_mistyped_url",
     "refuse_chained_url",
     "open_regular",

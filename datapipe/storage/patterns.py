@@ -1,15 +1,20 @@
-"""Brace patterns in URLs (``shard-{000000..000999}.tar``), expanded as webdataset's
+"""Patterns in URLs: brace patterns (``shard-{000000..000999}.tar``), expanded as webdataset's
 braceexpand reads them: ``{a,b}`` lists, nested groups, ranges that keep the width of their
-zero-padded ends. Bounded before anything is read or recursed over."""
+zero-padded ends, bounded before anything is read or recursed over; and globs (``*``,
+``?``, ``[...]``) matched against a store's listing."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
+from typing import Any
 
-from ..errors import PackOptionError
+from ..errors import ObjectNotFoundError, PackOptionError
+from .opening import open_store
 
-__all__ = ["expand_braces"]
+__all__ = ["expand_braces", "has_glob", "glob_urls"]
 
+_GLOB = re.compile(r"[*?\[]")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 _MAX_EXPANSION = 10_000_000
 # bounds on a brace pattern, checked before it is read (its reading recurses once per group
@@ -129,3 +134,24 @@ def _expand(pattern: str) -> list[str]:
     else:  # a literal {x}: braceexpand leaves it as it is
         choices = ["{" + body + "}"]
     return [head + c + r for c in choices for r in rest]
+
+
+def has_glob(text: str) -> bool:
+    """Whether ``text`` is a glob pattern (``*``, ``?`` or ``[``)."""
+    return _GLOB.search(text) is not None
+
+
+def glob_urls(pattern: str, storage_options: dict[str, Any] | None) -> list[str]:
+    """The URLs of the objects matching a glob, sorted; ``*`` and ``?`` do not cross a ``/``.
+    The store is opened at the folder above the first wildcard and listed once."""
+    cut = _GLOB.search(pattern)
+    first = cut.start() if cut is not None else len(pattern)
+    root = pattern[: pattern.rfind("/", 0, first) + 1].rstrip("/") or "."
+    rest = pattern[len(root) + 1 :] if root != "." else pattern
+    store = open_store(root, storage_options)
+    try:
+        keys = store.list()
+    except ObjectNotFoundError:
+        keys = []
+    depth = rest.count("/")
+    return [store.url(k) for k in keys if k.count("/") == depth and fnmatch.fnmatchcase(k, rest)]

@@ -4,23 +4,20 @@ shard's size and version (mtime/inode locally, the ETag on S3), one stat per sha
 
 from __future__ import annotations
 
-import fnmatch
 import os
-import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import DatapipeError, ObjectNotFoundError, PackOptionError, StorageError
-from ..storage import Store, expand_braces, is_local_url, open_store, split_url
+from ..storage import Store, expand_braces, glob_urls, has_glob, is_local_url, open_store, split_url
 
 __all__ = ["ShardRef", "expand_braces", "expand_urls", "is_tar_source", "stat_shards", "COMPRESSED_TAR"]
 
 #: whole-file compressed tars: no sample of them can be reached by offset
 COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.zst", ".tar.zstd", ".tar.bz2", ".tar.xz")
 _TAR = (".tar", *COMPRESSED_TAR)
-_GLOB = re.compile(r"[*?\[]")
 
 
 @dataclass(frozen=True)
@@ -38,21 +35,6 @@ def is_tar_source(url: str) -> bool:
     return url.rstrip("/").lower().endswith(_TAR)
 
 
-def _glob(pattern: str, storage_options: dict[str, Any] | None) -> list[str]:
-    """The objects matching a glob, sorted; ``*`` and ``?`` do not cross a ``/``."""
-    cut = _GLOB.search(pattern)
-    first = cut.start() if cut is not None else len(pattern)
-    root = pattern[: pattern.rfind("/", 0, first) + 1].rstrip("/") or "."
-    rest = pattern[len(root) + 1 :] if root != "." else pattern
-    store = open_store(root, storage_options)
-    depth = rest.count("/")
-    try:
-        keys = store.list()
-    except ObjectNotFoundError:
-        keys = []
-    return [store.url(k) for k in keys if k.count("/") == depth and fnmatch.fnmatchcase(k, rest)]
-
-
 def expand_urls(urls: str | list[str], storage_options: dict[str, Any] | None = None) -> list[str]:
     """Every shard URL that ``urls`` names, in order (brace patterns in their order, globs
     and folders sorted; a folder names the tar files directly inside it); local paths made
@@ -63,10 +45,10 @@ def expand_urls(urls: str | list[str], storage_options: dict[str, Any] | None = 
         pattern = os.fspath(pattern)
         found: list[str] = []
         for name in expand_braces(pattern):
-            if _GLOB.search(name.split("://", 1)[-1]):
-                found.extend(_glob(name, storage_options))
+            if has_glob(name.split("://", 1)[-1]):
+                found.extend(glob_urls(name, storage_options))
             elif not is_tar_source(name):  # a folder: the tar shards directly inside it
-                found.extend(u for u in _glob(name.rstrip("/") + "/*", storage_options) if is_tar_source(u))
+                found.extend(u for u in glob_urls(name.rstrip("/") + "/*", storage_options) if is_tar_source(u))
             else:
                 found.append(name)
         if not found:

@@ -5,12 +5,24 @@ Holds: ``pack`` (:func:`pack_tokens`: plan, worker pool, journal, commit), ``wri
 worker side: one piece of the input tokenized and written into parts), ``sources`` (listing
 the input, cutting it into pieces, reading documents, loading a tokenizer), ``index``
 (:func:`index_tokens`: existing Megatron ``.bin``/``.idx`` pairs and flat token files indexed
-in place), ``publish_glue`` (the one module that uses pack's journal, lock and commit). May
-import :mod:`datapipe.format`, :mod:`datapipe.storage`, :mod:`datapipe.pack` (journal,
+in place), ``arguments`` (the checks of the arguments those two share), ``publish_glue`` (the
+one module that uses pack's journal, lock and commit).
+
+The token loaders: ``dataset`` (:class:`TokenDataset`: fixed-length or document-packed
+sequences), ``mix`` (:class:`TokenMix`: sources mixed by weight with exact per-batch
+counts, weights that change mid-run), both over ``stream`` (what they share: topology,
+one pass at a time, whose resume state it is) and ``read`` (a token dataset opened and
+checked, one logical chunk fetched and verified block by block, batches cut with numpy).
+They reuse the loader's stages (:mod:`datapipe.loader`: ``EpochPlanner``, ``pass_chunks``,
+``Prefetcher``/``PassFetch``, ``Progress``, the ``StreamingDataLoader`` and its ring) and the
+pure plans (:mod:`datapipe.plan`: ``ConcatLayout``, ``DocumentLayout``, ``MixturePlan``).
+
+May import :mod:`datapipe.format`, :mod:`datapipe.storage`, :mod:`datapipe.pack` (journal,
 lock, commit: through ``publish_glue`` only), :mod:`datapipe.tarindex` (brace patterns),
-:mod:`datapipe.options`, :mod:`datapipe.progress` and :mod:`datapipe.errors`; ``tokenizers``
-lazily. Names are imported on first use (``datapipe._lazy``), so a worker process that
-imports ``datapipe.tokens.write`` does not import pack's modules.
+:mod:`datapipe.loader` and :mod:`datapipe.plan` (the loaders), :mod:`datapipe.options`,
+:mod:`datapipe.progress` and :mod:`datapipe.errors`; ``tokenizers`` and torch lazily. Names
+are imported on first use (``datapipe._lazy``), so a worker process that imports
+``datapipe.tokens.write`` does not import pack's modules, nor the loaders torch.
 """
 
 from typing import TYPE_CHECKING
@@ -18,8 +30,11 @@ from typing import TYPE_CHECKING
 from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from .dataset import TokenDataset
     from .index import TokenIndexResult, index_tokens, is_token_source
+    from .mix import TokenMix
     from .pack import DEFAULT_PART_BYTES, TokenPackResult, pack_tokens
+    from .read import IGNORE_INDEX
 
 _WHERE = {
     "pack_tokens": "pack",
@@ -28,9 +43,12 @@ _WHERE = {
     "index_tokens": "index",
     "TokenIndexResult": "index",
     "is_token_source": "index",
+    "TokenDataset": "dataset",
+    "TokenMix": "mix",
+    "IGNORE_INDEX": "read",
 }
 
 __all__ = ["pack_tokens", "TokenPackResult", "index_tokens", "TokenIndexResult", "is_token_source",
-           "DEFAULT_PART_BYTES"]
+           "DEFAULT_PART_BYTES", "TokenDataset", "TokenMix", "IGNORE_INDEX"]
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _WHERE)

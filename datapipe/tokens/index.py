@@ -52,11 +52,12 @@ from ..format.tokens import (
     token_dtype,
     xxh_bytes,
 )
-from ..options import check_int, check_mapping, check_path
+from ..options import check_path
 from ..progress import progress_bar
-from ..storage import Store, expand_braces, is_local_url, open_store, split_url
+from ..storage import Store, expand_braces, glob_urls, has_glob, is_local_url, open_store, split_url
+from .arguments import check_block_bytes, check_fits, check_id_options
 from .publish_glue import WORK, WriterLock
-from .sources import absolute_url, glob_files, has_glob
+from .sources import absolute_url
 
 __all__ = ["index_tokens", "TokenIndexResult", "is_token_source", "ORIGIN", "NAMES"]
 
@@ -130,7 +131,7 @@ def _inputs(items: Any, storage_options: dict[str, Any] | None) -> list[_Input]:
             name = absolute_url(name)
             low = name.lower()
             if has_glob(name):
-                urls = glob_files(name, storage_options)
+                urls = glob_urls(name, storage_options)
             elif not low.endswith((".bin", ".idx")) and (os.path.isdir(name) if is_local_url(name)
                                                          else not _exists(name + ".bin", storage_options)):
                 store = open_store(name, storage_options)  # a folder: the .bin files directly in it
@@ -311,14 +312,8 @@ def index_tokens(
     checked against ``vocab_size`` when given. Checksums and the manifest go into the folder
     the files share, or ``index_to``. The files are read, never changed."""
     t0 = time.perf_counter()
-    if storage_options is not None:
-        check_mapping("storage_options", storage_options, error=PackOptionError)
-    if vocab_size is not None:
-        vocab_size = check_int("vocab_size", vocab_size, min=1, max=1 << 40, error=PackOptionError)
-    if eos_id is not None:
-        eos_id = check_int("eos_id", eos_id, min=0, max=1 << 40, error=PackOptionError)
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or not 4096 <= block_bytes <= 1 << 30:
-        raise PackOptionError(f"block_bytes={block_bytes!r}: expected an int in [4096, 2**30]")
+    vocab_size, eos_id = check_id_options(storage_options, vocab_size, eos_id)
+    check_block_bytes(block_bytes)
     try:
         flat_dtype = token_dtype(np.uint16 if dtype is None else dtype)
     except OptionError as e:
@@ -365,14 +360,6 @@ def index_tokens(
     return result
 
 
-def _check_fits(dtype: np.dtype[Any], eos_id: int | None, vocab_size: int | None) -> None:
-    top = int(np.iinfo(dtype).max)
-    if vocab_size is not None and vocab_size - 1 > top:
-        raise PackOptionError(f"vocab_size={vocab_size} does not fit the files' dtype {dtype} (largest id {top})")
-    if eos_id is not None and eos_id > (top if vocab_size is None else vocab_size - 1):
-        raise PackOptionError(f"eos_id={eos_id} lies outside the vocabulary (vocab_size={vocab_size}, dtype={dtype})")
-
-
 def _index_all(inputs: list[_Input], names: list[str], dest: str, store: Store, flat_dtype: np.dtype[Any],
                dtype: Any, eos_id: int | None, vocab_size: int | None, block: int,
                storage_options: dict[str, Any] | None, progress: bool) -> tuple[list[TokenPart], TokenIndexResult]:
@@ -414,7 +401,7 @@ def _index_all(inputs: list[_Input], names: list[str], dest: str, store: Store, 
                 result.flat += 1
             if part_dtype is None:
                 part_dtype, first = index.dtype, where_bin
-                _check_fits(part_dtype, eos_id, vocab_size)
+                check_fits(part_dtype, eos_id, vocab_size, dtype_is=f"the files' dtype {part_dtype}")
             elif index.dtype != part_dtype:
                 raise FormatError(f"{where_bin} holds {index.dtype} tokens, {first} {part_dtype}: the files of one "
                                   "dataset share one dtype; index them separately")

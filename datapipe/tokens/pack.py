@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +45,10 @@ from ..format.tokens import (
     parse_token_manifest,
     token_dtype,
 )
-from ..options import check_bool, check_bytes, check_int, check_mapping, check_path
-from ..progress import progress_bar
+from ..options import check_bool, check_bytes, check_int, check_path
+from ..progress import polled_progress, progress_bar
 from ..storage import Store, in_this_process, is_local_url, open_store
+from .arguments import check_block_bytes, check_fits, check_id_options
 from .publish_glue import Journal, WriterLock, check_destination, fingerprint, remove_stale_parts
 from .sources import EOS_TOKENS, Piece, list_inputs, load_tokenizer, plan_pieces
 from .write import PieceTask, init_worker, pack_piece, part_name
@@ -133,32 +132,12 @@ def _progress_bar(enabled: bool) -> Any:
     return progress_bar(None, enabled, unit="tok", unit_scale=True, desc="pack-tokens", smoothing=0.1)  # type: ignore[arg-type]
 
 
-@contextmanager
-def _polled(counters: Any, enabled: bool, input_bytes: int) -> Iterator[None]:
+def _polled(counters: Any, enabled: bool, input_bytes: int) -> AbstractContextManager[None]:
     """A progress bar of tokens (tokens/s), with documents and the share of the input done."""
-    bar = _progress_bar(enabled)
-    stop = threading.Event()
-
-    def poll() -> None:
-        last = 0
-        while not stop.wait(0.2):
-            cur = counters[0]
-            bar.update(cur - last)
-            last = cur
-            bar.set_postfix_str(f"{counters[1]:,} docs, {100 * counters[2] / max(1, input_bytes):.0f}% of input",
-                                refresh=False)
-        bar.update(counters[0] - last)
-
-    poller = threading.Thread(target=poll, daemon=True, name="datapipe-pack-tokens-progress") if enabled else None
-    if poller is not None:
-        poller.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        if poller is not None:
-            poller.join()
-        bar.close()
+    return polled_progress(
+        _progress_bar(enabled), counters,
+        lambda _bar: f"{counters[1]:,} docs, {100 * counters[2] / max(1, input_bytes):.0f}% of input",
+        enabled, name="datapipe-pack-tokens-progress")
 
 
 def _options(tokenizer: Any, text_column: Any, tokens_column: Any, eos_id: Any, vocab_size: Any, dtype: Any,
@@ -171,14 +150,8 @@ def _options(tokenizer: Any, text_column: Any, tokens_column: Any, eos_id: Any, 
     if workers is not None:
         check_int("workers", workers, min=1, max=4096, error=PackOptionError)
     check_bytes("part_bytes", part_bytes, min=_MIN_PART_BYTES, error=PackOptionError)
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or not 4096 <= block_bytes <= 1 << 30:
-        raise PackOptionError(f"block_bytes={block_bytes!r}: expected an int in [4096, 2**30]")
-    if storage_options is not None:
-        check_mapping("storage_options", storage_options, error=PackOptionError)
-    if vocab_size is not None:
-        vocab_size = check_int("vocab_size", vocab_size, min=1, max=1 << 40, error=PackOptionError)
-    if eos_id is not None:
-        eos_id = check_int("eos_id", eos_id, min=0, max=1 << 40, error=PackOptionError)
+    check_block_bytes(block_bytes)
+    vocab_size, eos_id = check_id_options(storage_options, vocab_size, eos_id)
     tok_json = None
     if tokenizer is not None:
         tok_json, tok_vocab, tok_eos = load_tokenizer(tokenizer, storage_options)
@@ -193,12 +166,8 @@ def _options(tokenizer: Any, text_column: Any, tokens_column: Any, eos_id: Any, 
         dt = optimal_dtype(vocab_size) if dtype is None else token_dtype(dtype)
     except OptionError as e:
         raise PackOptionError(str(e)) from None
-    top = int(np.iinfo(dt).max)
-    if vocab_size is not None and vocab_size - 1 > top:
-        raise PackOptionError(f"vocab_size={vocab_size} does not fit dtype={dt} (largest id {top}); pass a wider "
-                              "dtype or none (Megatron's rule picks one from the vocabulary size)")
-    if eos_id > (top if vocab_size is None else vocab_size - 1):
-        raise PackOptionError(f"eos_id={eos_id} lies outside the vocabulary (vocab_size={vocab_size}, dtype={dt})")
+    check_fits(dt, eos_id, vocab_size, dtype_is=f"dtype={dt}",
+               hint="; pass a wider dtype or none (Megatron's rule picks one from the vocabulary size)")
     mode = "text" if tokenizer is not None else "tokens"
     return tok_json, vocab_size, eos_id, dt, mode, text_column if mode == "text" else tokens_column
 

@@ -1,5 +1,6 @@
 """How the token writers make a dataset visible, through :mod:`datapipe.publish`: one
-writer per destination (``WriterLock``), the ``_pack/`` journal of finished work with its
+writer per destination (``WriterLock``, and ``die_with_parent``: a worker process ends with
+the writer that started it), the ``_pack/`` journal of finished work with its
 fingerprint rule (``Journal``), and the destination check and retraction
 (``check_destination``). Every import of :mod:`datapipe.publish` by :mod:`datapipe.tokens`
 is here.
@@ -17,12 +18,12 @@ import re
 
 from ..errors import DestinationExistsError
 from ..format.tokens import MANIFEST
-from ..publish import LEASE, LOCK, PLAN, WORK, Journal, WriterLock, fingerprint
+from ..publish import LEASE, LOCK, PLAN, WORK, Journal, WriterLock, die_with_parent, fingerprint
 from ..publish import check_destination as check_pack_destination
 from ..storage import Store
 
-__all__ = ["Journal", "WriterLock", "fingerprint", "WORK", "PLAN", "PART_FILE", "check_destination",
-           "remove_stale_parts"]
+__all__ = ["Journal", "WriterLock", "die_with_parent", "fingerprint", "WORK", "PLAN", "PART_FILE",
+           "check_destination", "remove_stale_parts"]
 
 #: the files of a part pack_tokens writes: part-<piece>-<k>.bin/.idx/.xxh
 PART_FILE = re.compile(r"^part-\d{5,}-\d{3,}\.(bin|idx|xxh)$")

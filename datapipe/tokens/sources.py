@@ -13,11 +13,9 @@ or a JSONL line number).
 
 from __future__ import annotations
 
-import fnmatch
 import io
 import json
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,11 +33,11 @@ from ..errors import (
     StorageError,
 )
 from ..options import check_path
-from ..storage import Store, expand_braces, is_local_url, open_store, split_url
+from ..storage import Store, expand_braces, glob_urls, has_glob, is_local_url, open_store, split_url
 
-__all__ = ["InputFile", "Piece", "Batch", "KINDS", "absolute_url", "has_glob", "glob_files", "list_inputs",
-           "plan_pieces", "read_piece", "load_tokenizer", "import_tokenizers", "column_kind", "StoreFile",
-           "EOS_TOKENS", "BATCH_DOCUMENTS", "BATCH_TOKENS", "MAX_LINE_BYTES"]
+__all__ = ["InputFile", "Piece", "Batch", "KINDS", "absolute_url", "list_inputs", "plan_pieces", "read_piece",
+           "load_tokenizer", "import_tokenizers", "column_kind", "StoreFile", "EOS_TOKENS", "BATCH_DOCUMENTS",
+           "BATCH_TOKENS", "MAX_LINE_BYTES"]
 
 #: file name endings -> kind
 KINDS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
@@ -51,7 +49,6 @@ BATCH_DOCUMENTS = 1024
 BATCH_TOKENS = 1 << 22
 #: a JSONL line longer than this is refused (a line is held in memory whole)
 MAX_LINE_BYTES = 1 << 28
-_GLOB = re.compile(r"[*?\[]")
 _INSTALL = "pip install 'datapipe[tokens]'"
 
 
@@ -125,11 +122,6 @@ def absolute_url(url: str) -> str:
     return os.path.abspath(url) if is_local_url(url) else url.rstrip("/")
 
 
-def has_glob(text: str) -> bool:
-    """Whether ``text`` is a glob pattern (``*``, ``?`` or ``[``)."""
-    return _GLOB.search(text) is not None
-
-
 def _is_folder(url: str, storage_options: dict[str, Any] | None) -> bool:
     if is_local_url(url):
         return os.path.isdir(url)
@@ -155,21 +147,6 @@ def _listed(url: str, storage_options: dict[str, Any] | None, exclude: str | Non
     return out
 
 
-def glob_files(pattern: str, storage_options: dict[str, Any] | None) -> list[str]:
-    """The files matching a glob, sorted; ``*`` and ``?`` do not cross a ``/``."""
-    cut = _GLOB.search(pattern)
-    first = cut.start() if cut is not None else len(pattern)
-    root = pattern[: pattern.rfind("/", 0, first) + 1].rstrip("/") or "."
-    rest = pattern[len(root) + 1:] if root != "." else pattern
-    store = open_store(root, storage_options)
-    try:
-        keys = store.list()
-    except ObjectNotFoundError:
-        keys = []
-    depth = rest.count("/")
-    return [store.url(k) for k in keys if k.count("/") == depth and fnmatch.fnmatchcase(k, rest)]
-
-
 def list_inputs(source: Any, storage_options: dict[str, Any] | None = None,
                 exclude: str | None = None) -> list[InputFile]:
     """Every input file ``source`` names, in order: a file, a folder (its Parquet and JSONL
@@ -187,7 +164,7 @@ def list_inputs(source: Any, storage_options: dict[str, Any] | None = None,
         found: list[str] = []
         for name in expand_braces(text):
             if has_glob(name):
-                found.extend(glob_files(name, storage_options))
+                found.extend(glob_urls(name, storage_options))
             elif _is_folder(name, storage_options):
                 found.extend(_listed(name, storage_options, exclude))
             elif is_local_url(name) and not os.path.lexists(absolute_url(name)):

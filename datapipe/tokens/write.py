@@ -7,14 +7,9 @@ storage, the sources; never pack's journal or lock, which the main process holds
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
-import signal
-import sys
 import tempfile
-import threading
-import time
 from dataclasses import asdict, dataclass
 from itertools import chain
 from typing import Any
@@ -25,10 +20,11 @@ import numpy.typing as npt
 from ..errors import DatapipeError, InputFileError, OptionError, PackError, StorageError
 from ..format.tokens import TokenPart, TokenPartWriter, token_dtype
 from ..storage import Store
+from .publish_glue import die_with_parent
 from .sources import Batch, Piece, import_tokenizers, read_piece
 
 __all__ = ["PieceTask", "pack_piece", "PartSeries", "part_name", "with_eos", "encode_texts", "check_ids",
-           "init_worker", "temporary_name", "publish_part", "die_with_parent"]
+           "init_worker", "temporary_name", "publish_part"]
 
 
 def part_name(piece: int, k: int) -> str:
@@ -264,33 +260,3 @@ def publish_part(writer: TokenPartWriter, store: Store, name: str) -> None:
                 shutil.copyfileobj(src, dst, 8 << 20)
     finally:
         writer.abort()  # the local copies: the writer's own files, and nothing else
-
-
-def die_with_parent(parent: int) -> None:
-    """Make a worker process end when the pack that started it ends, kill -9 included. A
-    forkserver's children keep the forkserver alive (each holds its "alive" pipe) and their
-    task queue open (each holds both ends), so neither the kernel's parent-death signal nor
-    an end of file comes: a thread watches the pack's pid and ends the worker when it is
-    gone. ``pack.packer`` has the same safeguard (``_die_with``) under a private name; this
-    is its forkserver/spawn half, until the publish package gives it a public one."""
-    if sys.platform.startswith("linux") and os.getppid() == parent:  # spawned: the pack is the parent
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-
-    def gone() -> bool:
-        try:
-            os.kill(parent, 0)
-        except (ProcessLookupError, PermissionError):  # gone, or its pid is another user's process now
-            return True
-        return False
-
-    def watch() -> None:
-        while not gone():
-            time.sleep(0.2)
-        os._exit(1)
-
-    if gone():
-        os._exit(1)
-    threading.Thread(target=watch, daemon=True, name="datapipe-pack-tokens-watchdog").start()

@@ -1,0 +1,403 @@
+"""The fetch and read stages of the token loaders: a token dataset opened for reading, one
+logical chunk of sequences fetched and verified, and batches cut from fetched chunks.
+
+- :class:`TokenSource`: a token dataset (docs/TOKEN_FORMAT.md) opened for reading: the
+  manifest (its own checksum), every part's ``.xxh`` and, for document packing, its ``.idx``
+  (sizes and checksums the manifest records, :func:`~datapipe.format.tokens.check_part`)
+  and every ``.bin``'s size are checked when it is opened, before any offset is used.
+  Concatenated sequences take no offset from an ``.idx``: it is not read.
+- :func:`make_layout`: the plan's view of it (:class:`~datapipe.plan.ConcatLayout` or
+  :class:`~datapipe.plan.DocumentLayout`), whose chunks are the fetch stage's units.
+- :class:`ChunkFetch`: the fetch stage's ``fetch(unit)`` for one or more sources: the
+  block-aligned byte range of each ``.bin`` a chunk covers (:func:`block_span`), read into a
+  private buffer (through the cache's ``read_range`` when there is a cache, else from the
+  store), every covered block checked against ``.xxh`` (:func:`verify_blocks`) before a
+  token of it is used. A flipped bit is a :class:`~datapipe.errors.ChecksumError` naming the
+  file and block, never a wrong token. What it returns (:class:`TokenChunk`) holds the
+  chunk's tokens as one array and, for document packing, the chunk's packing.
+- :func:`cut_concat`, :class:`DocumentRows`: the read stage: the rows of a batch cut from
+  fetched chunks with numpy (one slice assignment per row, converting the stored dtype as it
+  copies; no Python per token), written into the batch's tensors, or straight into a
+  loader's shared-memory slot (:class:`~datapipe.loader.batch.LazyTensor`).
+
+Memory: a chunk's bytes live in buffers of a :class:`~datapipe.loader.source.BufferPool`
+(reused across chunks, within the loader's prefetch budget) from the fetch until the read
+stage is done with the chunk; batches are copies, so nothing handed out views them.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import ChecksumError, DatapipeError, ObjectNotFoundError, PlanError, StorageError
+from ..format.tokens import (
+    MANIFEST,
+    TokenManifest,
+    block_span,
+    check_block_sums,
+    check_part,
+    parse_token_manifest,
+    verify_blocks,
+)
+from ..loader import BufferPool
+from ..plan import ConcatLayout, DocumentLayout, PackedChunk, Pieces, cu_seqlens
+from ..storage import RetryPolicy, Store, call_with_retry, is_local_url, open_store, split_url
+
+__all__ = [
+    "IGNORE_INDEX",
+    "CHUNK_TOKENS",
+    "TokenSource",
+    "TokenChunk",
+    "ChunkFetch",
+    "make_layout",
+    "cut_concat",
+    "DocumentRows",
+]
+
+#: the label of a position no loss is taken at (padding, the token after a document's
+#: end): PyTorch's ``cross_entropy`` ``ignore_index`` default
+IGNORE_INDEX = -100
+#: tokens per logical chunk (one fetch): 2-4 MiB of ``.bin``, a few of its 1 MiB blocks
+CHUNK_TOKENS = 1 << 20
+
+Layout = ConcatLayout | DocumentLayout
+IntArray = npt.NDArray[np.integer[Any]]
+Int64s = npt.NDArray[np.int64]
+
+
+def _is_elsewhere(name: str) -> bool:
+    """A part file named by absolute path or URL (indexed in place), not by a key."""
+    return name.startswith("/") or "://" in name
+
+
+class TokenSource:
+    """A token dataset at ``url`` opened for reading; everything a reader uses is checked
+    first (see the module docstring). ``sums[i]``, ``bin_keys[i]``: part i's block checksums
+    and where its ``.bin`` lies. ``keep_lengths``: read each part's ``.idx`` (checked) and keep its document lengths
+    (document packing plans from them); concatenation needs only the manifest's token counts
+    and the ``.xxh``: its ``.idx`` (12 bytes a document) is not read at all."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, keep_lengths: bool = False,
+                 retry: RetryPolicy | None = None, max_pooled_bytes: int = 512 << 20) -> None:
+        self.url = url
+        self.storage_options = storage_options
+        self.retry = retry or RetryPolicy()
+        self.store = open_store(url, storage_options)
+        self._stores: dict[str, Store] = {}
+        where = self.store.url(MANIFEST)
+        try:
+            data = self._get(self.store, MANIFEST, where)
+        except ObjectNotFoundError:
+            raise ObjectNotFoundError(f"{where} does not exist: {url} is no token dataset (write one with "
+                                      "datapipe.pack_tokens, or index existing .bin/.idx files with "
+                                      "datapipe.index_tokens)") from None
+        self.manifest: TokenManifest = parse_token_manifest(data, where)
+        m = self.manifest
+        if not m.parts or m.tokens == 0:
+            raise PlanError(f"{url}: the token dataset holds no token; nothing to read")
+        self.dtype = m.dtype
+        self.itemsize = int(m.dtype.itemsize)
+        self.block_bytes = m.block_bytes
+        self.eos_id = m.eos_id
+        #: each part's block checksums (its ``.xxh``, checked against the manifest)
+        self.sums: list[npt.NDArray[np.uint64]] = []
+        #: (store, key, URL) of each part's ``.bin``
+        self.bin_keys: list[tuple[Store, str, str]] = []
+        lengths: list[IntArray] = []
+        for i, part in enumerate(m.parts):
+            xxh = self._get(self.store, part.xxh, self.store.url(part.xxh))
+            if keep_lengths:  # document packing plans from the .idx's lengths: checked, then viewed
+                idx_store, idx_key, idx_url = self._located(part.idx)
+                checked = check_part(m, i, self._get(idx_store, idx_key, idx_url), xxh, where=url)
+                lengths.append(checked.index.document_lengths())
+                sums = checked.sums
+            else:  # concatenation takes no offset from the .idx (O(documents) bytes): it is not read
+                sums = check_block_sums(m, i, xxh, where=url)
+            located = self._located(part.bin)
+            size = self._size(*located)
+            if size != part.bin_bytes:
+                raise ChecksumError(f"{located[2]}: {size} bytes, the manifest records {part.bin_bytes}; the file was "
+                                    "truncated, extended or replaced since it was packed (pack or index it again)")
+            self.sums.append(sums)
+            self.bin_keys.append(located)
+        #: tokens of each part, in stream order
+        self.part_tokens = np.array([p.tokens for p in m.parts], dtype=np.int64)
+        self.doc_lengths = lengths
+        self.pool = BufferPool(max_pooled_bytes)
+
+    def _located(self, name: str) -> tuple[Store, str, str]:
+        """(store, key, URL) of a file the manifest names: a key of the dataset's store, or
+        a file of a folder elsewhere (indexed in place), opened once per folder."""
+        if not _is_elsewhere(name):
+            return self.store, name, self.store.url(name)
+        folder, key = split_url(name)
+        store = self._stores.get(folder)
+        if store is None:
+            opts = None if is_local_url(folder) else self.storage_options
+            store = self._stores[folder] = open_store(folder, opts)
+        return store, key, name
+
+    def _size(self, store: Store, key: str, url: str) -> int:
+        return call_with_retry(lambda: store.size(key), url, self.retry)
+
+    def _get(self, store: Store, key: str, url: str) -> bytes:
+        return call_with_retry(lambda: store.get(key), url, self.retry)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_stores"] = {}
+        state["bin_keys"] = [(None, k, u) if s is not self.store else (s, k, u) for s, k, u in self.bin_keys]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.bin_keys = [(s, k, u) if s is not None else self._located(u) for s, k, u in self.bin_keys]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.part_tokens.sum())
+
+    @property
+    def identity(self) -> str:
+        """What makes this dataset this dataset (for resume checks): its manifest's checksum."""
+        return str(self.manifest.doc["manifest_checksum"])
+
+    def read_tokens(self, part: int, start: int, stop: int, cache: Any = None) -> tuple[npt.NDArray[Any], Any]:
+        """(tokens ``[start, stop)`` of ``part``, the buffer holding them or None): the
+        covering blocks read into a pooled buffer (or through ``cache.read_range``) and
+        verified before the view is made. Give the buffer back with :meth:`release`. Bytes
+        from the cache that fail their blocks are read again from the store (with a warning:
+        the cache's copy is bad); bytes from the store that fail are a ChecksumError."""
+        bin_bytes = self.manifest.parts[part].bin_bytes
+        store, key, url = self.bin_keys[part]
+        isz = self.itemsize
+        b0, b1, first = block_span(start * isz, stop * isz, self.block_bytes, bin_bytes)
+        if b1 == b0:
+            return np.zeros(0, dtype=self.dtype), None
+        if cache is not None:
+            try:
+                data = cache.read_range(url, b0, b1)
+            except DatapipeError:
+                raise
+            except OSError as e:
+                raise StorageError(f"{url}: reading bytes [{b0}, {b1}) through the cache failed: {e}") from e
+            try:
+                self._verify(data, part, b0, b1, first)
+                return np.frombuffer(data, dtype=self.dtype, count=stop - start, offset=start * isz - b0), None
+            except ChecksumError as e:
+                warnings.warn(f"the cache's copy of {url} is damaged ({e}); reading the range from the store",
+                              RuntimeWarning, stacklevel=2)
+        mm = self.pool.take(b1 - b0)
+        try:
+            with memoryview(mm) as view:
+                got = call_with_retry(lambda: store.readinto(key, view, b0), url, self.retry)
+            if got != b1 - b0:
+                raise ChecksumError(f"{url}: bytes [{b0}, {b1}) read {got} bytes; the file is shorter than the "
+                                    f"manifest's {bin_bytes} (truncated since it was packed?)")
+            self._verify(mm, part, b0, b1, first)
+            tokens = np.frombuffer(mm, dtype=self.dtype, count=stop - start, offset=start * isz - b0)
+        except BaseException:
+            self.pool.give(mm)
+            raise
+        return tokens, mm
+
+    def _verify(self, data: Any, part: int, b0: int, b1: int, first: int) -> None:
+        if len(data) != b1 - b0:
+            raise ChecksumError(f"{self.bin_keys[part][2]}: bytes [{b0}, {b1}) came back as {len(data)} bytes")
+        verify_blocks(data, first, self.sums[part], self.block_bytes, where=self.bin_keys[part][2])
+
+    def release(self, buffer: Any) -> None:
+        if buffer is not None:
+            self.pool.give(buffer)
+
+
+def make_layout(source: TokenSource, seq_len: int, packing: str, chunk_tokens: int = CHUNK_TOKENS) -> Layout:
+    """The plan's layout of ``source``: Megatron GPTDataset sequences (``"concat"``) or whole
+    documents packed (``"documents"``), chunks of about ``chunk_tokens`` tokens."""
+    if packing == "concat":
+        return ConcatLayout(source.part_tokens, seq_len, chunk_sequences=max(1, chunk_tokens // seq_len))
+    block = 64 * seq_len
+    return DocumentLayout(source.doc_lengths, seq_len, block_tokens=block, chunk_blocks=max(1, chunk_tokens // block))
+
+
+def layout_identity(source: TokenSource, layout: Layout) -> str:
+    """The fingerprint a resume state of ``layout`` over ``source`` carries."""
+    return json.dumps({"layout": layout.fingerprint, "dataset": source.identity}, sort_keys=True)
+
+
+@dataclass
+class TokenChunk:
+    """One logical chunk, fetched and verified: ``tokens`` of the stream from the chunk's
+    first token on (document packing: ``seq_len + 1`` more, zeros, so that every row's
+    window lies inside), and for document packing its ``packed`` layout with each
+    sequence's first token in ``tokens`` (``seq_start``) and length (``seq_tokens``)."""
+
+    unit: int
+    tokens: npt.NDArray[Any]
+    packed: PackedChunk | None = None
+    seq_start: Int64s | None = None
+    seq_tokens: Int64s | None = None
+    _buffers: tuple[Any, ...] = ()
+    _source: TokenSource | None = None
+
+    def close(self) -> None:
+        self.tokens = np.zeros(0, dtype=self.tokens.dtype)  # drop the view before the buffer goes back
+        buffers, self._buffers = self._buffers, ()
+        if self._source is not None:
+            for b in buffers:
+                self._source.release(b)
+
+
+class ChunkFetch:
+    """The fetch stage's ``fetch(unit)`` and ``unit_bytes(unit)`` over ``sources`` and their
+    ``layouts``: unit ``u`` is chunk ``u - base[s]`` of source ``s``. Runs on the
+    prefetcher's threads; picklable (workers fetch with their own copy)."""
+
+    def __init__(self, sources: Sequence[TokenSource], layouts: Sequence[Layout], cache: Any = None) -> None:
+        self.sources = list(sources)
+        self.layouts = list(layouts)
+        self.cache = cache
+        self.base = np.concatenate(([0], np.cumsum([lay.num_chunks for lay in layouts]))).astype(np.int64)
+
+    def locate(self, unit: int) -> tuple[int, int]:
+        """(source, chunk) of ``unit``."""
+        s = int(np.searchsorted(self.base, unit, side="right")) - 1
+        return s, int(unit) - int(self.base[s])
+
+    def unit_bytes(self, unit: int) -> int:
+        s, c = self.locate(unit)
+        a, b = self.layouts[s].chunk_token_range(c)
+        return (b - a) * self.sources[s].itemsize + self.sources[s].block_bytes
+
+    def fetch(self, unit: int) -> TokenChunk:
+        s, c = self.locate(unit)
+        source, layout = self.sources[s], self.layouts[s]
+        pieces: Pieces = layout.chunk_pieces(c)
+        if isinstance(layout, ConcatLayout) and pieces.part.size == 1:  # the common case: a view, no copy
+            tokens, buf = source.read_tokens(int(pieces.part[0]), int(pieces.start[0]), int(pieces.stop[0]),
+                                             self.cache)
+            return TokenChunk(unit, tokens, _buffers=(buf,), _source=source)
+        # a chunk across parts is joined; a packed one gets L + 1 tokens more, so that every
+        # row's window of L + 1 (its tokens and the labels' one more) lies inside
+        extra = layout.seq_len + 1 if isinstance(layout, DocumentLayout) else 0
+        joined = np.zeros(int((pieces.stop - pieces.start).sum()) + extra, dtype=source.dtype)
+        at = 0
+        for p, a, b in zip(pieces.part.tolist(), pieces.start.tolist(), pieces.stop.tolist()):
+            tokens, buf = source.read_tokens(p, a, b, self.cache)
+            joined[at:at + b - a] = tokens
+            del tokens  # the view goes before its buffer is given back
+            source.release(buf)
+            at += b - a
+        if isinstance(layout, ConcatLayout):
+            return TokenChunk(unit, joined)
+        packed = layout.chunk(c)
+        first = packed.offsets[:-1]
+        start = layout.part_token_starts[packed.part[first]] + packed.start[first] - layout.chunk_token_start[c]
+        return TokenChunk(unit, joined, packed, start.astype(np.int64), packed.tokens())
+
+
+# --- the read stage: batches cut from fetched chunks --------------------------------------
+#
+# A row is copied by one slice assignment (numpy converts the stored dtype as it copies):
+# about 2 us of Python a row against 18 us for a whole batch of 8 rows of 2,049 tokens, where
+# gathering rows through a strided view with fancy indexing took 850 us (measured here).
+
+
+def cut_concat(units: Int64s, samples: Int64s, tokens: dict[int, npt.NDArray[Any]], seq_len: int,
+               out: npt.NDArray[Any]) -> None:
+    """Fill ``out`` (rows x width: ``seq_len + 1``, or ``seq_len`` without the extra token)
+    with the sequences (``units[i]``, ``samples[i]``): sequence j of a chunk is its tokens
+    ``[j*L, j*L + width)`` (``tokens[unit]``: the chunk's tokens)."""
+    width = out.shape[1]
+    for i, (u, j) in enumerate(zip(units.tolist(), samples.tolist())):
+        a = j * seq_len
+        out[i] = tokens[u][a:a + width]
+
+
+def _gathered_pieces(rows: list[tuple[PackedChunk, int]]) -> tuple[Int64s, Int64s, npt.NDArray[np.bool_]]:
+    """(pieces per row, piece lengths, continued) of a batch's rows (each a chunk's packing
+    and the row's sequence in it), in row order, each row's pieces in order."""
+    per = np.fromiter((int(p.offsets[j + 1] - p.offsets[j]) for p, j in rows), dtype=np.int64, count=len(rows))
+    if len({id(p) for p, _ in rows}) == 1:  # one chunk serves the batch: one gather
+        packed = rows[0][0]
+        local = np.fromiter((j for _, j in rows), dtype=np.int64, count=len(rows))
+        within = np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
+        src = np.repeat(packed.offsets[local], per) + within
+        return per, packed.length[src], packed.continued[src]
+    lengths = [p.length[p.offsets[j]:p.offsets[j + 1]] for p, j in rows]
+    continued = [p.continued[p.offsets[j]:p.offsets[j + 1]] for p, j in rows]
+    return per, np.concatenate(lengths), np.concatenate(continued)
+
+
+_COUNTING = np.arange(0, dtype=np.int64)
+
+
+def _counting(n: int) -> Int64s:
+    """``np.arange(n)``, from one array kept and grown (positions of every batch start from it)."""
+    global _COUNTING
+    if _COUNTING.size < n:
+        _COUNTING = np.arange(max(n, 2 * _COUNTING.size), dtype=np.int64)
+    return _COUNTING[:n]
+
+
+class DocumentRows:
+    """A batch of packed sequences (docs/TOKEN_FORMAT.md, "packing=documents"), planned from
+    the chunks' packing (cheap: per piece), its big fields written by the ``fill_*``
+    methods: ``input_ids`` (rows x L: the sequence's tokens, then ``pad_id``), ``labels``
+    (the next token; :data:`IGNORE_INDEX` after a document's last token, and at padding),
+    ``position_ids`` (restarting at 0 at every piece and for the padding). ``padding``: per
+    row; ``cu_seqlens`` (int32, flash-attn's varlen convention: one segment per piece, one
+    for each row's padding, ending at rows x L). It holds the chunks' token arrays it reads."""
+
+    def __init__(self, units: Int64s, samples: Int64s, chunks: dict[int, TokenChunk], seq_len: int,
+                 pad_id: int) -> None:
+        L = self.seq_len = seq_len
+        self.pad_id = pad_id
+        n = self.rows = int(units.size)
+        count = np.empty(n, dtype=np.int64)
+        rows: list[tuple[PackedChunk, int]] = []
+        #: (the chunk's tokens, the row's first token there) of each row
+        self.where: list[tuple[npt.NDArray[Any], int]] = []
+        for i, (u, j) in enumerate(zip(units.tolist(), samples.tolist())):
+            chunk = chunks[u]
+            if chunk.packed is None or chunk.seq_start is None or chunk.seq_tokens is None:
+                raise PlanError(f"chunk {u} was fetched for concatenated sequences, not packed documents")
+            count[i] = chunk.seq_tokens[j]
+            self.where.append((chunk.tokens, int(chunk.seq_start[j])))
+            rows.append((chunk.packed, j))
+        self.count = count
+        per, length, continued = _gathered_pieces(rows)
+        self.padding = L - count
+        # a piece's last label is the next token only when the next piece continues its document
+        done = ~continued
+        ends = np.cumsum(length) - 1  # in the rows' tokens laid end to end, without padding
+        row_of = np.repeat(_counting(n), per)[done]
+        self.ignored = row_of * L + (ends[done] - (np.cumsum(count) - count)[row_of])
+        # segments: each row's pieces, then its padding where there is any
+        has_pad = self.padding > 0
+        self.segments = np.insert(length, np.cumsum(per)[has_pad], self.padding[has_pad])
+        self.cu_seqlens = cu_seqlens(self.segments)
+
+    def fill_input_ids(self, out: npt.NDArray[Any]) -> None:
+        for i, ((tokens, a), k) in enumerate(zip(self.where, self.count.tolist())):
+            # a row's tokens are consecutive in the stream: its pieces are consecutive pieces
+            out[i, :k] = tokens[a:a + k]
+            out[i, k:] = self.pad_id
+
+    def fill_labels(self, out: npt.NDArray[Any]) -> None:
+        for i, ((tokens, a), k) in enumerate(zip(self.where, self.count.tolist())):
+            out[i, :k] = tokens[a + 1:a + k + 1]  # the chunk holds L + 1 tokens more: always inside
+            out[i, k:] = IGNORE_INDEX
+        out.reshape(-1)[self.ignored] = IGNORE_INDEX
+
+    def fill_position_ids(self, out: npt.NDArray[Any]) -> None:
+        starts = np.cumsum(self.segments) - self.segments
+        np.subtract(_counting(self.rows * self.seq_len), np.repeat(starts, self.segments), out=out.reshape(-1),
+                    casting="unsafe")
