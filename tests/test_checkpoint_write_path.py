@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 import threading
 
 import numpy as np
 import pytest
 
-from datapipe.checkpoint import CheckpointWriter, load_checkpoint
+from datapipe.checkpoint import CheckpointWriter, list_checkpoints, load_checkpoint
 from datapipe.checkpoint.commit import await_parts
 from datapipe.checkpoint.format import encode_doc, json_depth, part_key
 from datapipe.checkpoint.persist import IOThreads
@@ -159,3 +161,34 @@ def test_json_depth_counts_across_its_slices() -> None:
     text = b"[" * n + b"1" + b"]" * n
     assert json_depth(text) == n
     assert json_depth(b'{"a": "[[[[", "b": [[1], {"c": "\\"]]"}]}') == 3
+
+
+_FAIL_MID_CHUNK = """
+import os, resource, signal, sys
+import numpy as np
+from datapipe.checkpoint import CheckpointWriter
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+w = CheckpointWriter(sys.argv[1], background="thread", io_threads=1)
+resource.setrlimit(resource.RLIMIT_FSIZE, (3 << 19, resource.RLIM_INFINITY))  # 1.5 MiB files
+try:
+    w.save(1, {"w": np.ones(1 << 20, np.float32)}).wait()  # one 4 MiB chunk
+except Exception as e:
+    print("failed:", type(e).__name__, e)
+else:
+    print("saved")
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+w.close()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not os.path.isdir("/proc"), reason="needs RLIMIT_FSIZE (Linux)")
+def test_a_chunk_that_fails_while_it_is_written_leaves_nothing(tmp_path) -> None:
+    # a real failure in the middle of a chunk's blocks (the file size limit: EFBIG after
+    # 1.5 MiB of 4): the save fails and neither the chunk, its temporary nor a part is left
+    out = subprocess.run([sys.executable, "-c", _FAIL_MID_CHUNK, str(tmp_path / "c")], capture_output=True,
+                         text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.startswith("failed:"), (out.stdout, out.stderr[-2000:])
+    assert "[Errno 27]" in out.stdout, out.stdout  # EFBIG, from the chunk's write
+    left = [f for d, _, fs in os.walk(tmp_path) for f in fs]
+    assert not [f for f in left if f.startswith((".tmp-", "chunk-", "part-", "manifest"))], left
+    assert list_checkpoints(str(tmp_path / "c")) == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -119,18 +120,23 @@ def chunk_key(step: int, attempt: str, rank: int, index: int) -> str:
     return f"{step_dir(step)}/{attempt}/rank-{rank:05d}/chunk-{index:06d}.bin"
 
 
-def block_checksums(data: memoryview, block: int = BLOCK_BYTES, whole: Hasher | None = None) -> dict[str, Any]:
+def block_checksums(data: memoryview, block: int = BLOCK_BYTES, whole: Hasher | None = None,
+                    sink: Callable[[memoryview], Any] | None = None) -> dict[str, Any]:
     """An uncompressed chunk record's ``blocks``: ``{"bytes": block, "checksums": [...]}``,
     one per ``block`` bytes (the last may be shorter), so that a range read checks only the
     blocks it touches (reshard.py). Hashed a block at a time: xxhash holds the GIL while it
     hashes, and the writer's background threads must not hold it for long. ``whole`` is
-    fed every block too, so the chunk's own checksum comes from the same pass."""
+    fed every block too, so the chunk's own checksum comes from the same pass, and so is
+    ``sink`` (a file's ``write``), after the hashes: the block is read from memory once,
+    the writer copies it from the CPU's cache (a separate write read all of it again)."""
     sums = []
     for i in range(0, len(data), block):
         part = data[i : i + block]
         if whole is not None:
             whole.update(part)
         sums.append(checksum(part))
+        if sink is not None:
+            sink(part)
     return {"bytes": block, "checksums": sums}
 
 

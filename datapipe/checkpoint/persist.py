@@ -617,8 +617,19 @@ class Persister:
                      known: dict[tuple[int, int], str], verify: bool) -> dict[str, Any]:
         data = view(start, end)
         plain = self.compression != "zstd"  # stored as staged: its record lists block checksums
-        blocks = None
+        key = chunk_key(step, attempt, tg.rank, index)
         raw_ck = known.get((start, end)) if not verify else None
+        if plain and not verify and tg.chunk_store.local_path(key) is not None:
+            # a local file: each block written as it is hashed (one read of the staged
+            # bytes from memory, not two); a failure leaves nothing at the key
+            whole = Hasher() if raw_ck is None else None
+            with tg.chunk_store.open_writer(key) as f:
+                written = block_checksums(data, whole=whole, sink=f.write)
+            if whole is not None:
+                raw_ck = known[(start, end)] = whole.hexdigest()  # reused as below
+            return {"key": key, "offset": start, "bytes": end - start, "checksum": raw_ck,
+                    "blocks": written, "stored_bytes": end - start}
+        blocks: dict[str, Any] | None = None
         if raw_ck is None:
             if plain:  # one pass over the bytes: the blocks' checksums and the chunk's
                 whole = Hasher()
@@ -636,8 +647,7 @@ class Persister:
                 # the next tier reuses it (one thread per range: no race); a range is the
                 # same bytes of the one staging buffer in the shared and node-local layouts
                 known[(start, end)] = raw_ck
-        rec: dict[str, Any] = {"key": chunk_key(step, attempt, tg.rank, index),
-                               "offset": start, "bytes": end - start}
+        rec: dict[str, Any] = {"key": key, "offset": start, "bytes": end - start}
         if not plain:
             cctx = getattr(self._tls, "cctx", None)
             if cctx is None:
