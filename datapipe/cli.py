@@ -95,7 +95,7 @@ def _cmd_pack_tokens(a: argparse.Namespace) -> int:
     r = pack_tokens(a.src if len(a.src) > 1 else a.src[0], a.dest, tokenizer=a.tokenizer, text_column=a.text_column,
                     tokens_column=a.tokens_column, eos_id=a.eos_id, vocab_size=a.vocab_size, dtype=a.dtype,
                     workers=a.workers, part_bytes=a.part_bytes, overwrite=a.overwrite, progress=not a.quiet,
-                    storage_options=a.storage_options)
+                    storage_options=a.storage_options, engine=a.engine, address=a.address)
     print(r.summary())
     return 0
 
@@ -446,6 +446,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--part-bytes", type=parse_size, default="256M",
                    help="bound of a part's .bin (default 256M; a part exceeds it only for a single larger document)")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset (or an unfinished pack) at DEST")
+    p.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="local (default): worker processes on this machine. ray: one Ray task per piece of the "
+                        "input on a Ray cluster (pip install 'datapipe[ray]'), SRC and DEST reachable from every "
+                        "node; the same bytes, resumable either way")
+    p.add_argument("--address", default=None, metavar="ADDR",
+                   help="with --engine ray: the Ray cluster to join (e.g. auto, or ray://host:10001); default: the "
+                        "cluster named by RAY_ADDRESS, else a local one started for this pack")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_storage(p)
     p.set_defaults(func=_cmd_pack_tokens)

@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property, partial
+from typing import Any, overload
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
@@ -20,19 +22,25 @@ from .errors import CorruptIndexError, CorruptShardError, DatapipeError, ObjectN
 from .format import (
     BLOCK,
     MANIFEST,
+    SAMPLE_BASE,
     TAR_INDEX,
+    SampleRecords,
+    SampleRows,
+    StoredLayout,
     check_shard_rows,
     decode_sample,
     is_checksum,
     next_member_name,
     parse_manifest,
-    read_shard_table,
+    read_shard_columns,
+    sample_checksums,
     sample_rows,
+    stored_layout,
 )
 from .options import check_int, check_mapping, check_path, show
 from .storage import SeekableFile, Store, is_local_url, open_store, split_url
 
-__all__ = ["ShardInfo", "SampleTable", "DatasetIndex", "Dataset", "open_index"]
+__all__ = ["ShardInfo", "ShardInfos", "SampleTable", "DatasetIndex", "Dataset", "open_index"]
 
 
 @dataclass(frozen=True)
@@ -46,17 +54,68 @@ class ShardInfo:
     tar_bytes: int
 
 
-@dataclass(frozen=True)
 class SampleTable:
-    """The samples of one shard, in stored order."""
+    """The samples of one shard, in stored order: its index rows, checked to tile it.
+    ``keys``, ``offsets``, ``lengths``; ``checksums`` (made ``str`` on first use: a reader
+    of a shard verified whole needs none); ``key_bytes``: the keys' UTF-8 and where each
+    starts in it; ``layout``: the member layout the index records (None for a version 1
+    index, or a shard whose writer recorded none), not yet checked against the shard."""
 
-    keys: list[str]
-    offsets: NDArray[Any]
-    lengths: NDArray[Any]
-    checksums: list[str]
+    def __init__(self, rows: SampleRows | None = None, layout: StoredLayout | None = None,
+                 checksums: Callable[[], list[str]] | None = None) -> None:
+        self._rows = rows
+        self._checksums = checksums
+        self.layout = layout
+        empty = np.zeros(0, dtype=np.int64)
+        self.keys: list[str] = rows.keys if rows is not None else []
+        self.offsets: NDArray[np.int64] = rows.offset if rows is not None else empty
+        self.lengths: NDArray[np.int64] = rows.length if rows is not None else empty
+        self.key_bytes: tuple[NDArray[np.uint8], NDArray[np.int64]] = \
+            (rows.key_data, rows.key_offsets) if rows is not None else (np.zeros(0, np.uint8), np.zeros(1, np.int64))
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    @cached_property
+    def checksums(self) -> list[str]:
+        if self._checksums is not None:
+            return self._checksums()  # read (and checked) now: the first reader that needs them
+        return self._rows.checksums if self._rows is not None else []
+
+    def records(self) -> SampleRecords:
+        """These rows as a writer records them (``join`` writes them into another index)."""
+        lay = self.layout
+        if lay is None:
+            return SampleRecords(self.keys, self.offsets.tolist(), self.lengths.tolist(), self.checksums)
+        joined = ["/".join(f) for f in lay.shapes]
+        return SampleRecords(self.keys, self.offsets.tolist(), self.lengths.tolist(), self.checksums,
+                             [joined[i] for i in lay.shape.tolist()], lay.bounds.tolist())
+
+
+class ShardInfos(Sequence[ShardInfo]):
+    """The shards of an index, each :class:`ShardInfo` made when asked for: an index of
+    10^4 shards opens without making 10^4 objects."""
+
+    def __init__(self, index: DatasetIndex) -> None:
+        self._index = index
+
+    def __len__(self) -> int:
+        return self._index.num_shards
+
+    @overload
+    def __getitem__(self, i: int) -> ShardInfo: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[ShardInfo]: ...
+
+    def __getitem__(self, i: int | slice) -> ShardInfo | list[ShardInfo]:
+        n = len(self)
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(n))]
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"shard {i} out of range ({n} shards)")
+        return self._index.shard_info(j)
 
 
 class _VerifiedFile(SeekableFile):
@@ -123,7 +182,7 @@ def _check_statistics(md: Any, where: str, num_shards: int) -> None:
                 or (name == "shard" and not (0 <= lo and hi < num_shards)) \
                 or (name == "offset" and lo < 0) or (name == "length" and lo <= 0) \
                 or (name == "key" and not lo)
-            if bad or (st.has_null_count and st.null_count):
+            if bad or (st.has_null_count and st.null_count and name in SAMPLE_BASE):  # the layout may be null
                 raise CorruptIndexError(
                     f"{where}: column {name!r} of row group {g} holds values no valid index has "
                     f"({lo!r}..{hi!r}); the index is damaged (re-run the pack that wrote it)"
@@ -167,23 +226,27 @@ class DatasetIndex:
                 f"checksum mismatch for {where}: it is not the shard table the manifest "
                 "names (damaged or replaced; re-run the pack that wrote it)"
             )
-        records = read_shard_table(table, where, self.manifest)
+        cols = read_shard_columns(table, where, self.manifest)
         #: an index of existing tars (`datapipe index`): shards stay where they are
         self.tar_index = self.manifest.get("origin") == TAR_INDEX
+        #: the index format's version (1: no member layouts recorded)
+        self.version: int = self.manifest["version"]
         self._shard_stores: dict[str, Store] = {}
-        counts = np.array([r.samples for r in records], dtype=np.int64)
+        self._cols = cols
+        counts = cols.samples
         self.sample_counts = counts
+        #: stored bytes and checksum of each shard (what ``shards[i]`` also says)
+        self.shard_sizes: NDArray[np.int64] = cols.bytes
+        self.shard_checksums: list[str] = cols.checksums
         self.first_samples = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)
-        self.shards = [
-            ShardInfo(r.name, self._shard_url(r.name), r.bytes, r.samples, r.checksum, int(f), r.tar_bytes)
-            for r, f in zip(records, self.first_samples)
-        ]
-        self.num_shards = len(self.shards)
+        self.num_shards = len(cols)
+        self.shards = ShardInfos(self)
         self.num_samples = int(counts.sum())
         self._row_group = int(self.manifest["sample_row_group"])
         self._samples_file = self.manifest["samples_file"]
         self._samples_where = self.store.url(self._samples_file)
-        self._groups: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._groups: OrderedDict[int, pa.Table] = OrderedDict()
+        self._sums: OrderedDict[int, pa.Table] = OrderedDict()  # each row group's checksum column, read apart
         self._lock = threading.Lock()
         # the footer now, so that a damaged or inconsistent sample table fails at open
         self._pq: pq.ParquetFile | None = self._samples_parquet()
@@ -192,6 +255,13 @@ class DatasetIndex:
         if self.tar_index and (name.startswith("/") or "://" in name):
             return name  # an existing shard, where it lies
         return self.store.url(name)
+
+    def shard_info(self, i: int) -> ShardInfo:
+        """Shard ``i`` (``shards[i]``)."""
+        c = self._cols
+        name = c.names[i]
+        return ShardInfo(name, self._shard_url(name), int(c.bytes[i]), int(c.samples[i]), c.checksums[i],
+                         int(self.first_samples[i]), int(c.tar_bytes[i]))
 
     def shard_location(self, info: ShardInfo) -> tuple[Store, str]:
         """(store, key) to read shard ``info`` from: the dataset's store, or for a shard of
@@ -208,7 +278,7 @@ class DatasetIndex:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_pq"], state["_groups"], state["_lock"] = None, OrderedDict(), None
+        state["_pq"], state["_groups"], state["_sums"], state["_lock"] = None, OrderedDict(), OrderedDict(), None
         state["_shard_stores"] = {}
         return state
 
@@ -245,66 +315,82 @@ class DatasetIndex:
         _check_statistics(md, where, self.num_shards)
         return f
 
-    def _group(self, g: int) -> dict[str, Any]:
+    def _group(self, g: int, checksums: bool = False) -> pa.Table:
+        """Row group ``g`` of ``samples.parquet`` (read through verified blocks; a few kept),
+        without its ``checksum`` column unless asked for: a reader of a shard verified whole
+        needs no sample's checksum, and they are the largest column (read apart, on demand)."""
         with self._lock:
-            if g in self._groups:
-                self._groups.move_to_end(g)
-                return self._groups[g]
+            cache = self._sums if checksums else self._groups
+            table = cache.get(g)
+            if table is not None:
+                cache.move_to_end(g)
+                return table
             if self._pq is None:
                 self._pq = self._samples_parquet()
+            names = self._pq.schema_arrow.names
+            columns = ["checksum"] if checksums else [c for c in names if c != "checksum"]
             try:
-                table = self._pq.read_row_group(g, use_threads=False)  # no Arrow pool: see read_shard_table
+                # no Arrow pool: see read_shard_columns
+                table = self._pq.read_row_group(g, columns=columns, use_threads=False)
             except DatapipeError:
                 raise
             except Exception as e:
                 raise _index_error(self._samples_where, e) from None
-            rows = sample_rows(table, f"{self._samples_where} row group {g}", self.num_shards)
-            self._groups[g] = rows
-            while len(self._groups) > 8:
-                self._groups.popitem(last=False)
-            return rows
+            cache[g] = table
+            while len(cache) > 8:
+                cache.popitem(last=False)
+            return table
 
-    def _rows(self, start: int, stop: int) -> dict[str, Any]:
-        """Columns of global sample rows ``[start, stop)``: each row group is sliced to the
-        rows asked for before anything is joined, so the cost follows the rows, not the
-        row groups."""
+    def _slice(self, start: int, stop: int, checksums: bool = False) -> pa.Table:
+        """Global sample rows ``[start, stop)`` of ``samples.parquet`` (its checksums only, if
+        asked): each row group is sliced to the rows asked for, so the cost follows the rows,
+        not the row groups."""
         rg = self._row_group
         pieces = []
         for g in range(start // rg, (stop - 1) // rg + 1):
             lo, hi = max(start, g * rg) - g * rg, min(stop, (g + 1) * rg) - g * rg
-            group = self._group(g)
-            pieces.append({name: col[lo:hi] for name, col in group.items()})
-        if len(pieces) == 1:
-            return pieces[0]
-        return {
-            name: [x for p in pieces for x in p[name]] if isinstance(pieces[0][name], list)
-            else np.concatenate([p[name] for p in pieces])
-            for name in pieces[0]
-        }
+            pieces.append(self._group(g, checksums).slice(lo, hi - lo))
+        return pieces[0] if len(pieces) == 1 else pa.concat_tables(pieces)
+
+    def _rows(self, start: int, stop: int, checksums: bool = False) -> SampleRows:
+        """Global sample rows ``[start, stop)``, checked (:func:`datapipe.format.index.sample_rows`)."""
+        table = self._slice(start, stop)
+        if checksums:
+            table = table.append_column("checksum", self._slice(start, stop, checksums=True).column("checksum"))
+        return sample_rows(table, f"{self._samples_where} rows {start}..{stop}", self.num_shards)
+
+    def _checksums(self, start: int, stop: int) -> list[str]:
+        """The checked sample checksums of rows ``[start, stop)``."""
+        column = self._slice(start, stop, checksums=True).column("checksum")
+        out: list[str] = sample_checksums(column, f"{self._samples_where} rows {start}..{stop}").to_pylist()
+        return out
 
     def shard_samples(self, i: int) -> SampleTable:
         """The rows of shard ``i``, checked to tile the shard (see
-        :func:`datapipe.format.index.check_shard_rows`)."""
+        :func:`datapipe.format.index.check_shard_rows`), with the member layout the index
+        records for it (see :class:`SampleTable`)."""
         info = self.shards[i]
         if info.samples == 0:
-            return SampleTable([], np.zeros(0, np.int64), np.zeros(0, np.int64), [])
-        c = self._rows(info.first_sample, info.first_sample + info.samples)
-        check_shard_rows(c, i, info, self.compression, self._samples_where, gaps=self.tar_index)
-        return SampleTable(c["key"], np.asarray(c["offset"]), np.asarray(c["length"]), c["checksum"])
+            return SampleTable()
+        rows = self._rows(info.first_sample, info.first_sample + info.samples)
+        check_shard_rows(rows, i, info, self.compression, self._samples_where, gaps=self.tar_index)
+        tar_bytes = None if self.compression == "none" else info.tar_bytes
+        layout = stored_layout(rows, f"{self._samples_where} (shard #{i}, {info.name})", tar_bytes)
+        return SampleTable(rows, layout, partial(self._checksums, info.first_sample, info.first_sample + info.samples))
 
     def locate(self, i: int) -> tuple[int, str, int, int, str]:
         """``(shard, key, offset, length, checksum)`` of global sample ``i``."""
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample {i} out of range for {self.url} ({self.num_samples} samples)")
-        c = self._rows(i, i + 1)
-        shard, off, ln = int(c["shard"][0]), int(c["offset"][0]), int(c["length"][0])
+        c = self._rows(i, i + 1, checksums=True)
+        shard, off, ln = int(c.shard[0]), int(c.offset[0]), int(c.length[0])
         info = self.shards[shard]
         if not info.first_sample <= i < info.first_sample + info.samples or off + ln > info.bytes:
             raise CorruptIndexError(
                 f"{self._samples_where}: row {i} names shard #{shard} ({info.name}) bytes {off}..{off + ln}, "
                 "outside that shard; the index is damaged (re-run the pack that wrote it)"
             )
-        return shard, c["key"][0], off, ln, c["checksum"][0]
+        return shard, c.keys[0], off, ln, c.checksums[0]
 
     def verify_sample_table(self) -> None:
         """Check ``samples.parquet`` whole against the checksum in the manifest."""
@@ -314,9 +400,9 @@ class DatasetIndex:
                                     "damaged or was replaced (re-run the pack that wrote it)")
 
     def keys(self) -> list[str]:
-        n, keys = self.num_samples, []
-        for g in range(-(-n // self._row_group)):
-            keys.extend(self._group(g)["key"])
+        n, rg, keys = self.num_samples, self._row_group, []
+        for g in range(-(-n // rg)):
+            keys.extend(self._rows(g * rg, min(n, (g + 1) * rg)).keys)
         return keys
 
 

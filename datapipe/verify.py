@@ -10,7 +10,7 @@ from typing import Any
 from .checksum import checksum
 from .dataset import open_index
 from .errors import DatapipeError, FormatError
-from .format import END_OF_ARCHIVE, decode_sample, decompress_frame
+from .format import END_OF_ARCHIVE, decode_sample, decompress_frame, sample_members
 from .progress import progress_iter
 
 __all__ = ["Problem", "VerifyReport", "verify_dataset"]
@@ -63,7 +63,7 @@ def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
     # a zstd shard decompresses to exactly tar_bytes: each frame is bounded by what is left
     left = info.tar_bytes - len(END_OF_ARCHIVE)
     end = 0
-    for key, off, length, digest in zip(table.keys, table.offsets, table.lengths, table.checksums):
+    for j, (key, off, length, digest) in enumerate(zip(table.keys, table.offsets, table.lengths, table.checksums)):
         off, length = int(off), int(length)
         end = off + length
         where = f"{info.url} sample {key!r} (bytes {off}..{off + length})"
@@ -84,6 +84,10 @@ def _check_shard(ix: Any, i: int) -> Iterator[Problem]:
         if sample["__key__"] != key:
             yield Problem(info.url, key, f"bytes {off}..{off + length} hold key {sample['__key__']!r}, "
                           f"the index says {key!r}")
+        elif table.layout is not None and sample_members(raw, 0, len(raw), key, where) != table.layout.sample(j):
+            fields, bounds = table.layout.sample(j)
+            yield Problem(info.url, key, f"the index records its members as {'/'.join(fields)[:200]} with data at "
+                          f"{bounds[:6]} (from the sample's first byte), its tar holds others")
     if shard_problem is not None:
         yield shard_problem
         return

@@ -65,19 +65,20 @@ def test_a_dataset_manifest_keeps_nan_readable_and_a_token_manifest_refuses_it()
         parse_token_manifest(token, "tok")
 
 
-@pytest.mark.parametrize("parse,good,what,remedy", [
-    (parse_manifest, lambda: make_manifest([], "none", ["txt"]), "dataset", "re-run the pack or join that wrote it"),
+@pytest.mark.parametrize("parse,good,what,remedy,reads", [
+    (parse_manifest, lambda: make_manifest([], "none", ["txt"]), "dataset", "re-run the pack or join that wrote it",
+     "versions 1, 2"),
     (parse_token_manifest, lambda: make_token_manifest([_part()], dtype="uint16", vocab_size=100, eos_id=0), "token",
-     "re-run the pack that wrote it"),
+     "re-run the pack that wrote it", "version 1"),
 ], ids=["dataset", "token"])
-def test_the_envelope_errors_of_both_manifests(parse, good, what, remedy):
+def test_the_envelope_errors_of_both_manifests(parse, good, what, remedy, reads):
     data = good()
     doc = json.loads(data)
     with pytest.raises(CorruptIndexError, match=r"^m: manifest is not JSON: "):
         parse(data[:-9], "m")
     with pytest.raises(FormatError, match=rf"^m: not a datapipe {what} manifest \(format != "):
         parse(json.dumps({**doc, "format": "other"}).encode(), "m")
-    with pytest.raises(FormatError, match=rf"^m: {what} format version 99; this datapipe reads version 1 "
+    with pytest.raises(FormatError, match=rf"^m: {what} format version 99; this datapipe reads {reads} "
                                           r"\(upgrade datapipe\)$"):
         parse(json.dumps({**doc, "version": 99}).encode(), "m")
     for damaged in ({**doc, "x_added": 1}, {**doc, "manifest_checksum": 7}, {**doc, "x_big": 1e999}):

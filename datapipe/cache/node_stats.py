@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing import util as mp_util
 from typing import Any
 
@@ -171,6 +171,13 @@ class CounterFile:
         self.closed = False
         self.errors = 0
         self.writes = 0
+        #: while this says True (the warm tier is out of the path), nothing is written:
+        #: the tier's own warning says why, and the counters are written whole when it is back
+        self.paused: Callable[[], bool] = lambda: False
+        #: whether a failed write is the warm tier's failure (said once by the tier), so it
+        #: is not warned about here too
+        self.tier_failed: Callable[[OSError], bool] = lambda e: False
+        self._warned = False
 
     def _publish(self, text: str) -> None:
         fd = publish_locked(self.dir, self.name, text)
@@ -203,7 +210,7 @@ class CounterFile:
         also re-reads the generation). True when a file was written. Never raises an
         OSError: the first one warns, the rest are counted in ``errors``."""
         with self._lock:
-            if self.closed:
+            if self.closed or self.paused():
                 return False
             snap = _snapshot(counters)
             if snap == self._written and not force:
@@ -222,13 +229,16 @@ class CounterFile:
                 self._publish(json.dumps(payload))
             except OSError as e:
                 self.errors += 1
-                if self.errors == 1:
-                    warnings.warn(f"cache counters not written to {self.path} ({e}); "
-                                  "node-wide stats will miss this process", RuntimeWarning, stacklevel=2)
-                return False
-            self._written = snap
-            self.writes += 1
-            return True
+                failed = e
+            else:
+                self._written = snap
+                self.writes += 1
+                return True
+        if not self.tier_failed(failed) and not self._warned:
+            self._warned = True
+            warnings.warn(f"cache counters not written to {self.path} ({failed}); "
+                          "node-wide stats will miss this process", RuntimeWarning, stacklevel=2)
+        return False
 
 
 class CounterFlusher:

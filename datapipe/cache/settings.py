@@ -48,6 +48,7 @@ class Settings(Protocol):
     shared_wait_s: float
     cold_concurrency: int
     local_tiers: tuple[CacheTier, ...]
+    tier_retry_s: float
 
 
 def check_local_tiers(local_tiers: Any, warm_dir: object) -> tuple[CacheTier, ...]:

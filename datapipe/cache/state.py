@@ -10,6 +10,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from ..errors import DatapipeError, StorageError
@@ -90,12 +91,13 @@ class ProcessState:
         # Pin waits sleep on `room`: this process's releases, fills and discards notify it.
         self.room = Room()
         self.closed = False
-        self.tiers = Tiers(self.cold, self.stats.update)
+        self.tiers = Tiers(self.cold, self.stats.update, warn=self.warn, retry_s=s.tier_retry_s, give_up=self._give_up)
         self.counters: CounterFlusher | None = None
         if s.warm_dir is not None:
             try:
                 self.tiers.warm = self._local("warm", WARM_RANK, WarmDir(s.warm_dir, s.warm_bytes), s,
                                               budget_arg="warm_bytes", repair=self.warm_broken)
+                self.tiers.warm.recreates = True
                 self.stats.update(warm_tmp_cleaned=self.tiers.warm.dir.cleaned)
             except OSError as e:
                 self.warn("warm-init", f"warm cache {s.warm_dir} unusable ({e}); reading through to the cold tier")
@@ -110,7 +112,9 @@ class ProcessState:
             path = os.fspath(t.path)
             level = len(self.tiers.lower) + 1
             try:
-                self.tiers.lower.append(self._local(f"local{level + 1}", WARM_RANK + level, WarmDir(path, t.bytes), s))
+                tier = self._local(f"local{level + 1}", WARM_RANK + level, WarmDir(path, t.bytes), s)
+                tier.repair = partial(self._dir_broken, tier=tier, recreate=False)
+                self.tiers.lower.append(tier)
             except OSError as e:
                 self.warn(f"local-init-{path}", f"node-local cache {path} unusable ({e}); skipped")
         self.future: FutureBoard | None = None
@@ -126,13 +130,20 @@ class ProcessState:
                                                count=self.stats.update, warn=self.warn,
                                                lease_timeout_s=s.lease_timeout_s, wait_s=s.shared_wait_s,
                                                repair=self.shared_broken)
+                self.tiers.shared.recreates = True
                 self.stats.update(shared_tmp_cleaned=self.tiers.shared.cleaned)
             except OSError as e:
                 self.warn("shared-init", f"shared cache {s.shared_dir} unusable ({e}); reading through to the "
                           "cold tier")
         if warm is not None:
             try:  # node-wide counters: this process's share, written to the warm dir
-                self.counters = CounterFlusher(self, CounterFile(warm.root), self.stats, s.stats_interval_s)
+                counter_file = CounterFile(warm.root)
+                warm_tier = self.tiers.warm
+                counter_file.paused = lambda: warm_tier is not None and warm_tier.retry_at is not None
+                # a broken folder is the tier's failure, said by the tier when a read meets it;
+                # the counters are written again once the folder takes writes
+                counter_file.tier_failed = lambda e: e.errno in BROKEN_DIR_ERRNOS
+                self.counters = CounterFlusher(self, counter_file, self.stats, s.stats_interval_s)
             except OSError as e:
                 self.warn("stats-init", f"cache counters cannot be kept in {s.warm_dir} ({e}); node-wide "
                           "stats will miss this process")
@@ -164,31 +175,48 @@ class ProcessState:
     def warm_broken(self, e: OSError) -> bool:
         """True when ``e`` says the warm directory itself is gone or unwritable (deleted,
         remounted read-only): it is re-created if it can be, a warning is given once,
-        and the caller reads through."""
-        return self._dir_broken(e, self.tiers.warm)
+        and the caller reads through; one that still fails its probe is out of the path
+        until a later probe passes (walk.py)."""
+        return self._dir_broken(e, tier=self.tiers.warm)
 
     def shared_broken(self, e: OSError) -> bool:
         """The same for the shared directory (unmounted, read-only, stale handle)."""
-        return self._dir_broken(e, self.tiers.shared)
+        return self._dir_broken(e, tier=self.tiers.shared)
 
-    def _dir_broken(self, e: OSError, tier: DirTier | None) -> bool:
+    def _dir_broken(self, e: OSError, *, tier: DirTier | None, recreate: bool = True) -> bool:
+        """``recreate``: re-create a deleted folder (``warm_dir``, ``shared_dir``), else
+        probe it as it is (``local_tiers``). One warning per tier and process, whatever
+        happens after: the tier goes out and comes back (one message) as its probes say."""
         if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS or tier is None:
             return False
         tier.count_event("errors")
         if self.stats.telemetry is not None:
             self.stats.telemetry.error(tier.telemetry_name)
+        repaired = ""
+        if recreate:
+            try:
+                tier.dir.repair()
+            except OSError as e2:
+                repaired = f"; it cannot be re-created ({e2})"
+            except StorageError as e2:  # the path is someone else's folder now: never touched again
+                self._give_up(tier)
+                self.warn(f"{tier.name}-init", f"{tier.name} cache {tier.dir.root} unusable ({e2}); reading "
+                          "through to the cold tier")
+                return True
+        what = "node-local" if tier in self.tiers.lower else tier.name
         try:
-            tier.dir.repair()
-            repaired = ""
-        except OSError as e2:
-            repaired = f"; it cannot be re-created ({e2})"
-        except StorageError as e2:  # the path is someone else's folder now: never touched again
-            self._give_up(tier)
-            self.warn(f"{tier.name}-init", f"{tier.name} cache {tier.dir.root} unusable ({e2}); reading through "
-                      "to the cold tier")
-            return True
-        self.warn(f"{tier.name}_broken", f"{tier.name} cache {tier.dir.root} failed ({e}){repaired}; "
-                  "reading through to the cold tier")
+            if not repaired:
+                tier.dir.probe()
+        except OSError:
+            repaired = "; it fails a probe too"
+        if repaired:
+            self.tiers.take_out(tier, e)
+            self.warn(f"{tier.name}_broken", f"{what} cache {tier.dir.root} failed ({e}){repaired}: taken out "
+                      f"of the path, reads go through to the tiers below it; probed again every "
+                      f"{self.tiers.retry_s:g} s and taken back when it answers")
+        else:
+            self.warn(f"{tier.name}_broken", f"{what} cache {tier.dir.root} failed ({e}); reading through "
+                      "to the tiers below it")
         return True
 
     def _give_up(self, tier: DirTier) -> None:
@@ -196,6 +224,9 @@ class ProcessState:
         go through, and nothing of this process writes or deletes in it again."""
         if tier is self.tiers.shared:
             self.tiers.shared = None
+            return
+        if tier in self.tiers.lower:
+            self.tiers.lower.remove(tier)
             return
         self.tiers.warm, future = None, self.future
         self.future = None
@@ -208,8 +239,8 @@ class ProcessState:
         """Bytes in the warm tier; 0 (with the one warning) when it is gone or unreadable:
         stats must not fail because the directory did."""
         warm = self.warm
-        if warm is None:
-            return 0
+        if warm is None or self.tiers.warm_in_path() is None:
+            return 0  # out of the path: its one warning said why
         try:
             return warm.usage()
         except OSError as e:
@@ -224,7 +255,7 @@ class ProcessState:
 
     def shared_usage(self) -> int:
         shared = self.tiers.shared
-        if shared is None:
+        if shared is None or not self.tiers.in_path(shared):
             return 0
         try:
             return shared.dir.usage()

@@ -92,6 +92,11 @@ class DirTier:
         self.fetched_as = name
         #: the tier's name in :mod:`datapipe.telemetry` (``warm``, ``node-local``, ``shared``)
         self.telemetry_name = telemetry_tier(name)
+        #: while the tier is out of the path (it failed and a probe of it failed too): when
+        #: it is probed next (``time.monotonic()``), else None (walk.py ``Tiers.in_path``)
+        self.retry_at: float | None = None
+        #: the error that took the tier out, for the messages
+        self.out_error = ""
 
     def path(self, url: str) -> str:
         return self.dir.path(url_key(url))
@@ -164,6 +169,17 @@ class DirTier:
         self.warn(f"{self.name}_broken", f"node-local cache {self.dir.root} failed ({e}); "
                   "reading through to the tiers below it")
         return True
+
+    def probe(self) -> None:
+        """Whether the directory answers again (``WarmDir.probe``); raises OSError if not.
+        A tier that re-creates its folder (``warm_dir``, ``shared_dir``) does so first."""
+        if self.recreates:
+            self.dir.repair()
+        self.dir.probe()
+
+    #: whether a deleted folder of this tier is re-created (``warm_dir``, ``shared_dir``;
+    #: a folder of ``local_tiers`` is not: it is probed as it is)
+    recreates = False
 
     # -- counters: the one spelling of every per-tier counter -----------------------------
     def count_hit(self, nbytes: int | None = None) -> None:

@@ -50,7 +50,7 @@ from .pacing import DEFAULT_CEILING
 from .settings import CacheTier, check_local_tiers, refuse_shared_folders
 from .shared import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_SHARED_WAIT_S
 from .state import ProcessState
-from .walk import WARM_RANK
+from .walk import DEFAULT_TIER_RETRY_S, WARM_RANK
 from .warm import BROKEN_DIR_ERRNOS, url_key
 
 __all__ = ["TieredCache", "CHANGE_RESTARTS"]
@@ -99,6 +99,11 @@ class TieredCache:
     ``telemetry``: a :class:`datapipe.telemetry.Telemetry` to record each tier's reads
     (bytes, seconds), hits, misses and failures, and the cold store's retries and
     throttled answers into (a loader given ``telemetry=`` hands its own over).
+    ``tier_retry_s``: a directory tier that fails and fails a probe too (read-only, deleted
+    and not re-creatable, full) is out of the path, warned about once: reads go through
+    to the tiers below it, writes skip it; every ``tier_retry_s`` seconds a read probes it
+    (an unnamed file written, fsync'd and read back) and the first probe that passes takes
+    it back, with one message (counters ``<tier>_outs``, ``<tier>_backs``).
 
     Errors: ObjectNotFoundError (no object at the URL), RemoteError (retries exhausted),
     ChecksumError (a fill failed its checksum twice), CacheBudgetError (an object larger
@@ -128,6 +133,7 @@ class TieredCache:
         cold_concurrency: int = DEFAULT_CEILING,
         local_tiers: Sequence[CacheTier] = (),
         telemetry: Telemetry | None = None,
+        tier_retry_s: float = DEFAULT_TIER_RETRY_S,
     ) -> None:
         B = CacheOptionError  # a budget's error is a CacheBudgetError too
         hot_bytes, warm_bytes = check_bytes("hot_bytes", hot_bytes, error=B), check_bytes("warm_bytes", warm_bytes,
@@ -152,6 +158,8 @@ class TieredCache:
         pin_wait_s = check_float("pin_wait_s", pin_wait_s, min=0, hint="a number of seconds >= 0")
         stats_interval_s = check_float("stats_interval_s", stats_interval_s, min=0, min_open=True,
                                        hint="a number of seconds > 0")
+        tier_retry_s = check_float("tier_retry_s", tier_retry_s, min=0, max=1e9,
+                                   hint="seconds between probes of a tier out of the path, >= 0")
         cold_concurrency = check_int("cold_concurrency", cold_concurrency, min=1, max=MAX_COUNT,
                                      hint="requests in flight to one prefix of a remote cold store")
         prefetch_threads = check_int("prefetch_threads", prefetch_threads, min=1, max=MAX_PREFETCH_THREADS)
@@ -181,6 +189,7 @@ class TieredCache:
         self.shared_wait_s = float(shared_wait_s)
         self.cold_concurrency = cold_concurrency
         self.local_tiers = tiers
+        self.tier_retry_s = float(tier_retry_s)
         self._telemetry = telemetry
         self.schedule: Schedule[str] | None = None
         self._warm_urls: tuple[Schedule[str], dict[str, str]] | None = None  # warm file name -> URL
@@ -303,7 +312,7 @@ class TieredCache:
 
     def _below_hot(self, state: ProcessState, url: str, checksum: str | None, index: int | None) -> bytes:
         chooser = self._dir_chooser(url, index)
-        warm = state.tiers.warm
+        warm = state.tiers.warm_in_path()
         if warm is not None:
             for _attempt in (0, 1):  # once more after re-creating a deleted warm directory
                 try:
@@ -313,8 +322,8 @@ class TieredCache:
                 except OSError as e:
                     if not warm.broken(e):
                         raise
-                    if state.tiers.warm is not warm:
-                        break  # given up (someone else's folder at its path now)
+                    if state.tiers.warm is not warm or warm.retry_at is not None:
+                        break  # given up (someone else's folder at its path now), or out of the path
         else:
             fut = state.pending.get(url)
             if fut is not None:  # a prefetch of this URL is under way: wait for it
@@ -357,7 +366,7 @@ class TieredCache:
             return _slice(hit[0], start, end, url)
         state.stats.update(hot_misses=1)
         self._record_hot(None, t0)
-        warm = state.tiers.warm
+        warm = state.tiers.warm_in_path()
         if warm is not None:
             for _attempt in (0, 1):  # once more after re-creating a deleted warm directory
                 try:
@@ -365,8 +374,8 @@ class TieredCache:
                 except OSError as e:
                     if not warm.broken(e):
                         raise
-                    if state.tiers.warm is not warm:
-                        break  # given up (someone else's folder at its path now)
+                    if state.tiers.warm is not warm or warm.retry_at is not None:
+                        break  # given up (someone else's folder at its path now), or out of the path
         return self._range_from_cold(state, url, start, end, index)
 
     def _range_from_warm(self, state: ProcessState, warm: LocalTier, url: str, start: int, end: int,
@@ -444,7 +453,20 @@ class TieredCache:
         if warm is None:
             raise StorageError(f"{caller}({url}) needs a usable warm_dir; this cache has none")
         with self._scheduled_read(state, url) as index:  # once per call: retries do not move the position again
+            if not state.tiers.in_path(warm):
+                return self._warm_out(state, warm, url, checksum, index, caller, read_through)
             return self._pin_at(state, warm, url, checksum, index, caller, read_through)
+
+    def _warm_out(self, state: ProcessState, warm: LocalTier, url: str, checksum: str | None, index: int | None,
+                  caller: str, read_through: bool) -> bytes:
+        """The warm tier is out of the path: ``pin_or_read`` reads through the tiers below
+        it; ``local_path``, which needs a file there, cannot have one."""
+        if read_through:
+            warm.count_miss()
+            return state.tiers.read(url, checksum, self._dir_chooser(url, index), into="warm", below=WARM_RANK)
+        raise StorageError(f"{caller}({url}): warm cache {warm.dir.root} is out of the path ({warm.out_error}); "
+                           "a local copy needs a writable warm_dir (it is probed again every "
+                           f"{self.tier_retry_s:g} s, or read with read()/pin_or_read(), which read through)")
 
     def _pin_at(self, state: ProcessState, warm: LocalTier, url: str, checksum: str | None, index: int | None,
                 caller: str, read_through: bool) -> str | bytes:
@@ -479,12 +501,16 @@ class TieredCache:
             except OSError as e:
                 if broken is None and warm.broken(e):
                     broken = e  # re-created (or not): one more try
+                    if state.tiers.warm is warm and warm.retry_at is not None:
+                        return self._warm_out(state, warm, url, checksum, index, caller, read_through)
                     if state.tiers.warm is warm:
                         continue
                     raise StorageError(f"{caller}({url}): warm cache {warm.dir.root} is unusable (its path "
                                        "holds someone else's folder now); a local copy needs a "
                                        "warm_dir of its own") from e
                 if broken is not None and not isinstance(e, DatapipeError) and e.errno in BROKEN_DIR_ERRNOS:
+                    if read_through:  # it answered the probe but not the fill: read around it
+                        return self._warm_out(state, warm, url, checksum, index, caller, read_through)
                     raise StorageError(f"{caller}({url}): warm cache {warm.dir.root} is unusable "
                                        f"({e}); a local copy needs a writable warm_dir") from e
                 raise
@@ -561,9 +587,11 @@ class TieredCache:
     def _prefetch_one(self, state: ProcessState, url: str, checksum: str | None, at: int | None,
                       ticket: int | None = None) -> None:
         try:
-            warm = state.tiers.warm
+            warm = state.tiers.warm_in_path()
             if warm is not None:
                 self._prefetch_warm(state, warm, url, checksum, at, ticket)
+            elif state.tiers.warm is not None and self.hot_bytes <= 0:
+                return  # the warm tier is out and no memory tier holds a prefetch: nothing to fill
             elif url not in state.hot:
                 self._check_hot_fits(state, url)
                 data = state.tiers.read(url, checksum, self._dir_chooser(url, None, prefetch_at=at), into="hot",
@@ -670,7 +698,7 @@ class TieredCache:
                 # Objects fetched ahead occupy the tier before they are used, shrinking it
                 # for everything else; beyond the next object, look ahead only while that
                 # stays within a quarter of the tier (sizes known from earlier HEADs).
-                warm = state.tiers.warm
+                warm = state.tiers.warm_in_path()
                 room = (self.warm_bytes if warm is not None else self.hot_bytes) // 4
                 ahead = 0
                 for n, (i, url) in enumerate(upcoming):

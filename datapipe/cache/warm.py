@@ -69,6 +69,8 @@ DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 BROKEN_DIR_ERRNOS = DISK_FULL_ERRNOS | {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOTDIR,
                                         errno.ESTALE, errno.EIO}
 FILL_XATTR = "user.datapipe.fill"
+#: bytes :meth:`WarmDir.probe` writes and reads back in each folder of a directory tier
+PROBE_BYTES = 4096
 MARKER = {"format": "datapipe-warm-cache", "version": 1}
 SHARED_FORMAT = "datapipe-shared-cache"  # shared.SHARED_MARKER's (shared imports this module)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -281,6 +283,41 @@ class WarmDir:
         claim_dir(self.root, self.marker, self.budget)
         for d in (self.objects, self.tmpdir, self.locks, os.path.join(self.root, "stats")):
             os.makedirs(d, exist_ok=True)
+
+    def probe(self) -> None:
+        """Whether the directory takes writes again, after it failed: in each folder a fill
+        writes in (``tmp/``, ``objects/``, ``locks/``) an unnamed file (``O_TMPFILE``: nothing
+        is left behind, nothing another process lists) is written, fsync'd and read back.
+        Raises OSError (read-only, deleted, full, immutable) where it does not; with
+        ``PROBE_BYTES`` bytes a probe costs a few hundred microseconds."""
+        payload = uuid.uuid4().bytes * (PROBE_BYTES // 16)
+        for folder in (self.tmpdir, self.objects, self.locks):
+            try:
+                fd = os.open(folder, os.O_RDWR | os.O_TMPFILE | os.O_CLOEXEC, 0o600)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                    raise
+                fd = self._named_probe(folder)
+            try:
+                os.write(fd, payload)
+                os.fsync(fd)
+                if os.pread(fd, len(payload), 0) != payload:
+                    raise OSError(errno.EIO, f"a probe written to {folder} reads back different bytes")
+            finally:
+                os.close(fd)
+
+    @staticmethod
+    def _named_probe(folder: str) -> int:
+        """A filesystem without ``O_TMPFILE``: a probe file of our own name, created with
+        ``O_EXCL`` and unlinked at once (its descriptor still writes and reads)."""
+        path = os.path.join(folder, f".probe-{os.getpid()}-{uuid.uuid4().hex}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _O_NOFOLLOW, 0o600)
+        try:
+            os.unlink(path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     # -- trust ---------------------------------------------------------------------------
     def read_verified(self, key: str, fd: int, checksum: str | None, expected_size: Callable[[], int | None], *,

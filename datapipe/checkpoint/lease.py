@@ -21,7 +21,7 @@ from ..errors import (
     LeaseLostError,
     StorageError,
 )
-from ..storage import Store, WriterLease, describe_holder
+from ..storage import LEASE_FILE_DELETED, Store, WriterLease, describe_holder
 from .format import decode_doc, encode_doc
 
 __all__ = ["LEASE_KEY", "Lease"]
@@ -71,6 +71,15 @@ class Lease:
                 f"{self.url}: this writer lost its lease ({e.why}); not {doing}. "
                 "Another writer may own this URL now: one writer per URL"
             ) from None
+
+    def deleted(self) -> bool:
+        """Whether this writer lost the lease only because its file was deleted (the
+        folder removed under it): nobody took it over, so it may be taken again."""
+        try:
+            self._lease.check()
+        except LeaseLostError as e:
+            return e.why == LEASE_FILE_DELETED
+        return False
 
     def release(self) -> None:
         self._lease.release()

@@ -21,6 +21,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from typing import Any
 
 from ..checksum import Hasher
@@ -49,7 +50,7 @@ from .format import (
 )
 from .lease import Lease
 from .replicate import PeerLink
-from .tiers import Tier, own_dir, replica_dir
+from .tiers import Tier, TiersOut, own_dir, replica_dir
 
 __all__ = ["IOThreads", "Persister", "PersistConfig", "PersistJob", "chunk_bytes_for", "lower_thread_priority",
            "replica_header"]
@@ -329,6 +330,8 @@ class Persister:
         self.io_threads, self.nice = config.io_threads, config.nice
         self.saved_at: dict[tuple[int, int], int] = {}
         self._io = IOThreads(self.io_threads, self.nice)
+        self.tiers_out = TiersOut()
+        self._lease_args = (config.lease_ttl, config.lease_wait)  # to take a lease again (a tier back)
         self._tls = threading.local()
         self._targets: dict[str, list[_Target]] = {}
         # the peer link (thread writer with replicate=1): created by the writer before this
@@ -418,10 +421,12 @@ class Persister:
 
     def persist(self, job: PersistJob, view: Callable[[int, int], memoryview], tensor: Callable[[int], Any],
                 m: dict[str, Any]) -> None:
-        """Every due tier in order; a tier that fails does not stop the others, and the
-        save then raises naming each failed tier. Metrics of the first due tier are the
-        save's top-level ones (as for a single-URL writer); each tier's are in
-        ``metrics["tiers"][url]``."""
+        """Every due tier in order; a tier that fails does not stop the others. A tier that
+        fails with a storage error while another commits the step is taken out of the path
+        (``tiers.TiersOut``: warned once, probed before each later save, taken back when it
+        answers); any other failure, or a step no due tier committed, raises naming each
+        failed tier. Metrics of the first due tier written are the save's top-level ones
+        (as for a single-URL writer); each tier's are in ``metrics["tiers"][url]``."""
         # saves are persisted in call order: every save made before this one is in saved_at
         # by now, and one made after it is not (retention's in_flight tells them apart)
         pa = parse_attempt(job.attempt)
@@ -429,27 +434,79 @@ class Persister:
             self.saved_at[(job.step, pa[1])] = job.order
         m["tiers"] = {}
         errors: list[tuple[str, BaseException]] = []
+        out: list[tuple[str, BaseException]] = []  # failed as a tier fails, or skipped: out of the path
         for tier in job.due:
             tm: dict[str, Any] = {}
             m["tiers"][tier.url] = tm
+            skipped = self.tiers_out.skip(tier.url, partial(self._probe_tier, tier), job.step)
+            if skipped is not None:
+                tm["skipped"] = skipped
+                out.append((tier.url, CheckpointError(skipped)))
+                continue
             try:
                 self._persist_tier(job, tier, tm, view, tensor)
             except BaseException as e:
-                errors.append((tier.url, e))
                 tm["error"] = f"{type(e).__name__}: {e}"
-            if tier is job.due[0]:
-                m.update({k: v for k, v in tm.items() if k not in ("durable_s", "error", "replica")})
+                if not self._tier_failure(tier, e):
+                    errors.append((tier.url, e))
+                    continue
+                out.append((tier.url, e))
+        written = [t.url for t in job.due if "durable_s" in m["tiers"][t.url]]
+        if written:
+            m.update({k: v for k, v in m["tiers"][written[0]].items() if k not in ("durable_s", "error", "replica")})
+        for url, err in out:
+            if "error" in m["tiers"][url]:
+                self.tiers_out.failed(url, err, job.step, written)
+        m["tiers_out"] = sorted(self.tiers_out.out)
+        if not written or errors:  # no due tier has the step, or a failure that is not a tier's
+            errors += out
         # save() to durable in every due tier (replicas included); retention not counted
         ends = [tm["durable_s"] for tm in m["tiers"].values() if "durable_s" in tm]
         ends += [tm["replica"]["durable_s"] for tm in m["tiers"].values() if "durable_s" in tm.get("replica", {})]
         m["total_s"] = max(ends, default=time.monotonic() - job.t_start)
-        if len(errors) == 1 and len(job.due) == 1:
-            raise errors[0][1]
+        if len(errors) == 1 and len(job.due) == 1 and "skipped" not in m["tiers"][job.due[0].url]:
+            raise errors[0][1]  # a writer of one tier: its own error
         if errors:
             raise CheckpointError(
                 f"saving step {job.step} failed in {len(errors)} of {len(job.due)} tiers: "
                 + "; ".join(f"{url}: {type(e).__name__}: {e}" for url, e in errors)
             ) from errors[0][1]
+
+    def _tier_failure(self, tier: Tier, e: BaseException) -> bool:
+        """Whether ``e`` says the tier itself failed (a storage error: unwritable, deleted,
+        full; or its writer lease is lost), not the save (a rank that did not publish)."""
+        if isinstance(e, (OSError, StorageError)):
+            return True
+        for tg in self._targets[tier.url]:
+            if tg.lease is not None:
+                try:
+                    tg.lease.check("saving")
+                except CheckpointError:
+                    return True
+        return False
+
+    def _probe_tier(self, tier: Tier) -> str:
+        """A tier out of the path, probed: in each of its stores a small object is written,
+        read back and deleted (only that object: it is ours), and a writer lease whose file
+        was deleted meanwhile (with its folder) is taken again; one another writer took
+        over stays lost. Raises if any of it fails; returns what was done, for the message."""
+        took = False
+        for tg in self._targets[tier.url]:
+            key = f".datapipe-probe-{self.run_id}-{os.getpid()}-{os.urandom(4).hex()}"
+            payload = os.urandom(64)
+            tg.store.put(key, payload)
+            try:
+                if tg.store.get(key) != payload:
+                    raise CheckpointError(f"{tg.store.url(key)}: a probe reads back different bytes")
+            finally:
+                tg.store.delete(key)
+            if tg.lease is not None and tg.lease.deleted():  # never one another writer took over
+                tg.lease.release()
+                tg.lease = Lease(tg.store, self.run_id, *self._lease_args).acquire()
+                took = True
+            elif tg.lease is not None:
+                tg.lease.check("taking the tier back")
+        return "a probe written, read back and deleted" + ("; the writer lease taken again" if took else "")
 
     def _persist_tier(self, job: PersistJob, tier: Tier, tm: dict[str, Any],
                       staged: Callable[[int, int], memoryview], tensor: Callable[[int], Any]) -> None:

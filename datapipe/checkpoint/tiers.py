@@ -13,13 +13,15 @@ rank on the next node, so the copy lives in another failure domain.
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointOptionError
 
 __all__ = ["Tier", "check_tiers", "writer_tiers", "own_dir", "replica_dir", "peer_of", "source_of",
-           "resolve_ranks_per_node"]
+           "resolve_ranks_per_node", "TiersOut"]
 
 
 @dataclass(frozen=True)
@@ -144,3 +146,43 @@ def resolve_ranks_per_node(ranks_per_node: int | None, world_size: int, where: s
             f"{ranks_per_node!r} does not split world_size={world_size} into two or more nodes"
         )
     return ranks_per_node
+
+
+class TiersOut:
+    """The tiers of one writer's background that are out of the path. A tier whose save
+    fails with a storage error (unwritable, deleted, full, its writer lease lost) while
+    another due tier commits the step goes out, with one warning naming it and the error;
+    each later save it is due for probes it first (``probe``: a small object written, read
+    back and deleted, the writer lease taken again if it was lost) and skips it while the
+    probe fails; the first probe that passes takes it back, with one message. A save that
+    no due tier committed is never taken for a success (the background raises)."""
+
+    def __init__(self) -> None:
+        self.out: dict[str, str] = {}  # url -> why it is out
+        self._warned: set[str] = set()
+
+    def skip(self, url: str, probe: Callable[[], str], step: int) -> str | None:
+        """None when ``url`` is to be written at ``step`` (in the path, or back now: its
+        probe passed); else why it is skipped."""
+        why = self.out.get(url)
+        if why is None:
+            return None
+        try:
+            how = probe()
+        except Exception as e:
+            return f"out of the path ({why}); its probe at step {step} failed too ({type(e).__name__}: {e})"
+        del self.out[url]
+        warnings.warn(f"checkpoint tier {url} answers again ({how}): back in the path from step {step}",
+                      stacklevel=2)
+        return None
+
+    def failed(self, url: str, e: BaseException, step: int, written: list[str]) -> None:
+        """``url`` failed at ``step`` with ``e``: out of the path, said once per tier (by
+        the save's own error instead when no tier took the step: ``written`` empty)."""
+        self.out[url] = f"{type(e).__name__}: {e}"
+        if url in self._warned or not written:
+            return
+        self._warned.add(url)
+        warnings.warn(f"checkpoint tier {url} failed at step {step} ({type(e).__name__}: {e}): taken out of the "
+                      f"path; step {step} is committed on {', '.join(written)}; the tier is probed before each "
+                      "save it is due for and taken back when it answers", stacklevel=2)

@@ -4,8 +4,11 @@
 - ``sample``: one sample's members (and zstd frame) to and from ``{"__key__": ..., field: ...}``.
 - ``shard``: ``ShardBuilder``, writing a shard and recording offsets and checksums.
 - ``layout``: where every field of every sample of a shard lies (the strict parse, and the
-  one fast structural check tested against it).
-- ``index``: the manifest, ``shards.parquet`` and ``samples.parquet``, and their checks.
+  fast structural checks tested against it: of a layout the index records, and of a shard
+  whose index records none).
+- ``index``: the manifest, ``shards.parquet`` and ``samples.parquet`` (version 2: with each
+  sample's member layout), and their checks; ``columns``: those checks over a whole
+  column, vectorised.
 - ``rows``: a table's rows as the fields of samples (struct-of-bytes columns flattened).
 - ``parquet_pages``: the page headers of a Parquet column chunk, read before pyarrow
   decodes it (what each page decompresses to).
@@ -20,14 +23,19 @@ bytes live.
 """
 
 from .index import (
+    FORMAT_VERSION,
     MANIFEST,
+    READ_VERSIONS,
+    SAMPLE_BASE,
     SAMPLE_ROW_GROUP,
     SAMPLES_FILE,
     SHARDS_FILE,
     TAR_INDEX,
     FileDigest,
     SampleRecords,
+    SampleRows,
     SampleTableWriter,
+    ShardColumns,
     ShardRecord,
     check_relative_name,
     check_shard_rows,
@@ -35,11 +43,14 @@ from .index import (
     is_checksum,
     make_manifest,
     parse_manifest,
+    read_shard_columns,
     read_shard_table,
+    sample_checksums,
     sample_rows,
     shard_table_bytes,
+    stored_layout,
 )
-from .layout import MemberTable, ShardLayout, find_layout
+from .layout import MemberTable, ShardLayout, StoredLayout, check_layout, find_layout, sample_members
 from .parquet_pages import chunk_pages
 from .rows import flatten_bytes_structs, key_text, python_rows, python_values, row_fields
 from .sample import COMPRESSIONS, decode_sample, decompress_frame, encode_sample, field_bytes
@@ -60,8 +71,11 @@ __all__ = [
     "BLOCK",
     "COMPRESSIONS",
     "END_OF_ARCHIVE",
+    "FORMAT_VERSION",
     "MANIFEST",
+    "READ_VERSIONS",
     "SAMPLES_FILE",
+    "SAMPLE_BASE",
     "SHARDS_FILE",
     "SAMPLE_ROW_GROUP",
     "STAGING_BYTES",
@@ -69,11 +83,15 @@ __all__ = [
     "FileDigest",
     "MemberTable",
     "SampleRecords",
+    "SampleRows",
     "SampleTableWriter",
     "ShardBuilder",
+    "ShardColumns",
     "ShardLayout",
     "ShardRecord",
+    "StoredLayout",
     "check_key",
+    "check_layout",
     "check_relative_name",
     "check_shard_rows",
     "chunk_pages",
@@ -94,12 +112,16 @@ __all__ = [
     "parse_manifest",
     "python_rows",
     "python_values",
+    "read_shard_columns",
     "read_shard_table",
     "row_fields",
+    "sample_checksums",
+    "sample_members",
     "sample_rows",
     "scan_tar",
     "shard_name",
     "shard_table_bytes",
     "split_member_name",
+    "stored_layout",
     "walk_members",
 ]

@@ -25,19 +25,23 @@ def seal_manifest(doc: dict[str, Any], *, allow_nan: bool = False) -> bytes:
     return json.dumps(doc, indent=1, sort_keys=True, allow_nan=allow_nan).encode() + b"\n"
 
 
-def open_manifest(data: bytes, where: str, *, name: str, version: int, what: str) -> dict[str, Any]:
+def open_manifest(data: bytes, where: str, *, name: str, version: int | tuple[int, ...],
+                  what: str) -> dict[str, Any]:
     """The JSON object of the manifest ``data`` (at ``where``), once it names format
-    ``name`` and ``version`` (``what``: how messages name its kind, "dataset", "token");
-    else :class:`CorruptIndexError` (not JSON) or :class:`FormatError`."""
+    ``name`` and ``version`` (or one of the versions given: the ones a reader reads;
+    ``what``: how messages name its kind, "dataset", "token"); else
+    :class:`CorruptIndexError` (not JSON) or :class:`FormatError`."""
+    versions = (version,) if isinstance(version, int) else version
     try:
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptIndexError(f"{where}: manifest is not JSON: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != name:
         raise FormatError(f"{where}: not a datapipe {what} manifest (format != {name!r})")
-    if doc.get("version") != version:
+    if doc.get("version") not in versions:
         raise FormatError(f"{where}: {what} format version {doc.get('version')!r}; this datapipe reads "
-                          f"version {version} (upgrade datapipe)")
+                          f"version{'s' if len(versions) > 1 else ''} {', '.join(map(str, versions))} "
+                          "(upgrade datapipe)")
     return doc
 
 

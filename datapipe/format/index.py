@@ -4,12 +4,19 @@ Planning reads ``shards.parquet`` alone (one row per shard). ``samples.parquet``
 row per sample in dataset order, in row groups of exactly ``sample_row_group`` rows, so
 the rows of one shard, or of one global sample index, are found by arithmetic and read
 with a few range reads: no rank ever loads every sample's offset.
+
+Version 2 of the format adds to each sample row where the data of each of its tar members
+lies (``member_fields``, ``member_bounds``: what the writer laid out, recorded as it wrote
+the shard), so that no reader works out a shard's layout again; a version 1 index (no such
+columns) still reads, its layouts found by the reader (:func:`.layout.find_layout`). Both
+are checked here a whole column at a time (:mod:`.columns`), never a Python step per row.
 """
 
 from __future__ import annotations
 
 import io
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -20,25 +27,34 @@ from numpy.typing import NDArray
 
 from .._version import __version__
 from ..checksum import Hasher
-from ..errors import CorruptIndexError
+from ..errors import CorruptIndexError, FormatError
+from .columns import array_of, bad_checksums, bad_paths, int_column, list_column, string_column
 from .envelope import check_manifest_checksum, open_manifest, seal_manifest
+from .layout import StoredLayout
 from .sample import COMPRESSIONS
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "READ_VERSIONS",
     "MANIFEST",
     "SHARDS_FILE",
     "SAMPLES_FILE",
     "SAMPLE_ROW_GROUP",
     "ShardRecord",
+    "ShardColumns",
     "SampleRecords",
+    "SampleRows",
     "SHARD_SCHEMA",
     "SAMPLE_SCHEMA",
     "make_manifest",
     "parse_manifest",
     "shard_table_bytes",
     "read_shard_table",
+    "read_shard_columns",
+    "sample_checksums",
+    "sample_rows",
+    "stored_layout",
     "SampleTableWriter",
     "INDEX_BLOCK",
     "FileDigest",
@@ -51,7 +67,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "datapipe-shards"
-FORMAT_VERSION = 1
+#: the version written; a reader reads every one of READ_VERSIONS (1: no member layout)
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 SHARDS_FILE = "shards.parquet"
 SAMPLES_FILE = "samples.parquet"
@@ -77,8 +95,16 @@ SAMPLE_SCHEMA = pa.schema(
         ("offset", pa.int64()),  # of the sample's stored bytes inside the shard file
         ("length", pa.int64()),
         ("checksum", pa.string()),  # of those stored bytes
+        # version 2: the sample's fields in stored order, joined by "/", and for each of its
+        # members the start and stop of its data, relative to the sample's first byte (of the
+        # sample's tar bytes: in a zstd shard, the decompressed frame); null for every sample
+        # of a shard whose writer recorded no layout
+        ("member_fields", pa.string()),
+        ("member_bounds", pa.list_(pa.int64())),
     ]
 )
+#: the columns every version has
+SAMPLE_BASE = ("key", "shard", "offset", "length", "checksum")
 
 
 @dataclass(frozen=True)
@@ -92,15 +118,26 @@ class ShardRecord:
 
 @dataclass
 class SampleRecords:
-    """Per-sample columns of one shard, in stored order."""
+    """Per-sample columns of one shard, in stored order, as a writer records them.
+
+    ``member_fields[j]``: sample j's fields in the order its members are stored, joined by
+    ``/`` (a field holds no ``/``); ``member_bounds``: for each sample in turn, the start and
+    stop of each member's data relative to the sample's first byte (two numbers a member).
+    None: no layout recorded (records of an older writer), and a reader finds it."""
 
     keys: list[str]
     offsets: list[int]
     lengths: list[int]
     checksums: list[str]
+    member_fields: list[str] | None = None
+    member_bounds: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
+
+    @property
+    def laid_out(self) -> bool:
+        return self.member_fields is not None and self.member_bounds is not None
 
 
 #: ``samples.parquet`` is checked in blocks of this many bytes, each against its own
@@ -109,9 +146,6 @@ class SampleRecords:
 INDEX_BLOCK = 1 << 20
 
 _CHECKSUM_RE = re.compile(r"xxh3_64:[0-9a-f]{16}")
-# a key as check_key allows it: relative, no empty/'.'/'..' component, no NUL or backslash,
-# no dot in the last component
-_KEY_RE = re.compile(r"(?:(?!\.\.?/)[^/\0\\]+/)*[^/.\0\\]+")
 _MAX_INT = 1 << 62
 
 
@@ -223,7 +257,7 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
     """The manifest, once its own checksum matches and every field has the type, range and
     shape a reader relies on; else :class:`CorruptIndexError` (or :class:`FormatError` for
     an unknown format or version) naming ``where``."""
-    doc = open_manifest(data, where, name=FORMAT_NAME, version=FORMAT_VERSION, what="dataset")
+    doc = open_manifest(data, where, name=FORMAT_NAME, version=READ_VERSIONS, what="dataset")
     if doc.get("manifest_checksum") is None:
         raise CorruptIndexError(
             f"{where}: the manifest has no manifest_checksum (written by an older datapipe, or "
@@ -274,24 +308,27 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
 _NUMPY_TYPES = {pa.int32(): np.int32, pa.int64(): np.int64}
 
 
+def _arrow_array(values: Any, type_: pa.DataType) -> Any:
+    """An Arrow array of ``type_`` (string, int32 or int64) holding ``values``, built from
+    buffers: ``pa.array`` and ``Table.from_pydict`` import pandas to ask whether the values
+    are pandas objects (0.3 s warm, 0.75 s cold, in every pack's commit)."""
+    n = len(values)
+    if type_ == pa.string():
+        data = [v.encode("utf-8") for v in values]
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum([len(d) for d in data], out=offsets[1:])
+        if offsets[-1] >= 2**31:  # beyond int32 offsets: pyarrow's own conversion chunks it
+            return pa.array(values, type_)  # a ChunkedArray
+        buffers = [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(data))]
+    else:
+        buffers = [None, pa.py_buffer(np.ascontiguousarray(values, dtype=_NUMPY_TYPES[type_]))]
+    return pa.Array.from_buffers(type_, n, buffers)
+
+
 def _arrow_table(columns: dict[str, list[Any]], schema: pa.Schema) -> pa.Table:
     """The table of ``schema`` (string and int32/int64 columns) holding ``columns``, built
-    from buffers: ``pa.array`` and ``Table.from_pydict`` import pandas to ask whether the
-    values are pandas objects (0.3 s warm, 0.75 s cold, in every pack's commit)."""
-    arrays = []
-    for f in schema:
-        values, n = columns[f.name], len(columns[f.name])
-        if f.type == pa.string():
-            data = [v.encode("utf-8") for v in values]
-            offsets = np.zeros(n + 1, np.int64)
-            np.cumsum([len(d) for d in data], out=offsets[1:])
-            if offsets[-1] >= 2**31:  # beyond int32 offsets: pyarrow's own conversion chunks it
-                return pa.Table.from_pydict(columns, schema=schema)
-            buffers = [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(data))]
-        else:
-            buffers = [None, pa.py_buffer(np.asarray(values, dtype=_NUMPY_TYPES[f.type]))]
-        arrays.append(pa.Array.from_buffers(f.type, n, buffers))
-    return pa.Table.from_arrays(arrays, schema=schema)
+    from buffers (:func:`_arrow_array`)."""
+    return pa.Table.from_arrays([_arrow_array(columns[f.name], f.type) for f in schema], schema=schema)
 
 
 def shard_table_bytes(shards: list[ShardRecord]) -> bytes:
@@ -302,10 +339,35 @@ def shard_table_bytes(shards: list[ShardRecord]) -> bytes:
     return buf.getvalue()
 
 
-def read_shard_table(data: bytes, where: str, manifest: dict[str, Any] | None = None) -> list[ShardRecord]:
-    """The rows of ``shards.parquet``, each checked (safe relative name with the suffix of
-    the compression, non-negative sizes, a well-formed checksum) and, given the
-    ``manifest``, consistent with it."""
+@dataclass(frozen=True)
+class ShardColumns:
+    """The rows of ``shards.parquet`` as columns: names and checksums as lists, sizes as
+    numpy arrays (a reader of 10^4 shards makes no object per shard it does not read)."""
+
+    names: list[str]
+    bytes: NDArray[np.int64]
+    samples: NDArray[np.int64]
+    checksums: list[str]
+    tar_bytes: NDArray[np.int64]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def record(self, i: int) -> ShardRecord:
+        return ShardRecord(self.names[i], int(self.bytes[i]), int(self.samples[i]), self.checksums[i],
+                           int(self.tar_bytes[i]))
+
+
+def _first(bad: NDArray[np.bool_]) -> int | None:
+    hit = np.flatnonzero(bad)
+    return int(hit[0]) if hit.size else None
+
+
+def read_shard_columns(data: bytes, where: str, manifest: dict[str, Any] | None = None) -> ShardColumns:
+    """The columns of ``shards.parquet``, every row checked (a name inside the dataset with
+    the suffix of the compression, unique; sizes in range; a well-formed checksum) and,
+    given the ``manifest``, consistent with it; else :class:`CorruptIndexError` naming
+    ``where`` and the first bad row. Checked a column at a time (:mod:`.columns`)."""
     try:
         # not read_table: it imports pyarrow.dataset (~0.1 s). No pre-buffering, no threads: Arrow's
         # thread pools, once started, can abort the process at exit (apache/arrow#34314)
@@ -316,107 +378,215 @@ def read_shard_table(data: bytes, where: str, manifest: dict[str, Any] | None = 
         if f.name not in table.column_names or table.schema.field(f.name).type != f.type \
                 or table.column(f.name).null_count:
             raise CorruptIndexError(f"{where}: shard table lacks column {f.name!r} of type {f.type} (or has nulls)")
-    cols = table.to_pydict()
-    records = [ShardRecord(**{f: cols[f][i] for f in SHARD_SCHEMA.names}) for i in range(table.num_rows)]
+    names_arr, name_data, name_offs = string_column(table.column("name"))
+    sums_arr, sum_data, sum_offs = string_column(table.column("checksum"))
+    try:
+        names_arr.validate(full=True)  # UTF-8: Parquet's reader does not check it
+    except pa.ArrowException as e:
+        raise CorruptIndexError(f"{where}: a shard name is not UTF-8 text ({e})") from None
+    cols = ShardColumns(names_arr.to_pylist(), int_column(table.column("bytes"), np.int64),
+                        int_column(table.column("samples"), np.int64), sums_arr.to_pylist(),
+                        int_column(table.column("tar_bytes"), np.int64))
     if manifest is None:
-        return records
+        return cols
     compression = manifest["compression"]
-    suffix = ".tar.zst" if compression == "zstd" else ".tar"
-    seen: set[str] = set()
-    check_name = check_shard_location if manifest.get("origin") == TAR_INDEX else check_relative_name
-    for i, r in enumerate(records):
-        check_name(r.name, f"shard #{i} name", where)
-        bad = None
-        if not r.name.endswith(suffix) or r.name in seen:
-            bad = f"name {r.name!r} is a duplicate or lacks the suffix {suffix!r}"
-        elif not 0 < r.bytes < _MAX_INT or not 0 <= r.samples < _MAX_INT or not 1024 <= r.tar_bytes < _MAX_INT:
-            bad = f"sizes bytes={r.bytes} samples={r.samples} tar_bytes={r.tar_bytes} are out of range"
-        elif compression == "none" and r.tar_bytes != r.bytes:
-            bad = f"tar_bytes={r.tar_bytes} differs from bytes={r.bytes} in an uncompressed dataset"
-        elif not is_checksum(r.checksum):
-            bad = f"checksum {r.checksum!r} is not an xxh3_64 checksum"
-        if bad:
-            raise CorruptIndexError(f"{where}: shard #{i}: {bad}")
-        seen.add(r.name)
-    totals = (len(records), sum(r.samples for r in records), sum(r.bytes for r in records))
+    suffix = (".tar.zst" if compression == "zstd" else ".tar").encode()
+    n = len(cols)
+    if manifest.get("origin") == TAR_INDEX:  # URLs and absolute paths too: one by one (rare, and few)
+        for i, name in enumerate(cols.names):
+            check_shard_location(name, f"shard #{i} name", where)
+    else:
+        bad_name = _first(bad_paths(name_data, name_offs, dot_in_last=True, colon_in_first=False))
+        if bad_name is not None:
+            check_relative_name(cols.names[bad_name], f"shard #{bad_name} name", where)  # raises, naming the rule
+            raise CorruptIndexError(f"{where}: shard #{bad_name} name {cols.names[bad_name]!r} is not a file name "
+                                    "inside the dataset folder; refusing to read it")
+    suffix_ok = name_offs[1:] - name_offs[:-1] >= len(suffix)
+    rows = np.flatnonzero(suffix_ok)
+    if rows.size:
+        tail = name_data[name_offs[1:][rows, None] - len(suffix) + np.arange(len(suffix))]
+        suffix_ok[rows] = (tail == np.frombuffer(suffix, dtype=np.uint8)).all(axis=1)
+    b, k, t = cols.bytes, cols.samples, cols.tar_bytes
+    checks: list[tuple[NDArray[np.bool_], Callable[[int], str]]] = [
+        (~suffix_ok, lambda i: f"name {cols.names[i]!r} lacks the suffix {suffix.decode()!r}"),
+        ((b <= 0) | (b >= _MAX_INT) | (k < 0) | (k >= _MAX_INT) | (t < 1024) | (t >= _MAX_INT),
+         lambda i: f"sizes bytes={b[i]} samples={k[i]} tar_bytes={t[i]} are out of range"),
+        ((t != b) if compression == "none" else np.zeros(n, dtype=bool),
+         lambda i: f"tar_bytes={t[i]} differs from bytes={b[i]} in an uncompressed dataset"),
+        (bad_checksums(sum_data, sum_offs), lambda i: f"checksum {cols.checksums[i]!r} is not an xxh3_64 checksum"),
+    ]
+    for bad, say in checks:
+        row = _first(bad)
+        if row is not None:
+            raise CorruptIndexError(f"{where}: shard #{row}: {say(row)}")
+    if len(set(cols.names)) != n:
+        seen: set[str] = set()
+        for i, name in enumerate(cols.names):
+            if name in seen:
+                raise CorruptIndexError(f"{where}: shard #{i}: name {name!r} is a duplicate")
+            seen.add(name)
+    totals = (n, int(k.sum()), int(b.sum()))
     expect = (manifest["num_shards"], manifest["num_samples"], manifest["stored_bytes"])
     if totals != expect:
         raise CorruptIndexError(
             f"{where}: the shard table holds (shards, samples, bytes) = {totals}, the manifest "
             f"says {expect}"
         )
-    return records
+    return cols
+
+
+def read_shard_table(data: bytes, where: str, manifest: dict[str, Any] | None = None) -> list[ShardRecord]:
+    """The rows of ``shards.parquet`` as records, checked as :func:`read_shard_columns` checks them."""
+    cols = read_shard_columns(data, where, manifest)
+    return [cols.record(i) for i in range(len(cols))]
 
 
 class SampleTableWriter:
     """Streams per-shard sample records, in shard order, into ``samples.parquet`` row groups
-    of exactly ``SAMPLE_ROW_GROUP`` rows (the last one shorter)."""
+    of exactly ``SAMPLE_ROW_GROUP`` rows (the last one shorter), in the current version's
+    schema: a shard whose records carry no layout gets null ``member_*`` columns."""
 
     def __init__(self, sink: BinaryIO) -> None:
         self._writer = pq.ParquetWriter(sink, SAMPLE_SCHEMA, compression="zstd")
-        self._pending: dict[str, list[Any]] = {f: [] for f in SAMPLE_SCHEMA.names}
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
         self.rows = 0
 
     def add(self, shard: int, records: SampleRecords) -> None:
-        p = self._pending
-        p["key"].extend(records.keys)
-        p["shard"].extend([shard] * len(records))
-        p["offset"].extend(records.offsets)
-        p["length"].extend(records.lengths)
-        p["checksum"].extend(records.checksums)
-        while len(p["key"]) >= SAMPLE_ROW_GROUP:
+        n = len(records)
+        if not n:
+            return
+        cols = [_arrow_array(records.keys, pa.string()), _arrow_array(np.full(n, shard), pa.int32()),
+                _arrow_array(records.offsets, pa.int64()), _arrow_array(records.lengths, pa.int64()),
+                _arrow_array(records.checksums, pa.string())]
+        if records.member_fields is not None and records.member_bounds is not None:
+            fields = _arrow_array(records.member_fields, pa.string())
+            _, data, offs = string_column(fields)
+            if len(fields) != n or (offs[1:] <= offs[:-1]).any():
+                raise FormatError(f"shard #{shard}: {len(fields)} member field lists for {n} samples, or an empty "
+                                  "one (a datapipe bug: please report it)")
+            slashes = np.concatenate(([0], np.cumsum(data[: offs[-1]] == ord("/"))))
+            members = slashes[offs[1:]] - slashes[offs[:-1]] + 1
+            starts = np.concatenate(([0], np.cumsum(2 * members)))
+            if starts[-1] != len(records.member_bounds) or starts[-1] >= 1 << 31:
+                raise FormatError(f"shard #{shard}: {len(records.member_bounds)} member bounds for "
+                                  f"{int(starts[-1])} (a datapipe bug: please report it)")
+            bounds = pa.ListArray.from_arrays(_arrow_array(starts, pa.int32()),
+                                              _arrow_array(records.member_bounds, pa.int64()))
+            cols += [fields, bounds]
+        else:
+            cols += [pa.nulls(n, pa.string()), pa.nulls(n, pa.list_(pa.int64()))]
+        self._pending.append(pa.Table.from_arrays(cols, schema=SAMPLE_SCHEMA))
+        self._pending_rows += n
+        while self._pending_rows >= SAMPLE_ROW_GROUP:
             self._flush(SAMPLE_ROW_GROUP)
 
     def _flush(self, n: int) -> None:
-        p = self._pending
-        cols = {f: p[f][:n] for f in SAMPLE_SCHEMA.names}
-        for f in SAMPLE_SCHEMA.names:
-            del p[f][:n]
-        table = _arrow_table(cols, SAMPLE_SCHEMA)
-        self._writer.write_table(table, row_group_size=SAMPLE_ROW_GROUP)
+        table = pa.concat_tables(self._pending)
+        self._writer.write_table(table.slice(0, n), row_group_size=SAMPLE_ROW_GROUP)
+        rest = table.slice(n)
+        self._pending = [rest] if rest.num_rows else []
+        self._pending_rows -= n
         self.rows += n
 
     def close(self) -> None:
-        n = len(self._pending["key"])
-        if n:
-            self._flush(n)
+        if self._pending_rows:
+            self._flush(self._pending_rows)
         self._writer.close()
 
 
-def sample_rows(table: pa.Table, where: str = "samples.parquet", num_shards: int | None = None
-                ) -> dict[str, NDArray[Any] | list[str]]:
-    """Columns of a slice of ``samples.parquet`` as numpy arrays (keys and checksums as
-    lists), each row checked: a safe key, a shard number below ``num_shards``, a
-    non-negative offset, a positive length and a well-formed checksum."""
+class SampleRows:
+    """Consecutive rows of ``samples.parquet``, checked (:func:`sample_rows`): numbers as
+    numpy arrays; keys and checksums as Arrow string arrays, made ``str`` on demand (with
+    the bytes of the keys, which the loader's check of a stored layout compares with tar
+    headers); the member layout columns (version 2) as Arrow arrays, or None."""
+
+    __slots__ = ("_keys", "checksum_array", "key_array", "key_data", "key_offsets", "length", "member_bounds",
+                 "member_fields", "offset", "shard")
+
+    def __init__(self, key_array: Any, key_data: NDArray[np.uint8], key_offsets: NDArray[np.int64],
+                 shard: NDArray[np.int32], offset: NDArray[np.int64], length: NDArray[np.int64],
+                 checksum_array: Any, member_fields: Any = None, member_bounds: Any = None) -> None:
+        self.key_array, self.key_data, self.key_offsets = key_array, key_data, key_offsets
+        self.shard, self.offset, self.length = shard, offset, length
+        self.checksum_array = checksum_array
+        self.member_fields, self.member_bounds = member_fields, member_bounds
+        self._keys: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    @property
+    def keys(self) -> list[str]:
+        if self._keys is None:
+            self._keys = self.key_array.to_pylist()
+        return self._keys
+
+    @property
+    def checksums(self) -> list[str]:
+        """The rows' checksums (when the rows were read with them)."""
+        if self.checksum_array is None:
+            raise FormatError("these sample rows were read without their checksums (a datapipe bug: please report it)")
+        out: list[str] = self.checksum_array.to_pylist()
+        return out
+
+
+def sample_rows(table: pa.Table, where: str = "samples.parquet", num_shards: int | None = None) -> SampleRows:
+    """Consecutive rows of ``samples.parquet`` (a slice of its table), each checked: a safe
+    key (UTF-8, relative, no empty, ``.`` or ``..`` component, no NUL or backslash, no dot
+    in its last component), a shard number below ``num_shards``, a non-negative offset, a
+    positive length and, when the slice holds the ``checksum`` column (a reader of a shard
+    verified whole needs none, and reads it only when it needs it: :func:`sample_checksums`),
+    a well-formed checksum; else :class:`CorruptIndexError` naming ``where``. Column by
+    column, vectorised (:mod:`.columns`)."""
     for f in SAMPLE_SCHEMA:
+        if f.name not in table.column_names and (f.name not in SAMPLE_BASE or f.name == "checksum"):
+            continue  # version 1: no layout columns; the checksums read apart
         if f.name not in table.column_names or table.schema.field(f.name).type != f.type \
-                or table.column(f.name).null_count:
+                or (f.name in SAMPLE_BASE and table.column(f.name).null_count):
             raise CorruptIndexError(f"{where}: sample table lacks column {f.name!r} of type {f.type} (or has nulls)")
-    out = {
-        "key": table.column("key").to_pylist(),
-        "shard": table.column("shard").to_numpy(),
-        "offset": table.column("offset").to_numpy(),
-        "length": table.column("length").to_numpy(),
-        "checksum": table.column("checksum").to_pylist(),
-    }
+    keys, key_data, key_offs = string_column(table.column("key"))
+    shard = int_column(table.column("shard"), np.int32)
+    offset, length = int_column(table.column("offset"), np.int64), int_column(table.column("length"), np.int64)
+    try:
+        keys.validate(full=True)  # UTF-8: Parquet's reader does not check it
+        utf8 = True
+    except pa.ArrowException:
+        utf8 = False
+    key_bad = _first(bad_paths(key_data, key_offs, dot_in_last=False)) if utf8 else None
     bad = None
-    if not all(map(_KEY_RE.fullmatch, out["key"])):
-        bad = next(k for k in out["key"] if not _KEY_RE.fullmatch(k))
-        bad = f"key {bad!r} is not a safe relative sample key"
-    elif not all(map(_CHECKSUM_RE.fullmatch, out["checksum"])):
-        bad = "a sample checksum is missing or not an xxh3_64 checksum (nothing could be verified)"
-    elif len(out["shard"]) and (out["shard"].min() < 0
-                                or (num_shards is not None and out["shard"].max() >= num_shards)):
+    if not utf8:
+        bad = "a key is not UTF-8 text"
+    elif key_bad is not None:
+        key = bytes(key_data[key_offs[key_bad] : key_offs[key_bad + 1]]).decode()
+        bad = f"key {key!r} is not a safe relative sample key"
+    elif len(shard) and (shard.min() < 0 or (num_shards is not None and shard.max() >= num_shards)):
         bad = f"a shard number is outside [0, {num_shards})"
-    elif len(out["offset"]) and (out["offset"].min() < 0 or out["length"].min() <= 0
-                                 or out["length"].max() >= _MAX_INT or out["offset"].max() >= _MAX_INT):
+    elif len(offset) and (offset.min() < 0 or length.min() <= 0 or length.max() >= _MAX_INT
+                          or offset.max() >= _MAX_INT):
         bad = "an offset is negative or a length not positive"
     if bad:
         raise CorruptIndexError(f"{where}: {bad}; the index is damaged (re-run the pack that wrote it)")
-    return out
+    sums = sample_checksums(table.column("checksum"), where) if "checksum" in table.column_names else None
+    fields = array_of(table.column("member_fields")) if "member_fields" in table.column_names else None
+    bounds = array_of(table.column("member_bounds")) if "member_bounds" in table.column_names else None
+    return SampleRows(keys, key_data, key_offs, shard, offset, length, sums, fields, bounds)
 
 
-def check_shard_rows(c: dict[str, Any], shard: int, record: Any, compression: str, where: str,
+def sample_checksums(column: Any, where: str) -> Any:
+    """The ``checksum`` column of consecutive rows of ``samples.parquet``, each checked to
+    be a well-formed checksum (else :class:`CorruptIndexError` naming ``where``); an Arrow
+    string array (``.to_pylist()`` makes them ``str``)."""
+    if column.null_count:
+        raise CorruptIndexError(f"{where}: sample table lacks column 'checksum' of type string (or has nulls)")
+    sums, data, offs = string_column(column)
+    if bad_checksums(data, offs).any():
+        raise CorruptIndexError(f"{where}: a sample checksum is missing or not an xxh3_64 checksum (nothing could be "
+                                "verified); the index is damaged (re-run the pack that wrote it)")
+    return sums
+
+
+def check_shard_rows(c: SampleRows, shard: int, record: Any, compression: str, where: str,
                      gaps: bool = False) -> None:
     """The rows of one shard tile it: the first sample starts at byte 0, each starts where
     the one before ends, the last ends where the end-of-archive blocks (or their zstd
@@ -427,10 +597,10 @@ def check_shard_rows(c: dict[str, Any], shard: int, record: Any, compression: st
     that name no sample lie between them) and the end-of-archive tail longer, so the rows
     must only be in order, block-aligned, apart and end at least two blocks before the
     end; the whole-shard checksum still covers every byte."""
-    offs, lens = np.asarray(c["offset"], np.int64), np.asarray(c["length"], np.int64)
+    offs, lens = c.offset, c.length
     name = getattr(record, "name", record)
     bad = None
-    if len(c["key"]) != record.samples or (len(c["shard"]) and (np.asarray(c["shard"]) != shard).any()):
+    if len(c) != record.samples or (len(c.shard) and (c.shard != shard).any()):
         bad = f"the rows of shard #{shard} ({name}) do not all belong to it"
     elif len(offs):
         ends = offs + lens
@@ -443,8 +613,68 @@ def check_shard_rows(c: dict[str, Any], shard: int, record: Any, compression: st
             tiled = offs[0] == 0 and not (ends[:-1] != offs[1:]).any() and tail_ok
         if not tiled:
             bad = f"the byte ranges of shard #{shard} ({name}) do not tile it ({record.bytes} bytes)"
-        elif len(set(c["key"])) != len(c["key"]):
+        elif len(set(c.keys)) != len(c):
             bad = f"a key repeats within shard #{shard} ({name})"
     if bad:
         raise CorruptIndexError(f"{where}: {bad}; the index is damaged (re-run the pack that wrote it)")
 
+
+def stored_layout(c: SampleRows, where: str, tar_bytes: int | None = None) -> StoredLayout | None:
+    """The member layout the index records for the rows ``c`` (one shard's, checked to tile
+    it), or None where it records none (version 1; a shard whose writer recorded none).
+    Checked here against the rows alone: every sample's field list (non-empty names
+    without NUL) and as many (start, stop) pairs as fields, each inside the sample's
+    tar bytes (its stored length; ``tar_bytes``, the shard's, for a compressed shard,
+    whose rows give no sample's decompressed size). Whether the shard's bytes bear it out
+    is :func:`.layout.check_layout`'s (and ``verify``'s)."""
+    n = len(c)
+    if c.member_fields is None or c.member_bounds is None or n == 0:
+        return None
+    nulls = (c.member_fields.null_count, c.member_bounds.null_count)
+    if nulls == (n, n):
+        return None
+    if nulls != (0, 0):
+        raise CorruptIndexError(f"{where}: the member layout is recorded for some samples of a shard and not "
+                                "for others; the index is damaged (re-run the pack that wrote it)")
+    arr, data, offs = string_column(c.member_fields)
+    try:
+        arr.validate(full=True)
+    except pa.ArrowException:
+        raise CorruptIndexError(f"{where}: a sample's member fields are not UTF-8 text") from None
+    lens = offs[1:] - offs[:-1]
+    if int(lens.min()) <= 0:
+        raise CorruptIndexError(f"{where}: a sample's member field list is empty; the index is damaged")
+    # the distinct field lists are few: only they are taken apart in Python. Rows of one
+    # length at a time (one byte matrix each), so memory stays that of the column
+    shape = np.empty(n, dtype=np.int64)
+    distinct: list[bytes] = []
+    by_len = np.argsort(lens, kind="stable")
+    widths, cuts = np.unique(lens[by_len], return_index=True)
+    for width, mine in zip(widths.tolist(), np.split(by_len, cuts[1:])):
+        rows = data[offs[mine][:, None] + np.arange(width)]
+        if (rows == rows[0]).all():
+            uniq, inverse = rows[:1], np.zeros(len(mine), dtype=np.int64)
+        else:
+            uniq, inverse = np.unique(rows, axis=0, return_inverse=True)
+        shape[mine] = inverse.reshape(-1) + len(distinct)
+        distinct += [bytes(u) for u in uniq]
+    shapes: list[tuple[str, ...]] = []
+    for text in distinct:
+        if b"\0" in text:
+            raise CorruptIndexError(f"{where}: a sample's member field list holds a NUL byte")
+        fields = tuple(text.decode("utf-8").split("/"))
+        if not all(fields):
+            raise CorruptIndexError(f"{where}: a sample's member field list {text[:200]!r} names an empty field")
+        shapes.append(fields)
+    bounds, first = list_column(c.member_bounds)
+    counts = np.array([len(f) for f in shapes], dtype=np.int64)[shape]
+    if not np.array_equal(first[1:] - first[:-1], 2 * counts):
+        raise CorruptIndexError(f"{where}: a sample's member bounds do not match its member fields (two numbers a "
+                                "member); the index is damaged (re-run the pack that wrote it)")
+    members = np.repeat(np.arange(n), counts)
+    start, stop = bounds[0::2], bounds[1::2]
+    limit = c.length[members] if tar_bytes is None else tar_bytes
+    if len(start) and ((start < 0).any() or (stop < start).any() or (stop > limit).any()):
+        raise CorruptIndexError(f"{where}: a member's bounds lie outside its sample's bytes; the index is damaged "
+                                "(re-run the pack that wrote it)")
+    return StoredLayout(shapes, shape, first, bounds)

@@ -1,27 +1,40 @@
-"""Where every field of every sample of an uncompressed shard lies, found once per shard.
+"""Where every field of every sample of an uncompressed shard lies.
 
-Two ways to find it, one the judge of the other:
+The layout is recorded when a shard is written (version 2 of the index: ``member_fields``
+and ``member_bounds`` of each sample row, see :mod:`.index`) and read back as a
+:class:`StoredLayout`; older indexes hold none, and the reader finds it. Either way the
+shard's bytes must bear it out before it is used, and three functions do that, the strict
+one the judge of the other two:
 
-- :func:`shard_members`, the strict one: every sample's byte range (as the index cuts
-  it) parsed by the one tar parser, :func:`datapipe.format.tar.walk_members` (header
-  checksums, PAX, GNU long names, typeflags), each member checked to name the index's key.
-  It raises :class:`CorruptShardError` naming the shard and offset for a range that is not
-  exactly that sample's members.
-- :func:`fast_layout`, the one fast structural check: when every sample is the same
-  plain ustar members (names up to 100 bytes, no PAX, no prefix), their headers are read
-  for all samples at once with numpy. It skips the header checksums, so it is only used
-  on bytes verified against the index's xxh3 checksum of the whole shard (a stronger
-  check), and it returns ``None`` for anything it does not vouch for. Whatever it accepts,
-  the strict parse lays out the same way (``tests/test_loader_laid.py`` checks it).
+- :func:`shard_members` (and :func:`sample_members` for one sample), the strict one: every
+  sample's byte range (as the index cuts it) parsed by the one tar parser,
+  :func:`datapipe.format.tar.walk_members` (header checksums, PAX, GNU long names,
+  typeflags), each member checked to name the index's key. It raises
+  :class:`CorruptShardError` naming the shard and offset for a range that is not exactly
+  that sample's members.
+- :func:`check_layout`, the fast structural check of a stored layout: every member a plain
+  ustar header (name ``key.field`` of at most 100 bytes, no prefix, a regular file, the
+  size in 11 octal digits) exactly where the layout says, each right after the one before,
+  the last ending the sample; all members of all samples at once with numpy. A sample it
+  does not vouch for (a PAX header, say) is parsed strictly, and a layout the strict parse
+  does not give is a :class:`CorruptShardError`.
+- :func:`fast_layout`, the same structural check for a shard without a stored layout, when
+  every sample is the same plain ustar members: their headers are read for all samples at
+  once with numpy, field by field.
 
-:func:`find_layout` tries the fast check, then the strict parse. The result is a
+The fast checks skip the header checksums, so they are only used on bytes verified
+against the index's xxh3 checksum of the whole shard (a stronger check), and whatever
+they accept, the strict parse lays out the same way (``tests/test_loader_laid.py`` and
+``tests/test_stored_layout.py`` check it).
+
+:func:`find_layout` tries :func:`fast_layout`, then the strict parse. The result is a
 :class:`ShardLayout` (every sample has the same fields: the common case) or a
 :class:`MemberTable` (samples with different fields).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -29,7 +42,8 @@ from numpy.typing import NDArray
 from ..errors import CorruptShardError
 from .tar import BLOCK, padding, split_member_name, walk_members
 
-__all__ = ["ShardLayout", "MemberTable", "find_layout", "fast_layout", "shard_members"]
+__all__ = ["ShardLayout", "MemberTable", "StoredLayout", "check_layout", "find_layout", "fast_layout",
+           "sample_members", "shard_members"]
 
 
 class ShardLayout:
@@ -72,33 +86,69 @@ def find_layout(src: Any, offs: list[int], ends: list[int], keys: list[str], whe
     return fast if fast is not None else shard_members(src, offs, ends, keys, where)
 
 
+class StoredLayout(NamedTuple):
+    """A shard's member layout as its index records it, not yet borne out by the shard's
+    bytes (:func:`check_layout` does that): sample j has the fields ``shapes[shape[j]]`` in
+    stored order, the data of its member k at ``bounds[first[j] + 2k] : bounds[first[j] +
+    2k + 1]``, relative to the sample's first byte. ``first`` has one entry more than there
+    are samples (the end of the last)."""
+
+    shapes: list[tuple[str, ...]]
+    shape: NDArray[Any]
+    first: NDArray[Any]
+    bounds: NDArray[Any]
+
+    def sample(self, j: int) -> tuple[tuple[str, ...], list[int]]:
+        """(fields, relative bounds) of sample ``j``."""
+        bounds: list[int] = self.bounds[self.first[j] : self.first[j + 1]].tolist()
+        return self.shapes[int(self.shape[j])], bounds
+
+    def placed(self, offs: NDArray[Any]) -> ShardLayout | MemberTable:
+        """This layout placed in its shard (sample j starts at ``offs[j]``), as the reader
+        uses it; only once :func:`check_layout` has found the shard's bytes bear it out."""
+        counts = (self.first[1:] - self.first[:-1]) // 2
+        bounds = self.bounds + np.repeat(np.asarray(offs, dtype=np.int64), 2 * counts)
+        twice = np.array([len(set(f)) != len(f) for f in self.shapes])
+        if len(self.shapes) == 1 and not twice[0]:
+            return ShardLayout(self.shapes[0], bounds.reshape(len(offs), -1))
+        # a field held twice: read strictly when asked for, which names it (as shard_members marks it)
+        renumber = np.where(twice, -1, np.cumsum(~twice) - 1)
+        return MemberTable([f for f, t in zip(self.shapes, twice) if not t], renumber[self.shape],
+                           self.first[:-1].astype(np.int64), bounds)
+
+
+def sample_members(src: Any, off: int, end: int, key: str, where: str) -> tuple[tuple[str, ...], list[int]]:
+    """(fields in stored order, [start, stop, ...] of each member's data in ``src``) of the
+    sample in ``src[off:end]``, by the strict parser: the range must be consumed exactly by
+    members named ``key.field``; else :class:`CorruptShardError` naming ``where``."""
+    at = f"{where} sample {key!r} (bytes {off}..{end})"
+    pos = 0
+    fields: list[str] = []
+    row: list[int] = []
+    for name, start, stop, header in walk_members(memoryview(src)[off:end], at):
+        cut = split_member_name(name)
+        if cut is None or cut[0] != key:
+            raise CorruptShardError(
+                f"{at}: the member {name[:200]!r} at byte {off + header} names another key than the index"
+            )
+        fields.append(cut[1])
+        row += (off + start, off + stop)
+        pos = stop + padding(stop)
+    if pos != end - off:
+        raise CorruptShardError(f"{at}: a zero block at byte {off + pos} ends the sample's members early")
+    return tuple(fields), row
+
+
 def shard_members(src: Any, offs: list[int], ends: list[int], keys: list[str],
                   where: str) -> ShardLayout | MemberTable:
-    """Every sample's range parsed by the strict tar parser: it must be consumed exactly by
-    members named ``key.field`` for that sample's key. A :class:`ShardLayout` when all
-    samples have the same fields, else a :class:`MemberTable`."""
-    mv = memoryview(src)
+    """Every sample's range parsed by the strict tar parser (:func:`sample_members`). A
+    :class:`ShardLayout` when all samples have the same fields, else a :class:`MemberTable`."""
     shape_ids: dict[tuple[str, ...], int] = {}
     shape: list[int] = []
     first: list[int] = []
     bounds: list[int] = []
     for off, end, key in zip(offs, ends, keys):
-        at = f"{where} sample {key!r} (bytes {off}..{end})"
-        pos = 0
-        fields: list[str] = []
-        row: list[int] = []
-        for name, start, stop, header in walk_members(mv[off:end], at):
-            cut = split_member_name(name)
-            if cut is None or cut[0] != key:
-                raise CorruptShardError(
-                    f"{at}: the member {name[:200]!r} at byte {off + header} names another key than the index"
-                )
-            fields.append(cut[1])
-            row += (off + start, off + stop)
-            pos = stop + padding(stop)
-        if pos != end - off:
-            raise CorruptShardError(f"{at}: a zero block at byte {off + pos} ends the sample's members early")
-        names = tuple(fields)
+        names, row = sample_members(src, off, end, key, where)
         first.append(len(bounds))
         if len(set(names)) != len(names):
             shape.append(-1)  # read strictly when asked for, which names the field held twice
@@ -112,7 +162,95 @@ def shard_members(src: Any, offs: list[int], ends: list[int], keys: list[str],
                        np.array(bounds, dtype=np.int64))
 
 
+def check_layout(src: Any, stored: StoredLayout, offs: NDArray[Any], ends: NDArray[Any], key_data: NDArray[Any],
+                 key_offsets: NDArray[Any], keys: list[str], where: str) -> ShardLayout | MemberTable:
+    """The layout of a verified uncompressed shard (``src``: bytes or an mmap) as its index
+    records it (``stored``), once the shard's bytes bear it out; its rows ``offs``/``ends``
+    /``keys`` tile it, key j's UTF-8 is ``key_data[key_offsets[j]:key_offsets[j + 1]]``.
+
+    Every member of every sample is checked at once (see the module docstring); a sample
+    the fast check does not vouch for is parsed by the strict parser, which must find the
+    members the index records, else :class:`CorruptShardError` names the shard, the
+    sample and what each says."""
+    arr = np.frombuffer(src, dtype=np.uint8)
+    try:
+        vouched = _vouched(arr, stored, offs, ends, key_data, key_offsets)
+    finally:
+        del arr  # a view of an mmap keeps its buffer from being refilled
+    for j in np.flatnonzero(~vouched).tolist():  # a Python step only where the fast check cannot vouch
+        off, end = int(offs[j]), int(ends[j])
+        fields, row = sample_members(src, off, end, keys[j], where)
+        want, rel = stored.sample(j)
+        if fields != want or row != [off + b for b in rel]:
+            raise CorruptShardError(
+                f"{where} sample {keys[j]!r} (#{j}, bytes {off}..{end}): its tar members ({'/'.join(fields)[:200]} "
+                f"with data at {row[:6]}) are not the ones the index records ({'/'.join(want)[:200]} at "
+                f"{[off + b for b in rel[:6]]}): the index and the shard disagree (re-run the pack or index that "
+                "wrote them)")
+    return stored.placed(offs)
+
+
+def _vouched(arr: NDArray[Any], stored: StoredLayout, offs: NDArray[Any], ends: NDArray[Any],
+             key_data: NDArray[Any], key_offsets: NDArray[Any]) -> NDArray[np.bool_]:
+    """Per sample: whether its members are plain ustar members exactly where ``stored``
+    puts them (see the module docstring). Headers lie on 512-byte blocks of the shard, so
+    the shard is viewed as a table of blocks and each check reads one column of the
+    members' header rows, for all members of all samples at once."""
+    n = len(offs)
+    offs, ends = np.asarray(offs, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+    counts = (stored.first[1:] - stored.first[:-1]) // 2  # at least one member each (stored_layout)
+    sample = np.repeat(np.arange(n), counts)
+    start = stored.bounds[0::2] + offs[sample]
+    stop = stored.bounds[1::2] + offs[sample]
+    size = stop - start
+    head = start - BLOCK
+    after = stop + (-size % BLOCK)
+    # the first member's header at the sample's first byte, each next one where the one
+    # before ends, the last one's padding ending the sample
+    firsts = stored.first[:-1] // 2
+    expect = np.empty_like(head)
+    expect[1:] = after[:-1]
+    expect[firsts] = offs
+    good = (head == expect) & (head % BLOCK == 0) & (head >= 0) & (size >= 0) & (size < 8**11) & (after <= arr.size)
+    ok: NDArray[np.bool_] = after[np.cumsum(counts) - 1] == ends
+    # the members' headers' name and size fields, gathered in one step from the shard viewed
+    # as rows of 512-byte blocks; the type flag and the name prefix's first byte one by one
+    idx = np.flatnonzero(good)
+    at_head = head[idx]
+    hdr = arr[: arr.size // BLOCK * BLOCK].reshape(-1, BLOCK)[at_head // BLOCK, :136]
+    digits = ((size[idx, None] >> _SHIFTS) & 7).astype(np.uint8) + 48  # 11 octal digits, then NUL or space
+    fine = (hdr[:, 124:135] == digits).all(axis=1) & ((hdr[:, 135] == 0) | (hdr[:, 135] == 32))
+    fine &= (arr[at_head + 156] == 48) & (arr[at_head + 345] == 0)  # a regular file, no name prefix
+    # the name field: the key, "." and the field, then NULs to its 100 bytes; a longer name
+    # needs a PAX header or a prefix, the strict parse's
+    klen = key_offsets[1:] - key_offsets[:-1]
+    keys = np.zeros((n, 100), dtype=np.uint8)
+    fits = np.flatnonzero(klen < 100)
+    kl = klen[fits]
+    within = np.arange(int(kl.sum())) - np.repeat(np.cumsum(kl) - kl, kl)
+    keys[np.repeat(fits, kl), within] = key_data[np.repeat(key_offsets[:-1][fits], kl) + within]
+    names = sorted({f for shape in stored.shapes for f in shape})
+    suffixes = [np.frombuffer(("." + f).encode("utf-8"), dtype=np.uint8) for f in names]
+    table = np.full((len(stored.shapes), max(len(f) for f in stored.shapes)), -1, dtype=np.int64)
+    for s, fields in enumerate(stored.shapes):
+        table[s, : len(fields)] = [names.index(f) for f in fields]
+    js = sample[idx]
+    field = table[stored.shape[js], idx - firsts[js]]
+    length = klen[js] + np.array([x.size for x in suffixes], dtype=np.int64)[field]
+    want = keys[js]
+    for f, suffix in enumerate(suffixes):
+        mine = np.flatnonzero((field == f) & (length <= 100))
+        at = np.repeat(klen[js[mine]], suffix.size) + np.tile(np.arange(suffix.size), mine.size)
+        want[np.repeat(mine, suffix.size), at] = np.tile(suffix, mine.size)
+    # four bytes at a time: a gathered row is contiguous, and its 100 name bytes 25 words
+    fine &= (length <= 100) & (hdr.view(np.uint32)[:, :25] == want.view(np.uint32)).all(axis=1)
+    good[idx] = fine
+    ok[sample[~good]] = False
+    return ok
+
+
 _POW8 = 8 ** np.arange(10, -1, -1, dtype=np.int64)
+_SHIFTS = 3 * np.arange(10, -1, -1, dtype=np.int64)
 _NAME = np.arange(100, dtype=np.int64)
 
 

@@ -66,7 +66,10 @@ class ShardBuilder:
         # its first byte in the shard) records shard offsets and no whole-shard checksum:
         # the one process that assembles the shard hashes it whole (and writes its end)
         self._hash: Hasher | None = None if piece_at is not None else Hasher()
-        self.records = SampleRecords([], [], [], [])
+        self._member_fields: list[str] = []
+        self._member_bounds: list[int] = []
+        self.records = SampleRecords([], [], [], [], self._member_fields, self._member_bounds)
+        self._field_lists: dict[tuple[str, ...], str] = {}  # one str per distinct field list, shared by its samples
         self.fields: set[str] = set()
         self.stored_bytes = piece_at or 0  # written to the sink or staged (in the shard, from its start)
         self.tar_bytes = 0
@@ -105,6 +108,20 @@ class ShardBuilder:
                 self._mv = memoryview(self._buf)
         return self._fill
 
+    def _lay_out(self, fields: Sequence[str], heads: Sequence[int], sizes: Sequence[int]) -> None:
+        """Record where each member's data lies in the sample (the index's member layout)."""
+        names = tuple(fields)
+        joined = self._field_lists.get(names)
+        if joined is None:
+            joined = self._field_lists[names] = "/".join(names)
+        bounds = self._member_bounds
+        p = 0
+        for head, size in zip(heads, sizes):
+            p += head
+            bounds += (p, p + size)
+            p += size + padding(size)
+        self._member_fields.append(joined)
+
     def _record(self, key: str, start: int, length: int, fields: Sequence[str]) -> int:
         self.records.keys.append(key)
         self.records.offsets.append(self.stored_bytes)
@@ -130,8 +147,21 @@ class ShardBuilder:
         return self.add_encoded(key, parts, [k for k in sample if not k.startswith("__")])
 
     def add_encoded(self, key: str, parts: list[bytes | bytearray | memoryview], fields: Sequence[str]) -> int:
-        """Append a sample already cut into tar pieces by ``encode_sample``."""
-        return self._store_raw(key, memoryview(b"".join(parts)), fields)
+        """Append a sample already cut into tar pieces by ``encode_sample``: for each field
+        in sorted order its header, its data and, unless the data fills whole blocks, its
+        padding."""
+        names = sorted(fields)
+        heads, sizes, i = [], [], 0
+        for _ in names:
+            heads.append(len(parts[i]))
+            sizes.append(len(parts[i + 1]))
+            i += 3 if padding(sizes[-1]) else 2
+        if i != len(parts):
+            raise FormatError(f"sample {key!r}: {len(parts)} tar pieces for fields {names} (a datapipe bug: "
+                              "please report it)")
+        stored = self._store_raw(key, memoryview(b"".join(parts)), fields)
+        self._lay_out(names, heads, sizes)
+        return stored
 
     def add_members(self, key: str, members: Sequence[tuple[str, int, Fill]]) -> int:
         """Append a sample whose fields are ``(field, size, fill)``: ``fill(view)`` writes the
@@ -166,10 +196,14 @@ class ShardBuilder:
             if pad:
                 mv[p : p + pad] = _ZERO_VIEW[:pad]
                 p += pad
+        fields = [f for f, _, _ in members]
         if self._zstd is not None:
-            return self._store_raw(key, mv[:total], [f for f, _, _ in members])
-        self.tar_bytes += total
-        return self._record(key, start, total, [f for f, _, _ in members])
+            stored = self._store_raw(key, mv[:total], fields)
+        else:
+            self.tar_bytes += total
+            stored = self._record(key, start, total, fields)
+        self._lay_out(fields, [len(h) for h in headers], [size for _, size, _ in members])
+        return stored
 
     def finish(self) -> ShardRecord:
         if self._closed:

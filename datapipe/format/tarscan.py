@@ -48,13 +48,17 @@ def scan_tar(buf: bytes | bytearray | memoryview, where: str) -> ScannedShard:
     """Index rows of the tar ``buf`` (a whole shard); ``where`` names it in errors."""
     mv = memoryview(buf).cast("B")
     n = len(mv)
-    records = SampleRecords([], [], [], [])
+    member_fields: list[str] = []
+    member_bounds: list[int] = []
+    records = SampleRecords([], [], [], [], member_fields, member_bounds)
     fields: set[str] = set()
     seen: set[str] = set()
     passed_over = 0
     key: str | None = None  # the sample being gathered
     start = end = 0  # its byte range
     sample_fields: set[str] = set()
+    order: list[str] = []  # its fields in stored order
+    bounds: list[int] = []  # and where their data lies, from its first byte
 
     def close() -> None:
         nonlocal key
@@ -63,6 +67,8 @@ def scan_tar(buf: bytes | bytearray | memoryview, where: str) -> ScannedShard:
             records.offsets.append(start)
             records.lengths.append(end - start)
             records.checksums.append(f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(mv[start:end])}")
+            member_fields.append("/".join(order))
+            member_bounds.extend(bounds)
             seen.add(key)
             key = None
 
@@ -81,6 +87,8 @@ def scan_tar(buf: bytes | bytearray | memoryview, where: str) -> ScannedShard:
                                         f"{header_at}); WebDataset refuses such a sample too")
             sample_fields.add(fld)
             fields.add(fld)
+            order.append(fld)
+            bounds.extend((data_start - start, data_end - start))
             end = member_end
             continue
         close()
@@ -99,6 +107,7 @@ def scan_tar(buf: bytes | bytearray | memoryview, where: str) -> ScannedShard:
                 "a folder's files in directory order unless given --sort=name)"
             )
         key, start, end, sample_fields = k, header_at, member_end, {fld}
+        order, bounds = [fld], [data_start - start, data_end - start]
         fields.add(fld)
     close()
     tail = mv[end:]

@@ -28,6 +28,7 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+import numpy.random  # the plan's shard shuffle draws from it: imported here, not by the first pass
 from numpy.typing import NDArray
 
 from ..decode import make_decoder

@@ -23,18 +23,22 @@ buffer).
 The first read of a shard in a process checks the bytes read against the index's
 whole-shard checksum; a shard that fails is read sample by sample, each against its own
 checksum, so errors name the sample. A shard that passed is not hashed again while its
-file keeps the identity it had then (see :meth:`ShardSource._read_local`).
+file keeps the identity it had then (see :meth:`ShardSource._read_local`). Where each field
+of each sample lies comes from the index (version 2 records it), checked against the
+shard's tar headers in one vectorised pass (:func:`datapipe.format.check_layout`); an
+older index records none, and it is found from the headers (:func:`datapipe.format.find_layout`).
 """
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -42,7 +46,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..checksum import checksum, verify
-from ..dataset import DatasetIndex, ShardInfo, open_index
+from ..dataset import DatasetIndex, SampleTable, ShardInfo, open_index
 from ..errors import (
     CorruptShardError,
     DatapipeError,
@@ -52,26 +56,24 @@ from ..errors import (
     PlanError,
     StorageError,
 )
-from ..format import MemberTable, ShardLayout, find_layout
+from ..format import MemberTable, ShardLayout, check_layout, find_layout
 from ..storage import RetryPolicy, call_with_retry, is_throttle, open_regular
 from ..tables import ParquetTable, is_parquet_source
 from ..telemetry import Telemetry
-from .layouts import LayoutCache
+from .layouts import LayoutCache, ShardMemo
 
 __all__ = ["BufferPool", "ShardData", "ShardSource", "TableRows"]
 
 
 @dataclass
 class ShardData:
-    """One fetched shard: its bytes and its sample table."""
+    """One fetched shard: its bytes and its sample table (``keys``, ``offsets`` and
+    ``lengths`` are the table's)."""
 
     shard: int
     url: str
     buf: memoryview
-    keys: list[str]
-    offsets: NDArray[Any]
-    lengths: NDArray[Any]
-    checksums: list[str]
+    table: SampleTable
     compression: str
     _closer: Any = None
     #: why the shard's bytes could not be had (its table could): every sample read raises it
@@ -83,8 +85,12 @@ class ShardData:
     #: where each field of each sample lies (verified uncompressed bytes only), found when
     #: the shard is fetched: the read stage picks its reader by it
     layout: ShardLayout | MemberTable | None = None
+    keys: list[str] = field(init=False)
+    offsets: NDArray[np.int64] = field(init=False)
+    lengths: NDArray[np.int64] = field(init=False)
 
     def __post_init__(self) -> None:
+        self.keys, self.offsets, self.lengths = self.table.keys, self.table.offsets, self.table.lengths
         ends = self.offsets + self.lengths
         self.max_end = int(ends.max()) if ends.size else 0
         #: the bytes-like object under ``buf`` (bytes or mmap): slicing it yields bytes
@@ -113,8 +119,7 @@ class ShardData:
                 f"bytes {off}..{off + ln} but the shard holds {len(self.buf)}"
             )
         data = self.buf[off : off + ln]
-        if self.checksums:
-            verify(data, self.checksums[j] or None, f"{self.url} sample {self.keys[j]!r} (#{j})")
+        verify(data, self.table.checksums[j], f"{self.url} sample {self.keys[j]!r} (#{j})")
         return data
 
     def close(self) -> None:
@@ -145,6 +150,18 @@ def _open_source(url: str, storage_options: dict[str, Any] | None) -> Any:
     if is_parquet_source(url, storage_options):
         return ParquetTable(url, storage_options)
     return open_index(url, storage_options)
+
+
+def _shard_sizes(ix: Any) -> NDArray[np.int64]:
+    if isinstance(ix, DatasetIndex):
+        return ix.shard_sizes
+    return np.array([s.bytes for s in ix.shards], dtype=np.int64)
+
+
+def _shard_checksums(ix: Any) -> list[str]:
+    if isinstance(ix, DatasetIndex):
+        return ix.shard_checksums
+    return [s.checksum for s in ix.shards]
 
 
 def _has_warm_tier(cache: Any) -> bool:
@@ -234,12 +251,37 @@ _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
+def huge_pages_without_stalls(defrag: str | None) -> bool:
+    """Whether memory advised ``MADV_HUGEPAGE`` gets huge pages without stalling its page
+    faults, given the kernel's transparent huge page ``defrag`` setting (the text of
+    /sys/kernel/mm/transparent_hugepage/defrag, the chosen one in brackets; None: unknown).
+    With ``always``, ``madvise`` or ``defer+madvise`` an advised fault compacts memory
+    directly when no huge page is free: on a busy machine that costs two to three times the
+    plain pages' faults and the copy together, in every fresh buffer of a first epoch."""
+    if defrag is None or "[" not in defrag:
+        return False
+    return defrag.split("[", 1)[1].split("]", 1)[0] in ("defer", "never")
+
+
+def _thp_defrag() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/defrag") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+#: read once, at import: the setting is the machine's
+_ASK_HUGE = _MADV_HUGEPAGE is not None and huge_pages_without_stalls(_thp_defrag())
+
+
 def _fresh_buffer(size: int) -> mmap.mmap:
-    """A new private buffer. One of 2 MB or more asks for huge pages: samples are read at
-    random places in it (a 4 KB page costs a TLB miss per read), and faulting it in takes
-    one trap per 2 MB instead of per 4 KB; it is then not populated up front (that would
-    map small pages before the advice could apply)."""
-    if size >= _HUGE_PAGE and _MADV_HUGEPAGE is not None:
+    """A new private buffer. One of 2 MB or more asks for huge pages where the kernel gives
+    them without stalling (:func:`huge_pages_without_stalls`): samples are read at random
+    places in it (a 4 KB page costs a TLB miss per read), and faulting it in takes one trap
+    per 2 MB instead of per 4 KB; it is then not populated up front (that would map small
+    pages before the advice could apply). Elsewhere it is populated in one call."""
+    if size >= _HUGE_PAGE and _ASK_HUGE and _MADV_HUGEPAGE is not None:
         mm = mmap.mmap(-1, size, flags=_ANON_PRIVATE & ~getattr(mmap, "MAP_POPULATE", 0))
         try:
             mm.madvise(_MADV_HUGEPAGE)
@@ -247,6 +289,7 @@ def _fresh_buffer(size: int) -> mmap.mmap:
             pass
         return mm
     return mmap.mmap(-1, size, flags=_ANON_PRIVATE)
+
 
 #: A file whose status changed this recently (ns) is hashed again at its next read:
 #: status times come from a coarse clock (a jiffy here, a second or two on some file
@@ -310,12 +353,17 @@ class ShardSource:
         self.retry = retry or RetryPolicy()
         counts = [ix.sample_counts.astype(np.int64) for ix in self.indexes]
         self.counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
+        #: stored bytes of each shard (what the prefetch budget counts)
+        self.sizes = np.concatenate([_shard_sizes(ix) for ix in self.indexes]).astype(np.int64)
         self.source_of = np.repeat(np.arange(len(counts)), [c.size for c in counts])
         self.shard_base = np.concatenate(([0], np.cumsum([c.size for c in counts]))).astype(np.int64)
         self.num_samples = int(self.counts.sum())
         #: local shard files whose bytes matched their checksum in this process: path ->
         #: (file identity, checksum); see _read_local
         self._verified: dict[str, tuple[tuple[int, ...], str]] = {}
+        #: what this process and the others reading these datasets with it (DataLoader
+        #: workers) found: shard files verified, recorded layouts borne out (see .layouts)
+        self.memo = ShardMemo(self.num_shards)
         #: field layouts of verified shards, kept across epochs (bounded; see .layouts)
         self.layouts = LayoutCache()
         #: False: no layout is looked for, every sample is checked and parsed on its own by
@@ -338,10 +386,8 @@ class ShardSource:
     def identity(self) -> str:
         """What makes these datasets these datasets (for resume checks): a checksum of their
         manifests and shard checksums, so a re-packed or different dataset does not match."""
-        import json
-
-        parts = [json.dumps(ix.manifest, sort_keys=True, default=str) + "\n" +
-                 "\n".join(str(s.checksum) for s in ix.shards) for ix in self.indexes]
+        parts = [json.dumps(ix.manifest, sort_keys=True, default=str) + "\n" + "\n".join(map(str, _shard_checksums(ix)))
+                 for ix in self.indexes]
         return checksum("\0".join(parts).encode())
 
     def info(self, g: int) -> tuple[DatasetIndex, ShardInfo]:
@@ -353,7 +399,7 @@ class ShardSource:
         return self.info(g)[1].url
 
     def shard_bytes(self, g: int) -> int:
-        return int(self.info(g)[1].bytes)
+        return int(self.sizes[g])
 
     def fetch(self, g: int, cache: Any = None) -> ShardData | TableRows:
         """Shard ``g``'s bytes and sample table (blocking; run it off the event loop); for
@@ -374,8 +420,9 @@ class ShardSource:
         if len(table.keys) != info.samples:
             raise FormatError(f"{info.url}: index lists {len(table.keys)} samples, expected {info.samples}")
         error: Exception | None = None
+        identity: tuple[int, ...] | None = None
         try:
-            buf, closer, verified = self._bytes(ix, info, cache)
+            buf, closer, verified, identity = self._bytes(ix, info, cache, g)
         except (IntegrityError, CorruptShardError) as e:
             buf, closer, error, verified = memoryview(b""), None, e, False
         if not verified and error is None and info.checksum and info.url not in self._changed:
@@ -384,26 +431,35 @@ class ShardSource:
                           f"{info.bytes} bytes): it changed since it was indexed. Each sample is checked on "
                           "its own; members added since are not read. Index or pack it again",
                           RuntimeWarning, stacklevel=2)
-        data = ShardData(g, info.url, buf, list(table.keys), np.asarray(table.offsets, np.int64),
-                         np.asarray(table.lengths, np.int64), list(table.checksums or []),
-                         ix.compression, closer, error, verified, tar_bytes=info.tar_bytes)
+        data = ShardData(g, info.url, buf, table, ix.compression, closer, error, verified, tar_bytes=info.tar_bytes)
         if verified and self.find_layouts and data.compression == "none" and data.max_end <= len(data.buf):
             key = (g, len(data.buf), info.checksum)
             data.layout = self.layouts.get(key)
             if data.layout is None:
                 ends = data.offsets + data.lengths
+                index = str(ix.manifest["manifest_checksum"])
                 try:
-                    data.layout = find_layout(data.src, data.offsets.tolist(), ends.tolist(), data.keys, info.url)
+                    if table.layout is None:  # an index that records none (version 1): found from the headers
+                        data.layout = find_layout(data.src, data.offsets.tolist(), ends.tolist(), data.keys,
+                                                  info.url)
+                    elif identity is not None and self.memo.laid_out(g, identity, info.checksum, index):
+                        data.layout = table.layout.placed(data.offsets)  # these very bytes bore it out
+                    else:  # recorded by the writer: the shard's headers must bear it out
+                        data.layout = check_layout(data.src, table.layout, data.offsets, ends, *table.key_bytes,
+                                                   data.keys, info.url)
+                        if identity is not None:
+                            self.memo.note(g, identity, info.checksum, index)
                 except CorruptShardError as e:  # every sample raises it (or is skipped)
                     data.error = e
                 else:
                     self.layouts.put(key, data.layout)
         return data
 
-    def _bytes(self, ix: Any, info: Any, cache: Any) -> tuple[memoryview, Any, bool]:
-        """(bytes, closer, verified). A shard that fails its whole-shard checksum is still
-        returned, unverified: its samples are then checked one by one, so the error (or the
-        skip) names the bad sample and the good ones still read."""
+    def _bytes(self, ix: Any, info: Any, cache: Any, g: int) -> tuple[memoryview, Any, bool, tuple[int, ...] | None]:
+        """(bytes, closer, verified, identity of the settled local file they were read
+        from, else None). A shard that fails its whole-shard checksum is still returned,
+        unverified: its samples are then checked one by one, so the error (or the skip)
+        names the bad sample and the good ones still read."""
         if cache is not None:
             # the cache verifies what it serves against the checksum passed here
             if _has_warm_tier(cache):
@@ -420,12 +476,12 @@ class ShardSource:
                 except IntegrityError as e:
                     raise CorruptShardError(f"shard fails its checksum: {e}") from e
                 if isinstance(got, bytes):
-                    return memoryview(got), None, bool(info.checksum)
+                    return memoryview(got), None, bool(info.checksum), None
                 path = got
                 try:
                     # read while pinned; the private copy needs no pin once read
                     t0 = time.perf_counter()
-                    read = self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url)
+                    read = self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url, g)
                     tel = getattr(cache, "telemetry", None)  # the warm tier's bytes, as its reader timed them
                     if tel is not None:
                         tel.read("warm", len(read[0]), time.perf_counter() - t0)
@@ -433,17 +489,17 @@ class ShardSource:
                 finally:
                     cache.release(info.url)
             try:
-                return memoryview(cache.read(info.url, checksum=info.checksum)), None, bool(info.checksum)
+                return memoryview(cache.read(info.url, checksum=info.checksum)), None, bool(info.checksum), None
             except IntegrityError as e:
                 raise CorruptShardError(f"shard fails its checksum: {e}") from e
         store, name = ix.shard_location(info)  # an index of existing tars names shards elsewhere
         local = store.local_path(name)
         if local is not None:
-            return self._read_local(local, info, f"shard {info.url}", ix.url)
+            return self._read_local(local, info, f"shard {info.url}", ix.url, g)
         # Transient failures are retried; a shard shorter than the index says is not
         # (asking again cannot lengthen it) and shows as truncated samples when read.
         data = call_with_retry(lambda: store.get(name), info.url, self.retry, on_retry=self._retried)
-        return memoryview(data), None, bool(info.checksum) and checksum(data) == info.checksum
+        return memoryview(data), None, bool(info.checksum) and checksum(data) == info.checksum, None
 
     def _retried(self, error: BaseException) -> None:
         tel = self.telemetry
@@ -452,20 +508,24 @@ class ShardSource:
             if is_throttle(error):
                 tel.throttled()
 
-    def _read_local(self, path: str, info: Any, what: str, listed_in: str) -> tuple[memoryview, Any, bool]:
-        """(bytes, closer, verified) of the local file ``path`` holding shard ``info``.
+    def _read_local(self, path: str, info: Any, what: str, listed_in: str,
+                    g: int) -> tuple[memoryview, Any, bool, tuple[int, ...] | None]:
+        """(bytes, closer, verified, the file's identity if it is settled and the bytes
+        verified, else None) of the local file ``path`` holding shard ``g`` (``info``).
 
         What is returned is a private copy, and "verified" is a claim about that copy:
         either its own hash matched, or the file's identity (device, inode, size, mtime,
         ctime) was, before and after this read, the one it had when a read of it was
-        hashed and matched. Any write, truncate, ``utime`` or replacement of the file
-        changes its ctime (or inode), so a file changed since then is hashed again; a
-        write racing this read moves ctime before its bytes land, so the status taken
-        after the read sees it. A match is remembered only for a file whose ctime was
-        older than the read by more than the clock's granularity (``_RACY_NS``), else a
-        later write in the same tick could keep the identity: such a file is hashed at
-        every read until it settles. Not covered: writes through another process's
-        writable map of the file, which move ctime only when a page is first dirtied.
+        hashed and matched, in this process or in another reading the dataset with it
+        (:class:`.layouts.ShardMemo`: the DataLoader workers of this dataset). Any write,
+        truncate, ``utime`` or replacement of the file changes its ctime (or inode), so a
+        file changed since then is hashed again; a write racing this read moves ctime
+        before its bytes land, so the status taken after the read sees it. A match is
+        remembered only for a file whose ctime was older than the read by more than the
+        clock's granularity (``_RACY_NS``), else a later write in the same tick could keep
+        the identity: such a file is hashed at every read until it settles. Not covered:
+        writes through another process's writable map of the file, which move ctime only
+        when a page is first dirtied.
         """
         t0 = time.time_ns()
         try:
@@ -489,10 +549,15 @@ class ShardSource:
         # a file longer than the index says holds members the index never saw: the first
         # bytes may still match, but the shard is not the one indexed
         whole = len(buf) == int(info.bytes) == st0.st_size and bool(info.checksum)
-        known = whole and before == after and self._verified.get(path) == (before, info.checksum)
+        stable = whole and before == after
+        known = stable and (self._verified.get(path) == (before, info.checksum)
+                            or self.memo.verified(g, before, info.checksum))
         ok = known or (whole and checksum(buf) == info.checksum)
-        if ok and not known and before == after and st0.st_ctime_ns < t0 - _RACY_NS:
+        settled = ok and stable and st0.st_ctime_ns < t0 - _RACY_NS
+        if settled and self._verified.get(path) != (before, info.checksum):
             self._verified[path] = (before, info.checksum)
+            if not self.memo.verified(g, before, info.checksum):
+                self.memo.note(g, before, info.checksum)
         elif not ok:
             self._verified.pop(path, None)
-        return buf, close, ok
+        return buf, close, ok, before if settled else None

@@ -61,8 +61,7 @@ def _join(lock: WriterLock, dest: str, storage_options: dict[str, Any] | None, o
     def samples() -> Iterator[SampleRecords]:
         for ix in indexes:
             for j in range(ix.num_shards):
-                t = ix.shard_samples(j)
-                yield SampleRecords(t.keys, t.offsets.tolist(), t.lengths.tolist(), t.checksums)
+                yield ix.shard_samples(j).records()  # with the member layout the part's index records
 
     compression = compressions.pop()
     commit(lock, lambda store: write_index_files(store, shards, samples(), compression, fields, extra={"parts": n}))

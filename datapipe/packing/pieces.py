@@ -186,13 +186,17 @@ class ShardAssembly:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        samples: dict[str, list[Any]] = {"keys": [], "offsets": [], "lengths": [], "checksums": []}
+        samples: dict[str, list[Any]] = {"keys": [], "offsets": [], "lengths": [], "checksums": [],
+                                         "member_fields": [], "member_bounds": []}
         fields: set[str] = set()
         for k in range(len(self.pieces)):
             res = self._results[k]
             for column, values in res["samples"].items():
-                samples[column].extend(values)
+                if values is not None:
+                    samples[column].extend(values)
             fields.update(res["fields"])
+        if len(samples["member_fields"]) != len(samples["keys"]):  # a piece without its layout: none recorded
+            del samples["member_fields"], samples["member_bounds"]
         record = ShardRecord(self.name, size, len(samples["keys"]), self._hash.hexdigest(), size)
         return {"record": asdict(record), "samples": samples, "fields": sorted(fields), "skipped": []}
 

@@ -8,9 +8,11 @@ manifest last, as ``pack`` does), ``source`` (:func:`read`, :class:`DatapipeData
 one read task per shard range, each shard checked against its index before a row leaves
 it; packed datasets and indexes of existing tars), ``engine`` (:func:`pack`: ``datapipe
 pack --engine ray``: folders listed in parallel, samples planned into shards by the local
-packer's rules, written through the Datasink). May import (their faces only)
+packer's rules, written through the Datasink), ``tokens`` (:func:`write_token_pieces`:
+``pack_tokens(..., engine="ray")``, each piece of the input a Ray task running the process
+worker's own function; ``pack_tokens`` stays the driver). May import (their faces only)
 :mod:`datapipe.packing`, :mod:`datapipe.publish`, :mod:`datapipe.dataset`,
-:mod:`datapipe.tarindex`, :mod:`datapipe.format`, :mod:`datapipe.storage`,
+:mod:`datapipe.tokens`, :mod:`datapipe.tarindex`, :mod:`datapipe.format`, :mod:`datapipe.storage`,
 :mod:`datapipe.errors`, :mod:`datapipe.checksum`, and Ray; nothing below imports this
 package, so datapipe works without Ray.
 """
@@ -26,5 +28,6 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess without
 from .engine import pack
 from .sink import DatapipeDatasink, write
 from .source import DatapipeDatasource, read
+from .tokens import write_token_pieces
 
-__all__ = ["DatapipeDatasink", "DatapipeDatasource", "pack", "read", "write"]
+__all__ = ["DatapipeDatasink", "DatapipeDatasource", "pack", "read", "write", "write_token_pieces"]

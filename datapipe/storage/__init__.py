@@ -21,6 +21,7 @@ Imports: errors and checksum only. It knows no tar, no cache, no pack or checkpo
 """
 
 from .lease import (
+    LEASE_FILE_DELETED,
     MAX_LEASE_BYTES,
     LeaseHolder,
     SharedFileLease,
@@ -82,4 +83,5 @@ __all__ = [
     "describe_holder",
     "holder_here_fields",
     "MAX_LEASE_BYTES",
+    "LEASE_FILE_DELETED",
 ]

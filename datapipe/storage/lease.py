@@ -51,7 +51,10 @@ from .store import Store
 # LeaseBusyError and LeaseLostError live in datapipe.errors (every error does); named here
 # too, where the leases that raise them are
 __all__ = ["WriterLease", "SharedFileLease", "LeaseBusyError", "LeaseLostError", "LeaseHolder", "current_holder",
-           "describe_holder", "holder_here_fields", "MAX_LEASE_BYTES"]
+           "describe_holder", "holder_here_fields", "MAX_LEASE_BYTES", "LEASE_FILE_DELETED"]
+
+#: ``LeaseLostError.why`` of a lease whose file is gone (its folder removed): nobody took it over
+LEASE_FILE_DELETED = "the lease file was deleted"
 
 #: a lease document is small; anything larger is not one
 MAX_LEASE_BYTES = 1 << 16
@@ -364,7 +367,7 @@ class WriterLease:
                         if tag != self._tag:
                             self._lost = f"it is now held by {describe_holder(self._parse(data), local=self.local)}"
                 except (FileNotFoundError, ObjectNotFoundError):
-                    self._lost = "the lease file was deleted"
+                    self._lost = LEASE_FILE_DELETED
             if self._lost is not None:
                 raise LeaseLostError(f"{self.url}: this writer lost its lease ({self._lost})", self._lost)
 

@@ -5,12 +5,13 @@ The input is cut into pieces (:func:`~datapipe.tokens.sources.plan_pieces`: they
 input and ``part_bytes`` only); each piece is read, tokenized (``encode_batch``, documents in
 batches) and written by one worker process into parts of at most ``part_bytes`` bytes of
 tokens, named ``part-<piece>-<k>``, so the parts, their names and their bytes are the same
-whatever the number of workers. Every document is its token ids followed by the
-end-of-document token; an empty document is the EOS token alone. A finished piece is
-recorded in the destination's ``_pack/`` journal: a rerun of the same command (after a
-kill -9, say) skips recorded pieces and writes the others again, under the same names; a
-run of other input or options is refused unless ``overwrite``. The manifest is written
-last, so a dataset is either complete or absent.
+whatever the number of workers (or with ``engine="ray"``, where each piece is a Ray task
+running the same function: :mod:`datapipe.ray`'s ``write_token_pieces``). Every document is
+its token ids followed by the end-of-document token; an empty document is the EOS token
+alone. A finished piece is recorded in the destination's ``_pack/`` journal: a rerun of the
+same command (after a kill -9, say) skips recorded pieces and writes the others again,
+under the same names; a run of other input or options is refused unless ``overwrite``. The
+manifest is written last, so a dataset is either complete or absent.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..checksum import checksum
 from ..errors import (
     DatapipeError,
     EmptyInputError,
+    MissingDependencyError,
     OptionError,
     PackError,
     PackOptionError,
@@ -51,7 +53,7 @@ from ..storage import Store, in_this_process, is_local_url, open_store
 from .arguments import check_block_bytes, check_fits, check_id_options
 from .publish_glue import Journal, WriterLock, check_destination, fingerprint, remove_stale_parts
 from .sources import EOS_TOKENS, Piece, list_inputs, load_tokenizer, plan_pieces
-from .write import PieceTask, init_worker, pack_piece, part_name
+from .write import PieceTask, init_worker, pack_piece, pack_piece_alone, part_name
 
 __all__ = ["pack_tokens", "TokenPackResult", "DEFAULT_PART_BYTES", "MAX_PIECE_BYTES", "part_name"]
 
@@ -62,6 +64,8 @@ DEFAULT_PART_BYTES = 256 << 20
 MAX_PIECE_BYTES = 64 << 20
 _MIN_PART_BYTES = 1 << 12
 ORIGIN = "pack-tokens"
+#: who writes the pieces: worker processes here, or Ray tasks (the same bytes either way)
+ENGINES = ("local", "ray")
 
 
 @dataclass
@@ -194,6 +198,8 @@ def pack_tokens(
     overwrite: bool = False,
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
+    engine: str = "local",
+    address: str | None = None,
 ) -> TokenPackResult:
     """Write the documents of ``source`` as a token dataset at ``dest`` (a local path or any
     fsspec URL): Megatron-LM's ``.bin``/``.idx`` parts, datapipe's block checksums (``.xxh``)
@@ -213,11 +219,18 @@ def pack_tokens(
     forkserver (spawn where there is none): a script that calls this needs an
     ``if __name__ == "__main__":`` guard. A rerun of the same call after a crash or kill
     finishes the job; other input or options at a ``dest`` that holds a dataset or an
-    unfinished pack are refused unless ``overwrite``. One writer per destination."""
+    unfinished pack are refused unless ``overwrite``. One writer per destination.
+
+    ``engine="ray"`` (``pip install 'datapipe[ray]'``): each piece is written by a Ray task
+    instead (:func:`datapipe.ray.write_token_pieces`, on the cluster at ``address``, as
+    ``pack --engine ray``), into the same bytes; this call stays the driver (lock, journal,
+    commit), so a pack either engine began, the other may finish. ``dest`` and the input
+    must be reachable from every node; ``workers`` is the local engine's."""
     t0 = time.perf_counter()
     dest = _dest_url(check_path("dest", dest, error=PackOptionError))
     check_bool("overwrite", overwrite, error=PackOptionError)
     check_bool("progress", progress, error=PackOptionError)
+    on_ray = _engine(engine, address, workers)
     tok_json, vocab, eos, dt, mode, column = _options(tokenizer, text_column, tokens_column, eos_id, vocab_size,
                                                        dtype, workers, part_bytes, block_bytes, storage_options)
     inputs = list_inputs(source, storage_options, exclude=dest)
@@ -231,7 +244,11 @@ def pack_tokens(
     })
     result = TokenPackResult(dest, 0, 0, 0, 0.0, input_bytes=sum(f.size for f in inputs),
                              dtype=str(dt.newbyteorder("=")), vocab_size=vocab, eos_id=eos)
-    with WriterLock(open_store(dest, storage_options)) as lock:
+    base = open_store(dest, storage_options)
+    if on_ray is not None and in_this_process(base):
+        raise PackOptionError(f"dest={dest!r}: Ray tasks run in other processes, where this process's memory store "
+                              "does not exist; with engine='ray' write to a path or URL every node can reach")
+    with WriterLock(base) as lock:
         store = lock.store
         check_destination(store, overwrite)
         work = Journal(store, fp, overwrite)
@@ -253,7 +270,10 @@ def pack_tokens(
         todo = [p for p in pieces if p.index not in done]
         tasks = [PieceTask(p, mode, column, tok_json, eos, vocab, str(dt), part_bytes, block_bytes, store, lock.token,
                        storage_options) for p in todo]
-        _run(tasks, work, done, workers, progress, sum(p.input_bytes for p in todo), in_this_process(lock.base))
+        if on_ray is not None:
+            _run_on_ray(on_ray, tasks, work, done, progress, address)
+        else:
+            _run(tasks, work, done, workers, progress, sum(p.input_bytes for p in todo), in_this_process(lock.base))
         parts = [part for p in pieces for part in done[p.index]]
         if not parts:
             raise EmptyInputError(f"{', '.join(f.url for f in inputs[:3])}: no document to pack")
@@ -268,6 +288,43 @@ def pack_tokens(
     result.tokens = sum(p.tokens for p in parts)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _engine(engine: Any, address: Any, workers: Any) -> Any:
+    """None for the local engine; for "ray", :func:`datapipe.ray.write_token_pieces`
+    (imported here only: datapipe.ray imports this package, never the reverse at import)."""
+    if not isinstance(engine, str) or engine not in ENGINES:
+        raise PackOptionError(f"engine={engine!r}: expected one of {', '.join(map(repr, ENGINES))}")
+    if engine == "local":
+        if address is not None:
+            raise PackOptionError(f"address={address!r}: applies to engine='ray' only")
+        return None
+    if address is not None and (not isinstance(address, str) or not address):
+        raise PackOptionError(f"address={address!r}: expected a Ray cluster address (a non-empty str, e.g. 'auto')")
+    if workers is not None:
+        raise PackOptionError(f"workers={workers!r}: an option of engine='local' (worker processes here); with "
+                              "engine='ray' Ray spreads the pieces over its cluster")
+    try:
+        from ..ray import write_token_pieces
+    except ImportError as e:
+        raise MissingDependencyError(f"engine='ray': {e}") from None
+    return write_token_pieces
+
+
+def _run_on_ray(write_pieces: Any, tasks: list[PieceTask], work: Journal, done: dict[int, list[TokenPart]],
+                progress: bool, address: str | None) -> None:
+    """Write ``tasks``' pieces as Ray tasks, journaling each here as it finishes."""
+    counters = [0, 0, 0]  # tokens, documents, input bytes: the progress bar's, counted as pieces finish
+    input_bytes = {t.piece.index: t.piece.input_bytes for t in tasks}
+
+    def finished(res: dict[str, Any]) -> None:
+        _record(work, res, done)
+        counters[0] += res["tokens"]
+        counters[1] += res["documents"]
+        counters[2] += input_bytes[res["record"]["piece"]]
+
+    with _polled(counters, progress, sum(input_bytes.values())):
+        write_pieces(tasks, finished, run=pack_piece_alone, address=address, progress=progress)
 
 
 def _record(work: Journal, res: dict[str, Any], done: dict[int, list[TokenPart]]) -> None:

@@ -186,6 +186,12 @@ class PartSeries:
                 pass
 
 
+def pack_piece_alone(task: PieceTask) -> dict[str, Any]:
+    """:func:`pack_piece` in a process that holds one CPU and runs no pool (a Ray task's)."""
+    init_worker(None, None, 1)  # the tokenizer's threads: the one CPU this process holds
+    return pack_piece(task)
+
+
 def pack_piece(task: PieceTask) -> dict[str, Any]:
     """Write the parts of one piece; returns its journal record. Runs in a worker process
     (or in-process with ``workers=1``)."""
