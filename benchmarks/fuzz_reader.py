@@ -17,7 +17,7 @@ them is validation. The shards' bytes are never re-signed, so any sample a reade
 must be an original one. An error for a re-signed edit may name any file of the dataset:
 the reader cannot tell which of two consistent-looking files is the wrong one.
 
-The test suite runs a few hundred cases through hypothesis (tests/test_fuzz_reader.py);
+The test suite runs a few hundred cases through hypothesis (tests/benchmarks/test_fuzz_reader.py);
 this script runs thousands from a seeded random generator and prints the tally.
 """
 

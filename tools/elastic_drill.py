@@ -583,7 +583,7 @@ def run_rank(a: argparse.Namespace) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     # Without the interpreter's finalization (a gloo thread dropping a collective's
-    # tensors there can abort the process: see tests/test_checkpoint_reshard.py)
+    # tensors there can abort the process: see tests/checkpoint/test_reshard.py)
     os._exit(0)
 
 

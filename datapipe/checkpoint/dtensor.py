@@ -117,7 +117,8 @@ def _mesh_facts(mesh: Any, memo: dict[Any, Any]) -> tuple[Any, Any, int]:
     return facts
 
 
-def dtensor_box(x: Any, path: str, memo: dict[Any, Any] | None = None) -> Box:
+def dtensor_box(x: Any, path: str, memo: dict[Any, Any] | None = None,
+                local_shape: tuple[int, ...] | None = None) -> Box:
     """Where a DTensor's local shard on this rank lies. ``replica``: another rank of the
     mesh holds the same box (it differs from this rank only in coordinates of
     ``Replicate`` mesh dimensions) and stores it: of the holders, the one at
@@ -125,7 +126,8 @@ def dtensor_box(x: Any, path: str, memo: dict[Any, Any] | None = None) -> Box:
     the mesh's rank table are the same there), spreading the writes of a replicated state
     over its holders instead of loading them all on the lowest. ``memo``: a dict that
     lives through one walk of a state, sharing the work of DTensors alike (same mesh,
-    placements and global shape)."""
+    placements and global shape). ``local_shape``: the shape of ``x.to_local()`` where the
+    caller has it already (each ``to_local`` is an autograd call, a cost per DTensor)."""
     memo = {} if memo is None else memo
     mesh, placements = x.device_mesh, tuple(x.placements)
     global_shape = tuple(int(d) for d in x.shape)
@@ -134,7 +136,8 @@ def dtensor_box(x: Any, path: str, memo: dict[Any, Any] | None = None) -> Box:
     if facts is None:
         facts = memo[key] = _box_facts(mesh, placements, global_shape, path, memo)
     offset, shape, holders, rank = facts
-    local_shape = tuple(int(d) for d in x.to_local().shape)
+    if local_shape is None:
+        local_shape = tuple(int(d) for d in x.to_local().shape)
     if local_shape != shape:
         raise UnsupportedStateError(
             f"state path {path!r}: the DTensor's local tensor has shape {local_shape}, its "
@@ -192,7 +195,7 @@ def place(leaf: Leaf, x: Any, rank: int, replicated: bool, memo: dict[Any, Any] 
         gshape, offset, replica = x.global_shape, x.offset, x.replica
         _check_box(leaf.path, gshape, offset, leaf.shape)
     elif is_placed(x):
-        box = dtensor_box(x, leaf.path, memo)
+        box = dtensor_box(x, leaf.path, memo, local_shape=leaf.shape)  # the leaf is of x.to_local()
         gshape, offset, replica = box.global_shape, box.offset, box.replica
     else:  # a plain array the caller declared replicated: all of it, stored by rank 0
         gshape, offset, replica = leaf.shape, (0,) * len(leaf.shape), rank != 0

@@ -15,6 +15,7 @@ peer link, ``tensor(end)``), so it never imports torch itself unless a replica i
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 import warnings
@@ -51,7 +52,8 @@ from .lease import Lease
 from .replicate import PeerLink
 from .tiers import Tier, TiersOut, own_dir, replica_dir
 
-__all__ = ["Persister", "PersistConfig", "PersistJob", "chunk_bytes_for", "lower_thread_priority", "replica_header"]
+__all__ = ["IOThreads", "Persister", "PersistConfig", "PersistJob", "chunk_bytes_for", "lower_thread_priority",
+           "replica_header"]
 
 
 def lower_thread_priority(increment: int = 10) -> None:
@@ -182,6 +184,12 @@ class _Target:
     lease: Lease | None
     origin: dict[str, int] | None = None
     max_step: int = -1
+    # what the chunks are put through: their folder is synced once, after the last of them
+    # (Store.sync_folder), not once per chunk
+    chunk_store: Store = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.chunk_store = self.store.deferring_folder_sync()
 
     @property
     def commits(self) -> bool:
@@ -233,6 +241,81 @@ def replica_header(job: PersistJob, rank: int, world_size: int,
             "raw_checksums": [job.raw_checksums[r] for r in ranges]}
 
 
+class IOThreads:
+    """The threads a Persister writes chunks on: ``n`` of them with the calling thread
+    among them, started at the first batch and kept until :meth:`close`. Threads started
+    per save each waited for the scheduler and the GIL before the next could start: on a
+    busy machine the fourth chunk of a save began 50-170 ms after the first. Own threads,
+    not a pool: a pool refuses work once the interpreter starts to exit, and a flush at
+    exit must still write."""
+
+    def __init__(self, n: int, nice: int) -> None:
+        self.n, self.nice = n, nice
+        self._work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._pid = os.getpid()
+
+    def run(self, count: int, fn: Callable[[int], None]) -> None:
+        """``fn(i)`` for each ``i`` in ``range(count)``, spread over the threads; returns when
+        every call has returned, failed or not, and then raises the first error. After an
+        error no new call starts."""
+        indices = iter(range(count))
+        lock = threading.Lock()
+        errors: list[BaseException] = []
+        helpers = max(0, min(self.n, count) - 1)  # none for an empty state (no chunks)
+        left = [helpers]
+        finished = threading.Event()
+
+        def drain() -> None:
+            while not errors:
+                with lock:
+                    i = next(indices, None)
+                if i is None:
+                    return
+                try:
+                    fn(i)
+                except BaseException as e:
+                    errors.append(e)
+
+        def helper() -> None:
+            try:
+                drain()
+            finally:
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        finished.set()
+
+        if self._pid != os.getpid():  # a forked child: its parent's threads are not here
+            self._work, self._threads, self._pid = queue.SimpleQueue(), [], os.getpid()
+        while len(self._threads) < helpers:
+            t = threading.Thread(target=self._serve, name="datapipe-ckpt-io", daemon=True)
+            t.start()
+            self._threads.append(t)
+        for _ in range(helpers):
+            self._work.put(helper)
+        drain()
+        if helpers:
+            finished.wait()
+        if errors:
+            raise errors[0]
+
+    def _serve(self) -> None:
+        lower_thread_priority(self.nice)
+        while True:
+            job = self._work.get()
+            if job is None:
+                return
+            job()
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._work.put(None)
+        for t in self._threads:
+            t.join()
+        self._threads = []
+
+
 class Persister:
     """The stores of every tier (leases taken where this process commits) and the work of
     one save. ``saved_at[(step, n)]`` is the ``order`` of the save that made attempt
@@ -246,6 +329,7 @@ class Persister:
         self.compression, self.zstd_level = config.compression, config.zstd_level
         self.io_threads, self.nice = config.io_threads, config.nice
         self.saved_at: dict[tuple[int, int], int] = {}
+        self._io = IOThreads(self.io_threads, self.nice)
         self.tiers_out = TiersOut()
         self._lease_args = (config.lease_ttl, config.lease_wait)  # to take a lease again (a tier back)
         self._tls = threading.local()
@@ -328,6 +412,7 @@ class Persister:
             )
 
     def release(self) -> None:
+        self._io.close()
         for targets in self._targets.values():
             for tg in targets:
                 if tg.lease is not None:
@@ -496,8 +581,8 @@ class Persister:
             self._refuse_used_attempt(tg, step, attempt)
         ranges = chunk_ranges(total, cb)
         chunks = self._write_chunks(tg, step, attempt, view, ranges, known, verify)
-        if chunks:
-            sync_dirs(tg.store, chunks[0]["key"])
+        if chunks:  # the chunks' folder (one for all of them) and the folders above it
+            tg.store.sync_folder(chunks[0]["key"])
         doc = {
             "step": step, "attempt": attempt, "rank": tg.rank,
             "world_size": tg.world_size, "compression": self.compression,
@@ -575,43 +660,33 @@ class Persister:
 
     def _write_chunks(self, tg: _Target, step: int, attempt: str, view: Any, ranges: list[tuple[int, int]],
                       known: dict[tuple[int, int], str], verify: bool) -> list[dict[str, Any]]:
-        """Write the chunks on ``io_threads`` threads of this save. Own threads, not a pool:
-        a pool refuses work once the interpreter starts to exit, and a flush at exit must
-        still write. Returns only when every thread is done, failed or not: the staging
-        buffer is reused only after that."""
+        """Write the chunks on the ``io_threads`` threads. Returns only when every thread is
+        done, failed or not: the staging buffer is reused only after that."""
         results: list[Any] = [None] * len(ranges)
-        errors: list[BaseException] = []
-        next_index = iter(range(len(ranges)))
-        lock = threading.Lock()
 
-        def worker() -> None:
-            lower_thread_priority(self.nice)
-            while not errors:
-                with lock:
-                    i = next(next_index, None)
-                if i is None:
-                    return
-                try:
-                    results[i] = self._write_chunk(tg, step, attempt, view, i, *ranges[i], known, verify)
-                except BaseException as e:
-                    errors.append(e)
+        def write(i: int) -> None:
+            results[i] = self._write_chunk(tg, step, attempt, view, i, *ranges[i], known, verify)
 
-        threads = [threading.Thread(target=worker, name="datapipe-ckpt-io", daemon=True)
-                   for _ in range(min(self.io_threads, len(ranges)))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        self._io.run(len(ranges), write)
         return results
 
     def _write_chunk(self, tg: _Target, step: int, attempt: str, view: Any, index: int, start: int, end: int,
                      known: dict[tuple[int, int], str], verify: bool) -> dict[str, Any]:
         data = view(start, end)
         plain = self.compression != "zstd"  # stored as staged: its record lists block checksums
-        blocks = None
+        key = chunk_key(step, attempt, tg.rank, index)
         raw_ck = known.get((start, end)) if not verify else None
+        if plain and not verify and tg.chunk_store.local_path(key) is not None:
+            # a local file: each block written as it is hashed (one read of the staged
+            # bytes from memory, not two); a failure leaves nothing at the key
+            whole = Hasher() if raw_ck is None else None
+            with tg.chunk_store.open_writer(key) as f:
+                written = block_checksums(data, whole=whole, sink=f.write)
+            if whole is not None:
+                raw_ck = known[(start, end)] = whole.hexdigest()  # reused as below
+            return {"key": key, "offset": start, "bytes": end - start, "checksum": raw_ck,
+                    "blocks": written, "stored_bytes": end - start}
+        blocks: dict[str, Any] | None = None
         if raw_ck is None:
             if plain:  # one pass over the bytes: the blocks' checksums and the chunk's
                 whole = Hasher()
@@ -629,8 +704,7 @@ class Persister:
                 # the next tier reuses it (one thread per range: no race); a range is the
                 # same bytes of the one staging buffer in the shared and node-local layouts
                 known[(start, end)] = raw_ck
-        rec: dict[str, Any] = {"key": chunk_key(step, attempt, tg.rank, index),
-                               "offset": start, "bytes": end - start}
+        rec: dict[str, Any] = {"key": key, "offset": start, "bytes": end - start}
         if not plain:
             cctx = getattr(self._tls, "cctx", None)
             if cctx is None:
@@ -645,5 +719,5 @@ class Persister:
             # range reads check only the blocks they touch (reshard.py)
             rec["blocks"] = blocks if blocks is not None else block_checksums(data)
         rec["stored_bytes"] = len(stored)
-        tg.store.put(rec["key"], stored)
+        tg.chunk_store.put(rec["key"], stored)
         return rec

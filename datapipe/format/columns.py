@@ -4,7 +4,7 @@ A reader opens ``shards.parquet`` (one row per shard) and a shard's slice of
 ``samples.parquet`` in every fresh process, so their checks must not cost a Python step
 per row: the rules that :mod:`.index` states for one value (``check_relative_name``, the
 key and checksum patterns) are applied here to the bytes of a whole Arrow column,
-vectorised. ``tests/test_index_columns.py`` checks that both spellings of each rule agree.
+vectorised. ``tests/format/test_index_columns.py`` checks that both spellings of each rule agree.
 
 The columns are read from Arrow's buffers, never through ``Array.to_numpy()`` or
 ``np.asarray(array)``: those import pandas (half a second) on first use.

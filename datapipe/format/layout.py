@@ -24,8 +24,8 @@ one the judge of the other two:
 
 The fast checks skip the header checksums, so they are only used on bytes verified
 against the index's xxh3 checksum of the whole shard (a stronger check), and whatever
-they accept, the strict parse lays out the same way (``tests/test_loader_laid.py`` and
-``tests/test_stored_layout.py`` check it).
+they accept, the strict parse lays out the same way (``tests/loader/test_readers.py`` and
+``tests/format/test_stored_layout.py`` check it).
 
 :func:`find_layout` tries :func:`fast_layout`, then the strict parse. The result is a
 :class:`ShardLayout` (every sample has the same fields: the common case) or a

@@ -75,12 +75,22 @@ def open_regular(path: str) -> tuple[io.FileIO, os.stat_result]:
         raise
 
 
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class LocalStore(Store):
     """A directory on a local filesystem. Writes go to a temporary name beside the target
     (``.tmp-<writer>-<name>``: ``writer_token``, or a fresh random one per write), are
-    fsync'd when ``durable``, and are published by rename."""
+    fsync'd when ``durable``, and are published by rename (and the folder fsync'd, unless
+    ``folder_sync`` is False: :meth:`deferring_folder_sync`)."""
 
-    def __init__(self, root: str, *, durable: bool = True, writer_token: str | None = None) -> None:
+    def __init__(self, root: str, *, durable: bool = True, writer_token: str | None = None,
+                 folder_sync: bool = True) -> None:
         if root.startswith("file://"):
             root = root[len("file://") :]
         super().__init__(os.path.abspath(root))
@@ -88,6 +98,7 @@ class LocalStore(Store):
             raise StorageError(f"writer_token must be letters and digits, got {writer_token!r}")
         self.durable = durable
         self.writer_token = writer_token
+        self.folder_sync = folder_sync
 
     def path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
@@ -104,14 +115,19 @@ class LocalStore(Store):
             return
         parts = key.split("/")[:-1]
         for i in range(len(parts) - 1, -1, -1):
-            fd = os.open(os.path.join(self.root, *parts[:i]), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_dir(os.path.join(self.root, *parts[:i]))
+
+    def sync_folder(self, key: str) -> None:
+        if not self.durable:
+            return
+        _fsync_dir(os.path.dirname(self.path(key)))
+        self.sync_parents(key)
+
+    def deferring_folder_sync(self) -> LocalStore:
+        return LocalStore(self.root, durable=self.durable, writer_token=self.writer_token, folder_sync=False)
 
     def for_writer(self, token: str) -> LocalStore:
-        return LocalStore(self.root, durable=self.durable, writer_token=token)
+        return LocalStore(self.root, durable=self.durable, writer_token=token, folder_sync=self.folder_sync)
 
     def remove_temporaries(self, folder: str = "", *, tokens: Iterable[str] | None = None,
                            suffix: str = "") -> int:
@@ -209,12 +225,8 @@ class LocalStore(Store):
 
     def _publish(self, tmp: str, key: str) -> None:
         os.replace(tmp, self.path(key))
-        if self.durable:
-            fd = os.open(os.path.dirname(self.path(key)), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        if self.durable and self.folder_sync:
+            _fsync_dir(os.path.dirname(self.path(key)))
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         with self.open_writer(key) as f:

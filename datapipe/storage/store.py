@@ -133,6 +133,20 @@ class Store(ABC):
         the store does not promise durability."""
         return None
 
+    def deferring_folder_sync(self) -> Store:
+        """This store for a writer of several files in one folder: a put through it is as
+        atomic, and its bytes as durable, as through this store, but the folder's entry for
+        the new name becomes durable only at :meth:`sync_folder` (one directory fsync for the
+        batch instead of one per file). Stores whose folders need no sync (object stores,
+        memory) return themselves."""
+        return self
+
+    def sync_folder(self, key: str) -> None:
+        """Make the folder holding ``key`` durable and, as :meth:`sync_parents`, every folder
+        above it: what a writer through :meth:`deferring_folder_sync` calls once its files
+        there are published. A no-op where :meth:`sync_parents` is."""
+        return None
+
     def for_writer(self, token: str) -> Store:
         """This store as one writer sees it: the temporaries of its writes carry ``token``
         (letters and digits), so :meth:`remove_temporaries` can later delete exactly the
