@@ -54,7 +54,8 @@ try:  # torch is optional: without it the dataset is a plain iterable
 except ImportError:  # pragma: no cover - torch is installed in the test environment
     _Base = object  # type: ignore[assignment,misc]
 
-__all__ = ["EpochResume", "StreamingDataset", "check_worker_state", "resolve_topology", "skip_report", "worker_info"]
+__all__ = ["StreamingDataset", "check_worker_state", "resolve_topology", "set_resumable_epoch", "skip_report",
+           "worker_info"]
 
 #: ``window=None``: every shard
 ALL_SHARDS = 1 << 62
@@ -140,27 +141,16 @@ def check_worker_state(worker: Any, batch_size: int, share: Callable[[int, int],
     return int(worker["taken"])
 
 
-class EpochResume:
-    """``set_epoch`` of the resumable loaders (:class:`StreamingDataset`, the token loaders):
-    a resume state of another epoch is dropped, the plan made again, and the state is this
-    process's from now on. The class keeps ``epoch``, ``_resume``, ``_worker_skip``, ``_plan``
-    and ``_state_is_here``."""
-
-    epoch: int
-    _resume: dict[str, Any] | None
-    _worker_skip: int
-    _plan: Any
-
-    def _state_is_here(self) -> None:
-        raise NotImplementedError
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = check_int("epoch", epoch, min=0, max=MAX_EPOCH, error=LoaderOptionError)
-        if self._resume is not None and self._resume.get("epoch") != self.epoch:
-            self._resume = None
-            self._worker_skip = 0
-        self._plan = None
-        self._state_is_here()
+def set_resumable_epoch(self: Any, epoch: int) -> None:
+    """``set_epoch`` of the resumable loaders (:class:`StreamingDataset`, the token loaders,
+    as their method): a resume state of another epoch is dropped, the plan made again, and
+    the state is this process's from now on."""
+    self.epoch = check_int("epoch", epoch, min=0, max=MAX_EPOCH, error=LoaderOptionError)
+    if self._resume is not None and self._resume.get("epoch") != self.epoch:
+        self._resume = None
+        self._worker_skip = 0
+    self._plan = None
+    self._state_is_here()
 
 
 def _worker() -> tuple[int, int]:
@@ -168,7 +158,7 @@ def _worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-class StreamingDataset(_Base, EpochResume):  # type: ignore[type-arg]  # torch's IterableDataset is generic in its item type; ours vary with decode/map
+class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableDataset is generic in its item type; ours vary with decode/map
     """Samples of one or more packed datasets in a deterministic, resumable, shuffled order.
 
     ``source``: a dataset URL, a list of URLs (read as one dataset), or a list of
@@ -414,6 +404,8 @@ class StreamingDataset(_Base, EpochResume):  # type: ignore[type-arg]  # torch's
         through: NDArray[Any] = np.concatenate([np.full(len(ix.shards), not isinstance(ix, ParquetTable))
                                                 for ix in self.source.indexes])
         return through
+
+    set_epoch = set_resumable_epoch
 
     def shuffle_quality(self, batch_size: int = 256, max_batches: int = 512) -> dict[str, Any]:
         """Mean distinct shards per batch and stored-vs-delivered position correlation of

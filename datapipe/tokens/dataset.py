@@ -34,13 +34,13 @@ from ..loader import (
     Batch,
     Chunk,
     EpochPlanner,
-    EpochResume,
     LazyTensor,
     PassFetch,
     PassKey,
     Prefetcher,
     ReadAhead,
     pass_chunks,
+    set_resumable_epoch,
     share_size,
     take_read_ahead,
 )
@@ -117,7 +117,7 @@ def fetched_units(chunk: Chunk) -> dict[int, TokenChunk]:
     return out
 
 
-class TokenDataset(TokenStream, EpochResume):
+class TokenDataset(TokenStream):
     """Sequences of ``seq_len`` tokens of the token dataset at ``source`` (a folder or URL
     written by :func:`~datapipe.pack_tokens` or :func:`~datapipe.index_tokens`), in a
     deterministic, resumable, shuffled order; an ``IterableDataset`` for
@@ -242,6 +242,8 @@ class TokenDataset(TokenStream, EpochResume):
         if self._resume is not None and self._resume.get("epoch") == epoch:
             return planner.resumed(dp_size, self._resume)[0]
         return planner(dp_size, epoch)[0]
+
+    set_epoch = set_resumable_epoch
 
     def __len__(self) -> int:
         """Sequences this rank yields in the current epoch (from the resume point on)."""
