@@ -41,6 +41,17 @@ def _storage_options(text: str | None) -> dict[str, Any] | None:
     return value
 
 
+def _add_pack_engine(p: argparse.ArgumentParser, ray: str) -> None:
+    """A pack command's --engine (``ray``: what a Ray pack does), --address, -q and storage options."""
+    p.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="local (default): worker processes on this machine. ray: " + ray)
+    p.add_argument("--address", default=None, metavar="ADDR",
+                   help="with --engine ray: the Ray cluster to join (e.g. auto, or ray://host:10001); default: the "
+                        "cluster named by RAY_ADDRESS, else a local one started for this pack")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_storage(p)
+
+
 def _add_storage(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage-options", type=_storage_options, default=None, metavar="JSON",
                    help='fsspec options for remote URLs, e.g. \'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}\'')
@@ -406,16 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tars-as-files", action="store_true",
                    help="pack a folder of tar files as files (by default refused: index existing shards with "
                         "`datapipe index`)")
-    p.add_argument("--engine", choices=["local", "ray"], default="local",
-                   help="local (default): worker processes on this machine. ray: Ray tasks on a Ray cluster "
-                        "(pip install 'datapipe[ray]'): folders listed in parallel, one write task per shard, "
-                        "SRC and DEST reachable from every node; not resumable (a failed pack removes what it "
-                        "wrote: run it again)")
-    p.add_argument("--address", default=None, metavar="ADDR",
-                   help="with --engine ray: the Ray cluster to join (e.g. auto, or ray://host:10001); default: the "
-                        "cluster named by RAY_ADDRESS, else a local one started for this pack")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    _add_storage(p)
+    _add_pack_engine(p, "Ray tasks on a Ray cluster (pip install 'datapipe[ray]'): folders listed in parallel, "
+                        "one write task per shard, SRC and DEST reachable from every node; not resumable (a "
+                        "failed pack removes what it wrote: run it again)")
     p.set_defaults(func=_cmd_pack)
 
     p = sub.add_parser("pack-tokens", help="tokenize Parquet/JSONL documents into a token dataset (Megatron .bin/.idx)",
@@ -446,15 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--part-bytes", type=parse_size, default="256M",
                    help="bound of a part's .bin (default 256M; a part exceeds it only for a single larger document)")
     p.add_argument("--overwrite", action="store_true", help="replace a dataset (or an unfinished pack) at DEST")
-    p.add_argument("--engine", choices=["local", "ray"], default="local",
-                   help="local (default): worker processes on this machine. ray: one Ray task per piece of the "
-                        "input on a Ray cluster (pip install 'datapipe[ray]'), SRC and DEST reachable from every "
-                        "node; the same bytes, resumable either way")
-    p.add_argument("--address", default=None, metavar="ADDR",
-                   help="with --engine ray: the Ray cluster to join (e.g. auto, or ray://host:10001); default: the "
-                        "cluster named by RAY_ADDRESS, else a local one started for this pack")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    _add_storage(p)
+    _add_pack_engine(p, "one Ray task per piece of the input on a Ray cluster (pip install 'datapipe[ray]'), "
+                        "SRC and DEST reachable from every node; the same bytes, resumable either way")
     p.set_defaults(func=_cmd_pack_tokens)
 
     p = sub.add_parser("index", help="index existing tar shards (WebDataset, GNU tar, Ray) or token files "

@@ -41,7 +41,7 @@ from typing import Any
 import xxhash
 
 from ..errors import OptionError
-from ..storage import Store, is_throttle, queued
+from ..storage import DelegatingStore, Store, is_throttle, queued
 from .lockfds import close_lock, open_lock
 
 __all__ = ["ColdPacer", "PacedStore", "pacing_prefix", "pacing_state", "PACING_DIR", "DEFAULT_CEILING"]
@@ -320,20 +320,16 @@ class ColdPacer:
             self._slot_locks.clear()
 
 
-class PacedStore(Store):
+class PacedStore(DelegatingStore):
     """A cold store whose reads go through a :class:`ColdPacer` (writes are not the cold
     tier's business and pass through)."""
 
     def __init__(self, inner: Store, pacer: ColdPacer, max_wait_s: float | None = None) -> None:
-        super().__init__(inner.root)
-        self.inner = inner
+        super().__init__(inner)
         self.pacer = pacer
         self.prefix = pacing_prefix(inner.root + "/x")
         #: how long a request waits for a slot: the retry policy's total deadline
         self.max_wait_s = max_wait_s
-
-    def url(self, key: str) -> str:
-        return self.inner.url(key)
 
     def get(self, key: str) -> bytes:
         out: bytes = self.pacer.call(self.prefix, lambda: self.inner.get(key), self.max_wait_s)
@@ -355,21 +351,6 @@ class PacedStore(Store):
     def size(self, key: str) -> int:
         out: int = self.pacer.call(self.prefix, lambda: self.inner.size(key), self.max_wait_s)
         return out
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def put(self, key: str, data: bytes | memoryview) -> None:
-        self.inner.put(key, data)
-
-    def open_writer(self, key: str) -> Any:
-        return self.inner.open_writer(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def list(self, prefix: str = "") -> list[str]:
-        return self.inner.list(prefix)
 
 
 def pacing_state(root: str) -> dict[str, dict[str, Any]]:

@@ -302,10 +302,7 @@ class IOThreads:
 
     def _serve(self) -> None:
         lower_thread_priority(self.nice)
-        while True:
-            job = self._work.get()
-            if job is None:
-                return
+        for job in iter(self._work.get, None):  # None: close() stops the thread
             job()
 
     def close(self) -> None:

@@ -19,7 +19,8 @@ composed of the stages), ``pass_state`` (progress and the error policy every sta
 ``dataloader`` (``StreamingDataLoader``), ``ring`` (the shared-memory batch ring), ``control``
 (what the main process and DataLoader workers tell each other). A token loader plugs its own
 planner, fetch and reader into the plan and fetch stages (the face gives it what it reuses:
-``LazyTensor``, ``share_size``, ``WorkerPasses``, ``BufferPool`` beside the stage parts).
+``LazyTensor``, ``share_size``, ``WorkerPasses``, ``BufferPool`` beside the stage parts, and the
+resume rules: ``set_resumable_epoch`` (their ``set_epoch``), ``check_worker_state``, ``worker_info``).
 
 Imports ``plan``, ``format``, ``storage``, ``tables``, ``tarindex`` (to resolve shard URLs),
 ``datapipe.dataset``, ``decode`` and the leaves; never ``pack`` or ``checkpoint``. Names load
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from .chunks import Chunk, EpochPlanner, PassKey, pass_chunks, share_size
     from .control import WorkerPasses
     from .dataloader import StreamingDataLoader
-    from .dataset import StreamingDataset, resolve_topology
+    from .dataset import StreamingDataset, check_worker_state, resolve_topology, set_resumable_epoch, worker_info
     from .mixing import Stream
     from .pass_state import ErrorPolicy, Progress, Skipped
     from .prefetch import PassFetch, Prefetcher, ReadAhead, take_read_ahead
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_DECODERS", "Stream", "StreamingDataLoader", "StreamingDataset", "make_decoder",
            "resolve_topology", "Batch", "Column", "Chunk", "EpochPlanner", "PassKey", "pass_chunks", "ErrorPolicy",
            "Progress", "Skipped", "PassFetch", "Prefetcher", "ReadAhead", "take_read_ahead", "LazyTensor",
-           "share_size", "WorkerPasses", "BufferPool"]
+           "share_size", "WorkerPasses", "BufferPool", "set_resumable_epoch", "check_worker_state", "worker_info"]
 
 #: public name -> the submodule that defines it, imported on first use
 _WHERE = {"Stream": "mixing", "StreamingDataLoader": "dataloader", "StreamingDataset": "dataset",
@@ -53,7 +54,8 @@ _WHERE = {"Stream": "mixing", "StreamingDataLoader": "dataloader", "StreamingDat
           "EpochPlanner": "chunks", "PassKey": "chunks", "pass_chunks": "chunks", "ErrorPolicy": "pass_state",
           "Progress": "pass_state", "Skipped": "pass_state", "PassFetch": "prefetch", "Prefetcher": "prefetch",
           "ReadAhead": "prefetch", "take_read_ahead": "prefetch", "LazyTensor": "batch", "share_size": "chunks",
-          "WorkerPasses": "control", "BufferPool": "source"}
+          "WorkerPasses": "control", "BufferPool": "source", "set_resumable_epoch": "dataset",
+          "check_worker_state": "dataset", "worker_info": "dataset"}
 
 #: the submodules an eager import of the package used to bind (`datapipe.loader.source`)
 _SUBMODULES = frozenset({"batch", "chunks", "control", "dataset", "decoding", "layouts", "mixing", "pass_state",

@@ -54,7 +54,8 @@ try:  # torch is optional: without it the dataset is a plain iterable
 except ImportError:  # pragma: no cover - torch is installed in the test environment
     _Base = object  # type: ignore[assignment,misc]
 
-__all__ = ["StreamingDataset", "resolve_topology", "skip_report"]
+__all__ = ["StreamingDataset", "check_worker_state", "resolve_topology", "set_resumable_epoch", "skip_report",
+           "worker_info"]
 
 #: ``window=None``: every shard
 ALL_SHARDS = 1 << 62
@@ -104,7 +105,7 @@ def _check_source(source: Any) -> list[str | Stream]:
             for i, s in enumerate(items)]
 
 
-def _worker_info() -> Any:
+def worker_info() -> Any:
     """torch's worker info in a DataLoader worker process, else None."""
     try:
         from torch.utils.data import get_worker_info
@@ -113,8 +114,47 @@ def _worker_info() -> Any:
     return get_worker_info()
 
 
+def check_worker_state(worker: Any, batch_size: int, share: Callable[[int, int], int],
+                       batch_name: str = "batch_size") -> int:
+    """The steps one DataLoader worker's state (``worker``: ``{id, num_workers, batch_size,
+    taken}``) says it handed out, checked against this worker: same id, worker count and
+    ``batch_size`` (steps in a batch; ``batch_name`` is what the error calls it), and
+    ``taken`` within the worker's ``share(id, num_workers)``. A :class:`StateMismatchError`
+    otherwise, and in the main process (such a state loads only in its worker)."""
+    info = worker_info()
+    if info is None:
+        raise StateMismatchError(
+            "this state is one DataLoader worker's (torchdata's StatefulDataLoader saves one per worker, "
+            "inside the workers): load it with StatefulDataLoader.load_state_dict(), which hands each "
+            "worker its own, not into the dataset in the main process")
+    fields = ("id", "num_workers", "batch_size", "taken")
+    if not isinstance(worker, dict) or not all(type(worker.get(k)) is int for k in fields):
+        raise StateMismatchError(f"the state's worker entry {show(worker)} is not {{{', '.join(fields)}: int}}")
+    mine = {"id": int(info.id), "num_workers": int(info.num_workers), "batch_size": batch_size}
+    for k, v in mine.items():
+        if worker[k] != v:
+            raise StateMismatchError(f"the state is of a pass with worker {k} {show(worker[k])}, this one's is "
+                                     f"{v}: resume with the same num_workers and {batch_name}")
+    n = share(mine["id"], mine["num_workers"])
+    if not 0 <= worker["taken"] <= n:
+        raise StateMismatchError(f"the state's worker took {show(worker['taken'])} steps of a share of {n}")
+    return int(worker["taken"])
+
+
+def set_resumable_epoch(self: Any, epoch: int) -> None:
+    """``set_epoch`` of the resumable loaders (:class:`StreamingDataset`, the token loaders,
+    as their method): a resume state of another epoch is dropped, the plan made again, and
+    the state is this process's from now on."""
+    self.epoch = check_int("epoch", epoch, min=0, max=MAX_EPOCH, error=LoaderOptionError)
+    if self._resume is not None and self._resume.get("epoch") != self.epoch:
+        self._resume = None
+        self._worker_skip = 0
+    self._plan = None
+    self._state_is_here()
+
+
 def _worker() -> tuple[int, int]:
-    info = _worker_info()
+    info = worker_info()
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
@@ -365,13 +405,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
                                                 for ix in self.source.indexes])
         return through
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = check_int("epoch", epoch, min=0, max=MAX_EPOCH, error=LoaderOptionError)
-        if self._resume is not None and self._resume.get("epoch") != self.epoch:
-            self._resume = None
-            self._worker_skip = 0
-        self._plan = None
-        self._state_is_here()
+    set_epoch = set_resumable_epoch
 
     def shuffle_quality(self, batch_size: int = 256, max_batches: int = 512) -> dict[str, Any]:
         """Mean distinct shards per batch and stored-vs-delivered position correlation of
@@ -407,7 +441,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         worker's copy), ``None`` gives that worker's own state: the pass's resume state
         plus ``"worker": {"id", "num_workers", "batch_size", "taken"}``, the steps of its
         share it has handed out; :meth:`load_state_dict` in the same worker continues it."""
-        info = _worker_info()
+        info = worker_info()
         if samples_seen is not None:
             samples_seen = check_int("samples_seen", samples_seen, min=0, error=LoaderOptionError)
         elif info is not None:
@@ -457,34 +491,14 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         try:
             plan, _ = self._make_plan(self._world()[1])  # check it now, not in a worker later
             if "worker" in state:  # one worker's: it continues its own share
-                self._worker_skip = self._check_worker_state(state["worker"], plan)
+                self._worker_skip = check_worker_state(
+                    state["worker"], self.batch_size,
+                    partial(share_size, plan.start, plan.per_rank, self.batch_size))
         except (StateMismatchError, PlanError) as e:
             self.epoch, self._resume, self._worker_skip = keep
             raise StateMismatchError(str(e)) from None
         self._plan = None
         self._state_is_here()
-
-    def _check_worker_state(self, worker: Any, plan: EpochPlan) -> int:
-        """The steps a worker's state says it handed out, checked against this worker."""
-        info = _worker_info()
-        if info is None:
-            raise StateMismatchError(
-                "this state is one DataLoader worker's (torchdata's StatefulDataLoader saves one per worker, "
-                "inside the workers): load it with StatefulDataLoader.load_state_dict(), which hands each "
-                "worker its own, not into the dataset in the main process")
-        fields = ("id", "num_workers", "batch_size", "taken")
-        if not isinstance(worker, dict) or not all(type(worker.get(k)) is int for k in fields):
-            raise StateMismatchError(f"the state's worker entry {show(worker)} is not {{{', '.join(fields)}: int}}")
-        mine = {"id": int(info.id), "num_workers": int(info.num_workers), "batch_size": self.batch_size}
-        for k, v in mine.items():
-            if worker[k] != v:
-                raise StateMismatchError(f"the state is of a pass with worker {k} {show(worker[k])}, this one's is "
-                                         f"{v}: "
-                                         "resume with the same num_workers and batch_size")
-        share = share_size(plan.start, plan.per_rank, self.batch_size, mine["id"], mine["num_workers"])
-        if not 0 <= worker["taken"] <= share:
-            raise StateMismatchError(f"the state's worker took {show(worker['taken'])} steps of a share of {share}")
-        return int(worker["taken"])
 
     # -- iteration ----------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -511,11 +525,11 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         try:
             rank, world = self._world()
             worker, num_workers = _worker()
-            if _worker_info() is not None:
+            if worker_info() is not None:
                 self._worker_passes.started()  # the main process's object: its state is not here
             else:
                 self._state_is_here()
-            if self._control is not None and _worker_info() is not None:
+            if self._control is not None and worker_info() is not None:
                 told = self._control.read()  # a persistent worker: the main process's epoch and resume point
                 if told is not None:
                     self.epoch, self._resume = told
@@ -595,7 +609,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         # of a StreamingDataLoader that keeps its workers; others exit after one pass), and
         # without a cache: a cache is told each pass's fetches to the end of the next epoch
         # (its schedule), and reads it serves ahead of that pass would not be in it.
-        reads_on = self.cache is None and (self._control is not None or _worker_info() is None)
+        reads_on = self.cache is None and (self._control is not None or worker_info() is None)
         chunks = pass_chunks(plan, real, key, self._worker_skip, self._planner() if reads_on else None, step)
         source = self.source
         pre = Prefetcher(chunks, partial(source.fetch, cache=self.cache), source.shard_bytes,
@@ -606,7 +620,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
     def _report_skipped(self) -> None:
         if self.skipped:
             where = ""
-            if _worker_info() is not None:  # under a plain DataLoader the main process never hears of these
+            if worker_info() is not None:  # under a plain DataLoader the main process never hears of these
                 where = ("; this is a DataLoader worker process: a StreamingDataLoader reports skips in the "
                          "main process and counts them in its resume point")
             warnings.warn(skip_report(self.skipped, where), RuntimeWarning, stacklevel=3)

@@ -95,7 +95,7 @@ def _decoded_timed(items: Iterator[Any], chunk: Chunk, urls: dict[int, str], dec
     """:func:`_decoded_here`, each decoder call timed (kept apart: the untimed loop pays
     nothing for telemetry it does not record)."""
     clock = time.perf_counter
-    seconds, n = 0.0, 0
+    times = _DecodeTimes(telemetry)
     try:
         for item, g, j in zip(items, chunk.shard.tolist(), chunk.sample.tolist()):
             if item.__class__ is Skipped:
@@ -109,17 +109,34 @@ def _decoded_timed(items: Iterator[Any], chunk: Chunk, urls: dict[int, str], dec
                 yield on_error(urls[g], key, e)
                 continue
             finally:
-                seconds += clock() - t0
-                n += 1
-            if n >= RECORD_EVERY:
-                telemetry.decode(seconds, n)
-                seconds, n = 0.0, 0
+                times.add(clock() - t0)
             if with_pos and isinstance(item, dict):
                 item["__shard__"], item["__sample__"] = g, j
             yield item
     finally:
-        if n:
-            telemetry.decode(seconds, n)
+        times.flush()
+
+
+class _DecodeTimes:
+    """Decode seconds summed, recorded into ``telemetry`` once per :data:`RECORD_EVERY`
+    calls and when the pass ends (``flush``)."""
+
+    __slots__ = ("n", "seconds", "telemetry")
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+        self.seconds, self.n = 0.0, 0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.n += 1
+        if self.n >= RECORD_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.n:
+            self.telemetry.decode(self.seconds, self.n)
+            self.seconds, self.n = 0.0, 0
 
 
 def _timed(decoder: Callable[[Any, str], Any], item: Any, url: str) -> tuple[Any, float]:
@@ -139,8 +156,7 @@ def _decoded_in_threads(items: Iterator[Any], chunk: Chunk, urls: dict[int, str]
     summed work, not the consumer's wait for it)."""
     ahead: deque[tuple[int, Any, int, int, Any]] = deque()
     source = zip(items, chunk.shard.tolist(), chunk.sample.tolist())
-    timed = telemetry is not None
-    seconds, n = 0.0, 0
+    times = None if telemetry is None else _DecodeTimes(telemetry)
     try:
         while True:
             while len(ahead) < 2 * threads:
@@ -150,7 +166,7 @@ def _decoded_in_threads(items: Iterator[Any], chunk: Chunk, urls: dict[int, str]
                 item, g, j = nxt
                 if item.__class__ is Skipped:
                     work = None
-                elif timed:
+                elif times is not None:
                     work = pool.submit(_timed, decoder, item, urls[g])
                 else:
                     work = pool.submit(decoder, item, urls[g])
@@ -167,16 +183,12 @@ def _decoded_in_threads(items: Iterator[Any], chunk: Chunk, urls: dict[int, str]
             except DatapipeError as e:
                 yield on_error(urls[g], item["__key__"], e)
                 continue
-            if timed:
+            if times is not None:
                 out, dt = out
-                seconds += dt
-                n += 1
-                if n >= RECORD_EVERY and telemetry is not None:
-                    telemetry.decode(seconds, n)
-                    seconds, n = 0.0, 0
+                times.add(dt)
             if with_pos and isinstance(out, dict):
                 out["__shard__"], out["__sample__"] = g, j
             yield out
     finally:
-        if n and telemetry is not None:
-            telemetry.decode(seconds, n)
+        if times is not None:
+            times.flush()

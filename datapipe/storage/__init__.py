@@ -6,7 +6,8 @@
 - memory.py, local.py, remote.py: backends (a dict, a local directory, any fsspec
   protocol); opening.py: ``open_store(url)`` picks one; options.py: storage options
   set once per URL prefix (or in ``DATAPIPE_STORAGE_OPTIONS``), merged by ``open_store``;
-  ``temporary_name``: how a writer's temporaries are named (``.tmp-<writer token>-<name>``);
+  ``temporary_name``: how a writer's temporaries are named (``.tmp-<writer token>-<name>``),
+  ``fsync_dir``: a folder made durable (after a rename into it, for writers of plain files);
 - patterns.py: patterns in URLs, brace patterns (``expand_braces``) and globs
   (``has_glob``, ``glob_urls``: matched against one listing of the folder above them);
 - retry.py: one retry and timeout layer for cold requests;
@@ -30,7 +31,7 @@ from .lease import (
     describe_holder,
     holder_here_fields,
 )
-from .local import LocalStore, open_regular, temporary_name
+from .local import LocalStore, fsync_dir, open_regular, temporary_name
 from .memory import MemoryStore
 from .opening import in_this_process, open_store, refuse_chained_url, refuse_mistyped_url
 from .options import set_storage_options, storage_options_for
@@ -46,10 +47,11 @@ from .retry import (
     queued,
     single_layer_options,
 )
-from .store import SeekableFile, Store, is_local_url, join_url, split_url
+from .store import DelegatingStore, SeekableFile, Store, is_local_url, join_url, split_url
 
 __all__ = [
     "Store",
+    "DelegatingStore",
     "SeekableFile",
     "MemoryStore",
     "LocalStore",
@@ -66,6 +68,7 @@ __all__ = [
     "refuse_chained_url",
     "open_regular",
     "temporary_name",
+    "fsync_dir",
     "RetryPolicy",
     "call_with_retry",
     "fetch_object",

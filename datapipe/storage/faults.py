@@ -21,17 +21,16 @@ from collections import Counter
 from typing import Any
 
 from ..errors import StorageError
-from .store import Store
+from .store import DelegatingStore, Store
 
 __all__ = ["FaultInjectingStore"]
 
 
-class FaultInjectingStore(Store):
+class FaultInjectingStore(DelegatingStore):
     def __init__(self, inner: Store, *, errors: int = 0, resets: int = 0, truncations: int = 0,
                  corruptions: int = 0, delays: int = 0, delay_s: float = 0.0,
                  size_errors: int = 0) -> None:
-        super().__init__(inner.root)
-        self.inner = inner
+        super().__init__(inner)
         self.plan = (["503"] * errors + ["reset"] * resets + ["truncate"] * truncations
                      + ["corrupt"] * corruptions + ["delay"] * delays)
         self.delay_s = delay_s
@@ -50,9 +49,6 @@ class FaultInjectingStore(Store):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
-
-    def url(self, key: str) -> str:
-        return self.inner.url(key)
 
     def _fault(self, key: str) -> str | None:
         with self._lock:
@@ -108,17 +104,3 @@ class FaultInjectingStore(Store):
         self._size_fault(key)
         return self.inner.stat(key)
 
-    def put(self, key: str, data: bytes | memoryview) -> None:
-        self.inner.put(key, data)
-
-    def open_writer(self, key: str) -> Any:
-        return self.inner.open_writer(key)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def list(self, prefix: str = "") -> list[str]:
-        return self.inner.list(prefix)

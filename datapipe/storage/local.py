@@ -75,7 +75,8 @@ def open_regular(path: str) -> tuple[io.FileIO, os.stat_result]:
         raise
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """fsync the folder ``path``: a rename into it (or a file made in it) survives a crash."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -115,12 +116,12 @@ class LocalStore(Store):
             return
         parts = key.split("/")[:-1]
         for i in range(len(parts) - 1, -1, -1):
-            _fsync_dir(os.path.join(self.root, *parts[:i]))
+            fsync_dir(os.path.join(self.root, *parts[:i]))
 
     def sync_folder(self, key: str) -> None:
         if not self.durable:
             return
-        _fsync_dir(os.path.dirname(self.path(key)))
+        fsync_dir(os.path.dirname(self.path(key)))
         self.sync_parents(key)
 
     def deferring_folder_sync(self) -> LocalStore:
@@ -226,7 +227,7 @@ class LocalStore(Store):
     def _publish(self, tmp: str, key: str) -> None:
         os.replace(tmp, self.path(key))
         if self.durable and self.folder_sync:
-            _fsync_dir(os.path.dirname(self.path(key)))
+            fsync_dir(os.path.dirname(self.path(key)))
 
     def put(self, key: str, data: bytes | memoryview) -> None:
         with self.open_writer(key) as f:

@@ -166,6 +166,48 @@ class Store(ABC):
         return f"{type(self).__name__}({self.root!r})"
 
 
+class DelegatingStore(Store):
+    """A wrapper over the store ``inner`` (same root): every operation passes through to it;
+    a subclass overrides what it changes (pacing, injected faults)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner.root)
+        self.inner = inner
+
+    def url(self, key: str) -> str:
+        return self.inner.url(key)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self.inner.get_range(key, start, end)
+
+    def get_range_at(self, key: str, start: int, end: int, version: str | None) -> bytes:
+        return self.inner.get_range_at(key, start, end, version)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def stat(self, key: str) -> tuple[int, str | None]:
+        return self.inner.stat(key)
+
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        self.inner.put(key, data)
+
+    def open_writer(self, key: str) -> Any:
+        return self.inner.open_writer(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.inner.list(prefix)
+
+
 class SeekableFile(io.RawIOBase):
     """A read-only file of ``size`` bytes that a reader (pyarrow) seeks in and reads from:
     the position kept here, the reads the subclass's (``readinto`` or ``read``, from

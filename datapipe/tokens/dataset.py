@@ -40,10 +40,11 @@ from ..loader import (
     Prefetcher,
     ReadAhead,
     pass_chunks,
+    set_resumable_epoch,
     share_size,
     take_read_ahead,
 )
-from ..options import MAX_COUNT, check_bool, check_bytes, check_choice, check_int, check_mapping, check_path, show
+from ..options import MAX_COUNT, check_bool, check_bytes, check_choice, check_int, check_path, show
 from ..plan import ConcatLayout, EpochPlan, layout_fingerprint
 from .read import (
     CHUNK_TOKENS,
@@ -56,7 +57,7 @@ from .read import (
     layout_identity,
     make_layout,
 )
-from .stream import MAX_EPOCH, TokenStream, check_topology, worker_info
+from .stream import MAX_EPOCH, TokenStream, check_reading, check_topology
 
 __all__ = ["TokenDataset", "MAX_SEQ_LEN", "cut_batch", "fetched_units", "torch_dtype"]
 
@@ -191,12 +192,7 @@ class TokenDataset(TokenStream):
         if pad_id is not None:
             pad_id = check_int("pad_id", pad_id, min=0, max=(1 << 31) - 1, error=E)
         dtype = check_choice("dtype", dtype, _DTYPES, error=E)
-        if storage_options is not None:
-            storage_options = check_mapping("storage_options", storage_options, error=E)
-        if cache is not None and not callable(getattr(cache, "read_range", None)):
-            raise E(f"cache={show(cache)}: expected a TieredCache (an object with read_range(url, start, end)) or None")
-        if storage_options is None and cache is not None:
-            storage_options = dict(getattr(cache, "storage_options", None) or {}) or None
+        storage_options = check_reading(storage_options, cache)
         self._init_stream(self.rank, self.world_size, replication, pipeline, dp_rank, dp_size)
         self.url = url
         self.source = TokenSource(url, storage_options, keep_lengths=packing == "documents",
@@ -247,13 +243,7 @@ class TokenDataset(TokenStream):
             return planner.resumed(dp_size, self._resume)[0]
         return planner(dp_size, epoch)[0]
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = check_int("epoch", epoch, min=0, max=MAX_EPOCH, error=LoaderOptionError)
-        if self._resume is not None and self._resume.get("epoch") != self.epoch:
-            self._resume = None
-            self._worker_skip = 0
-        self._plan = None
-        self._state_is_here()
+    set_epoch = set_resumable_epoch
 
     def __len__(self) -> int:
         """Sequences this rank yields in the current epoch (from the resume point on)."""
@@ -297,37 +287,28 @@ class TokenDataset(TokenStream):
             self._progress.steps = self._worker_skip
         return self._pass()
 
-    def _pass(self) -> Iterator[Any]:
-        token = self._enter_pass()
+    def _batches(self, dp_rank: int, dp_size: int, worker: int, num_workers: int, in_worker: bool) -> Iterator[Any]:
+        key = PassKey(self.epoch, dp_rank, dp_size, worker, num_workers, self.batch_size, self.chunk_samples)
+        plan = self._plan = self._make_plan(dp_size)
+        progress = self._progress
+        dtype = torch_dtype(self.dtype)
+        fetching = self._fetch_stage(plan, key, in_worker)
+        # in a worker, a batch's tensors are written where the loader's ring puts them
+        lazy = in_worker and self.batched
         try:
-            dp_rank, dp_size = self.data_parallel()
-            info = worker_info()
-            worker, num_workers = (0, 1) if info is None else (int(info.id), int(info.num_workers))
-            key = PassKey(self.epoch, dp_rank, dp_size, worker, num_workers, self.batch_size, self.chunk_samples)
-            plan = self._plan = self._make_plan(dp_size)
-            progress = self._progress
-            progress.steps = self._worker_skip
-            dtype = torch_dtype(self.dtype)
-            fetching = self._fetch_stage(plan, key, info is not None)
-            # in a worker, a batch's tensors are written where the loader's ring puts them
-            lazy = info is not None and self.batched
-            try:
-                for chunk in fetching.chunks():
-                    units = fetched_units(chunk)
-                    for a in range(0, chunk.steps.size, self.batch_size):
-                        b = min(a + self.batch_size, chunk.steps.size)
-                        fields = cut_batch(self.layout, chunk.shard[a:b], chunk.sample[a:b], units, dtype,
-                                           self.pad_id, lazy)
-                        if self.batched:
-                            progress.steps += b - a
-                            yield Batch(fields, b - a)
-                            continue
-                        yield from self._items(fields, b - a)
-            finally:
-                self._ahead = fetching.end(self)
-            self.end_resumed_pass()
+            for chunk in fetching.chunks():
+                units = fetched_units(chunk)
+                for a in range(0, chunk.steps.size, self.batch_size):
+                    b = min(a + self.batch_size, chunk.steps.size)
+                    fields = cut_batch(self.layout, chunk.shard[a:b], chunk.sample[a:b], units, dtype,
+                                       self.pad_id, lazy)
+                    if self.batched:
+                        progress.steps += b - a
+                        yield Batch(fields, b - a)
+                        continue
+                    yield from self._items(fields, b - a)
         finally:
-            self._exit_pass(token)
+            self._ahead = fetching.end(self)
 
     def _items(self, fields: dict[str, Any], rows: int) -> Iterator[dict[str, Any]]:
         """A batch's sequences one by one (views of its tensors; a batch's ``cu_seqlens`` is

@@ -35,14 +35,13 @@ from ..options import (
     check_choice,
     check_float,
     check_int,
-    check_mapping,
     check_path,
     show,
 )
 from ..plan import MixturePlan, worker_steps
 from .dataset import ALL_CHUNKS, MAX_SEED, MAX_SEQ_LEN, MAX_THREADS, cut_batch, fetched_units, torch_dtype
 from .read import CHUNK_TOKENS, ChunkFetch, Layout, TokenSource, layout_identity, make_layout
-from .stream import TokenStream, check_topology, worker_info
+from .stream import TokenStream, check_reading, check_topology
 
 __all__ = ["TokenMix"]
 
@@ -128,12 +127,7 @@ class TokenMix(TokenStream):
         if pad_id is not None:
             pad_id = check_int("pad_id", pad_id, min=0, max=(1 << 31) - 1, error=E)
         dtype = check_choice("dtype", dtype, ("int64", "int32"), error=E)
-        if storage_options is not None:
-            storage_options = check_mapping("storage_options", storage_options, error=E)
-        if cache is not None and not callable(getattr(cache, "read_range", None)):
-            raise E(f"cache={show(cache)}: expected a TieredCache (an object with read_range(url, start, end)) or None")
-        if storage_options is None and cache is not None:
-            storage_options = dict(getattr(cache, "storage_options", None) or {}) or None
+        storage_options = check_reading(storage_options, cache)
         self._init_stream(rank, world_size, replication, pipeline, dp_rank, dp_size)
         #: the sources' names (as given), in the mix's order: ``source`` values index it
         self.names = names
@@ -277,43 +271,35 @@ class TokenMix(TokenStream):
             self._progress.steps = self._worker_skip
         return self._pass()
 
-    def _pass(self) -> Iterator[Batch]:
-        token = self._enter_pass()
-        try:
-            dp_rank, dp_size = self.data_parallel()
-            per = self.per_rank_batch()
-            plan = MixturePlan.from_state(self._counts(), self._mix_state, global_batch=self.global_batch,
-                                          seed=self.seed, dp_size=dp_size, window=self.window, identity=self.identity)
-            info = worker_info()
-            worker, num_workers = (0, 1) if info is None else (int(info.id), int(info.num_workers))
-            progress = self._progress
-            progress.steps = self._worker_skip
-            steps = worker_steps(self._start, worker, num_workers, self._stop())[self._worker_skip // per:]
-            key = PassKey(0, dp_rank, dp_size, worker, num_workers, per, self.chunk_steps)
-            fetch = self._fetch
-            chunks = _mix_chunks(plan, dp_rank, steps, fetch.base, self.chunk_steps)
-            pre = Prefetcher(chunks, fetch.fetch, fetch.unit_bytes, max_bytes=self.prefetch_bytes,
-                             concurrency=self.concurrency)
-            fetching = PassFetch(pre, key)
-            dtype = torch_dtype(self.dtype)
-            layout = self.layouts[0]
-            import torch
+    def _batches(self, dp_rank: int, dp_size: int, worker: int, num_workers: int,
+                 in_worker: bool) -> Iterator[Batch]:
+        per = self.per_rank_batch()
+        plan = MixturePlan.from_state(self._counts(), self._mix_state, global_batch=self.global_batch,
+                                      seed=self.seed, dp_size=dp_size, window=self.window, identity=self.identity)
+        progress = self._progress
+        steps = worker_steps(self._start, worker, num_workers, self._stop())[self._worker_skip // per:]
+        key = PassKey(0, dp_rank, dp_size, worker, num_workers, per, self.chunk_steps)
+        fetch = self._fetch
+        chunks = _mix_chunks(plan, dp_rank, steps, fetch.base, self.chunk_steps)
+        pre = Prefetcher(chunks, fetch.fetch, fetch.unit_bytes, max_bytes=self.prefetch_bytes,
+                         concurrency=self.concurrency)
+        fetching = PassFetch(pre, key)
+        dtype = torch_dtype(self.dtype)
+        layout = self.layouts[0]
+        import torch
 
-            try:
-                for chunk in fetching.chunks():
-                    units = fetched_units(chunk)
-                    source = np.searchsorted(fetch.base, chunk.shard, side="right") - 1
-                    for a in range(0, chunk.steps.size, per):
-                        fields = cut_batch(layout, chunk.shard[a:a + per], chunk.sample[a:a + per], units, dtype,
-                                           self.pad_id, info is not None)
-                        fields["source"] = torch.from_numpy(source[a:a + per].astype(np.int64))
-                        progress.steps += per
-                        yield Batch(fields, per)
-            finally:
-                fetching.end(self)
-            self.end_resumed_pass()
+        try:
+            for chunk in fetching.chunks():
+                units = fetched_units(chunk)
+                source = np.searchsorted(fetch.base, chunk.shard, side="right") - 1
+                for a in range(0, chunk.steps.size, per):
+                    fields = cut_batch(layout, chunk.shard[a:a + per], chunk.sample[a:a + per], units, dtype,
+                                       self.pad_id, in_worker)
+                    fields["source"] = torch.from_numpy(source[a:a + per].astype(np.int64))
+                    progress.steps += per
+                    yield Batch(fields, per)
         finally:
-            self._exit_pass(token)
+            fetching.end(self)
 
 
 def _mix_chunks(plan: MixturePlan, dp_rank: int, steps: range, base: NDArray[np.int64],

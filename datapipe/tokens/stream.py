@@ -21,11 +21,12 @@ large a worker's share is (:meth:`_share`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import LoaderOptionError, PlanError, StateMismatchError, WorkerStateError
-from ..loader import Progress, WorkerPasses, resolve_topology
-from ..options import check_int, show
+from ..loader import Progress, WorkerPasses, check_worker_state, resolve_topology, worker_info
+from ..options import check_int, check_mapping, show
 from ..plan import data_parallel
 
 try:  # torch is optional: without it the loaders are plain iterables
@@ -33,19 +34,10 @@ try:  # torch is optional: without it the loaders are plain iterables
 except ImportError:  # pragma: no cover - torch is installed in the test environment
     _Base = object  # type: ignore[assignment,misc]
 
-__all__ = ["TokenStream", "worker_info"]
+__all__ = ["TokenStream", "check_reading", "check_topology"]
 
 #: the largest epoch a state holds (a JSON integer readers hold as int64)
 MAX_EPOCH = (1 << 63) - 1
-
-
-def worker_info() -> Any:
-    """torch's worker info in a DataLoader worker process, else None."""
-    try:
-        from torch.utils.data import get_worker_info
-    except ImportError:  # pragma: no cover
-        return None
-    return get_worker_info()
 
 
 def check_topology(rank: Any, world_size: Any, replication: Any, pipeline: Any, dp_rank: Any,
@@ -66,6 +58,20 @@ def check_topology(rank: Any, world_size: Any, replication: Any, pipeline: Any, 
         data_parallel(r, w, replication, pipeline=pipeline)
         return r, w
     return None, None
+
+
+def check_reading(storage_options: Any, cache: Any) -> dict[str, Any] | None:
+    """Checks ``storage_options`` and ``cache`` (a TieredCache or None) now; the storage
+    options the sources are read with (without any, the cache's)."""
+    E = LoaderOptionError
+    if storage_options is not None:
+        storage_options = check_mapping("storage_options", storage_options, error=E)
+    if cache is not None and not callable(getattr(cache, "read_range", None)):
+        raise E(f"cache={show(cache)}: expected a TieredCache (an object with read_range(url, start, end)) or None")
+    if storage_options is None and cache is not None:
+        storage_options = dict(getattr(cache, "storage_options", None) or {}) or None
+    result: dict[str, Any] | None = storage_options
+    return result
 
 
 class TokenStream(_Base):  # type: ignore[type-arg]  # torch's IterableDataset is generic in its item type
@@ -140,6 +146,24 @@ class TokenStream(_Base):  # type: ignore[type-arg]  # torch's IterableDataset i
         if self._live is token:
             self._live = None
 
+    def _pass(self) -> Iterator[Any]:
+        """A pass: :meth:`_batches` from where this process stands, from the steps its
+        resume state handed out on; the resumed pass is over when they run out."""
+        token = self._enter_pass()
+        try:
+            dp_rank, dp_size = self.data_parallel()
+            info = worker_info()
+            worker, num_workers = (0, 1) if info is None else (int(info.id), int(info.num_workers))
+            self._progress.steps = self._worker_skip
+            yield from self._batches(dp_rank, dp_size, worker, num_workers, info is not None)
+            self.end_resumed_pass()
+        finally:
+            self._exit_pass(token)
+
+    def _batches(self, dp_rank: int, dp_size: int, worker: int, num_workers: int, in_worker: bool) -> Iterator[Any]:
+        """The pass's items (or batches), counting the plan steps handed out in ``self._progress``."""
+        raise NotImplementedError
+
     def _told(self, epoch: int, resume: dict[str, Any] | None) -> None:
         """A persistent worker's pass: the main process's epoch and resume state."""
         self.epoch, self._resume = epoch, resume
@@ -209,28 +233,9 @@ class TokenStream(_Base):  # type: ignore[type-arg]  # torch's IterableDataset i
         keep = dict(self.__dict__)  # _load assigns, never mutates: this undoes it
         try:
             self._load(base)
-            self._worker_skip = self._check_worker_state(state["worker"]) if "worker" in state else 0
+            self._worker_skip = (check_worker_state(state["worker"], int(self._batch_steps()), self._share,
+                                                     batch_name="batch size") if "worker" in state else 0)
         except (StateMismatchError, PlanError) as e:
             self.__dict__.update(keep)
             raise e if isinstance(e, StateMismatchError) else StateMismatchError(str(e)) from None
         self._state_is_here()
-
-    def _check_worker_state(self, worker: Any) -> int:
-        info = worker_info()
-        if info is None:
-            raise StateMismatchError(
-                "this state is one DataLoader worker's (torchdata's StatefulDataLoader saves one per worker, inside "
-                "the workers): load it with StatefulDataLoader.load_state_dict(), which hands each worker its own, "
-                "not into the dataset in the main process")
-        fields = ("id", "num_workers", "batch_size", "taken")
-        if not isinstance(worker, dict) or not all(type(worker.get(k)) is int for k in fields):
-            raise StateMismatchError(f"the state's worker entry {show(worker)} is not {{{', '.join(fields)}: int}}")
-        mine = {"id": int(info.id), "num_workers": int(info.num_workers), "batch_size": int(self._batch_steps())}
-        for k, v in mine.items():
-            if worker[k] != v:
-                raise StateMismatchError(f"the state is of a pass with worker {k} {show(worker[k])}, this one's is "
-                                         f"{v}: resume with the same num_workers and batch size")
-        share = self._share(mine["id"], mine["num_workers"])
-        if not 0 <= worker["taken"] <= share:
-            raise StateMismatchError(f"the state's worker took {show(worker['taken'])} steps of a share of {share}")
-        return int(worker["taken"])

@@ -19,12 +19,12 @@ import numpy.typing as npt
 
 from ..errors import DatapipeError, InputFileError, OptionError, PackError, StorageError
 from ..format.tokens import TokenPart, TokenPartWriter, token_dtype
-from ..storage import Store
+from ..storage import Store, fsync_dir, temporary_name
 from .publish_glue import die_with_parent
 from .sources import Batch, Piece, import_tokenizers, read_piece
 
 __all__ = ["PieceTask", "pack_piece", "PartSeries", "part_name", "with_eos", "encode_texts", "check_ids",
-           "init_worker", "temporary_name", "publish_part"]
+           "init_worker", "publish_part"]
 
 
 def part_name(piece: int, k: int) -> str:
@@ -232,22 +232,6 @@ def pack_piece(task: PieceTask) -> dict[str, Any]:
             "documents": documents, "tokens": tokens}
 
 
-def temporary_name(token: str, name: str) -> str:
-    """The temporary name of ``name`` that :meth:`Store.remove_temporaries` removes for the
-    writer ``token`` (the convention of ``Store.for_writer``, docs/ARCHITECTURE.md: "temporaries
-    named ``.tmp-<writer token>-<name>``"). :class:`TokenPartWriter` writes plain files, so a
-    part's temporaries are given this name by hand."""
-    return f".tmp-{token}-{name}"
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def publish_part(writer: TokenPartWriter, store: Store, name: str) -> None:
     """Publish a closed part ``name`` (``.bin``, then ``.xxh``, then ``.idx``): by renaming the
     writer's temporaries into place when ``store`` is a local folder (they lie in it), else
@@ -258,7 +242,7 @@ def publish_part(writer: TokenPartWriter, store: Store, name: str) -> None:
     if root is not None:
         for tmp, ext in ext_of.items():
             os.replace(tmp, os.path.join(root, name + ext))
-        _fsync_dir(root)
+        fsync_dir(root)
         return
     try:
         for tmp, ext in ext_of.items():
