@@ -23,7 +23,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the repository folder served under ``benchmarks/`` and the kinds of file taken from it
 BENCHMARK_RESULTS = os.path.join(ROOT, "benchmarks", "results")
-BENCHMARK_FILES = (".md", ".png", ".json")
+BENCHMARK_FILES = (".md", ".png", ".json", ".txt")
 TROUBLESHOOTING = "troubleshooting.md"
 #: where the generated tree of the error classes goes in the troubleshooting page
 TREE_MARK = "<!-- errors: tree -->"
