@@ -3,15 +3,13 @@ given to open_dataset, an index that lost its manifest."""
 
 from __future__ import annotations
 
-import tarfile
-from pathlib import Path
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import datapipe
 from datapipe.loader import StreamingDataset
+from tests.tar_shards import text_shard
 
 
 @pytest.fixture(autouse=True)
@@ -19,13 +17,7 @@ def _own_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("DATAPIPE_CACHE_DIR", str(tmp_path / "user-cache"))
 
 
-def _shard(path: Path, keys: list[str]) -> None:
-    src = path.parent / "member.txt"
-    src.write_bytes(b"hello")
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
-        for k in keys:
-            t.add(src, arcname=f"{k}.txt")
-    src.unlink()
+_shard = text_shard
 
 
 # --- clear refusals for Parquet tables ------------------------------------------------------

@@ -5,7 +5,6 @@ finished, a shard name that is not a regular file named; each on real tar files.
 from __future__ import annotations
 
 import os
-import tarfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,6 +14,7 @@ import pytest
 import datapipe
 from benchmarks.fuzz_reader import deadline
 from datapipe.errors import DestinationExistsError
+from tests.tar_shards import text_shard
 
 
 @pytest.fixture(autouse=True)
@@ -22,13 +22,7 @@ def _own_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("DATAPIPE_CACHE_DIR", str(tmp_path / "user-cache"))
 
 
-def _shard(path: Path, keys: list[str]) -> None:
-    src = path.parent / "member.txt"
-    src.write_bytes(b"hello")
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
-        for k in keys:
-            t.add(src, arcname=f"{k}.txt")
-    src.unlink()
+_shard = text_shard
 
 
 # --- nothing deleted that we did not write ---------------------------------------------

@@ -3,12 +3,12 @@ those shards before it is used."""
 
 from __future__ import annotations
 
-import tarfile
 from pathlib import Path
 
 import pytest
 
 import datapipe
+from tests.tar_shards import text_shard
 
 
 @pytest.fixture(autouse=True)
@@ -16,13 +16,7 @@ def _own_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("DATAPIPE_CACHE_DIR", str(tmp_path / "user-cache"))
 
 
-def _shard(path: Path, keys: list[str]) -> None:
-    src = path.parent / "member.txt"
-    src.write_bytes(b"hello")
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as t:
-        for k in keys:
-            t.add(src, arcname=f"{k}.txt")
-    src.unlink()
+_shard = text_shard
 
 
 # --- the index cached for shard URLs is checked to list those shards --------------------------
