@@ -728,6 +728,19 @@ MODE_FIGURES: dict[str, str] = {
 LITDATA_VARIANTS = ("litdata", "litdata@default")
 
 
+def _prepared(work: str, system: str, setting: Any, c: dict[str, Any], log: Callable[[str], None],
+              entry: dict[str, Any]) -> dict[str, Any] | None:
+    """The system's format for the cell, noted in ``entry``; None (with the error noted) when it
+    could not be prepared: one peer failing must not hide the others' figures."""
+    try:
+        fmt = ensure_format(work, system, setting, c, log)
+    except Exception as e:
+        entry["error"] = f"prepare: {type(e).__name__}: {e}"
+        return None
+    entry["format"] = {k: fmt[k] for k in ("files", "bytes", "prepare_s", "reused")}
+    return fmt
+
+
 def _ok(r: Any) -> TypeGuard[dict[str, Any]]:
     return isinstance(r, dict) and "epochs" in r and "error" not in r and "unavailable" not in r
 
@@ -825,13 +838,8 @@ def run_cell(cfg: dict[str, Any], cell: str, work: str, log: Callable[[str], Non
             if label == "default" and setting == variants[0][1]:
                 entry["same_format_as"] = system  # the same files, read the same ways: measured once
                 continue
-            try:
-                fmt = ensure_format(work, system, setting, c, log)
-            except Exception as e:  # one peer failing must not hide the others' figures
-                entry["error"] = f"prepare: {type(e).__name__}: {e}"
-                continue
-            entry["format"] = {k: fmt[k] for k in ("files", "bytes", "prepare_s", "reused")}
-            if cfg.get("prepare_only"):
+            fmt = _prepared(work, system, setting, c, log, entry)
+            if fmt is None or cfg.get("prepare_only"):
                 continue
             if name == "datapipe":
                 out["read_floor"] = _floor(cfg, fmt["dir"], n, log, cell)
@@ -1019,13 +1027,8 @@ def run_small_defaults(cfg: dict[str, Any], work: str, log: Callable[[str], None
             entry: dict[str, Any] = {"format_settings": setting,
                                      "loader": "its defaults" if defaults else "our settings (shuffled)"}
             out["systems"][name] = entry
-            try:
-                fmt = ensure_format(work, system, setting, c, log)
-            except Exception as e:  # one peer failing must not hide the others' figures
-                entry["error"] = f"prepare: {type(e).__name__}: {e}"
-                continue
-            entry["format"] = {k: fmt[k] for k in ("files", "bytes", "prepare_s", "reused")}
-            if cfg.get("prepare_only"):
+            fmt = _prepared(work, system, setting, c, log, entry)
+            if fmt is None or cfg.get("prepare_only"):
                 continue
             job = {"system": system, "mode": "one_process", "dir": fmt["dir"], "keys": c["keys"], "seed": cfg["seed"],
                    "epochs": cfg["epochs"], "batch_size": cfg["batch_size"], "workers": cfg["workers"],

@@ -41,7 +41,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from datapipe.storage import Store
+from tools.drill_work import claim_work_dir, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODES, RANKS_PER_NODE = 2, 2
@@ -589,25 +589,6 @@ def run_rank(a: argparse.Namespace) -> None:
 
 # -- the drill ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _claim_work_dir(work: str) -> None:
-    """Make ``work`` the drill's: a new or empty folder gets the marker; a folder with
-    other content and no marker is refused (the drill deletes only what it wrote)."""
-    os.makedirs(work, exist_ok=True)
-    marker = os.path.join(work, MARKER)
-    if os.path.exists(marker):
-        return
-    if os.listdir(work):
-        raise SystemExit(f"--dir {work} is not empty and was not made by the elastic drill (no {MARKER} file "
-                         "in it): the drill deletes its work folders there; pass a new or empty folder")
-    with open(marker, "w") as f:
-        f.write("made by tools/elastic_drill.py; its subfolders are deleted by the next drill run here\n")
-
 
 def _descendants(root: int) -> list[int]:
     """``root`` and every process below it (from /proc's parent links)."""
@@ -736,12 +717,7 @@ class Run:
         self.work, self.logdir = work, os.path.join(work, "log")
 
     def attempts(self) -> dict[int, dict[str, Any]]:
-        out = {}
-        for name in os.listdir(self.logdir):
-            m = re.fullmatch(r"attempt-(\d{3})\.json", name)
-            if m and (doc := _read_json(os.path.join(self.logdir, name))) is not None:
-                out[int(m.group(1))] = doc
-        return out
+        return self._attempt_docs(r"attempt-(\d{3})\.json")
 
     def log(self, attempt: int, rank: int) -> list[dict[str, Any]]:
         """A rank's log lines; one cut short by SIGKILL is the last one and dropped."""
@@ -785,9 +761,13 @@ class Run:
         return [int(d["pids"][r]) for d in self.attempts().values() for r, n in d["nodes"].items() if n == node]
 
     def done(self) -> dict[int, dict[str, Any]]:
+        return self._attempt_docs(r"attempt-(\d{3})-done\.json")
+
+    def _attempt_docs(self, pattern: str) -> dict[int, dict[str, Any]]:
+        """attempt -> its JSON document, for the log files named by ``pattern``."""
         out = {}
         for name in os.listdir(self.logdir):
-            m = re.fullmatch(r"attempt-(\d{3})-done\.json", name)
+            m = re.fullmatch(pattern, name)
             if m and (doc := _read_json(os.path.join(self.logdir, name))) is not None:
                 out[int(m.group(1))] = doc
         return out
@@ -893,7 +873,7 @@ def drill(a: argparse.Namespace) -> dict[str, Any]:
     from tools.corpus import generate_corpus
 
     work = os.path.abspath(a.dir or tempfile.mkdtemp(prefix="elastic-drill-"))
-    _claim_work_dir(work)
+    claim_work_dir(work, MARKER, "elastic")
     for name in WORK_SUBDIRS:  # only in a folder the drill made (its marker is there)
         shutil.rmtree(os.path.join(work, name), ignore_errors=True)
     for name in (CONTROL, "throttle-node0", "throttle-node1"):
@@ -910,7 +890,7 @@ def drill(a: argparse.Namespace) -> dict[str, Any]:
     a.throttle_bps = shard_bytes / a.throttle_s  # what node 1's ranks are told
     run = Run(work)
     run_id = f"elastic-drill-{uuid.uuid4().hex[:8]}"
-    port = _free_port()
+    port = free_port()
     nodes: dict[int, Node] = {}
     node1 = os.path.join(work, "throttle-node1")
     print(f"drill: {a.samples} samples in {packed.shards} shards (cold folder {os.path.join(work, 'data')}); "

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,15 +35,12 @@ import warnings
 from collections import Counter
 from typing import Any
 
+from tools.drill_work import claim_work_dir, free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODES, RANKS_PER_NODE = 2, 2
 WORLD = NODES * RANKS_PER_NODE
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _tiers(work: str, rank: int, local_every: int, remote_every: int) -> list[Any]:
@@ -215,26 +211,12 @@ WORK_SUBDIRS = ("node0", "node1", "remote", "log", "data", "corpus")
 MARKER = ".datapipe-recovery-drill"  # in a --dir the drill made: it may delete its own subfolders there
 
 
-def _claim_work_dir(work: str) -> None:
-    """Make ``work`` the drill's: a new or empty folder gets the marker; a folder with
-    other content and no marker is refused (the drill deletes only what it wrote)."""
-    os.makedirs(work, exist_ok=True)
-    marker = os.path.join(work, MARKER)
-    if os.path.exists(marker):
-        return
-    if os.listdir(work):
-        raise SystemExit(f"--dir {work} is not empty and was not made by the recovery drill (no {MARKER} "
-                         "file in it): the drill deletes its work folders there; pass a new or empty folder")
-    with open(marker, "w") as f:
-        f.write("made by tools/recovery_drill.py; its subfolders are deleted by the next drill run here\n")
-
-
 def drill(a: argparse.Namespace) -> dict[str, Any]:
     import datapipe
     from tools.corpus import generate_corpus
 
     work = a.dir or tempfile.mkdtemp(prefix="recovery-drill-")
-    _claim_work_dir(work)
+    claim_work_dir(work, MARKER, "recovery")
     for name in WORK_SUBDIRS:  # only in a folder the drill made (its marker is there)
         shutil.rmtree(os.path.join(work, name), ignore_errors=True)
     os.makedirs(os.path.join(work, "log"))
@@ -249,7 +231,7 @@ def drill(a: argparse.Namespace) -> dict[str, Any]:
           f"{a.remote_every}; writer background: {a.background}; node 1 is killed at step {kill_at}")
 
     node1 = [r for r in range(WORLD) if r // RANKS_PER_NODE == 1]
-    procs = _launch(a, work, "train", _free_port(), hold_at=dict.fromkeys(node1, kill_at))
+    procs = _launch(a, work, "train", free_port(), hold_at=dict.fromkeys(node1, kill_at))
     deadline = time.monotonic() + a.timeout
     while not _held(work, node1):
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
@@ -266,7 +248,7 @@ def drill(a: argparse.Namespace) -> dict[str, Any]:
     _kill_all(procs)
 
     t_fail = time.perf_counter()
-    procs = _launch(a, work, "resume", _free_port())
+    procs = _launch(a, work, "resume", free_port())
     codes = [p.wait(timeout=a.timeout) for p in procs]
     if any(codes):
         bad = codes.index(next(c for c in codes if c))
