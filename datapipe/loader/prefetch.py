@@ -10,6 +10,10 @@ object with ``close()`` (:meth:`.source.ShardSource.fetch` for shards), ``unit_b
 what it holds. :class:`PassFetch` is the stage's output for one pass: its chunks, each with
 what its fetches gave (``Chunk.fetched``), released once the consumer asks for the next.
 
+A chunk is handed on when its units have landed; a pass may take it in pieces as they land
+(:func:`landed_pieces`): a window's first sample then waits for its own shard, not for every
+shard of the window. The pieces hold the chunk's items in its order.
+
 Which fetches a pass makes is a pure function of its chunks
 (:func:`datapipe.plan.chunk_fetches`), never of timing: a chunk fetches each of its shards
 except those the chunk before it reads, which are handed over (the earlier chunk's fetch
@@ -45,11 +49,13 @@ from itertools import chain
 from multiprocessing import util as mp_util
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ..errors import OptionError
 from ..telemetry import Telemetry
 from .chunks import Chunk, PassKey
 
-__all__ = ["PassFetch", "Prefetcher", "ReadAhead", "ReadAheadCloser", "take_read_ahead"]
+__all__ = ["PassFetch", "Prefetcher", "ReadAhead", "ReadAheadCloser", "landed_pieces", "take_read_ahead"]
 
 
 class _Slot:
@@ -453,10 +459,15 @@ class PassFetch:
         """The fetch stage of the pass a read ahead guessed."""
         return cls(ahead.pre, ahead.key, ahead.tag, ahead.step, ahead.pending)
 
-    def chunks(self) -> Iterator[Chunk]:
+    def chunks(self, align: int | None = None) -> Iterator[Chunk]:
         """The pass's chunks in order, each with ``fetched`` set (see
         :meth:`Prefetcher.fetched`); a chunk is released (:meth:`Prefetcher.done`) when the
-        consumer asks for the next one, having read it."""
+        consumer asks for the next one, having read it.
+
+        ``align``: a chunk whose units have not all landed is handed out in pieces as they
+        land (see :func:`landed_pieces`), each a whole number of ``align`` items but the
+        last, so the consumer starts on a window's first shard while the others are still
+        fetched; the items and their order are the chunk's. None: whole chunks only."""
         pre, tag = self.pre, self.tag
         chunks: Iterator[Chunk] = iter(pre) if self._first is None else chain([self._first], pre)
         self._first = None
@@ -464,9 +475,13 @@ class PassFetch:
             if chunk.tag != tag:  # the next pass's first chunk: this pass is over
                 self.next_chunk = chunk
                 return
-            chunk.fetched = pre.fetched(chunk)
-            yield chunk
+            if align is None:
+                chunk.fetched = pre.fetched(chunk)
+                yield chunk
+            else:
+                yield from landed_pieces(chunk, align)
             pre.done(chunk)
+
 
     def end(self, owner: object) -> ReadAhead | None:
         """After the pass: the read ahead into the next pass (stopped when ``owner`` is
@@ -478,3 +493,46 @@ class PassFetch:
             return None
         key = self.key._replace(epoch=self.key.epoch + self.step)
         return ReadAhead(key, self.pre, nxt, nxt.tag, self.step, ReadAheadCloser(owner, self.pre))
+
+
+def _result(slot: _Slot) -> Any:
+    return slot.data if slot.error is None else slot.error
+
+
+def landed_pieces(chunk: Chunk, align: int) -> Iterator[Chunk]:
+    """``chunk`` (planned by a :class:`Prefetcher`) as consecutive pieces, each with
+    ``fetched`` set, handed out as its units land: a piece ends before the first item of the
+    first unit (in order of first use) still being fetched, cut down to a multiple of
+    ``align`` items (the last piece excepted), so it needs only units that have landed. A
+    chunk whose units have all landed is one piece, the chunk itself. Which items a piece
+    holds depends on timing; the items, their order and their steps never do."""
+    slots: list[_Slot] = [chunk.slots[g] for g in chunk.shards]
+    n, start, have = len(chunk.steps), 0, 0
+    if not slots or n == 0:
+        chunk.fetched = [_result(s) for s in slots]
+        yield chunk
+        return
+    first: list[int] | None = None
+    while start < n:
+        slots[have].ready.wait()  # the unit the next item needs
+        have += 1
+        while have < len(slots) and slots[have].ready.is_set():
+            have += 1
+        if have == len(slots):
+            end = n
+        else:
+            if first is None:  # where each unit is first used, in order of first use
+                _, at = np.unique(chunk.shard, return_index=True)
+                first = np.sort(at).tolist()
+            end = first[have] // align * align
+            if end <= start:  # not one whole group of items yet: wait for the next unit
+                continue
+        if start == 0 and end == n:
+            chunk.fetched = [_result(s) for s in slots]
+            yield chunk
+            return
+        piece = Chunk.make(chunk.number, chunk.steps[start:end], chunk.shard[start:end], chunk.sample[start:end],
+                           chunk.tag)
+        piece.fetched = [_result(chunk.slots[g]) for g in piece.shards]
+        yield piece
+        start = end
