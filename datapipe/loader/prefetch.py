@@ -21,6 +21,11 @@ is kept open for it). A shard read again by a later, non-adjacent chunk is fetch
 even if an earlier fetch of it is still open. So the loader can tell the cache its whole
 future in advance, and that future is exactly the reads the cache sees.
 
+The first chunk's fetches run alone: the next chunk's start once they have landed. The
+consumer's first item then waits for its own shard only, not for that shard sharing the
+cores with the next ones (a third to two thirds of the time to a new dataset's first
+sample, measured here); the fetches after it overlap the reading as before.
+
 Budget: bytes of shards held or being fetched stay under ``max_bytes``, except that the
 shards of the chunk being read are always fetched (else a window larger than the budget
 could never be read); so the bound is ``max(max_bytes, bytes of one chunk's shards)``.
@@ -291,7 +296,7 @@ class Prefetcher:
         sem = asyncio.Semaphore(self.concurrency)
         tasks: set[asyncio.Task[None]] = set()
         chunks = iter(self._chunks)
-        following = next(chunks, None)
+        following = first = next(chunks, None)
         # fetches the chunk before hands over to the next: each already holds that chunk's reference
         handed: dict[int, _Slot] = {}
         while following is not None:
@@ -338,9 +343,27 @@ class Prefetcher:
                             handed[g] = slot
             if not await self._put_async(chunk):
                 return
+            if chunk is first:  # its fetches alone first: the consumer's first item waits for them only
+                await self._landed(list(tasks))
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
         await self._put_async(_END)
+
+    async def _landed(self, fetches: list[asyncio.Task[None]]) -> None:
+        """Wait until ``fetches`` have landed, or the consumer asks to stop."""
+        changed = self._changed
+        if changed is None:
+            raise RuntimeError("prefetch loop not started")
+        while not self._stop:
+            pending = [t for t in fetches if not t.done()]
+            if not pending:
+                return
+            changed.clear()  # a poke from now on (a stop) ends the wait below
+            poke = asyncio.ensure_future(changed.wait())
+            try:
+                await asyncio.wait([*pending, poke], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                poke.cancel()
 
     def _landed_after_stop(self, g: int, fut: Any) -> None:
         if fut.cancelled():  # never started

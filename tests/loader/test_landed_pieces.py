@@ -166,3 +166,30 @@ def test_batched_pieces_are_whole_batches(tmp_path):
     assert [b["__key__"] for b in out] == reference
     assert all(len(b["__key__"]) == 8 for b in out[:-1])
     assert len(before) >= at // 8
+
+
+def test_the_first_chunks_fetches_run_alone():
+    """The consumer's first item waits for its own shard only: no other fetch starts until
+    the first chunk's have landed (they would share the cores with it). Old code: the next
+    chunk's fetches started beside the first one's."""
+    log: list[tuple[str, int]] = []
+    other_started = threading.Event()
+
+    def fetch(g: int) -> _Unit:
+        log.append(("start", g))
+        if g == 0:  # held until another fetch starts (old code), or for a while (this code)
+            other_started.wait(2.0)
+        else:
+            other_started.set()
+        log.append(("end", g))
+        return _Unit(g)
+
+    chunks = [Chunk.make(0, np.arange(1), np.array([0]), np.array([0])),
+              Chunk.make(1, np.arange(1, 5), np.array([1, 2, 3, 1]), np.arange(4))]
+    pre = Prefetcher(iter(chunks), fetch, lambda g: 1, concurrency=4)
+    try:
+        got = [(c.number, [u.g for u in c.fetched]) for c in PassFetch(pre, KEY).chunks()]
+    finally:
+        pre.close()
+    assert got == [(0, [0]), (1, [1, 2, 3])]
+    assert log.index(("end", 0)) < min(log.index(("start", g)) for g in (1, 2, 3)), log
