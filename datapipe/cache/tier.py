@@ -24,7 +24,9 @@ from typing import Any, Protocol
 
 from ..errors import DatapipeError
 from .cold import ColdReader
+from .deadline import Deadline, timed_out
 from .eviction import VictimChooser
+from .rates import ReadRate
 from .warm import BROKEN_DIR_ERRNOS, WarmDir, url_key
 
 __all__ = ["DirTier", "Lookup", "MISSING", "KEPT", "Route", "Count", "Warn", "telemetry_tier"]
@@ -97,6 +99,16 @@ class DirTier:
         self.retry_at: float | None = None
         #: the error that took the tier out, for the messages
         self.out_error = ""
+        #: out because its reads ran below the floor (not failed); back on trial after a
+        #: probe passes, until its next window of reads is judged (walk.py)
+        self.out_slow = False
+        self.on_trial = False
+        #: its read window (walk.py ``Tiers.rate``)
+        self.rate: ReadRate | None = None
+        #: where calls on its folder that may hang run, under the cache's deadline, and
+        #: what takes the tier out when one is abandoned (the walk's ``Tiers.hung``)
+        self.io = Deadline(None)
+        self.hung: Callable[[DirTier, OSError], None] | None = None
 
     def path(self, url: str) -> str:
         return self.dir.path(url_key(url))
@@ -162,6 +174,8 @@ class DirTier:
         """Whether ``e`` says the directory itself failed (gone, unwritable): then it is
         repaired or given up (``repair``), or passed over with a warning, and the caller
         reads through to the tiers below."""
+        if timed_out(e):  # abandoned past the deadline: the walk took the tier out already
+            return self.retry_at is not None
         if self.repair is not None:
             return self.repair(e)
         if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS:
