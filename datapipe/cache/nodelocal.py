@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import cast
 
 from ..checksum import checksum as compute_checksum
@@ -23,7 +22,7 @@ from .cold import CHANGE_RESTARTS, ColdReader, SizeChanged
 from .deadline import timed_out
 from .hot import Room
 from .tier import Count, DirTier, Route, Warn
-from .warm import BROKEN_DIR_ERRNOS, DISK_FULL_ERRNOS, Reservation, WarmDir, url_key
+from .warm import BROKEN_DIR_ERRNOS, DISK_FULL_ERRNOS, WarmDir, url_key
 
 __all__ = ["LocalTier"]
 
@@ -136,9 +135,7 @@ class LocalTier(DirTier):
                 data = None
                 try:
                     data = route.fetch(url, checksum, fixed_size=size)
-                    # under the deadline: a write to a hung mount is abandoned, its bytes served
-                    pinned = self.io.call(partial(_publish, res, data, checksum or compute_checksum(data), pin),
-                                          what=f"{self.name} cache {warm.root}: writing {url}", abandon=_close_fd)
+                    pinned = self.publish(res, data, checksum or compute_checksum(data), url, pin=pin)
                 except SizeChanged:
                     res.abort()
                     resized += 1
@@ -148,9 +145,7 @@ class LocalTier(DirTier):
                             "rewriting it while it is read, or retry later") from None
                     continue  # reserve room for the size it has now
                 except OSError as e:
-                    if timed_out(e) and data is not None:  # the abandoned write ends (or aborts) on its own
-                        if self.hung is not None:
-                            self.hung(self, e)
+                    if timed_out(e) and data is not None:  # abandoned: it ends (or aborts) on its own
                         if pin and not read_through:
                             raise StorageError(f"cannot keep a local copy of {url}: {e}") from e
                         self.count_event("not_admitted")
@@ -195,17 +190,3 @@ class LocalTier(DirTier):
             f"process's pins must fit at once: raise warm_bytes to at least {pinned + size}, "
             "or release pins before taking new ones")
 
-
-def _publish(res: Reservation, data: bytes, digest: str, pin: bool) -> int | None:
-    """Write and publish a reservation; one that fails is aborted here (its caller may have
-    abandoned it past the deadline)."""
-    try:
-        return res.write_and_publish(data, digest, pin=pin)
-    except BaseException:
-        res.abort()
-        raise
-
-
-def _close_fd(fd: int | None) -> None:
-    if fd is not None:
-        os.close(fd)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from ..errors import DatapipeError
@@ -27,7 +28,7 @@ from .cold import ColdReader
 from .deadline import Deadline, timed_out
 from .eviction import VictimChooser
 from .rates import ReadRate
-from .warm import BROKEN_DIR_ERRNOS, WarmDir, url_key
+from .warm import BROKEN_DIR_ERRNOS, Reservation, WarmDir, url_key
 
 __all__ = ["DirTier", "Lookup", "MISSING", "KEPT", "Route", "Count", "Warn", "telemetry_tier"]
 
@@ -149,6 +150,19 @@ class DirTier:
         it is gone from the path, False when it stays (another process holds it pinned)."""
         return self.dir.discard(url_key(url), fd)
 
+    def publish(self, res: Reservation, data: bytes, digest: str, url: str, *, pin: bool = False) -> int | None:
+        """Write and publish a fill's reservation under the deadline (``io``): a write to a
+        hung mount is abandoned (an ``OSError``, ``ETIMEDOUT``: the caller serves the bytes
+        and the tier is out, through ``hung``), and ends, or aborts, on its own when the
+        filesystem answers; a pin it took then is closed."""
+        try:
+            return self.io.call(partial(_publish, res, data, digest, pin), what=f"{self.name} cache "
+                                f"{self.dir.root}: writing {url}", abandon=_close_fd)
+        except OSError as e:
+            if timed_out(e) and self.hung is not None:
+                self.hung(self, e)
+            raise
+
     # -- what the interface rests on ------------------------------------------------------
     def verify(self, url: str, fd: int, checksum: str | None, *, want_bytes: bool = True) -> bytes | None:
         """The copy open at ``fd``, verified (``WarmDir.read_verified``; without a fill record,
@@ -214,3 +228,17 @@ class DirTier:
     def count_event(self, what: str, n: int = 1) -> None:
         """``<tier>_<what>``: fills, evictions, not_admitted, waits, takeovers, ..."""
         self.count({f"{self.name}_{what}": n})
+
+
+def _publish(res: Reservation, data: bytes, digest: str, pin: bool) -> int | None:
+    """Publish a reservation; one that fails is aborted here (its caller may have gone)."""
+    try:
+        return res.write_and_publish(data, digest, pin=pin)
+    except BaseException:
+        res.abort()
+        raise
+
+
+def _close_fd(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)

@@ -110,7 +110,8 @@ class TieredCache:
     does not answer in that time (a hung mount, a lock never released) is abandoned, the
     read served from the tiers below, and the tier taken out the same way (``<tier>_hung``).
     ``tier_min_mb_s`` (None: off): a directory tier whose reads, over a window of
-    ``tier_window_bytes`` in at least four reads, run below that many MB/s (10^6 bytes) is
+    ``tier_window_bytes`` in at least four reads of 64 KiB or more, run below that many MB/s
+    (10^6 bytes; 50 by default: a healthy disk reads hundreds, an NVMe thousands) is
     taken out the same way, with one warning naming it, its rate and the floor, unless the
     tier that would serve in its place measured slower still (``<tier>_slow_kept``); when
     its probe passes it is on trial, back in the path for good (one message) once a window

@@ -1,13 +1,15 @@
 """Tier health checks: each tier written, fsync'd, read back and timed; free space against
-its budget; an object store's GET latency and error rate. ``datapipe doctor`` prints them;
-:func:`check_tiers` is the same check, cheap enough for a loader or checkpoint writer to
-run as it starts (``probe_bytes=1 << 20, probes=3``: a few milliseconds per disk).
+its budget; an object store's GET latency and error rate. ``datapipe doctor`` prints them.
+A folder's check is ``datapipe.cache.check_folder``, the one check of a folder tier: a
+``TieredCache`` runs it, with a 16 KiB probe, on each directory tier as a process opens its
+tiers, and a ``CheckpointWriter`` on each local tier as it starts (a tier that fails is out
+of the path from the start, with a warning naming it and the fix).
 
     checks = check_tiers([TierSpec("warm", "/mnt/nvme/cache", budget_bytes=100 << 30),
                           TierSpec("cold", "s3://bucket/dataset")])
     print(format_checks(checks)); failed = [c for c in checks if c.failed]
 
-A folder tier: a probe file ``.datapipe-doctor-<token>`` is created (``O_EXCL``: never an
+A folder tier (``check_folder``): a probe file ``.datapipe-doctor-<token>`` is created (``O_EXCL``: never an
 existing file), written, fsync'd, dropped from the page cache where the kernel allows, read
 back and compared, and removed (only if it is still the file this check created: delete
 only what we wrote). A missing folder, a read-only one, a full disk, a read that differs

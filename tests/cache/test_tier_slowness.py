@@ -278,3 +278,37 @@ def test_a_budget_the_disk_cannot_hold_is_a_warning_at_open(tmp_path):
     short = _messages(caught, "short of its budget")
     assert len(short) == 1 and "lower the budget" in short[0]
     assert st.get("warm_outs", 0) == 0  # still in the path: only its budget is too large
+
+
+def test_the_loader_reads_every_sample_through_a_warm_copy_that_hangs(tmp_path):
+    # StreamingDataset through the cache (pin_or_read): the second epoch meets a copy whose
+    # pin never comes (held by the test) and goes on without it, every sample once
+    from datapipe import ShardWriter
+    from datapipe.loader import StreamingDataset
+
+    n = 96
+    url = str(tmp_path / "ds")
+    with ShardWriter(url, max_samples=12) as w:
+        for i in range(n):
+            w.write({"__key__": f"k{i:05d}", "cls": str(i), "bin": bytes([i % 256]) * 700})
+    warm = tmp_path / "warm"
+    cache = TieredCache(warm_dir=warm, warm_bytes=64 << 20, tier_retry_s=3600, tier_deadline_s=0.3)
+    ds = StreamingDataset(url, cache=cache, window=2, seed=3, chunk_samples=24, prefetch_bytes=1, concurrency=1)
+    epochs = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ds.set_epoch(0)
+            epochs.append(sorted(int(item["cls"]) for item in ds))
+            copies = sorted(os.listdir(warm / "objects"))
+            assert copies
+            with held(os.path.join(warm, "objects", copies[0])):  # one copy never answers
+                ds.set_epoch(1)
+                epochs.append(sorted(int(item["cls"]) for item in ds))
+            s = cache.stats()
+    finally:
+        cache.close()
+    assert epochs == [list(range(n))] * 2  # every sample once, no crash
+    hung = _messages(caught, "does not answer")
+    assert len(hung) == 1 and str(warm) in hung[0], [str(w.message) for w in caught]
+    assert s["warm_hung"] == 1 and s["warm_outs"] == 1
