@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from .deadline import Deadline
     from .eviction import Schedule, belady_hits, lru_hits
     from .folder_check import PROBE_PREFIX, START_PROBE_BYTES, FolderCheck, check_folder, check_folder_within
     from .report import cache_report, format_tiers
@@ -62,6 +63,7 @@ __all__ = [
     "is_shared_dir",
     "check_folder",
     "check_folder_within",
+    "Deadline",
     "FolderCheck",
     "PROBE_PREFIX",
     "START_PROBE_BYTES",
@@ -73,7 +75,7 @@ _WHERE = {"TieredCache": "tiered", "CacheTier": "settings", "Schedule": "evictio
           "lru_hits": "eviction", "warm_dir_stats": "warm", "clear_warm_dir": "warm",
           "shared_dir_stats": "shared", "clear_shared_dir": "shared", "is_shared_dir": "shared",
           "cache_report": "report", "format_tiers": "report", "check_folder": "folder_check",
-          "check_folder_within": "folder_check",
+          "check_folder_within": "folder_check", "Deadline": "deadline",
           "FolderCheck": "folder_check", "PROBE_PREFIX": "folder_check", "START_PROBE_BYTES": "folder_check"}
 
 #: the submodules the eager imports bound (`datapipe.cache.warm.url_key`)

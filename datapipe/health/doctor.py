@@ -29,14 +29,13 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..cache import PROBE_PREFIX, check_folder
+from ..cache import PROBE_PREFIX, Deadline, check_folder
 from ..errors import DatapipeError, OptionError
 from ..options import check_bool, check_bytes, check_float, check_int, check_mapping, check_path, show
 from ..storage import (
@@ -253,29 +252,27 @@ def _checkpoint_tiers(config: Mapping[str, Any], opts: dict[str, Any] | None) ->
 
 def _with_deadline(spec: TierSpec, probe_bytes: int, probes: int, timeout_s: float, min_mb_s: float | None,
                    storage_options: dict[str, Any] | None) -> TierCheck:
-    box: list[TierCheck] = []
     t0 = time.perf_counter()
 
-    def run() -> None:
+    def run() -> TierCheck:
         try:
             if spec.kind == "dir":
-                check = _check_dir(spec, probe_bytes, min_mb_s)
-            else:
-                check = _check_store(spec, probe_bytes, probes, storage_options, timeout_s)
+                return _check_dir(spec, probe_bytes, min_mb_s)
+            return _check_store(spec, probe_bytes, probes, storage_options, timeout_s)
         except Exception as e:  # an unforeseen failure is the tier's, named, never the caller's crash
-            check = TierCheck(spec.name, spec.url, spec.kind, "failed", f"check failed: {type(e).__name__}: {e}")
-        box.append(check)
+            return TierCheck(spec.name, spec.url, spec.kind, "failed", f"check failed: {type(e).__name__}: {e}")
 
-    thread = threading.Thread(target=run, name=f"datapipe-doctor-{spec.name}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    seconds = time.perf_counter() - t0
-    if not box:
+    deadline = Deadline(timeout_s, name=f"datapipe-doctor-{spec.name}")
+    try:
+        check = deadline.call(run, what=f"checking {spec.url}")
+    except OSError:  # the deadline's own: run() returns every failure as the tier's
         return TierCheck(spec.name, spec.url, spec.kind, "failed",
                          f"no answer within {timeout_s:g} s: the filesystem or store hangs (a dead mount, a "
                          "stuck network); its probe is removed when it answers", budget_bytes=spec.budget_bytes,
-                         seconds=seconds)
-    return _replace(box[0], seconds=seconds)
+                         seconds=time.perf_counter() - t0)
+    finally:
+        deadline.close()
+    return _replace(check, seconds=time.perf_counter() - t0)
 
 
 def _replace(check: TierCheck, **changes: Any) -> TierCheck:
