@@ -413,7 +413,7 @@ class TieredCache:
         fails it is dropped and filled again, or, pinned by another process, read around.
         The copy is trusted as read() trusts it: verified whole (hashed once while its
         identity holds, so later ranges cost one pread), else refused and filled again."""
-        found = warm.lookup(url, None, want_bytes=False, keep=True)
+        found = state.tiers.lookup(warm, url, None, want_bytes=False, keep=True)
         kept = found.kept
         fd = found.fd
         if fd is not None:
