@@ -477,7 +477,7 @@ class DocumentTable:
         if identity is not None and doc.get("identity") != identity:
             raise PlanError(f"{where}: the document packing table was computed for {doc.get('identity')!r}, "
                             f"not {identity!r} (the dataset changed since); {redo}")
-        flat = np.frombuffer(payload, dtype="<i8").astype(np.int64)
+        flat = np.frombuffer(payload, dtype="<i8").astype(np.int64, copy=False)  # a view where int64 is "<i8"
         cut = np.cumsum([parts, parts, chunks + 1, chunks + 1])
         part_docs, part_tokens, doc_start, tok_start, counts = np.split(flat, cut)
         if (part_docs < 0).any() or (part_tokens < 0).any() or (counts < 0).any():
