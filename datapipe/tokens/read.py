@@ -236,6 +236,7 @@ def _stored_document_layout(source: TokenSource, seq_len: int, block: int, chunk
     atomic put, for every later process. A store that refuses the put costs a warning."""
     key = f"{DOCUMENT_TABLES}/documents-{seq_len}-{block}-{chunk_blocks}.table"
     url = source.store.url(key)
+    stale = False
     try:
         table = DocumentTable.from_bytes(source._get(source.store, key, url), url, identity=source.identity)
         if not np.array_equal(table.part_tokens, source.part_tokens):
@@ -244,10 +245,14 @@ def _stored_document_layout(source: TokenSource, seq_len: int, block: int, chunk
     except ObjectNotFoundError:
         pass
     except DatapipeError as e:
+        stale = True
         warnings.warn(f"{e}; counting the documents again", RuntimeWarning, stacklevel=3)
     layout = DocumentLayout(source.doc_lengths, seq_len, block_tokens=block, chunk_blocks=chunk_blocks)
     try:
-        source.store.put(key, layout.table.to_bytes(source.identity))
+        # the ranks of a job count at once: those that finish after the first one stored it
+        # do not upload it again
+        if stale or not source.store.exists(key):
+            source.store.put(key, layout.table.to_bytes(source.identity))
     except (DatapipeError, OSError) as e:
         warnings.warn(f"{url}: the document packing table could not be stored ({e}); every process opening "
                       "this dataset counts its documents again", RuntimeWarning, stacklevel=3)

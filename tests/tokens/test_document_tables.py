@@ -95,3 +95,24 @@ def test_a_folder_that_refuses_the_table_still_reads(tmp_path):
     assert (tmp_path / "plans").read_bytes() == b"someone else's file"
     assert len(rows) == ds.num_sequences
     assert sum(int((r["labels"] != -100).sum()) for r in rows) <= stream.size
+
+
+def test_on_s3_the_table_is_an_object_beside_the_manifest(tmp_path, s3):
+    import s3fs
+
+    url, opts = s3
+    rng = np.random.default_rng(5)
+    write_tokens(tmp_path, [random_documents(rng, 150), random_documents(rng, 50)])
+    fs = s3fs.S3FileSystem(**opts)
+    for name in os.listdir(tmp_path):
+        fs.put(str(tmp_path / name), f"{url}/tables/{name}")
+    first = _dataset(f"{url}/tables", storage_options=opts)
+    fs.invalidate_cache()
+    stored = fs.cat(f"{url}/tables/{KEY}")
+    assert np.array_equal(DocumentTable.from_bytes(stored, KEY, identity=first.source.identity).counts,
+                          first.layout.counts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = _dataset(f"{url}/tables", storage_options=opts)
+    assert np.array_equal(again.sequences(), first.sequences())
+    assert len(_rows(again)) == len(first.sequences())
