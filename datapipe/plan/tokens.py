@@ -480,20 +480,36 @@ class DocumentTable:
         flat = np.frombuffer(payload, dtype="<i8").astype(np.int64, copy=False)  # a view where int64 is "<i8"
         cut = np.cumsum([parts, parts, chunks + 1, chunks + 1])
         part_docs, part_tokens, doc_start, tok_start, counts = np.split(flat, cut)
-        if (part_docs < 0).any() or (part_tokens < 0).any() or (counts < 0).any():
-            raise bad("a negative size")
-        if chunks:
-            wide = np.diff(tok_start)
-            if doc_start[0] != 0 or tok_start[0] != 0 or (np.diff(doc_start) <= 0).any() or (wide < 0).any():
-                raise bad("its chunks do not start at document 0 and token 0 in order")
-            if (counts > wide).any():
-                raise bad("a chunk with more sequences than tokens")
-        if int(doc_start[-1]) != int(part_docs.sum()) or int(tok_start[-1]) != int(part_tokens.sum()):
-            raise bad("its chunks do not end where the parts' documents and tokens end")
         for a in (part_docs, part_tokens, doc_start, tok_start, counts):
             a.flags.writeable = False
-        return cls(sizes["seq_len"], sizes["block_tokens"], sizes["chunk_blocks"], part_docs, part_tokens,
-                   doc_start, tok_start, counts)
+        table = cls(sizes["seq_len"], sizes["block_tokens"], sizes["chunk_blocks"], part_docs, part_tokens,
+                    doc_start, tok_start, counts)
+        defect = table.defect()
+        if defect:
+            raise bad(defect)
+        return table
+
+    def defect(self) -> str:
+        """Why the arrays are no partition of the parts' documents and tokens into chunks
+        (O(chunks)), or "" when they are one."""
+        arrays = self._arrays()
+        if any(not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.int64 for a in arrays):
+            return "its arrays are not 1-d int64 arrays"
+        part_docs, part_tokens, doc_start, tok_start, counts = arrays
+        if part_docs.size != part_tokens.size or not doc_start.size == tok_start.size == counts.size + 1:
+            return "its arrays' sizes do not match"
+        if (part_docs < 0).any() or (part_tokens < 0).any() or (counts < 0).any():
+            return "a negative size"
+        if counts.size:
+            wide = np.diff(tok_start)
+            if doc_start[0] != 0 or tok_start[0] != 0 or (np.diff(doc_start) <= 0).any() or (wide < 0).any():
+                return "its chunks do not start at document 0 and token 0 in order"
+            if (counts > wide).any():
+                return "a chunk with more sequences than tokens"
+        # sums in Python ints: int64 sums of hostile sizes could wrap around to the right total
+        if int(doc_start[-1]) != sum(part_docs.tolist()) or int(tok_start[-1]) != sum(part_tokens.tolist()):
+            return "its chunks do not end where the parts' documents and tokens end"
+        return ""
 
 
 class DocumentLayout(_Layout):
@@ -520,6 +536,8 @@ class DocumentLayout(_Layout):
             raise OptionError("doc_lengths is one array per part: pass [lengths] for a single part")
         if table is not None and not isinstance(table, DocumentTable):
             raise OptionError(f"table={table!r}: expected a DocumentTable (DocumentTable.from_bytes) or None")
+        if table is not None and table.defect():
+            raise OptionError(f"table: not a document packing table ({table.defect()})")
         # with a table no length is read now: a chunk's are checked when it is repacked
         self.doc_lengths = [_lengths_arg(f"doc_lengths[{i}]", x, scan=table is None)
                             for i, x in enumerate(doc_lengths)]

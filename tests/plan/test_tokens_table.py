@@ -156,3 +156,18 @@ def test_a_well_sealed_table_that_is_no_partition_is_refused(change):
     with pytest.raises(CorruptIndexError, match="not a document packing table"):
         DocumentTable.from_bytes(_sealed(header, flat.astype("<i8").tobytes()), "t")
     assert issubclass(CorruptIndexError, DatapipeError)
+
+
+def test_a_table_built_by_hand_is_checked_too():
+    t = DocumentTable.from_bytes(_table_bytes(), "t")
+    lengths = np.zeros(int(t.part_docs.sum()), np.int32)
+    parts = [lengths[:200], lengths[200:]]
+    kw = {"block_tokens": 700, "chunk_blocks": 2}
+    for bad, match in (({"counts": t.counts[:-1]}, "sizes"), ({"counts": t.counts.astype(np.int32)}, "int64"),
+                       ({"chunk_doc_start": t.chunk_doc_start[::-1].copy()}, "in order"),
+                       ({"part_tokens": t.part_tokens + 1}, "end where")):
+        fields = {f: getattr(t, f) for f in ("seq_len", "block_tokens", "chunk_blocks", "part_docs", "part_tokens",
+                                              "chunk_doc_start", "chunk_token_start", "counts")}
+        fields.update(bad)
+        with pytest.raises(OptionError, match=match):
+            DocumentLayout(parts, 32, table=DocumentTable(**fields), **kw)
