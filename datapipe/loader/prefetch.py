@@ -21,10 +21,13 @@ is kept open for it). A shard read again by a later, non-adjacent chunk is fetch
 even if an earlier fetch of it is still open. So the loader can tell the cache its whole
 future in advance, and that future is exactly the reads the cache sees.
 
-The first chunk's fetches run alone: the next chunk's start once they have landed. The
-consumer's first item then waits for its own shard only, not for that shard sharing the
-cores with the next ones (a third to two thirds of the time to a new dataset's first
-sample, measured here); the fetches after it overlap the reading as before.
+With ``first_alone``, the first chunk's fetches run alone: the next chunk's start once they
+have landed. Where a fetch is CPU work (local shards read into fresh memory, hashed, their
+headers checked) the consumer's first item then waits for its own shard only, not for it
+sharing the cores with the next ones (a third to two thirds of the time to a new dataset's
+first sample, measured here); the fetches after it overlap the reading as before. Where a
+fetch waits on a network, running them together costs the first one nothing, and alone
+would delay the others by its latency: off.
 
 Budget: bytes of shards held or being fetched stay under ``max_bytes``, except that the
 shards of the chunk being read are always fetched (else a window larger than the budget
@@ -90,7 +93,7 @@ class Prefetcher:
                  shard_bytes: Callable[[int], int], *, max_bytes: int = 512 << 20,
                  concurrency: int = 8, lookahead_chunks: int = 4,
                  close_timeout_s: float = 30.0, telemetry: Telemetry | None = None,
-                 read_tier: str | None = None) -> None:
+                 read_tier: str | None = None, first_alone: bool = False) -> None:
         if max_bytes < 1 or concurrency < 1 or lookahead_chunks < 1 or not close_timeout_s > 0:
             raise OptionError(f"max_bytes={max_bytes!r}, concurrency={concurrency!r}, lookahead_chunks="
                               f"{lookahead_chunks!r}, close_timeout_s={close_timeout_s!r}: max_bytes, concurrency, "
@@ -103,6 +106,8 @@ class Prefetcher:
         self.max_bytes = int(max_bytes)
         self.concurrency = int(concurrency)
         self.close_timeout_s = float(close_timeout_s)
+        #: the first chunk's fetches run alone (see the module's notes)
+        self.first_alone = bool(first_alone)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=lookahead_chunks)
         self._lock = threading.Lock()
         self._live: set[_Slot] = set()  # fetches some planned chunk still reads
@@ -343,7 +348,7 @@ class Prefetcher:
                             handed[g] = slot
             if not await self._put_async(chunk):
                 return
-            if chunk is first:  # its fetches alone first: the consumer's first item waits for them only
+            if chunk is first and self.first_alone:  # the consumer's first item waits for these only
                 await self._landed(list(tasks))
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)

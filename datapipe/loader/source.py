@@ -353,6 +353,9 @@ class ShardSource:
         #: which indexes lie on a local filesystem
         self._local_index = [isinstance(ix, DatasetIndex) and ix.store.local_path("") is not None
                              for ix in self.indexes]
+        #: every shard is read from a local filesystem (an index of existing tars may name
+        #: shards elsewhere: not counted as local)
+        self.local = all(self._local_index) and not any(getattr(ix, "tar_index", False) for ix in self.indexes)
         self.retry = retry or RetryPolicy()
         counts = [ix.sample_counts.astype(np.int64) for ix in self.indexes]
         self.counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)

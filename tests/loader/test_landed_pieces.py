@@ -169,9 +169,10 @@ def test_batched_pieces_are_whole_batches(tmp_path):
 
 
 def test_the_first_chunks_fetches_run_alone():
-    """The consumer's first item waits for its own shard only: no other fetch starts until
-    the first chunk's have landed (they would share the cores with it). Old code: the next
-    chunk's fetches started beside the first one's."""
+    """With first_alone (a StreamingDataset of local shards without a cache), the consumer's
+    first item waits for its own shard only: no other fetch starts until the first chunk's
+    have landed (they would share the cores with it). Old code: the next chunk's fetches
+    started beside the first one's."""
     log: list[tuple[str, int]] = []
     other_started = threading.Event()
 
@@ -186,10 +187,41 @@ def test_the_first_chunks_fetches_run_alone():
 
     chunks = [Chunk.make(0, np.arange(1), np.array([0]), np.array([0])),
               Chunk.make(1, np.arange(1, 5), np.array([1, 2, 3, 1]), np.arange(4))]
-    pre = Prefetcher(iter(chunks), fetch, lambda g: 1, concurrency=4)
+    pre = Prefetcher(iter(chunks), fetch, lambda g: 1, concurrency=4, first_alone=True)
     try:
         got = [(c.number, [u.g for u in c.fetched]) for c in PassFetch(pre, KEY).chunks()]
     finally:
         pre.close()
     assert got == [(0, [0]), (1, [1, 2, 3])]
     assert log.index(("end", 0)) < min(log.index(("start", g)) for g in (1, 2, 3)), log
+
+
+
+def test_a_local_dataset_fetches_its_first_chunk_alone(tmp_path):
+    """Old code: the next chunk's shards were fetched beside the first one's."""
+    url = _write(tmp_path / "ds")
+    ds = StreamingDataset(url, window=None)
+    real = ds.source.fetch
+    log: list[tuple[str, int]] = []
+    first: list[int] = []
+    other_started = threading.Event()
+    lock = threading.Lock()
+
+    def fetch(g, cache=None):
+        with lock:
+            log.append(("start", g))
+            is_first = not first
+            if is_first:
+                first.append(g)
+        if is_first:  # held until another fetch starts (old code), or for a while (this code)
+            other_started.wait(2.0)
+        else:
+            other_started.set()
+        data = real(g, cache=cache)
+        log.append(("end", g))
+        return data
+
+    ds.source.fetch = fetch
+    assert sorted(s["__key__"] for s in ds) == [f"s{i:04d}" for i in range(240)]
+    later = [i for i, (what, g) in enumerate(log) if what == "start" and i > 0]
+    assert log.index(("end", first[0])) < min(later), log
