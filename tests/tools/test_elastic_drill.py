@@ -60,8 +60,10 @@ def test_elastic_drill(tmp_path):
     assert figures["every_sample_exactly_once"] is True and figures["problems"] == []
     assert 0 <= figures["lost_steps"] <= 4
     shrink, grow = figures["restored"]["shrink"], figures["restored"]["grow"]
-    # 4 -> 2 from node 0's disk: its own parts and the replicas of node 1's ranks
-    assert (shrink["saved_world"], shrink["source"], shrink["resharded"]) == (4, "local", True)
+    # 4 -> 2 from node 0's disk: its own parts and the replicas of node 1's ranks (which of
+    # the two rank 0's boxes lie in depends on the ranks torchrun gave node 0 at world size 4)
+    assert (shrink["saved_world"], shrink["resharded"]) == (4, True)
+    assert shrink["source"] in ("local", "peer replica") and "remote" not in shrink["sources"], shrink
     assert (grow["saved_world"], grow["resharded"]) == (2, True)
     assert shrink["step"] % 4 == 0 and grow["step"] > shrink["step"]
     # the kill -> step time and its floor are printed beside each other (not asserted)
