@@ -16,6 +16,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.ranks import free_port, spawn_ranks
 
@@ -165,3 +167,59 @@ def test_restore_reshards_four_ranks_to_two_and_back(tmp_path, corrupt):
     spawn_ranks(_two, (free_port(), root, corrupt), 2)
     os.makedirs(os.path.join(root, "node1"))  # back, empty
     spawn_ranks(_four, (free_port(), root, "grow"), 4)
+
+
+# -- damaged copies, in one process ------------------------------------------------------------
+# Two writers of one process save ranks 0 and 1 of a 2-rank job to one node-local tier (each
+# commits its own folder, no process group needed); a 1-rank restore then joins both parts.
+
+def _two_part_tier(root: str):
+    from datapipe.checkpoint import CheckpointWriter, LocalShard, Tier
+
+    tier = Tier(root, node_local=True)
+    for r in range(2):
+        with CheckpointWriter(tiers=[tier], rank=r, world_size=2, run_id="damaged", background="thread") as w:
+            w.save(3, {"w": LocalShard(_full(0, 3)[r * 4 : (r + 1) * 4].clone(), (ROWS, COLS), (r * 4, 0)),
+                       "k": r}).wait()
+    return tier
+
+
+@pytest.fixture(scope="module")
+def two_parts(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("two-parts") / "tier")
+    _two_part_tier(root)
+    return root
+
+
+@settings(max_examples=40)
+@given(which=st.integers(0, 1 << 16), at=st.integers(0, 1 << 30), flip=st.integers(1, 255),
+       truncate=st.booleans())
+def test_a_damaged_copy_restores_exactly_or_is_refused_by_name(two_parts, which, at, flip, truncate):
+    """Any byte of any file of the two parts flipped (or the file cut there): the restore
+    onto one rank gives the saved rows exactly, or a NoCheckpointError naming the damaged
+    copy; never other bytes, never another exception."""
+    import tempfile
+
+    from datapipe.checkpoint import LocalShard, Tier, restore_checkpoint
+    from datapipe.errors import NoCheckpointError
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tier = os.path.join(tmp, "tier")
+        shutil.copytree(two_parts, tier)
+        files = sorted(os.path.join(d, f) for d, _s, fs in os.walk(tier) for f in fs)
+        path = files[which % len(files)]
+        data = bytearray(open(path, "rb").read())
+        if data:
+            i = at % len(data)
+            data = data[:i] if truncate else data[:i] + bytes([data[i] ^ flip]) + data[i + 1 :]
+            open(path, "wb").write(bytes(data))
+        into = {"w": LocalShard(torch.zeros(6, COLS), (ROWS, COLS), (1, 0))}  # rows of both parts
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                r = restore_checkpoint([Tier(tier, node_local=True)], rank=0, world_size=1, reshard=True, into=into)
+            except NoCheckpointError as e:
+                assert "skipped" in str(e)
+                return
+        assert torch.equal(r.state["w"].tensor, _full(0, 3)[1:7]) and r.state["k"] == 0, caught
+        assert (r.step, r.saved_world_size, r.resharded) == (3, 2, True)
