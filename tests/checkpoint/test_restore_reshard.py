@@ -223,3 +223,31 @@ def test_a_damaged_copy_restores_exactly_or_is_refused_by_name(two_parts, which,
                 return
         assert torch.equal(r.state["w"].tensor, _full(0, 3)[1:7]) and r.state["k"] == 0, caught
         assert (r.step, r.saved_world_size, r.resharded) == (3, 2, True)
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_reshard_must_be_a_bool(tmp_path, bad):
+    from datapipe.checkpoint import Tier, restore_checkpoint
+    from datapipe.errors import CheckpointOptionError
+
+    with pytest.raises(CheckpointOptionError, match="reshard must be True or False"):
+        restore_checkpoint([Tier(str(tmp_path), node_local=True)], rank=0, world_size=1, reshard=bad)
+
+
+def test_a_one_rank_restore_joins_the_parts_of_two(two_parts):
+    """Without into=, each global tensor whole; with into=, only the box asked for, and the
+    values that hold no arrays from the saved rank 0."""
+    from datapipe.checkpoint import LocalShard, Tier, restore_checkpoint
+
+    tier = Tier(two_parts, node_local=True)
+    whole = restore_checkpoint([tier], rank=0, world_size=1, reshard=True)
+    assert torch.equal(whole.state["w"], _full(0, 3)) and whole.state["k"] == 0
+    assert (whole.step, whole.saved_world_size, whole.resharded, whole.sources) == (3, 2, True, ["local"])
+    box = LocalShard(torch.zeros(3, COLS), (ROWS, COLS), (5, 0))
+    got = restore_checkpoint([tier], rank=0, world_size=1, reshard=True, into={"w": box})
+    assert got.state["w"] is box and torch.equal(box.tensor, _full(0, 3)[5:]) and got.state["k"] == 0
+    # into= without reshard: steps of this world size (1) only
+    from datapipe.errors import NoCheckpointError
+
+    with pytest.raises(NoCheckpointError, match="1 ranks"):
+        restore_checkpoint([tier], rank=0, world_size=1, into={"w": box})
