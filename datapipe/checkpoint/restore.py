@@ -15,6 +15,13 @@ it. Each round removes at least one copy from a finite set, so a restore ends: w
 state, or with :class:`NoCheckpointError` naming what was skipped (the endless restart
 loop of a ``latest`` pointing at a partial folder plus a corrupt replica cannot happen:
 ``latest`` is never read).
+
+Onto another world size (``reshard=True``): every rank lists every own and replica folder
+of its node's tiers, so the parts of ranks that left are found where the remaining nodes
+keep them; the saved ranks' parts are read as one step by overlap (``SavedStep(joined=)``,
+reshard.py), each from where this rank can read it, else sent, as stored, by a rank that
+holds it (only the parts the rank's ``into`` boxes overlap). The same agreement rounds
+skip failing copies.
 """
 
 from __future__ import annotations

@@ -397,6 +397,7 @@ class SavedStep:
         self.store, self.step, self.where, self.threads = store, step, where, threads
         self.failed_ranks: set[int] = set()  # ranks whose bytes failed a check (restore skips those copies)
         self.prefer = prefer
+        self._twins: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}  # a joined step's boxes -> piece
         if joined is not None:
             # One part per saved rank, each read from a store of its own: a node-local
             # folder or a received copy (a one-part checkpoint whose manifest names its
@@ -534,9 +535,9 @@ class SavedStep:
                     f"{gt.kind} {gt.dtype} {list(gt.shape)} in {gt.where}")
             if replica:
                 continue
-            twin = next((j for j, p in enumerate(gt.pieces) if (p.start, p.shape) == (start, region)),
-                        None) if self.copies_allowed else None
+            twin = self._twins.get((path, start, region)) if self.copies_allowed else None
             if twin is None:
+                self._twins[(path, start, region)] = len(gt.pieces)
                 gt.pieces.append(Piece(r, off, start, region))
             elif r == self.prefer:  # the reading rank's own part: no other part need be read for it
                 gt.pieces[twin] = Piece(r, off, start, region)
