@@ -14,8 +14,12 @@ samples in N forked processes, as their documentation does for parallel conversi
 
 Every system's clock starts after its imports (importing ``streaming`` alone takes seconds
 because it pulls in ``transformers``) and includes finding the input files, because every
-packer has to list them. The floor lists them before its clock starts: it is the strict
-"read every file once" bound."""
+packer has to list them. The read floors list them before their clock starts: they are the
+strict "read every file once" bound. ``floor-np-pack`` is the least a packer that makes its
+shards durable must do (``bench_pack``'s ratio divides by it): the listing on its clock
+(names only, as ``os.walk`` gives them), every file read once with the read-ahead, its bytes
+written as a tar lays them out (a 512-byte header, the data, zeros to the next 512 bytes:
+the bytes an uncompressed shard holds) into files of the shard limit, each fsync'd."""
 
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ SYSTEMS = {
     "floor-np": "floor: read all files, N processes",
     "floor-np-plain": "floor: no read-ahead, N processes",
     "floor-np-write": "floor: read+write+fsync, N processes",
+    "floor-np-pack": "floor: list+read+tar+fsync, N procs",
     "floor-1p": "floor: read all files, 1 process",
     "floor-1p-bytes": "floor: read() to new bytes, 1 proc",
     "datapipe": "datapipe.pack",
@@ -41,7 +46,7 @@ SYSTEMS = {
     "mds": "streaming MDSWriter",
     "litdata": "litdata optimize()",
 }
-FLOORS = ("floor-np", "floor-np-plain", "floor-np-write", "floor-1p", "floor-1p-bytes")
+FLOORS = ("floor-np", "floor-np-plain", "floor-np-write", "floor-np-pack", "floor-1p", "floor-1p-bytes")
 PEERS = ("webdataset", "mds", "litdata")
 OURS = ("datapipe", "datapipe-zstd")
 
@@ -164,6 +169,76 @@ def _read_write(part: tuple[list[str], str]) -> int:
     return total
 
 
+_ZEROS = memoryview(bytes(1024))
+
+
+def _read_tar(part: tuple[list[str], str, int]) -> int:
+    """The pack floor of one process: each file of ``paths`` read once (with the
+    read-ahead) into a 4 MiB buffer behind a 512-byte header's room and followed by the
+    zeros that pad it to 512 bytes (a tar's bytes; what a header says costs a packer
+    nothing the floor should leave out), written a buffer at a time into files named
+    ``<out>-<n>``, a new one once ``shard_bytes`` are written, each ended by a tar's two
+    zero blocks; every file fsync'd once all are written (the cheapest order: no write
+    waits on the disk). Returns the bytes read."""
+    paths, out, shard_bytes = part
+    buf = bytearray(1 << 22)  # a multiple of 512: a file's padding always fits after it
+    view = memoryview(buf)
+    fill = total = in_file = shards = 0
+    sink = -1
+    written: list[int] = []
+
+    def flush() -> None:
+        nonlocal fill, in_file
+        os.write(sink, view[:fill])
+        in_file += fill
+        fill = 0
+
+    def start() -> None:
+        nonlocal sink, shards, in_file
+        sink = os.open(f"{out}-{shards:03d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        shards, in_file = shards + 1, 0
+
+    def end() -> None:
+        nonlocal fill, sink
+        if fill + len(_ZEROS) > len(buf):
+            flush()
+        view[fill : fill + len(_ZEROS)] = _ZEROS
+        fill += len(_ZEROS)
+        flush()
+        written.append(sink)
+        sink = -1
+
+    start()
+    try:
+        for fd in _opened_ahead(paths, AHEAD):
+            if in_file + fill >= shard_bytes:
+                end()
+                start()
+            if fill + 512 > len(buf):
+                flush()
+            fill += 512
+            size = 0
+            while True:
+                if fill == len(buf):
+                    flush()
+                n = os.readv(fd, [view[fill:]])
+                fill += n
+                size += n
+                if not n or fill < len(buf):
+                    break
+            pad = -size % 512
+            view[fill : fill + pad] = _ZEROS[:pad]
+            fill += pad
+            total += size
+        end()
+        for fd in written:
+            os.fsync(fd)
+    finally:
+        for fd in [*written, sink] if sink >= 0 else written:
+            os.close(fd)
+    return total
+
+
 def _read_plain(paths: list[str]) -> int:
     return _read_into(paths, ahead=1)
 
@@ -182,14 +257,24 @@ def _slices(items: list[Any], n: int) -> list[list[Any]]:
     return [items[i * len(items) // n : (i + 1) * len(items) // n] for i in range(n)]
 
 
-def _floor(src: str, variant: str, workers: int, dest: str = "") -> dict[str, Any]:
-    t0 = time.perf_counter()
+def _floor(src: str, variant: str, workers: int, dest: str = "", shard_bytes: int = 0) -> dict[str, Any]:
+    t_list = t0 = time.perf_counter()
     samples = list_samples(src)
     list_s = time.perf_counter() - t0
     paths = [p for _, files in samples for _, p in files]
     procs = 1
     t0 = time.perf_counter()
-    if variant == "floor-np-write":
+    if variant == "floor-np-pack":
+        import multiprocessing as mp
+
+        t0 = t_list  # a packer lists its inputs on its clock
+        os.makedirs(dest, exist_ok=True)
+        tasks = [(part, os.path.join(dest, f"floor-{i:03d}"), shard_bytes)
+                 for i, part in enumerate(_slices(paths, workers))]
+        procs = len(tasks)
+        with mp.get_context("fork").Pool(procs) as pool:
+            nbytes = sum(pool.map(_read_tar, tasks))
+    elif variant == "floor-np-write":
         import multiprocessing as mp
 
         os.makedirs(dest, exist_ok=True)
@@ -387,6 +472,7 @@ def measure(system: str, src: str, dest: str, shard_bytes: int, workers: int, wo
         "floor-np": lambda: _floor(src, "floor-np", workers),
         "floor-np-plain": lambda: _floor(src, "floor-np-plain", workers),
         "floor-np-write": lambda: _floor(src, "floor-np-write", workers, dest),
+        "floor-np-pack": lambda: _floor(src, "floor-np-pack", workers, dest, shard_bytes),
         "floor-1p": lambda: _floor(src, "floor-1p", 1),
         "floor-1p-bytes": lambda: _floor(src, "floor-1p-bytes", 1),
         "datapipe": lambda: _datapipe(src, dest, shard_bytes, workers, None),
