@@ -17,9 +17,10 @@ because it pulls in ``transformers``) and includes finding the input files, beca
 packer has to list them. The read floors list them before their clock starts: they are the
 strict "read every file once" bound. ``floor-np-pack`` is the least a packer that makes its
 shards durable must do (``bench_pack``'s ratio divides by it): the listing on its clock
-(names only, as ``os.walk`` gives them), every file read once with the read-ahead, its bytes
-written as a tar lays them out (a 512-byte header, the data, zeros to the next 512 bytes:
-the bytes an uncompressed shard holds) into files of the shard limit, each fsync'd."""
+(names only, as ``os.walk`` gives them; the top folders listed by the N processes, as
+datapipe lists them), every file read once with the read-ahead, its bytes written as a tar
+lays them out (a 512-byte header, the data, zeros to the next 512 bytes: the bytes an
+uncompressed shard holds) into files of the shard limit, each fsync'd."""
 
 from __future__ import annotations
 
@@ -239,6 +240,49 @@ def _read_tar(part: tuple[list[str], str, int]) -> int:
     return total
 
 
+def _list_read_tar(part: tuple[list[str], str, int]) -> tuple[int, int, int]:
+    """One process of the pack floor over whole folders: their files listed (names only),
+    then :func:`_read_tar`. Returns (samples, files, bytes read)."""
+    folders, out, shard_bytes = part
+    samples = [s for folder in folders for s in list_samples(folder)]
+    paths = [p for _, files in samples for _, p in files]
+    return len(samples), len(paths), _read_tar((paths, out, shard_bytes))
+
+
+def _pack_floor(src: str, workers: int, dest: str, shard_bytes: int) -> dict[str, Any]:
+    """``floor-np-pack``: the listing on the clock, in the N processes when the files lie in
+    top folders (each process lists and packs a contiguous run of them, as datapipe's
+    listing hands out folders), else here; then :func:`_read_tar` in each process."""
+    import multiprocessing as mp
+
+    os.makedirs(dest, exist_ok=True)
+    t0 = time.perf_counter()
+    entries = sorted(os.scandir(src), key=lambda e: e.name)
+    folders = [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+    if len(folders) >= workers > 1 and not any(e.is_file() for e in entries):
+        tasks = [(part, os.path.join(dest, f"floor-{i:03d}"), shard_bytes)
+                 for i, part in enumerate(_slices(folders, workers))]
+        with mp.get_context("fork").Pool(len(tasks)) as pool:
+            done = pool.map(_list_read_tar, tasks)
+        samples, files, nbytes = (sum(x) for x in zip(*done))
+        list_s = None  # on the clock, in the processes
+    else:
+        listed = list_samples(src)
+        list_s = time.perf_counter() - t0
+        paths = [p for _, fs in listed for _, p in fs]
+        tasks_p = [(part, os.path.join(dest, f"floor-{i:03d}"), shard_bytes)
+                   for i, part in enumerate(_slices(paths, workers))]
+        with mp.get_context("fork").Pool(len(tasks_p)) as pool:
+            nbytes = sum(pool.map(_read_tar, tasks_p))
+        samples, files, tasks = len(listed), len(paths), tasks_p
+    seconds = time.perf_counter() - t0
+    out: dict[str, Any] = {"seconds": seconds, "samples": samples, "files": files, "input_bytes": nbytes,
+                           "out_bytes": _tree_bytes(dest), "processes": len(tasks)}
+    if list_s is not None:
+        out["list_seconds"] = list_s
+    return out
+
+
 def _read_plain(paths: list[str]) -> int:
     return _read_into(paths, ahead=1)
 
@@ -257,24 +301,14 @@ def _slices(items: list[Any], n: int) -> list[list[Any]]:
     return [items[i * len(items) // n : (i + 1) * len(items) // n] for i in range(n)]
 
 
-def _floor(src: str, variant: str, workers: int, dest: str = "", shard_bytes: int = 0) -> dict[str, Any]:
-    t_list = t0 = time.perf_counter()
+def _floor(src: str, variant: str, workers: int, dest: str = "") -> dict[str, Any]:
+    t0 = time.perf_counter()
     samples = list_samples(src)
     list_s = time.perf_counter() - t0
     paths = [p for _, files in samples for _, p in files]
     procs = 1
     t0 = time.perf_counter()
-    if variant == "floor-np-pack":
-        import multiprocessing as mp
-
-        t0 = t_list  # a packer lists its inputs on its clock
-        os.makedirs(dest, exist_ok=True)
-        tasks = [(part, os.path.join(dest, f"floor-{i:03d}"), shard_bytes)
-                 for i, part in enumerate(_slices(paths, workers))]
-        procs = len(tasks)
-        with mp.get_context("fork").Pool(procs) as pool:
-            nbytes = sum(pool.map(_read_tar, tasks))
-    elif variant == "floor-np-write":
+    if variant == "floor-np-write":
         import multiprocessing as mp
 
         os.makedirs(dest, exist_ok=True)
@@ -472,7 +506,7 @@ def measure(system: str, src: str, dest: str, shard_bytes: int, workers: int, wo
         "floor-np": lambda: _floor(src, "floor-np", workers),
         "floor-np-plain": lambda: _floor(src, "floor-np-plain", workers),
         "floor-np-write": lambda: _floor(src, "floor-np-write", workers, dest),
-        "floor-np-pack": lambda: _floor(src, "floor-np-pack", workers, dest, shard_bytes),
+        "floor-np-pack": lambda: _pack_floor(src, workers, dest, shard_bytes),
         "floor-1p": lambda: _floor(src, "floor-1p", 1),
         "floor-1p-bytes": lambda: _floor(src, "floor-1p-bytes", 1),
         "datapipe": lambda: _datapipe(src, dest, shard_bytes, workers, None),

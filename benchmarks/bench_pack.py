@@ -305,10 +305,10 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{r['mb_per_s']:7.1f} {r['ratio_to_floor']:8.2f} {runs:>20s} {r['processes'] or 1:5d}  "
                      f"{beats}{flag}")
     fl = report["systems"].get(report.get("floor_system", BASE), {})
-    if "list_seconds" in fl:
-        lines.append(f"(x floor divides by '{fl.get('label', BASE)}', whose time holds listing the files: "
-                     f"{fl['list_seconds']:.2f} s; the read floors list before their clock; +sync adds the os.sync() "
-                     "after each run)")
+    if fl:
+        listing = (f"{fl['list_seconds']:.2f} s of it" if "list_seconds" in fl else "in its processes")
+        lines.append(f"(x floor divides by '{fl.get('label', BASE)}', whose time holds listing the files ({listing}); "
+                     "the read floors list before their clock; +sync adds the os.sync() after each run)")
     v = report["verdict"]
     if v:
         lines.append(f"datapipe.pack: {v['ratio_to_floor']:.2f}x the floor (target <= {v['target_ratio']}x: "
