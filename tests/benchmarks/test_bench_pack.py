@@ -51,3 +51,13 @@ def test_the_floor_writes_the_bytes_of_the_shards(tmp_path) -> None:
     ours = _pack_peers.measure("datapipe", src, str(tmp_path / "ours"), shard_bytes, 2, str(tmp_path))
     assert ours["out_bytes"] == data + 1024 * ours["shards"]
     assert bench_pack.BASE == "floor-np-pack"
+
+
+def test_a_run_without_the_pack_floor_says_which_floor_it_divides_by(tmp_path) -> None:
+    cfg = bench_pack.PackBenchConfig(samples=120, quick=True, repeats=1, workers=2, shard_mb=0.5, workdir=str(tmp_path),
+                                     systems=("floor-1p", "datapipe"), cache="warm")
+    r = bench_pack.run(cfg)
+    assert r["floor_system"] == "floor-1p"
+    assert {row["system"]: row["ratio_to_floor"] for row in r["rows"]}["floor-1p"] == 1.0
+    text = bench_pack.format_table(r)
+    assert "x floor divides by 'floor: read all files, 1 process', the pack floor not run" in text
