@@ -334,9 +334,17 @@ class Persister:
         # the peer link (thread writer with replicate=1): created by the writer before this
         # (its group is a collective, made before any rank can fail opening stores)
         self._link = link
+        self.tiers_out.check_at_start(tiers)
         try:
             for t in tiers:
-                self._targets[t.url] = self._open_targets(t, config.lease_ttl, config.lease_wait)
+                if t is not tiers[0] and t.url in self.tiers_out.out:
+                    continue  # opened by its probe, once it answers
+                try:
+                    self._targets[t.url] = self._open_targets(t, config.lease_ttl, config.lease_wait)
+                except (CheckpointError, StorageError, OSError) as e:
+                    if t is tiers[0]:
+                        raise
+                    self.tiers_out.out_at_start(t.url, f"{type(e).__name__}: {e}")
         except BaseException:
             self.release()
             raise
@@ -347,7 +355,7 @@ class Persister:
         return {tg.store.root: tg.max_step for ts in self._targets.values() for tg in ts if tg.commits}
 
     def roots(self, url: str) -> list[str]:
-        return [tg.store.root for tg in self._targets[url]]
+        return [tg.store.root for tg in self._targets.get(url, ())]
 
     def _open_targets(self, tier: Tier, lease_ttl: float, lease_wait: float) -> list[_Target]:
         """The stores of one tier, their leases taken, in the order a save writes them."""
@@ -488,6 +496,9 @@ class Persister:
         was deleted meanwhile (with its folder) is taken again; one another writer took
         over stays lost. Raises if any of it fails; returns what was done, for the message."""
         took = False
+        if tier.url not in self._targets:  # out from the start: its stores opened, leases taken, now
+            self._targets[tier.url] = self._open_targets(tier, *self._lease_args)
+            took = True
         for tg in self._targets[tier.url]:
             key = f".datapipe-probe-{self.run_id}-{os.getpid()}-{os.urandom(4).hex()}"
             payload = os.urandom(64)
