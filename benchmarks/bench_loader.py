@@ -430,7 +430,9 @@ def _before_clock(system: str) -> None:
     import torch  # noqa: F401  # every system's loader is torch's
 
     if system == "datapipe":
-        import datapipe.loader  # noqa: F401
+        # the names themselves: the package's face imports a name's module on first use, so
+        # `import datapipe.loader` alone would leave the loader's imports inside the clock
+        from datapipe.loader import StreamingDataLoader, StreamingDataset  # noqa: F401
     elif system == "litdata":
         import litdata  # noqa: F401
     elif system == "mosaicml":

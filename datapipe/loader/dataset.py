@@ -546,7 +546,10 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
             # decode stage's (if any) and this one: each layer of generators costs about 30 ns
             # per sample (measured here), so the stages hand on one iterator per chunk.
             fetching = self._fetch_stage(plan, real, key)
-            reads = read_chunks(fetching.chunks(), self.source.url, progress, on_error,
+            # a chunk is read as its shards land, in pieces of whole batches (the batch stage
+            # cuts each piece into batches)
+            landed = fetching.chunks(align=self.batch_size if self.batched else 1)
+            reads = read_chunks(landed, self.source.url, progress, on_error,
                                 positions=positions and decoder.is_identity,  # else added after the map
                                 columnar=self.batched and decoder.is_identity)
             if not decoder.is_identity:
@@ -612,9 +615,11 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         reads_on = self.cache is None and (self._control is not None or worker_info() is None)
         chunks = pass_chunks(plan, real, key, self._worker_skip, self._planner() if reads_on else None, step)
         source = self.source
+        # local shards without a cache: a fetch is CPU work, and the first one runs alone
         pre = Prefetcher(chunks, partial(source.fetch, cache=self.cache), source.shard_bytes,
                          max_bytes=self.prefetch_bytes, concurrency=self.concurrency, telemetry=self.telemetry,
-                         read_tier="cold" if self.cache is None else None)
+                         read_tier="cold" if self.cache is None else None,
+                         first_alone=self.cache is None and source.local)
         return PassFetch(pre, key, 0, step)
 
     def _report_skipped(self) -> None:

@@ -350,6 +350,12 @@ class ShardSource:
         if len(options) != len(self.urls):
             raise PlanError(f"{len(self.urls)} dataset URLs but {len(options)} storage_options")
         self.indexes = [_open_source(u, o) for u, o in zip(self.urls, options)]
+        #: which indexes lie on a local filesystem
+        self._local_index = [isinstance(ix, DatasetIndex) and ix.store.local_path("") is not None
+                             for ix in self.indexes]
+        #: every shard is read from a local filesystem (an index of existing tars may name
+        #: shards elsewhere: not counted as local)
+        self.local = all(self._local_index) and not any(getattr(ix, "tar_index", False) for ix in self.indexes)
         self.retry = retry or RetryPolicy()
         counts = [ix.sample_counts.astype(np.int64) for ix in self.indexes]
         self.counts = np.concatenate(counts) if counts else np.zeros(0, np.int64)
@@ -411,8 +417,13 @@ class ShardSource:
                                           self.retry)
             return TableRows(g, info.url, table, keys)
         try:
-            # the sample table is read in row groups from the store: retried like shard bytes
-            table = call_with_retry(lambda: ix.shard_samples(local), f"{ix.url} sample table", self.retry)
+            # the sample table is read in row groups from the store: retried like shard bytes;
+            # a local one is read as local shard bytes are, without the retry layer's thread
+            # per attempt (its timeouts are for requests that hang on a network)
+            if self._local_index[int(self.source_of[g])]:
+                table = ix.shard_samples(local)
+            else:
+                table = call_with_retry(lambda: ix.shard_samples(local), f"{ix.url} sample table", self.retry)
         except DatapipeError:
             raise
         except Exception as e:  # pyarrow errors on a damaged samples.parquet

@@ -159,3 +159,24 @@ def test_fresh_workers_neither_hash_nor_check_what_earlier_workers_verified(tmp_
         seen.append(work_done)
     assert seen[0] != {"0/0"}  # the first epoch's workers hashed and checked
     assert seen[1] == seen[2] == {"0/0"}, seen  # later ones took what those found
+
+
+def test_a_local_shard_is_fetched_without_a_thread_of_its_own(tmp_path, monkeypatch):
+    """The retry layer runs each attempt of a request in a thread of its own, to abandon one
+    that hangs on a network; a local dataset's sample table is read as its shard bytes are,
+    in the fetching thread. Old code: a "datapipe-attempt" thread per shard fetched."""
+    url = _write(tmp_path / "ds", 3, 20)
+    source = ShardSource([url])
+    started: list[str] = []
+    real_start = threading.Thread.start
+
+    def start(thread):
+        started.append(thread.name)
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    for g in range(3):
+        data = source.fetch(g)
+        assert data.verified and len(data.keys) == 20
+        data.close()
+    assert started == []
