@@ -424,7 +424,7 @@ def worker_first_batches(starts: dict[int, float], arrivals: list[float], t_iter
             for w, t in sorted(starts.items()) if w < len(arrivals)]
 
 
-def _before_clock(system: str) -> None:
+def import_before_clock(system: str) -> None:
     """What a training script has done before it builds a dataset: imported torch and the
     system's package. Imports the first epoch still pays for (lazily) stay in its time."""
     import torch  # noqa: F401  # every system's loader is torch's
@@ -634,7 +634,7 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
         expected = set(json.load(f))
     _warm_page_cache(job["dir"])
     t0 = time.perf_counter()
-    _before_clock(job["system"])
+    import_before_clock(job["system"])
     import_s = time.perf_counter() - t0
     loader = job["mode"] in LOADER_MODES
     starts = WorkerStarts(tempfile.mkdtemp(prefix="bench_loader-starts-")) if loader else None
@@ -886,7 +886,7 @@ def run_startup_job(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     if job["what"] == "floor":
         return _startup_floor(job["dir"])
-    _before_clock("datapipe")
+    import_before_clock("datapipe")
     from datapipe.loader import StreamingDataLoader, StreamingDataset
 
     out: dict[str, Any] = {"import_s": time.perf_counter() - t0}

@@ -335,7 +335,7 @@ def test_the_clock_starts_after_the_loader_is_imported() -> None:
     loader faces import a name's module on first use, so the benchmark imports the names.
     Old code: `import datapipe.loader` left the loader's modules (pyarrow, the plan, the
     index readers: half a second here) inside the first epoch's clock."""
-    script = ("import sys\nfrom benchmarks import bench_loader\nbench_loader._before_clock('datapipe')\n"
+    script = ("import sys\nfrom benchmarks import bench_loader\nbench_loader.import_before_clock('datapipe')\n"
               "print('datapipe.loader.dataset' in sys.modules, 'datapipe.loader.dataloader' in sys.modules)")
     root = bench_loader.REPO_ROOT
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
