@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_DECODERS", "Stream", "StreamingDataLoader", "StreamingDataset", "make_decoder",
            "resolve_topology", "Batch", "Column", "Chunk", "EpochPlanner", "PassKey", "pass_chunks", "ErrorPolicy",
            "Progress", "Skipped", "PassFetch", "Prefetcher", "ReadAhead", "take_read_ahead", "LazyTensor",
-           "BatchGroup", "share_size", "WorkerPasses", "BufferPool", "set_resumable_epoch", "check_worker_state", "worker_info"]
+           "BatchGroup", "share_size", "WorkerPasses", "BufferPool", "set_resumable_epoch", "check_worker_state",
+           "worker_info"]
 
 #: public name -> the submodule that defines it, imported on first use
 _WHERE = {"Stream": "mixing", "StreamingDataLoader": "dataloader", "StreamingDataset": "dataset",

@@ -300,9 +300,10 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
         dataset = self.stream
         dataset.yield_skip_markers = True
         dataset.batched = self.columnar
-        grouping = hasattr(dataset, "grouped")
-        if grouping:  # its workers send groups of batches (read once, as they start)
-            dataset.grouped = self.columnar and self.num_workers > 0
+        # a token loader: its workers send groups of batches (read once, as they start)
+        grouping: Any = dataset if hasattr(dataset, "grouped") else None
+        if grouping is not None:
+            grouping.grouped = self.columnar and self.num_workers > 0
         collate: _Collate = self.collate_fn  # type: ignore[assignment]  # set in __init__
         starting = self.num_workers > 0 and getattr(self, "_iterator", None) is None
         if starting:  # worker processes start in this pass (else persistent ones resume)
@@ -330,8 +331,8 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
                 dataset.yield_skip_markers = False
                 dataset.batched = False
                 dataset._control = None
-            if grouping:
-                dataset.grouped = False
+            if grouping is not None:
+                grouping.grouped = False
             collate.ring = None  # the workers have their copies; this process only opens batches
             while True:
                 try:
@@ -371,8 +372,8 @@ class StreamingDataLoader(DataLoader):  # type: ignore[type-arg]  # torch's Data
         finally:
             dataset.yield_skip_markers = False
             dataset.batched = False
-            if grouping:
-                dataset.grouped = False
+            if grouping is not None:
+                grouping.grouped = False
             dataset._control = None
             collate.ring = None
             if ring is not None and not self.persistent_workers:

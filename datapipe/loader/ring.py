@@ -164,9 +164,11 @@ class BatchRing:
         self._slots: list[_Slot | None] = [None] * self.slots_per_worker  # worker side
         self._maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}  # main side
         #: (main process) batches opened from slots, and batches that came pickled because
-        #: their worker found no slot free (counted by the loader)
+        #: their worker found no slot free (counted by the loader); slots opened (a group's
+        #: batches come in one)
         self.opened = 0
         self.fallbacks = 0
+        self.messages = 0
 
     def __getstate__(self) -> dict[str, Any]:
         return {"slots_per_worker": self.slots_per_worker, "free": self.free, "id": self.id}
@@ -271,6 +273,7 @@ class BatchRing:
         rb.opened = True
         base = np.frombuffer(mm, dtype=np.uint8)
         weakref.finalize(base, _release, mm, self.free[rb.worker], os.getpid())
+        self.messages += 1
         if rb.group is None:
             self.opened += 1
             return [Batch(self._fields(base, rb.fields), rb.samples, steps, skipped, rb.form)]

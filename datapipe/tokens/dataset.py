@@ -284,7 +284,7 @@ class TokenDataset(TokenStream):
             return 1
         fields, width = (1, self.layout.seq_len + self.layout.extra) if isinstance(self.layout, ConcatLayout) \
             else (3, self.layout.seq_len)
-        batch_bytes = self.batch_size * fields * width * torch_dtype(self.dtype).itemsize
+        batch_bytes = self.batch_size * fields * width * int(torch_dtype(self.dtype).itemsize)
         return max(1, min(GROUP_BATCHES, GROUP_BYTES // batch_bytes))
 
     def _share(self, worker: int, num_workers: int) -> int:
