@@ -3,8 +3,9 @@ consecutive batches of its stream (a BatchGroup) into one ring slot, one message
 torch's worker queue, and the StreamingDataLoader hands them out one by one. Through real
 worker processes: the batches equal the in-process pass's, in order; a resume from inside
 a group is exact (on another number of workers too); a batch kept keeps its bytes while the
-rest of its group and the groups after it go by; drop_last drops only the short last batch.
-In one process: a group's slot is free again only once none of its batches is viewed."""
+rest of its group and the groups after it go by; drop_last drops only the short last batch;
+a TokenMix's workers send groups of consecutive global steps. In one process: a group's
+slot is free again only once none of its batches is viewed."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
-from datapipe import StreamingDataLoader, TokenDataset
+from datapipe import StreamingDataLoader, TokenDataset, TokenMix
 from datapipe.errors import LoaderOptionError
 from datapipe.loader import Batch, BatchGroup, LazyTensor
 from datapipe.loader.ring import BatchRing
@@ -147,3 +150,57 @@ def test_a_group_sent_pickled_is_its_batches():
     assert isinstance(group, BatchGroup) and group.of == 2 and group.steps == 4 and group.full
     assert torch.equal(group[1]["input_ids"], torch.arange(8).reshape(2, 4) + 100)
     assert not BatchGroup(list(group)[:1], 2).full
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
+@pytest.mark.parametrize("packing", ["concat", "documents"])
+def test_a_mixes_workers_send_groups_of_consecutive_steps(root, tmp_path, packing):
+    """TokenMix: a worker builds groups of consecutive global steps in turn (16 here), one
+    message each; the loader's batches are the in-process mix's in step order, and its
+    state after a batch inside a group resumes the rest exactly."""
+    rng = np.random.default_rng(2)
+    other = str(tmp_path / "other")
+    write_tokens(other, [random_documents(rng, 120)])
+
+    def mix():
+        return TokenMix({root: 2, other: 1}, L, global_batch=3, steps=45, seed=1, chunk_tokens=256, packing=packing)
+
+    want = [{k: v.clone() for k, v in b.items()} for b in mix()]
+    loader = StreamingDataLoader(m := mix(), batch_size=m.per_rank_batch(), num_workers=2,
+                                 multiprocessing_context="fork")
+    got = [{k: v.clone() for k, v in b.items()} for b in loader]
+    _same(got, want)
+    assert loader.ring.opened == 45 and loader.ring.messages == 3 and loader.ring.fallbacks == 0
+    it = iter(loader)
+    head = [{k: v.clone() for k, v in next(it).items()} for _ in range(21)]
+    state = loader.state_dict()
+    del it
+    assert state["step"] == 21
+    again = StreamingDataLoader(m := mix(), batch_size=m.per_rank_batch(), num_workers=3,
+                                multiprocessing_context="fork", persistent_workers=False)
+    again.load_state_dict(state)
+    _same(head + [{k: v.clone() for k, v in b.items()} for b in again], want)
+
+
+@given(start=st.integers(0, 50), n=st.integers(0, 200), workers=st.integers(1, 5), group=st.integers(1, 17),
+       skip=st.integers(0, 60))
+def test_worker_steps_partition_the_steps_in_groups_taken_in_turn(start, n, workers, group, skip):
+    from datapipe.plan import worker_steps
+    from datapipe.tokens.mix import WorkerSteps
+
+    stop = start + n
+    mine = [WorkerSteps(start, w, workers, stop, group) for w in range(workers)]
+    listed = [ws[0:len(ws)] for ws in mine]
+    assert sorted(k for steps in listed for k in steps) == list(range(start, stop))
+    # the stream in torch's order: a group from each worker in turn
+    stream, taken = [], [0] * workers
+    while len(stream) < n:
+        for w in range(workers):
+            stream += listed[w][taken[w]:taken[w] + group]
+            taken[w] += group
+    assert stream == list(range(start, stop))
+    for ws, steps in zip(mine, listed):
+        rest = ws[skip:]
+        assert len(rest) == len(steps[skip:]) and rest[0:len(rest)] == steps[skip:]
+        if group == 1:
+            assert steps == list(worker_steps(start, ws.worker, workers, stop))
