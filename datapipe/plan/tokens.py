@@ -19,8 +19,13 @@ parts' token streams, so a reader fetches one chunk's covering range per part.
   next-fit in stored order within blocks of consecutive documents (about ``block_tokens``
   each); a chunk is ``chunk_blocks`` consecutive blocks. Packing depends on the lengths, L
   and the block size only, never on a seed: the epoch shuffle is over sequences. The plan
-  keeps per-block counts only (O(blocks)); a chunk's packing is recomputed when a reader
-  needs it (:meth:`DocumentLayout.chunk`).
+  keeps per-chunk counts only (O(chunks)); a chunk's packing is recomputed when a reader
+  needs it (:meth:`DocumentLayout.chunk`). Counting reads every length once (O(documents),
+  seconds at 10^9 documents), so it is done once per (dataset, seq_len): the result is a
+  :class:`DocumentTable` (O(chunks)), stored as bytes (:meth:`DocumentTable.to_bytes`,
+  checksummed and bound to the dataset's identity) and given back to later processes'
+  layouts (``DocumentLayout(..., table=)``), which then cost O(chunks) and read no length
+  until a chunk is repacked; repacking checks the chunk against the table.
 - :func:`data_parallel`: the ranks of a tensor/context/pipeline-parallel group read the same
   sequences: (rank, world size) -> (data-parallel rank, data-parallel size).
 """
@@ -35,8 +40,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from ..checksum import checksum
-from ..errors import OptionError, PlanError, TopologyError
+from ..checksum import canonical_json, checksum
+from ..errors import CorruptIndexError, OptionError, PlanError, TopologyError
 from .arrays import ArrayLike, Bools, Int64s
 from .epoch import EpochPlan
 from .resume import layout_fingerprint
@@ -47,6 +52,8 @@ __all__ = [
     "ConcatLayout",
     "DocumentLayout",
     "PackedChunk",
+    "DocumentTable",
+    "TABLE_MAGIC",
     "cu_seqlens",
     "position_ids",
     "data_parallel",
@@ -64,11 +71,12 @@ def _int_arg(name: str, v: object, lo: int, hi: int = 1 << 62) -> int:
     return int(v)
 
 
-def _lengths_arg(name: str, v: ArrayLike) -> npt.NDArray[Any]:
+def _lengths_arg(name: str, v: ArrayLike, scan: bool = True) -> npt.NDArray[Any]:
+    """``v`` as a 1-d integer array; ``scan``: every entry checked (O(entries)) to be >= 0."""
     arr = np.asarray(v)
     if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
         raise OptionError(f"{name} must be a 1-d integer array, got shape {arr.shape} of {arr.dtype}")
-    for a in range(0, arr.size, _DOC_CHUNK):
+    for a in range(0, arr.size if scan else 0, _DOC_CHUNK):
         if arr[a:a + _DOC_CHUNK].min() < 0:
             raise OptionError(f"{name}: entry {a + int(np.argmin(arr[a:a + _DOC_CHUNK]))} is negative")
     return arr
@@ -377,6 +385,133 @@ def _next_fit_counts(start: Int64s, end: Int64s, block_first: Int64s, L: int) ->
     return counts
 
 
+#: the first bytes of a stored :class:`DocumentTable`
+TABLE_MAGIC = b"DPDOCTAB"
+#: the longest header a stored table may have (it names sizes and checksums only)
+_MAX_TABLE_HEADER = 1 << 16
+_TABLE_FORMAT, _TABLE_VERSION = "datapipe-document-table", 1
+
+
+@dataclass(frozen=True)
+class DocumentTable:
+    """What :class:`DocumentLayout` computes from every document length, O(chunks): the
+    packing's parameters, each part's documents and tokens, each chunk's first document and
+    first token (and the ends) and its sequences. Stored once per (dataset, seq_len) with
+    :meth:`to_bytes`, read back with :meth:`from_bytes` and given to ``DocumentLayout(...,
+    table=)``, so no later process counts again."""
+
+    seq_len: int
+    block_tokens: int
+    chunk_blocks: int
+    part_docs: Int64s
+    part_tokens: Int64s
+    chunk_doc_start: Int64s
+    chunk_token_start: Int64s
+    counts: Int64s
+
+    def _arrays(self) -> tuple[Int64s, ...]:
+        return (self.part_docs, self.part_tokens, self.chunk_doc_start, self.chunk_token_start, self.counts)
+
+    def to_bytes(self, identity: str = "") -> bytes:
+        """The table as a file: :data:`TABLE_MAGIC`, the header's length (8 bytes, little
+        endian), a self-checksummed JSON header (sizes, parameters, ``identity``: what the
+        table was computed from, e.g. the token manifest's checksum; the payload's checksum),
+        then the arrays as raw little-endian int64. The same table gives the same bytes."""
+        payload = b"".join(np.ascontiguousarray(a, dtype="<i8").tobytes() for a in self._arrays())
+        doc: dict[str, Any] = {"format": _TABLE_FORMAT, "version": _TABLE_VERSION, "identity": identity,
+                               "seq_len": self.seq_len, "block_tokens": self.block_tokens,
+                               "chunk_blocks": self.chunk_blocks, "parts": int(self.part_docs.size),
+                               "chunks": int(self.counts.size), "payload_checksum": checksum(payload)}
+        doc["header_checksum"] = checksum(canonical_json(doc))
+        header = canonical_json(doc)
+        return TABLE_MAGIC + len(header).to_bytes(8, "little") + header + payload
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview, where: str, *, identity: str | None = None) -> DocumentTable:
+        """The table ``data`` holds (read from ``where``), checked: its header's and payload's
+        checksums, its sizes, and that its arrays describe a partition of the documents and
+        tokens into chunks (O(chunks)); ``identity``: the one it must have been stored with.
+        :class:`~datapipe.errors.CorruptIndexError` naming ``where`` for bytes that are no
+        such table, :class:`~datapipe.errors.PlanError` for a table of another dataset."""
+        view = memoryview(data).cast("B")
+        redo = "remove it and the next reader counts the documents again"
+
+        def bad(why: str) -> CorruptIndexError:
+            return CorruptIndexError(f"{where}: not a document packing table ({why}); {redo}")
+
+        head = len(TABLE_MAGIC) + 8
+        if view.nbytes < head or bytes(view[:len(TABLE_MAGIC)]) != TABLE_MAGIC:
+            raise bad("it does not start with the table's magic bytes")
+        n = int.from_bytes(view[len(TABLE_MAGIC):head], "little")
+        if n > min(_MAX_TABLE_HEADER, view.nbytes - head):
+            raise bad(f"a header of {n} bytes in a file of {view.nbytes}")
+        try:
+            doc = json.loads(bytes(view[head:head + n]))
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise bad("its header is not JSON") from None
+        if not isinstance(doc, dict) or doc.get("format") != _TABLE_FORMAT:
+            raise bad(f"format is not {_TABLE_FORMAT!r}")
+        if doc.get("version") != _TABLE_VERSION:
+            raise bad(f"version {doc.get('version')!r}; this datapipe reads version {_TABLE_VERSION}")
+        stored = doc.pop("header_checksum", None)
+        try:
+            ok = checksum(canonical_json(doc)) == stored
+        except ValueError:  # a non-finite number does not canonicalise
+            ok = False
+        if not ok:
+            raise CorruptIndexError(f"{where}: the document packing table's header checksum does not match; {redo}")
+        sizes = {}
+        for name in ("seq_len", "block_tokens", "chunk_blocks", "parts", "chunks"):
+            v = doc.get(name)
+            if type(v) is not int or not (0 if name in ("parts", "chunks") else 1) <= v < 1 << 62:
+                raise bad(f"{name}={v!r}")
+            sizes[name] = v
+        parts, chunks = sizes["parts"], sizes["chunks"]
+        want = 8 * (2 * parts + 3 * chunks + 2)
+        if view.nbytes - head - n != want:
+            raise bad(f"{view.nbytes - head - n} payload bytes where {parts} parts and {chunks} chunks take {want}")
+        payload = view[head + n:]
+        if checksum(payload) != doc.get("payload_checksum"):
+            raise CorruptIndexError(f"{where}: the document packing table's payload checksum does not match "
+                                    f"(the file was damaged); {redo}")
+        if identity is not None and doc.get("identity") != identity:
+            raise PlanError(f"{where}: the document packing table was computed for {doc.get('identity')!r}, "
+                            f"not {identity!r} (the dataset changed since); {redo}")
+        flat = np.frombuffer(payload, dtype="<i8").astype(np.int64, copy=False)  # a view where int64 is "<i8"
+        cut = np.cumsum([parts, parts, chunks + 1, chunks + 1])
+        part_docs, part_tokens, doc_start, tok_start, counts = np.split(flat, cut)
+        for a in (part_docs, part_tokens, doc_start, tok_start, counts):
+            a.flags.writeable = False
+        table = cls(sizes["seq_len"], sizes["block_tokens"], sizes["chunk_blocks"], part_docs, part_tokens,
+                    doc_start, tok_start, counts)
+        defect = table.defect()
+        if defect:
+            raise bad(defect)
+        return table
+
+    def defect(self) -> str:
+        """Why the arrays are no partition of the parts' documents and tokens into chunks
+        (O(chunks)), or "" when they are one."""
+        arrays = self._arrays()
+        if any(not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.int64 for a in arrays):
+            return "its arrays are not 1-d int64 arrays"
+        part_docs, part_tokens, doc_start, tok_start, counts = arrays
+        if part_docs.size != part_tokens.size or not doc_start.size == tok_start.size == counts.size + 1:
+            return "its arrays' sizes do not match"
+        if (part_docs < 0).any() or (part_tokens < 0).any() or (counts < 0).any():
+            return "a negative size"
+        if counts.size:
+            wide = np.diff(tok_start)
+            if doc_start[0] != 0 or tok_start[0] != 0 or (np.diff(doc_start) <= 0).any() or (wide < 0).any():
+                return "its chunks do not start at document 0 and token 0 in order"
+            if (counts > wide).any():
+                return "a chunk with more sequences than tokens"
+        # sums in Python ints: int64 sums of hostile sizes could wrap around to the right total
+        if int(doc_start[-1]) != sum(part_docs.tolist()) or int(tok_start[-1]) != sum(part_tokens.tolist()):
+            return "its chunks do not end where the parts' documents and tokens end"
+        return ""
+
+
 class DocumentLayout(_Layout):
     """Whole documents packed into sequences of at most ``seq_len`` tokens (see the module
     docstring). ``doc_lengths[p]``: tokens per document of part p (e.g. an ``np.memmap`` view
@@ -389,15 +524,23 @@ class DocumentLayout(_Layout):
     fetch) is ``chunk_blocks`` consecutive blocks. Defaults: blocks of 64 sequences' worth of
     tokens (so a block's last, partly filled sequence costs little padding) and chunks of
     about :data:`CHUNK_TOKENS`. Planning reads the lengths once, in slices: O(documents)
-    time; memory O(blocks) kept plus a bounded working set."""
+    time; memory O(chunks) kept plus a bounded working set. ``table``: what an earlier
+    layout over the same lengths counted (its :attr:`table`, stored and read back with
+    :meth:`DocumentTable.from_bytes`): O(chunks), no length read until a chunk is repacked."""
 
     kind = "documents"
 
     def __init__(self, doc_lengths: Sequence[ArrayLike], seq_len: int, *, block_tokens: int | None = None,
-                 chunk_blocks: int | None = None) -> None:
+                 chunk_blocks: int | None = None, table: DocumentTable | None = None) -> None:
         if isinstance(doc_lengths, np.ndarray) and doc_lengths.ndim == 1:
             raise OptionError("doc_lengths is one array per part: pass [lengths] for a single part")
-        self.doc_lengths = [_lengths_arg(f"doc_lengths[{i}]", x) for i, x in enumerate(doc_lengths)]
+        if table is not None and not isinstance(table, DocumentTable):
+            raise OptionError(f"table={table!r}: expected a DocumentTable (DocumentTable.from_bytes) or None")
+        if table is not None and table.defect():
+            raise OptionError(f"table: not a document packing table ({table.defect()})")
+        # with a table no length is read now: a chunk's are checked when it is repacked
+        self.doc_lengths = [_lengths_arg(f"doc_lengths[{i}]", x, scan=table is None)
+                            for i, x in enumerate(doc_lengths)]
         self.seq_len = L = _int_arg("seq_len", seq_len, 1, 1 << 31)
         self.block_tokens = 64 * L if block_tokens is None else _int_arg("block_tokens", block_tokens, 1)
         self.chunk_blocks = max(1, CHUNK_TOKENS // self.block_tokens) if chunk_blocks is None \
@@ -405,18 +548,43 @@ class DocumentLayout(_Layout):
         docs = np.array([x.size for x in self.doc_lengths], dtype=np.int64)
         self.part_doc_starts = np.concatenate(([0], np.cumsum(docs)))
         self.num_documents = int(self.part_doc_starts[-1])
-        part_tokens = np.array([int(x.sum(dtype=np.int64)) for x in self.doc_lengths], dtype=np.int64)
+        if table is None:
+            part_tokens = np.array([int(x.sum(dtype=np.int64)) for x in self.doc_lengths], dtype=np.int64)
+        else:
+            self._check_table(table, docs)
+            part_tokens = table.part_tokens
         self.part_token_starts = np.concatenate(([0], np.cumsum(part_tokens)))
         self.num_tokens = int(self.part_token_starts[-1])
         #: first document (global id) and its first token (in the stream) of each chunk, and
         #: the end; the planner's counts: sequences per chunk
-        self.chunk_doc_start, self.chunk_token_start, counts = self._plan()
+        if table is None:
+            self.chunk_doc_start, self.chunk_token_start, counts = self._plan()
+        else:
+            self.chunk_doc_start, self.chunk_token_start, counts = \
+                table.chunk_doc_start, table.chunk_token_start, table.counts
         self.counts, self._chunk_starts = _finish_counts(counts)
+        #: what was counted, to store (:meth:`DocumentTable.to_bytes`) for later processes
+        self.table = table if table is not None else DocumentTable(
+            L, self.block_tokens, self.chunk_blocks, docs, part_tokens, self.chunk_doc_start,
+            self.chunk_token_start, self.counts)
         ident = {"kind": self.kind, "seq_len": L, "block_tokens": self.block_tokens,
                  "chunk_blocks": self.chunk_blocks,
                  "parts": checksum(np.ascontiguousarray(part_tokens, dtype="<i8").tobytes()
                                    + docs.astype("<i8").tobytes() + self.chunk_doc_start.astype("<i8").tobytes())}
         self.fingerprint = json.dumps(ident, sort_keys=True)
+
+    def _check_table(self, table: DocumentTable, docs: Int64s) -> None:
+        """:class:`~datapipe.errors.PlanError` unless ``table`` was counted with these
+        parameters over parts of these sizes."""
+        mine = (self.seq_len, self.block_tokens, self.chunk_blocks)
+        theirs = (table.seq_len, table.block_tokens, table.chunk_blocks)
+        if mine != theirs:
+            raise PlanError(f"the document packing table is for (seq_len, block_tokens, chunk_blocks) = {theirs}, "
+                            f"this layout's are {mine}: count the documents again (DocumentLayout without table=)")
+        if not np.array_equal(table.part_docs, docs):
+            raise PlanError(f"the document packing table counts {table.part_docs.size} parts of "
+                            f"{int(table.part_docs.sum())} documents, the lengths given hold {docs.size} parts of "
+                            f"{int(docs.sum())}: count the documents again (DocumentLayout without table=)")
 
     def _slices(self) -> Iterator[Int64s]:
         for x in self.doc_lengths:
@@ -494,7 +662,12 @@ class DocumentLayout(_Layout):
         L = self.seq_len
         d0, d1 = int(self.chunk_doc_start[c]), int(self.chunk_doc_start[c + 1])
         lengths = self._lengths_of(d0, d1)
-        doc_tok = np.cumsum(lengths) - lengths + self.chunk_token_start[c]
+        t0, t1 = int(self.chunk_token_start[c]), int(self.chunk_token_start[c + 1])
+        if lengths.size and (lengths.min() < 0 or int(lengths.sum()) != t1 - t0):
+            raise PlanError(f"chunk {c}'s documents [{d0}, {d1}) hold {int(lengths.sum())} tokens (smallest "
+                            f"{int(lengths.min())}), the plan says {t1 - t0}: the document lengths changed since "
+                            "the plan was made")
+        doc_tok = np.cumsum(lengths) - lengths + t0
         key = doc_tok // self.block_tokens
         block_docs = np.concatenate(([0], np.flatnonzero(key[1:] != key[:-1]) + 1, [lengths.size]))
         plen, doc_first = _pieces(lengths, L)

@@ -47,7 +47,7 @@ from ..format.tokens import (
     verify_blocks,
 )
 from ..loader import BufferPool
-from ..plan import ConcatLayout, DocumentLayout, PackedChunk, Pieces, cu_seqlens
+from ..plan import ConcatLayout, DocumentLayout, DocumentTable, PackedChunk, Pieces, cu_seqlens
 from ..storage import RetryPolicy, Store, call_with_retry, is_local_url, open_store, split_url
 
 __all__ = [
@@ -66,6 +66,9 @@ __all__ = [
 IGNORE_INDEX = -100
 #: tokens per logical chunk (one fetch): 2-4 MiB of ``.bin``, a few of its 1 MiB blocks
 CHUNK_TOKENS = 1 << 20
+#: the folder beside the manifest where document packing tables are kept, one per
+#: (seq_len, block, chunk): counted once, read by every later process
+DOCUMENT_TABLES = "plans"
 
 Layout = ConcatLayout | DocumentLayout
 IntArray = npt.NDArray[np.integer[Any]]
@@ -224,7 +227,36 @@ def make_layout(source: TokenSource, seq_len: int, packing: str, chunk_tokens: i
     if packing == "concat":
         return ConcatLayout(source.part_tokens, seq_len, chunk_sequences=max(1, chunk_tokens // seq_len))
     block = 64 * seq_len
-    return DocumentLayout(source.doc_lengths, seq_len, block_tokens=block, chunk_blocks=max(1, chunk_tokens // block))
+    return _stored_document_layout(source, seq_len, block, max(1, chunk_tokens // block))
+
+
+def _stored_document_layout(source: TokenSource, seq_len: int, block: int, chunk_blocks: int) -> DocumentLayout:
+    """The document layout from the table stored beside the manifest (checked, bound to the
+    manifest's checksum: O(chunks)), else counted (O(documents)) and stored there, by an
+    atomic put, for every later process. A store that refuses the put costs a warning."""
+    key = f"{DOCUMENT_TABLES}/documents-{seq_len}-{block}-{chunk_blocks}.table"
+    url = source.store.url(key)
+    stale = False
+    try:
+        table = DocumentTable.from_bytes(source._get(source.store, key, url), url, identity=source.identity)
+        if not np.array_equal(table.part_tokens, source.part_tokens):
+            raise PlanError(f"{url}: its parts' token counts are not the manifest's")
+        return DocumentLayout(source.doc_lengths, seq_len, block_tokens=block, chunk_blocks=chunk_blocks, table=table)
+    except ObjectNotFoundError:
+        pass
+    except DatapipeError as e:
+        stale = True
+        warnings.warn(f"{e}; counting the documents again", RuntimeWarning, stacklevel=3)
+    layout = DocumentLayout(source.doc_lengths, seq_len, block_tokens=block, chunk_blocks=chunk_blocks)
+    try:
+        # the ranks of a job count at once: those that finish after the first one stored it
+        # do not upload it again
+        if stale or not source.store.exists(key):
+            source.store.put(key, layout.table.to_bytes(source.identity))
+    except (DatapipeError, OSError) as e:
+        warnings.warn(f"{url}: the document packing table could not be stored ({e}); every process opening "
+                      "this dataset counts its documents again", RuntimeWarning, stacklevel=3)
+    return layout
 
 
 def layout_identity(source: TokenSource, layout: Layout) -> str:
