@@ -152,9 +152,9 @@ def rss():
     return 0
 
 def tree_cpu():
-    # CPU seconds of this process and its children (the DataLoader workers) so far: unlike
-    # tokens/s, hardly moved by other load on the machine
-    me, total = os.getpid(), 0
+    # CPU seconds of this process and each of its children (the DataLoader workers) so far,
+    # by pid: unlike tokens/s, hardly moved by other load on the machine
+    me, out = os.getpid(), {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -163,8 +163,12 @@ def tree_cpu():
         except OSError:
             continue
         if int(d) == me or int(f[1]) == me:
-            total += int(f[11]) + int(f[12])
-    return total / os.sysconf("SC_CLK_TCK")
+            out[int(d)] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+def cpu_since(before):
+    # a process gone since (a helper that exited) takes its CPU time with it: left out
+    return sum(t - before.get(pid, 0.0) for pid, t in tree_cpu().items())
 
 L, B, W, want, system = spec["seq_len"], spec["batch"], spec["workers"], spec["tokens"], spec["system"]
 import torch  # imported before the baseline: the plan's memory is what construction adds
@@ -235,7 +239,7 @@ for b in it:
     if n >= want:
         break
 seconds = time.perf_counter() - t1
-cpu = tree_cpu() - cpu1
+cpu = cpu_since(cpu1)
 del it, b
 gc.collect()
 time.sleep(0.2)
