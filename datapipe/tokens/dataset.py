@@ -60,7 +60,7 @@ from .read import (
 )
 from .stream import MAX_EPOCH, TokenStream, check_reading, check_topology
 
-__all__ = ["TokenDataset", "MAX_SEQ_LEN", "cut_batch", "fetched_units", "torch_dtype"]
+__all__ = ["TokenDataset", "MAX_SEQ_LEN", "cut_batch", "fetched_units", "message_batches", "torch_dtype"]
 
 #: ``window=None``: every chunk (a full global shuffle)
 ALL_CHUNKS = 1 << 62
@@ -74,9 +74,20 @@ _DTYPES = ("int64", "int32")
 #: 8 x 2,049 int64 tokens about 0.05 ms to cut: one message a batch capped the loader at a
 #: quarter of its in-process rate. Not more: a slot the worker writes should stay in its
 #: core's L2 cache (2 MiB here) beside the tokens it reads; 2 MiB groups cost the workers
-#: twice the CPU a token of 1 MiB groups did (measured here)
+#: twice the CPU a token of 1 MiB groups did (measured here). A batch of GROUP_ALONE bytes or
+#: more goes alone: its message costs little beside its bytes, and grouping such batches
+#: cost the workers more than it saved the main process (8 x 8,193 int32: 1.2 s of CPU per
+#: 100 M tokens in groups of 4, 0.8 s alone, measured here)
 GROUP_BYTES = 1 << 20
 GROUP_BATCHES = 16
+GROUP_ALONE = 256 << 10
+
+
+def message_batches(batch_bytes: int) -> int:
+    """Batches of ``batch_bytes`` a DataLoader worker sends in one message (``grouped``)."""
+    if batch_bytes >= GROUP_ALONE:
+        return 1
+    return max(1, min(GROUP_BATCHES, GROUP_BYTES // max(batch_bytes, 1)))
 
 
 def _counts_of(counts: NDArray[Any], _epoch: int) -> tuple[NDArray[Any], None]:
@@ -131,8 +142,8 @@ class TokenDataset(TokenStream):
     written by :func:`~datapipe.pack_tokens` or :func:`~datapipe.index_tokens`), in a
     deterministic, resumable, shuffled order; an ``IterableDataset`` for
     :class:`~datapipe.StreamingDataLoader` (batches cross worker processes through its
-    shared-memory ring as one tensor per field, a worker's consecutive batches up to 1 MiB
-    in one slot and one message; a batch the trainer keeps keeps that slot taken, and once
+    shared-memory ring as one tensor per field, a worker's consecutive batches under 256 KiB
+    together, up to 1 MiB, in one slot and one message; a batch the trainer keeps keeps that slot taken, and once
     a worker has no free slot its next batches come pickled: correct, slower) or a plain
     ``DataLoader``.
 
@@ -289,8 +300,7 @@ class TokenDataset(TokenStream):
             return 1
         fields, width = (1, self.layout.seq_len + self.layout.extra) if isinstance(self.layout, ConcatLayout) \
             else (3, self.layout.seq_len)
-        batch_bytes = self.batch_size * fields * width * int(torch_dtype(self.dtype).itemsize)
-        return max(1, min(GROUP_BATCHES, GROUP_BYTES // batch_bytes))
+        return message_batches(self.batch_size * fields * width * int(torch_dtype(self.dtype).itemsize))
 
     def _share(self, worker: int, num_workers: int) -> int:
         plan = self._current_plan()

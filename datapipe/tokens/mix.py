@@ -44,13 +44,12 @@ from ..options import (
 from ..plan import MixturePlan
 from .dataset import (
     ALL_CHUNKS,
-    GROUP_BATCHES,
-    GROUP_BYTES,
     MAX_SEED,
     MAX_SEQ_LEN,
     MAX_THREADS,
     cut_batch,
     fetched_units,
+    message_batches,
     torch_dtype,
 )
 from .read import CHUNK_TOKENS, ChunkFetch, Layout, TokenSource, layout_identity, make_layout
@@ -298,8 +297,7 @@ class TokenMix(TokenStream):
         if not self.grouped:
             return 1
         width = self.seq_len + 1 if self.packing == "concat" else 3 * self.seq_len
-        batch_bytes = self.per_rank_batch() * width * int(torch_dtype(self.dtype).itemsize)
-        return max(1, min(GROUP_BATCHES, GROUP_BYTES // batch_bytes))
+        return message_batches(self.per_rank_batch() * width * int(torch_dtype(self.dtype).itemsize))
 
     def _worker_steps(self, worker: int, num_workers: int) -> WorkerSteps:
         return WorkerSteps(self._start, worker, num_workers, self._stop(), self._group())
