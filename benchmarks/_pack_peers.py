@@ -14,8 +14,13 @@ samples in N forked processes, as their documentation does for parallel conversi
 
 Every system's clock starts after its imports (importing ``streaming`` alone takes seconds
 because it pulls in ``transformers``) and includes finding the input files, because every
-packer has to list them. The floor lists them before its clock starts: it is the strict
-"read every file once" bound."""
+packer has to list them. The read floors list them before their clock starts: they are the
+strict "read every file once" bound. ``floor-np-pack`` is the least a packer that makes its
+shards durable must do (``bench_pack``'s ratio divides by it): the listing on its clock
+(names only, as ``os.walk`` gives them; the top folders listed by the N processes, as
+datapipe lists them), every file read once with the read-ahead, its bytes written as a tar
+lays them out (a 512-byte header, the data, zeros to the next 512 bytes: the bytes an
+uncompressed shard holds) into files of the shard limit, each fsync'd."""
 
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ SYSTEMS = {
     "floor-np": "floor: read all files, N processes",
     "floor-np-plain": "floor: no read-ahead, N processes",
     "floor-np-write": "floor: read+write+fsync, N processes",
+    "floor-np-pack": "floor: list+read+tar+fsync, N procs",
     "floor-1p": "floor: read all files, 1 process",
     "floor-1p-bytes": "floor: read() to new bytes, 1 proc",
     "datapipe": "datapipe.pack",
@@ -41,7 +47,7 @@ SYSTEMS = {
     "mds": "streaming MDSWriter",
     "litdata": "litdata optimize()",
 }
-FLOORS = ("floor-np", "floor-np-plain", "floor-np-write", "floor-1p", "floor-1p-bytes")
+FLOORS = ("floor-np", "floor-np-plain", "floor-np-write", "floor-np-pack", "floor-1p", "floor-1p-bytes")
 PEERS = ("webdataset", "mds", "litdata")
 OURS = ("datapipe", "datapipe-zstd")
 
@@ -162,6 +168,119 @@ def _read_write(part: tuple[list[str], str]) -> int:
     finally:
         os.close(sink)
     return total
+
+
+_ZEROS = memoryview(bytes(1024))
+
+
+def _read_tar(part: tuple[list[str], str, int]) -> int:
+    """The pack floor of one process: each file of ``paths`` read once (with the
+    read-ahead) into a 4 MiB buffer behind a 512-byte header's room and followed by the
+    zeros that pad it to 512 bytes (a tar's bytes; what a header says costs a packer
+    nothing the floor should leave out), written a buffer at a time into files named
+    ``<out>-<n>``, a new one once ``shard_bytes`` are written, each ended by a tar's two
+    zero blocks; every file fsync'd once all are written (the cheapest order: no write
+    waits on the disk). Returns the bytes read."""
+    paths, out, shard_bytes = part
+    buf = bytearray(1 << 22)  # a multiple of 512: a file's padding always fits after it
+    view = memoryview(buf)
+    fill = total = in_file = shards = 0
+    sink = -1
+    written: list[int] = []
+
+    def flush() -> None:
+        nonlocal fill, in_file
+        os.write(sink, view[:fill])
+        in_file += fill
+        fill = 0
+
+    def start() -> None:
+        nonlocal sink, shards, in_file
+        sink = os.open(f"{out}-{shards:03d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        shards, in_file = shards + 1, 0
+
+    def end() -> None:
+        nonlocal fill, sink
+        if fill + len(_ZEROS) > len(buf):
+            flush()
+        view[fill : fill + len(_ZEROS)] = _ZEROS
+        fill += len(_ZEROS)
+        flush()
+        written.append(sink)
+        sink = -1
+
+    start()
+    try:
+        for fd in _opened_ahead(paths, AHEAD):
+            if in_file + fill >= shard_bytes:
+                end()
+                start()
+            if fill + 512 > len(buf):
+                flush()
+            fill += 512
+            size = 0
+            while True:
+                if fill == len(buf):
+                    flush()
+                n = os.readv(fd, [view[fill:]])
+                fill += n
+                size += n
+                if not n or fill < len(buf):
+                    break
+            pad = -size % 512
+            view[fill : fill + pad] = _ZEROS[:pad]
+            fill += pad
+            total += size
+        end()
+        for fd in written:
+            os.fsync(fd)
+    finally:
+        for fd in [*written, sink] if sink >= 0 else written:
+            os.close(fd)
+    return total
+
+
+def _list_read_tar(part: tuple[list[str], str, int]) -> tuple[int, int, int]:
+    """One process of the pack floor over whole folders: their files listed (names only),
+    then :func:`_read_tar`. Returns (samples, files, bytes read)."""
+    folders, out, shard_bytes = part
+    samples = [s for folder in folders for s in list_samples(folder)]
+    paths = [p for _, files in samples for _, p in files]
+    return len(samples), len(paths), _read_tar((paths, out, shard_bytes))
+
+
+def _pack_floor(src: str, workers: int, dest: str, shard_bytes: int) -> dict[str, Any]:
+    """``floor-np-pack``: the listing on the clock, in the N processes when the files lie in
+    top folders (each process lists and packs a contiguous run of them, as datapipe's
+    listing hands out folders), else here; then :func:`_read_tar` in each process."""
+    import multiprocessing as mp
+
+    os.makedirs(dest, exist_ok=True)
+    t0 = time.perf_counter()
+    entries = sorted(os.scandir(src), key=lambda e: e.name)
+    folders = [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+    if len(folders) >= workers > 1 and not any(e.is_file() for e in entries):
+        tasks = [(part, os.path.join(dest, f"floor-{i:03d}"), shard_bytes)
+                 for i, part in enumerate(_slices(folders, workers))]
+        with mp.get_context("fork").Pool(len(tasks)) as pool:
+            done = pool.map(_list_read_tar, tasks)
+        samples, files, nbytes = (sum(x) for x in zip(*done))
+        list_s = None  # on the clock, in the processes
+    else:
+        listed = list_samples(src)
+        list_s = time.perf_counter() - t0
+        paths = [p for _, fs in listed for _, p in fs]
+        tasks_p = [(part, os.path.join(dest, f"floor-{i:03d}"), shard_bytes)
+                   for i, part in enumerate(_slices(paths, workers))]
+        with mp.get_context("fork").Pool(len(tasks_p)) as pool:
+            nbytes = sum(pool.map(_read_tar, tasks_p))
+        samples, files, tasks = len(listed), len(paths), tasks_p
+    seconds = time.perf_counter() - t0
+    out: dict[str, Any] = {"seconds": seconds, "samples": samples, "files": files, "input_bytes": nbytes,
+                           "out_bytes": _tree_bytes(dest), "processes": len(tasks)}
+    if list_s is not None:
+        out["list_seconds"] = list_s
+    return out
 
 
 def _read_plain(paths: list[str]) -> int:
@@ -387,6 +506,7 @@ def measure(system: str, src: str, dest: str, shard_bytes: int, workers: int, wo
         "floor-np": lambda: _floor(src, "floor-np", workers),
         "floor-np-plain": lambda: _floor(src, "floor-np-plain", workers),
         "floor-np-write": lambda: _floor(src, "floor-np-write", workers, dest),
+        "floor-np-pack": lambda: _pack_floor(src, workers, dest, shard_bytes),
         "floor-1p": lambda: _floor(src, "floor-1p", 1),
         "floor-1p-bytes": lambda: _floor(src, "floor-1p-bytes", 1),
         "datapipe": lambda: _datapipe(src, dest, shard_bytes, workers, None),

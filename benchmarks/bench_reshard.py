@@ -8,7 +8,11 @@ reshard. A floor row times the disk alone at datapipe's parallelism: each rank w
 quarter of the unique bytes with ``io_threads`` threads, one new file each, and fsyncs
 them; the bytes are the rank's state bytes in touched memory, as the systems write them
 (a ``bytes(n)`` of zeros is the kernel's one zero page, read from cache), and the floor
-takes its turn in each round like a system, its files deleted after it as theirs are.
+takes its turn in each round like a system, its files deleted after it as theirs are. The
+floor fsyncs its files and no folder, so it is below any durable commit: datapipe also
+makes each rank's chunk folder durable, publishes a part per rank, and rank 0 syncs the
+shared folders once and writes the parts index, manifest and ``latest``
+(``device_flushes_per_save`` counts the difference).
 DCP runs twice: at its defaults (``dcp``: one writer thread per
 rank) and at datapipe's setting (``dcp_threads``: ``FileSystemWriter(thread_count=4)``,
 datapipe's ``io_threads``). Each round saves and loads with every system, each going

@@ -191,210 +191,63 @@ def node_tier(work: str, node: int) -> str:
     return os.path.join(work, f"node{node}", "ckpt")
 
 
-def _local_steps(tier_url: str) -> dict[int, dict[int, str]]:
-    """step -> {job rank whose part it is: folder} of the complete steps this node holds
-    (its ranks' own folders and the replicas it keeps), own folders preferred."""
+def _any_checkpoint(work: str, node: int) -> bool:
+    """Whether this node's tier or the remote tier holds a complete step of any world size
+    (a folder of the node's tier is an own or a replica folder of some rank)."""
     from datapipe.checkpoint import list_checkpoints
-    from datapipe.checkpoint.tiers import own_dir, replica_dir
 
-    out: dict[int, dict[int, str]] = {}
-    try:
-        names = sorted(os.listdir(tier_url), key=lambda n: n.startswith("replica"))
-    except FileNotFoundError:
-        return out
-    for name in names:
-        m = re.fullmatch(r"\D+-(\d+)", name)
-        if m is None or name not in (own_dir(int(m.group(1))), replica_dir(int(m.group(1)))):
-            continue  # not a folder of the tier's layout (docs/CHECKPOINT_FORMAT.md, "Tiers")
-        url = os.path.join(tier_url, name)
-        for info in list_checkpoints(url):
-            if info.complete:
-                out.setdefault(info.step, {}).setdefault(int(m.group(1)), url)
-    return out
+    tier = node_tier(work, node)
+    folders = [os.path.join(tier, n) for n in (os.listdir(tier) if os.path.isdir(tier) else [])]
+    return any(info.complete for url in [*folders, os.path.join(work, "remote")] if os.path.isdir(url)
+               for info in list_checkpoints(url))
 
 
-def _restore_plans(infos: list[dict[str, Any]], bad: set[tuple[int, str]]) -> list[dict[str, Any]]:
-    """Every way to load a step, newest step first (a node's full local set before the
-    remote tier), from the gathered listings of every rank. A node-local folder does not
-    say how many ranks saved its step (its manifest's world is 1: the folder's), so the
-    world size is at least one more than the highest rank any node holds a part of (and
-    the remote tier's for that step); a node holding the parts of ranks 0..w-1 can load
-    it. The source checks the parts' own record of their world size before using them."""
-    world_of: dict[int, int] = {}
-    for info in infos:
-        for step, ranks in info["local"].items():
-            world_of[int(step)] = max(world_of.get(int(step), 0), max(ranks) + 1)
-    for step, world in infos[0]["remote"].items():
-        world_of[int(step)] = max(world_of.get(int(step), 0), int(world))
-    plans: list[dict[str, Any]] = []
-    for r, info in enumerate(infos):
-        for step, ranks in info["local"].items():
-            if sorted(ranks) == list(range(world_of[int(step)])) and (int(step), "local") not in bad:
-                plans.append({"step": int(step), "source": "local", "world": world_of[int(step)], "src": r})
-    for step, world in infos[0]["remote"].items():
-        if (int(step), "remote") not in bad:
-            plans.append({"step": int(step), "source": "remote", "world": int(world), "src": 0})
-    # newest step; of one step, a node's local copy first, then the lowest source rank
-    plans.sort(key=lambda p: (-p["step"], p["source"] != "local", p["src"]))
-    return plans
-
-
-def _full_state(plan: dict[str, Any], work: str, node: int) -> tuple[dict[str, Any], dict[str, Any], float]:
-    """On the plan's source rank: the saved state with every sharded tensor whole (model
-    parameters and Adam moments), from this node's folders (each saved rank's part, its
-    boxes joined along dim 0: FSDP's Shard(0)) or from the remote tier (a shared tier's part
-    loads whole); the values that are not tensors; the seconds spent reading."""
+def _target_state(model: Any, opt: Any) -> dict[str, Any]:
+    """What a restore fills in place on this world: the model's DTensors (FSDP2 shards on
+    this world's mesh) and Adam moments of the same layout; the rest of the saved state
+    (param groups, loader state, the save's record) comes from the checkpoint."""
     import torch
-
-    from datapipe.checkpoint import load_checkpoint
-
-    t0 = time.perf_counter()
-    if plan["source"] == "remote":
-        parts = [load_checkpoint(os.path.join(work, "remote"), step=plan["step"], rank=0)]
-    else:
-        where = _local_steps(node_tier(work, node))[plan["step"]]
-        parts = [load_checkpoint(where[r], step=plan["step"], rank=0) for r in range(plan["world"])]
-    read_s = time.perf_counter() - t0
-    saves = {json.dumps(p["drill"], sort_keys=True) for p in parts}
-    if len(saves) != 1:
-        raise RuntimeError(f"step {plan['step']}: the parts on node {node} are of different saves: {sorted(saves)}")
-    if plan["source"] == "local" and parts[0]["drill"]["world"] != plan["world"]:
-        raise RuntimeError(f"step {plan['step']} was saved by {parts[0]['drill']['world']} ranks; node {node} "
-                           f"holds the parts of ranks 0-{plan['world'] - 1} only")
-    model = {k: torch.cat([p["model"][k] for p in parts]) for k in parts[0]["model"]}
-    moments = {(i, k): torch.cat([p["optim"]["state"][i][k] for p in parts])
-               for i, s in parts[0]["optim"]["state"].items() for k in s if k != "step"}
-    meta = {"drill": parts[0]["drill"], "loader": parts[0]["loader"],
-            "param_groups": parts[0]["optim"]["param_groups"],
-            "steps": {str(i): float(s["step"]) for i, s in parts[0]["optim"]["state"].items()}}
-    return {"model": model, "moments": moments}, meta, read_s
-
-
-def _local_of(template: Any, value: Any) -> Any:
-    """This rank's box of ``template`` (a DTensor sharded on dim 0) from ``value``: the box
-    itself (a node-local part) or the whole tensor (cut as DTensor cuts it: torch.chunk)."""
-    import torch
-    import torch.distributed as dist
-
-    local = template.to_local()
-    if tuple(value.shape) == tuple(local.shape):
-        return value
-    if tuple(value.shape) == tuple(template.shape):
-        return torch.chunk(value, dist.get_world_size(), dim=0)[dist.get_rank()]
-    raise RuntimeError(f"a saved tensor of shape {tuple(value.shape)} is neither this rank's box "
-                       f"{tuple(local.shape)} nor the whole {tuple(template.shape)}")
-
-
-def _as_dtensor(template: Any, value: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(_local_of(template, value).clone(), template.device_mesh, template.placements,
-                              run_check=False, shape=template.shape, stride=template.stride())
+    def zeros(p: Any) -> Any:
+        return DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
 
-
-def _put_state(model: Any, opt: Any, tensors: Callable[[str, Any], Any], moment: Callable[[int, str, Any], Any],
-               steps: dict[str, float], param_groups: Any) -> None:
-    """Fill the model's parameters and the optimizer's state, tensor by tensor, in the
-    model's order (the same on every rank: a tensor may come by a collective)."""
-    import torch
-
-    params = dict(model.named_parameters())
-    state = {}
-    with torch.no_grad():
-        for i, (name, p) in enumerate(params.items()):
-            p.to_local().copy_(_local_of(p, tensors(name, p)))
-            state[i] = {"step": torch.tensor(steps[str(i)]),
-                        "exp_avg": _as_dtensor(p, moment(i, "exp_avg", p)),
-                        "exp_avg_sq": _as_dtensor(p, moment(i, "exp_avg_sq", p))}
-    opt.load_state_dict({"state": state, "param_groups": param_groups})
-
-
-def _same_world(tiers: list[Any], plan: dict[str, Any], model: Any, opt: Any, t0: float) -> dict[str, Any] | None:
-    """``restore_checkpoint`` onto the world size that saved the plan's step: each rank's
-    part from its own node, its peer's replica or the remote tier. None when it cannot give
-    that step (it restores only parts saved by the same rank on the same node)."""
-    from datapipe.checkpoint import restore_checkpoint
-    from datapipe.errors import NoCheckpointError
-
-    try:  # every rank gets the same answer: restore_checkpoint agrees on it
-        r = restore_checkpoint(tiers, ranks_per_node=RANKS_PER_NODE, timeout_s=120)
-    except NoCheckpointError:
-        return None
-    if r.step != plan["step"]:
-        return None
-    st = r.state
-    _put_state(model, opt, lambda name, p: st["model"][name], lambda i, k, p: st["optim"]["state"][i][k],
-               {str(i): float(s["step"]) for i, s in st["optim"]["state"].items()}, st["optim"]["param_groups"])
-    return {"step": r.step, "drill": st["drill"], "loader": st["loader"], "source": r.source, "sources": r.sources,
-            "read_s": max(_all_gather_json(r.read_s)), "restore_s": time.perf_counter() - t0,
-            "saved_world": plan["world"], "resharded": False}
-
-
-def _resharded(plan: dict[str, Any], work: str, node: int, model: Any, opt: Any,
-               t0: float) -> dict[str, Any] | None:
-    """The plan's step onto this world: its source rank reads and verifies the parts and
-    makes every sharded tensor whole, which is broadcast; each rank keeps its box. None
-    (on every rank) when the source failed."""
-    import torch
-    import torch.distributed as dist
-
-    rank, world, src = dist.get_rank(), dist.get_world_size(), plan["src"]
-    full: dict[str, Any] = {"model": {}, "moments": {}}
-    meta: dict[str, Any] | None = None
-    read_s, error = 0.0, None
-    if rank == src:
-        try:
-            full, meta, read_s = _full_state(plan, work, node)
-        except Exception as e:  # agreed on below: a source that raised alone would hang the others
-            error = f"{type(e).__name__}: {e}"
-    said = _all_gather_json({"meta": meta, "error": error, "read_s": read_s})[src]
-    if said["error"] is not None:
-        warnings.warn(f"restore: step {plan['step']} from {plan['source']} (rank {src}): {said['error']}; "
-                      "trying the next", RuntimeWarning, stacklevel=2)
-        return None
-    meta = said["meta"]
-
-    def whole(value: Any, template: Any) -> Any:
-        buf = value if rank == src else torch.empty(tuple(template.shape), dtype=template.dtype)
-        dist.broadcast(buf, src)
-        return buf
-
-    _put_state(model, opt, lambda name, p: whole(full["model"].get(name), p),
-               lambda i, k, p: whole(full["moments"].get((i, k)), p), meta["steps"], meta["param_groups"])
-    return {"step": plan["step"], "drill": meta["drill"], "loader": meta["loader"], "source": plan["source"],
-            "sources": [plan["source"]] * world, "read_s": said["read_s"], "restore_s": time.perf_counter() - t0,
-            "saved_world": plan["world"], "resharded": True, "src": src}
+    return {"model": model.state_dict(),
+            "optim": {"state": {i: {"step": torch.zeros(()), "exp_avg": zeros(p), "exp_avg_sq": zeros(p)}
+                                for i, p in enumerate(model.parameters())}}}
 
 
 def restore(work: str, node: int, tiers: list[Any], model: Any, opt: Any) -> dict[str, Any] | None:
-    """Restore the newest checkpoint onto this world: ``restore_checkpoint`` when it was
-    saved by this world size, else resharded (see :func:`_resharded`). Every rank calls
-    this at once; None when there is no checkpoint at all, an error when checkpoints exist
-    and none loads. Returns the loader state, the save's record and where it came from."""
-    import torch.distributed as dist
+    """Restore the newest checkpoint onto this world, whatever world size saved it: one
+    ``restore_checkpoint(reshard=True, into=...)`` (node 1's parts from the replicas node 0
+    keeps, or the remote tier; a part no rank of a node can read sent by one that holds it).
+    Every rank calls this at once; None when there is no checkpoint at all, an error when
+    checkpoints exist and none loads. Returns the loader state, the save's record and where
+    it came from."""
+    import torch
 
-    from datapipe.checkpoint import list_checkpoints
+    from datapipe.checkpoint import restore_checkpoint
+    from datapipe.errors import NoCheckpointError
 
     t0 = time.perf_counter()
-    remote = {} if dist.get_rank() else {str(i.step): i.world_size for i in
-                                         list_checkpoints(os.path.join(work, "remote")) if i.complete}
-    mine = {"local": {str(s): sorted(r) for s, r in _local_steps(node_tier(work, node)).items()}, "remote": remote}
-    infos = _all_gather_json(mine)
-    seen = sorted({int(s) for info in infos for s in info["local"]} | {int(s) for s in infos[0]["remote"]})
-    if not seen:
-        return None
-    bad: set[tuple[int, str]] = set()
-    while plans := _restore_plans(infos, bad):
-        plan = plans[0]
-        got = _same_world(tiers, plan, model, opt, t0) if plan["world"] == dist.get_world_size() else None
-        if got is None:
-            got = _resharded(plan, work, node, model, opt, t0)
-        if got is not None:
-            return got
-        bad.add((plan["step"], plan["source"]))
-    # checkpoints exist and none loads: starting afresh would look like a restore
-    raise RuntimeError(f"no checkpoint step is whole on any node or in the remote tier (steps seen: {seen}; "
-                       f"tried: {sorted(bad)}): nothing to resume from; see the warnings above")
+    try:
+        r = restore_checkpoint(tiers, ranks_per_node=RANKS_PER_NODE, reshard=True, into=_target_state(model, opt),
+                               timeout_s=120)
+    except NoCheckpointError as e:
+        if not any(_all_gather_json(_any_checkpoint(work, node))):
+            return None
+        # checkpoints exist and none loads: starting afresh would look like a restore
+        raise RuntimeError(f"no checkpoint step is whole on any node or in the remote tier: nothing to resume "
+                           f"from ({e})") from e
+    st = r.state
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.to_local().copy_(st["model"][name].to_local())
+    opt.load_state_dict({"state": st["optim"]["state"], "param_groups": st["optim"]["param_groups"]})
+    return {"step": r.step, "drill": st["drill"], "loader": st["loader"], "source": r.source, "sources": r.sources,
+            "read_s": max(_all_gather_json(r.read_s)), "restore_s": time.perf_counter() - t0,
+            "saved_world": r.saved_world_size, "resharded": r.resharded}
 
 
 class _Control:

@@ -22,7 +22,12 @@
 - node_stats.py: counters of every process using one warm directory;
 - lockfds.py: the descriptors this process holds flocks through, closed in a forked child
   (a DataLoader worker forked mid-download must not keep its parent's locks);
-- report.py: what ``datapipe cache stats DIR...`` shows, per directory and per tier.
+- report.py: what ``datapipe cache stats DIR...`` shows, per directory and per tier;
+- folder_check.py: the one check of a folder tier (write, fsync, read back, time, free
+  space against budget: `check_folder`), for ``datapipe doctor``, a cache opening its tiers
+  and a checkpoint writer starting; deadline.py: calls on a tier's folder that give up
+  after a deadline (a hung mount costs a bounded stall);
+- rates.py: each tier's read rate over a window, the rule that takes a slow tier out.
 
 Imports: storage, errors, checksum, options. It knows no tar, no dataset, no loader.
 """
@@ -33,7 +38,9 @@ from typing import TYPE_CHECKING, Any
 from .._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from .deadline import Deadline
     from .eviction import Schedule, belady_hits, lru_hits
+    from .folder_check import PROBE_PREFIX, START_PROBE_BYTES, FolderCheck, check_folder, check_folder_within
     from .report import cache_report, format_tiers
     from .settings import CacheTier
     from .settings import Tier as Tier  # deprecated: CacheTier
@@ -54,6 +61,12 @@ __all__ = [
     "cache_report",
     "format_tiers",
     "is_shared_dir",
+    "check_folder",
+    "check_folder_within",
+    "Deadline",
+    "FolderCheck",
+    "PROBE_PREFIX",
+    "START_PROBE_BYTES",
 ]
 
 #: public name -> the submodule that defines it, imported on first use: ``datapipe cache
@@ -61,11 +74,13 @@ __all__ = [
 _WHERE = {"TieredCache": "tiered", "CacheTier": "settings", "Schedule": "eviction", "belady_hits": "eviction",
           "lru_hits": "eviction", "warm_dir_stats": "warm", "clear_warm_dir": "warm",
           "shared_dir_stats": "shared", "clear_shared_dir": "shared", "is_shared_dir": "shared",
-          "cache_report": "report", "format_tiers": "report"}
+          "cache_report": "report", "format_tiers": "report", "check_folder": "folder_check",
+          "check_folder_within": "folder_check", "Deadline": "deadline",
+          "FolderCheck": "folder_check", "PROBE_PREFIX": "folder_check", "START_PROBE_BYTES": "folder_check"}
 
 #: the submodules the eager imports bound (`datapipe.cache.warm.url_key`)
-_SUBMODULES = frozenset({"cold", "eviction", "future", "hot", "lockfds", "node_stats", "pacing", "report", "shared",
-                         "tiered", "warm"})
+_SUBMODULES = frozenset({"cold", "deadline", "eviction", "folder_check", "future", "hot", "lockfds", "node_stats",
+                         "pacing", "report", "shared", "tiered", "warm"})
 
 _getattr, __dir__ = lazy_exports(__name__, globals(), _WHERE, _SUBMODULES)
 

@@ -19,6 +19,7 @@ from typing import cast
 from ..checksum import checksum as compute_checksum
 from ..errors import CacheBudgetError, DatapipeError, ObjectChangedError, StorageError
 from .cold import CHANGE_RESTARTS, ColdReader, SizeChanged
+from .deadline import timed_out
 from .hot import Room
 from .tier import Count, DirTier, Route, Warn
 from .warm import BROKEN_DIR_ERRNOS, DISK_FULL_ERRNOS, WarmDir, url_key
@@ -134,7 +135,7 @@ class LocalTier(DirTier):
                 data = None
                 try:
                     data = route.fetch(url, checksum, fixed_size=size)
-                    pinned = res.write_and_publish(data, checksum or compute_checksum(data), pin=pin)
+                    pinned = self.publish(res, data, checksum or compute_checksum(data), url, pin=pin)
                 except SizeChanged:
                     res.abort()
                     resized += 1
@@ -144,6 +145,11 @@ class LocalTier(DirTier):
                             "rewriting it while it is read, or retry later") from None
                     continue  # reserve room for the size it has now
                 except OSError as e:
+                    if timed_out(e) and data is not None:  # abandoned: it ends (or aborts) on its own
+                        if pin and not read_through:
+                            raise StorageError(f"cannot keep a local copy of {url}: {e}") from e
+                        self.count_event("not_admitted")
+                        return data
                     res.abort()
                     if isinstance(e, DatapipeError) or data is None:
                         raise
@@ -183,3 +189,4 @@ class LocalTier(DirTier):
             f"pinned ({mine} pin(s) held by this process), the rest downloading. Every "
             f"process's pins must fit at once: raise warm_bytes to at least {pinned + size}, "
             "or release pins before taking new ones")
+

@@ -49,6 +49,9 @@ class Settings(Protocol):
     cold_concurrency: int
     local_tiers: tuple[CacheTier, ...]
     tier_retry_s: float
+    tier_deadline_s: float | None
+    tier_min_mb_s: float | None
+    tier_window_bytes: int
 
 
 def check_local_tiers(local_tiers: Any, warm_dir: object) -> tuple[CacheTier, ...]:

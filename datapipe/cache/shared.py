@@ -39,6 +39,7 @@ from ..checksum import checksum as compute_checksum
 from ..errors import DatapipeError, ObjectChangedError, StorageError
 from ..storage import MAX_LEASE_BYTES, SharedFileLease
 from .cold import CHANGE_RESTARTS, ColdReader, SizeChanged
+from .deadline import timed_out
 from .lockfds import open_lock
 from .tier import Count, DirTier, Route, Warn
 from .warm import (
@@ -366,8 +367,10 @@ class SharedTier(DirTier):
                 raise
             self.dir.note_cold_get(key)
             try:
-                res.write_and_publish(data, checksum or compute_checksum(data))
+                self.publish(res, data, checksum or compute_checksum(data), url)
             except OSError as e:
+                if timed_out(e):  # abandoned (it ends, or aborts, on its own): the bytes served
+                    return data, "cold"
                 res.abort()
                 if isinstance(e, DatapipeError):
                     raise

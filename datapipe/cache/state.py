@@ -16,6 +16,8 @@ from typing import Any
 from ..errors import DatapipeError, StorageError
 from ..telemetry import Telemetry
 from .cold import ColdReader
+from .deadline import Deadline
+from .folder_check import START_CHECK_DEADLINE_S, check_folder_within
 from .future import FutureBoard
 from .hot import HotTier, Room, Turns
 from .node_stats import CounterFile, CounterFlusher
@@ -91,7 +93,9 @@ class ProcessState:
         # Pin waits sleep on `room`: this process's releases, fills and discards notify it.
         self.room = Room()
         self.closed = False
-        self.tiers = Tiers(self.cold, self.stats.update, warn=self.warn, retry_s=s.tier_retry_s, give_up=self._give_up)
+        self.deadline = Deadline(s.tier_deadline_s)
+        self.tiers = Tiers(self.cold, self.stats.update, warn=self.warn, retry_s=s.tier_retry_s, give_up=self._give_up,
+                           deadline=self.deadline, min_mb_s=s.tier_min_mb_s, window_bytes=s.tier_window_bytes)
         self.counters: CounterFlusher | None = None
         if s.warm_dir is not None:
             try:
@@ -135,6 +139,9 @@ class ProcessState:
             except OSError as e:
                 self.warn("shared-init", f"shared cache {s.shared_dir} unusable ({e}); reading through to the "
                           "cold tier")
+        for dir_tier in self._dir_tiers():
+            dir_tier.io, dir_tier.hung = self.deadline, self.tiers.hung
+            self._check_at_open(dir_tier)
         if warm is not None:
             try:  # node-wide counters: this process's share, written to the warm dir
                 counter_file = CounterFile(warm.root)
@@ -147,6 +154,32 @@ class ProcessState:
             except OSError as e:
                 self.warn("stats-init", f"cache counters cannot be kept in {s.warm_dir} ({e}); node-wide "
                           "stats will miss this process")
+
+    def _dir_tiers(self) -> list[DirTier]:
+        tiers: list[DirTier] = [] if self.tiers.warm is None else [self.tiers.warm]
+        tiers.extend(self.tiers.lower)
+        if self.tiers.shared is not None:
+            tiers.append(self.tiers.shared)
+        return tiers
+
+    def _check_at_open(self, tier: DirTier) -> None:
+        """The doctor's check of a folder (``folder_check.check_folder``), cheap: a probe of
+        ``START_PROBE_BYTES`` written, fsync'd, read back and removed, free space against the
+        budget, under the deadline. A tier that fails it is out of the path from the start
+        (one warning naming it and the fix; probed back as any tier out), never an error:
+        the tiers below serve. A budget the disk cannot hold is a warning."""
+        what = "node-local" if tier in self.tiers.lower else tier.name
+        seconds = self.deadline.seconds if self.deadline.seconds is not None else START_CHECK_DEADLINE_S
+        check = check_folder_within(tier.dir.root, seconds, budget_bytes=tier.dir.budget, used=tier.dir.usage)
+        problem, failed = check.problem, check.failed
+        if failed:
+            self.tiers.take_out(tier, OSError(problem))
+            self.warn(f"{tier.name}_broken", f"{what} cache {tier.dir.root} fails the check at open ({problem}): "
+                      "taken out of the path, reads go through to the tiers below it; probed again every "
+                      f"{self.tiers.retry_s:g} s and taken back when it answers. Fix the folder, or point "
+                      "the tier elsewhere (`datapipe doctor` checks it)")
+        elif problem:
+            self.warn(f"{tier.name}_budget", f"{what} cache {tier.dir.root}: {problem}")
 
     def set_telemetry(self, telemetry: Telemetry | None) -> None:
         """Record this process's reads, hits, misses, broken tiers, retries and throttled
@@ -290,6 +323,7 @@ class ProcessState:
         if self.prefetcher is not None:
             self.prefetcher.join(timeout=5)
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.deadline.close()
         self.cold.close()
         if self.counters is not None:
             self.counters.close()

@@ -20,12 +20,15 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from ..errors import DatapipeError
 from .cold import ColdReader
+from .deadline import Deadline, timed_out
 from .eviction import VictimChooser
-from .warm import BROKEN_DIR_ERRNOS, WarmDir, url_key
+from .rates import ReadRate
+from .warm import BROKEN_DIR_ERRNOS, Reservation, WarmDir, url_key
 
 __all__ = ["DirTier", "Lookup", "MISSING", "KEPT", "Route", "Count", "Warn", "telemetry_tier"]
 
@@ -97,6 +100,16 @@ class DirTier:
         self.retry_at: float | None = None
         #: the error that took the tier out, for the messages
         self.out_error = ""
+        #: out because its reads ran below the floor (not failed); back on trial after a
+        #: probe passes, until its next window of reads is judged (walk.py)
+        self.out_slow = False
+        self.on_trial = False
+        #: its read window (walk.py ``Tiers.rate``)
+        self.rate: ReadRate | None = None
+        #: where calls on its folder that may hang run, under the cache's deadline, and
+        #: what takes the tier out when one is abandoned (the walk's ``Tiers.hung``)
+        self.io = Deadline(None)
+        self.hung: Callable[[DirTier, OSError], None] | None = None
 
     def path(self, url: str) -> str:
         return self.dir.path(url_key(url))
@@ -137,6 +150,19 @@ class DirTier:
         it is gone from the path, False when it stays (another process holds it pinned)."""
         return self.dir.discard(url_key(url), fd)
 
+    def publish(self, res: Reservation, data: bytes, digest: str, url: str, *, pin: bool = False) -> int | None:
+        """Write and publish a fill's reservation under the deadline (``io``): a write to a
+        hung mount is abandoned (an ``OSError``, ``ETIMEDOUT``: the caller serves the bytes
+        and the tier is out, through ``hung``), and ends, or aborts, on its own when the
+        filesystem answers; a pin it took then is closed."""
+        try:
+            return self.io.call(partial(_publish, res, data, digest, pin), what=f"{self.name} cache "
+                                f"{self.dir.root}: writing {url}", abandon=_close_fd)
+        except OSError as e:
+            if timed_out(e) and self.hung is not None:
+                self.hung(self, e)
+            raise
+
     # -- what the interface rests on ------------------------------------------------------
     def verify(self, url: str, fd: int, checksum: str | None, *, want_bytes: bool = True) -> bytes | None:
         """The copy open at ``fd``, verified (``WarmDir.read_verified``; without a fill record,
@@ -162,6 +188,8 @@ class DirTier:
         """Whether ``e`` says the directory itself failed (gone, unwritable): then it is
         repaired or given up (``repair``), or passed over with a warning, and the caller
         reads through to the tiers below."""
+        if timed_out(e):  # abandoned past the deadline: the walk took the tier out already
+            return self.retry_at is not None
         if self.repair is not None:
             return self.repair(e)
         if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS:
@@ -200,3 +228,17 @@ class DirTier:
     def count_event(self, what: str, n: int = 1) -> None:
         """``<tier>_<what>``: fills, evictions, not_admitted, waits, takeovers, ..."""
         self.count({f"{self.name}_{what}": n})
+
+
+def _publish(res: Reservation, data: bytes, digest: str, pin: bool) -> int | None:
+    """Publish a reservation; one that fails is aborted here (its caller may have gone)."""
+    try:
+        return res.write_and_publish(data, digest, pin=pin)
+    except BaseException:
+        res.abort()
+        raise
+
+
+def _close_fd(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)

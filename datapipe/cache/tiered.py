@@ -42,11 +42,13 @@ from ..options import (
 from ..storage import RetryPolicy, Store
 from ..telemetry import Telemetry
 from .cold import CHANGE_RESTARTS, checksum_ok
+from .deadline import DEFAULT_TIER_DEADLINE_S
 from .eviction import NextUses, Schedule, VictimChooser, choose_victims
 from .future import MergedFuture, future_key
 from .node_stats import COUNTER_KEYS, FLUSH_INTERVAL_S, sum_counter_files
 from .nodelocal import LocalTier
 from .pacing import DEFAULT_CEILING
+from .rates import DEFAULT_TIER_MIN_MB_S, DEFAULT_TIER_WINDOW_BYTES
 from .settings import CacheTier, check_local_tiers, refuse_shared_folders
 from .shared import DEFAULT_LEASE_TIMEOUT_S, DEFAULT_SHARED_WAIT_S
 from .state import ProcessState
@@ -104,6 +106,19 @@ class TieredCache:
     to the tiers below it, writes skip it; every ``tier_retry_s`` seconds a read probes it
     (an unnamed file written, fsync'd and read back) and the first probe that passes takes
     it back, with one message (counters ``<tier>_outs``, ``<tier>_backs``).
+    ``tier_deadline_s`` (None: no deadline): a read or write of a directory tier that
+    does not answer in that time (a hung mount, a lock never released) is abandoned, the
+    read served from the tiers below, and the tier taken out the same way (``<tier>_hung``).
+    ``tier_min_mb_s`` (None: off): a directory tier whose reads, over a window of
+    ``tier_window_bytes`` in at least four reads of 64 KiB or more, run below that many MB/s
+    (10^6 bytes; 50 by default: a healthy disk reads hundreds, an NVMe thousands) is
+    taken out the same way, with one warning naming it, its rate and the floor, unless the
+    tier that would serve in its place measured slower still (``<tier>_slow_kept``); when
+    its probe passes it is on trial, back in the path for good (one message) once a window
+    of its reads runs at the floor again. Each process checks each directory tier once as
+    it opens them (the doctor's check, ``datapipe.cache.check_folder``: 16 KiB written,
+    fsync'd, read back and removed, free space against the budget, a few ms per tier): one
+    that fails is out of the path from the start, with a warning naming it and the fix.
 
     Errors: ObjectNotFoundError (no object at the URL), RemoteError (retries exhausted),
     ChecksumError (a fill failed its checksum twice), CacheBudgetError (an object larger
@@ -134,6 +149,9 @@ class TieredCache:
         local_tiers: Sequence[CacheTier] = (),
         telemetry: Telemetry | None = None,
         tier_retry_s: float = DEFAULT_TIER_RETRY_S,
+        tier_deadline_s: float | None = DEFAULT_TIER_DEADLINE_S,
+        tier_min_mb_s: float | None = DEFAULT_TIER_MIN_MB_S,
+        tier_window_bytes: int = DEFAULT_TIER_WINDOW_BYTES,
     ) -> None:
         B = CacheOptionError  # a budget's error is a CacheBudgetError too
         hot_bytes, warm_bytes = check_bytes("hot_bytes", hot_bytes, error=B), check_bytes("warm_bytes", warm_bytes,
@@ -160,6 +178,14 @@ class TieredCache:
                                        hint="a number of seconds > 0")
         tier_retry_s = check_float("tier_retry_s", tier_retry_s, min=0, max=1e9,
                                    hint="seconds between probes of a tier out of the path, >= 0")
+        if tier_deadline_s is not None:
+            tier_deadline_s = check_float("tier_deadline_s", tier_deadline_s, min=0, min_open=True, max=1e6,
+                                          hint="seconds a read or write of a directory tier may take, > 0, or None")
+        if tier_min_mb_s is not None:
+            tier_min_mb_s = check_float("tier_min_mb_s", tier_min_mb_s, min=0, max=1e9,
+                                        hint="the MB/s below which a directory tier is slow, >= 0, or None")
+        tier_window_bytes = check_bytes("tier_window_bytes", tier_window_bytes, min=1, error=CacheOptionError,
+                                        hint="the bytes of reads a tier's rate is judged over")
         cold_concurrency = check_int("cold_concurrency", cold_concurrency, min=1, max=MAX_COUNT,
                                      hint="requests in flight to one prefix of a remote cold store")
         prefetch_threads = check_int("prefetch_threads", prefetch_threads, min=1, max=MAX_PREFETCH_THREADS)
@@ -190,6 +216,9 @@ class TieredCache:
         self.cold_concurrency = cold_concurrency
         self.local_tiers = tiers
         self.tier_retry_s = float(tier_retry_s)
+        self.tier_deadline_s = None if tier_deadline_s is None else float(tier_deadline_s)
+        self.tier_min_mb_s = None if tier_min_mb_s is None else float(tier_min_mb_s)
+        self.tier_window_bytes = tier_window_bytes
         self._telemetry = telemetry
         self.schedule: Schedule[str] | None = None
         self._warm_urls: tuple[Schedule[str], dict[str, str]] | None = None  # warm file name -> URL
@@ -384,7 +413,7 @@ class TieredCache:
         fails it is dropped and filled again, or, pinned by another process, read around.
         The copy is trusted as read() trusts it: verified whole (hashed once while its
         identity holds, so later ranges cost one pread), else refused and filled again."""
-        found = warm.lookup(url, None, want_bytes=False, keep=True)
+        found = state.tiers.lookup(warm, url, None, want_bytes=False, keep=True)
         kept = found.kept
         fd = found.fd
         if fd is not None:
@@ -474,7 +503,7 @@ class TieredCache:
         route = state.tiers.route(warm, self._dir_chooser(url, index, force=not read_through))
         for _attempt in (0, 1, 2):
             try:
-                found = warm.lookup(url, checksum, want_bytes=False, keep=True)
+                found = state.tiers.lookup(warm, url, checksum, want_bytes=False, keep=True)
                 fd = found.fd
                 if found.kept:  # a corrupt copy pinned elsewhere
                     return self._pinned_elsewhere(state, url, checksum, index, caller, read_through)

@@ -13,22 +13,35 @@ an I/O error) is taken out of the path (:meth:`Tiers.take_out`): the walk passes
 read waits on it, and every ``retry_s`` seconds the next walk probes it (``DirTier.probe``:
 an unnamed file written, fsync'd and read back in each of its folders); the first probe
 that passes takes it back (:meth:`Tiers.in_path`), with one message.
+
+Two more reasons take a tier out the same way. A read that does not answer within the
+deadline (``tier_deadline_s``: a hung mount, a lock never released) is abandoned
+(deadline.py), served from the tiers below, and the tier goes out (one warning); its probe
+runs under the same deadline, so a mount still hung costs each later probe at most that.
+A tier whose reads over a window run below the floor (``tier_min_mb_s``, rates.py) goes
+out with one warning naming the tier, its rate and the floor; when its probe passes it is
+back on trial, judged on its next window: slow still, out again (no new warning); at or
+above the floor, back in the path, with one message.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from ..errors import StorageError
 from ..telemetry import Telemetry
 from .cold import ColdReader, SizeChanged
+from .deadline import Deadline, timed_out
 from .eviction import VictimChooser
 from .nodelocal import LocalTier
+from .rates import DEFAULT_TIER_WINDOW_BYTES, ReadRate
 from .shared import SharedTier
-from .tier import Count, DirTier, Warn
+from .tier import Count, DirTier, Lookup, Warn
 
 __all__ = ["Tiers", "TOP", "WARM_RANK", "DEFAULT_TIER_RETRY_S"]
 
@@ -44,11 +57,19 @@ class Tiers:
     stay, so a walk under way goes on below the place it had."""
 
     def __init__(self, cold: ColdReader, count: Count, *, warn: Warn | None = None,
-                 retry_s: float = DEFAULT_TIER_RETRY_S, give_up: Callable[[DirTier], None] | None = None) -> None:
+                 retry_s: float = DEFAULT_TIER_RETRY_S, give_up: Callable[[DirTier], None] | None = None,
+                 deadline: Deadline | None = None, min_mb_s: float | None = None,
+                 window_bytes: int = DEFAULT_TIER_WINDOW_BYTES) -> None:
         self.cold = cold
         self.count = count
         self.warn = warn
         self.retry_s = retry_s
+        #: every call on a tier's folder that may hang (lookups, writes, probes) goes through it
+        self.deadline = deadline if deadline is not None else Deadline(None)
+        #: the floor of a directory tier's read rate, MB/s (None: never judged slow)
+        self.min_mb_s = min_mb_s
+        self.window_bytes = window_bytes
+        self.cold_rate = ReadRate(window_bytes)
         #: what to do with a tier whose re-created folder would be someone else's (the
         #: process state's ``give_up``)
         self.give_up = give_up
@@ -79,13 +100,16 @@ class Tiers:
         warm = self.warm
         return warm if warm is not None and self.in_path(warm) else None
 
-    def take_out(self, tier: DirTier, e: OSError) -> None:
-        """Take ``tier`` out of the path after ``e`` (its probe failed too): counted as
-        ``<tier>_outs``, probed again in ``retry_s`` seconds."""
+    def take_out(self, tier: DirTier, e: OSError | str) -> None:
+        """Take ``tier`` out of the path after ``e`` (its probe failed too, a read hung, or,
+        given as text, why it is slow): counted as ``<tier>_outs``, probed again in
+        ``retry_s`` seconds."""
         with self._out_lock:
-            if tier.retry_at is None:
+            if tier.retry_at is None and not tier.on_trial:
                 tier.count_event("outs")
-            tier.out_error = f"{type(e).__name__}: {e}"
+            tier.out_error = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+            tier.out_slow = isinstance(e, str)
+            tier.on_trial = False
             tier.retry_at = time.monotonic() + self.retry_s
 
     def in_path(self, tier: DirTier) -> bool:
@@ -104,11 +128,12 @@ class Tiers:
             if time.monotonic() < at:
                 return False
             try:
-                tier.probe()
+                self.deadline.call(tier.probe, what=f"{tier.name} cache {tier.dir.root}: a probe")
             except OSError as e:
                 tier.retry_at = time.monotonic() + self.retry_s
                 tier.count_event("probes_failed")
                 tier.out_error = f"{type(e).__name__}: {e}"
+                tier.out_slow = False
                 return False
             except StorageError:  # its path is someone else's folder now: never touched again
                 tier.retry_at = float("inf")
@@ -116,6 +141,11 @@ class Tiers:
             else:
                 given_up = False
                 tier.retry_at = None
+                if tier.out_slow:  # it answers: judged on its next window of reads
+                    tier.on_trial, tier.out_slow = True, False
+                    self.rate(tier).reset()
+                    tier.count_event("trials")
+                    return True
                 tier.count_event("backs")
         if given_up:
             if self.give_up is not None:
@@ -125,6 +155,82 @@ class Tiers:
             self.warn(f"{tier.name}_back", f"{tier.name} cache {tier.dir.root} answers again (a probe was "
                       f"written, fsync'd and read back; it was out after {tier.out_error}): back in the path")
         return True
+
+    def rate(self, tier: DirTier) -> ReadRate:
+        """``tier``'s read window (see rates.py)."""
+        if tier.rate is None:
+            tier.rate = ReadRate(self.window_bytes)
+        return tier.rate
+
+    def lookup(self, tier: DirTier, url: str, checksum: str | None, *, want_bytes: bool = True,
+               keep: bool = False) -> Lookup:
+        """``tier.lookup`` under the deadline, its bytes and seconds measured for the rule
+        against slow tiers. A lookup that does not answer in time takes the tier out (one
+        warning) and raises the ``OSError`` (``ETIMEDOUT``) that ``DirTier.broken`` passes
+        over; the abandoned lookup closes the pin it opens when it answers at last."""
+        t0 = time.perf_counter()
+        try:
+            found = self.deadline.call(partial(tier.lookup, url, checksum, want_bytes=want_bytes, keep=keep),
+                                       what=f"{tier.name} cache {tier.dir.root}: a read of {url}",
+                                       abandon=_close_pin)
+        except OSError as e:
+            if timed_out(e):
+                self.hung(tier, e)
+            raise
+        if found.data:
+            self.measured(tier, len(found.data), time.perf_counter() - t0)
+        return found
+
+    def hung(self, tier: DirTier, e: OSError) -> None:
+        """A call on ``tier``'s folder gave no answer within the deadline: out of the path."""
+        tier.count_event("hung")
+        if self.telemetry is not None:
+            self.telemetry.error(tier.telemetry_name)
+        self.take_out(tier, e)
+        if self.warn is not None:
+            self.warn(f"{tier.name}_hung", f"{tier.name} cache {tier.dir.root} does not answer ({e}): the call is "
+                      "abandoned and the read served from the tiers below it; taken out of the path, probed again "
+                      f"every {self.retry_s:g} s (each probe waits at most {self.deadline.seconds:g} s) and "
+                      "taken back when it answers. Check the mount (a dead NFS server, a stuck disk)")
+
+    def measured(self, tier: DirTier, nbytes: int, seconds: float) -> None:
+        """One read of ``tier`` (``nbytes`` in ``seconds``), for its window; a window that
+        closes below the floor takes the tier out, one on trial back in (see rates.py)."""
+        rate = self.rate(tier).add(nbytes, seconds)
+        if rate is None or self.min_mb_s is None:
+            return
+        floor = self.min_mb_s * 1e6
+        if rate >= floor:
+            if tier.on_trial:
+                with self._out_lock:
+                    back, tier.on_trial = tier.on_trial, False
+                if back:
+                    tier.count_event("backs")
+                    if self.warn is not None:
+                        self.warn(f"{tier.name}_back", f"{tier.name} cache {tier.dir.root} reads at "
+                                  f"{rate / 1e6:.3g} MB/s again (tier_min_mb_s={self.min_mb_s:g}; it was out "
+                                  f"after {tier.out_error}): back in the path")
+            return
+        instead = self._instead(tier)
+        if instead is not None and instead < rate:
+            tier.count_event("slow_kept")  # what would serve in its place is slower still
+            return
+        trial = tier.on_trial
+        why = (f"slow: {rate / 1e6:.3g} MB/s over its last {tier.rate.last_reads if tier.rate else 0} reads, "
+               f"below tier_min_mb_s={self.min_mb_s:g} MB/s")
+        tier.count_event("slow")
+        self.take_out(tier, why)
+        if self.warn is not None and not trial:
+            below = "" if instead is None else f" (the tier below reads at {instead / 1e6:.3g} MB/s)"
+            self.warn(f"{tier.name}_slow", f"{tier.name} cache {tier.dir.root} is {why}{below}: taken out of the "
+                      f"path, reads go through to the tiers below it; probed again every {self.retry_s:g} s and "
+                      f"taken back when its reads run at {self.min_mb_s:g} MB/s or more (a failing disk or a "
+                      "throttled volume? `datapipe doctor` times it; tier_min_mb_s=None turns the rule off)")
+
+    def _instead(self, tier: DirTier) -> float | None:
+        """The last measured rate of what would serve reads in ``tier``'s place."""
+        nxt = self._next(tier.rank)
+        return self.cold_rate.last if nxt is None else self.rate(nxt).last
 
     def _next(self, below: int) -> DirTier | None:
         """The first tier ranked after ``below``, as the tiers are now."""
@@ -141,8 +247,8 @@ class Tiers:
         above counts them as coming from. ``before_fill``: a check to run before a miss
         downloads anything (the hot tier's budget)."""
         tel = self.telemetry
-        t0 = time.perf_counter() if tel is not None else 0.0
-        found = tier.lookup(url, checksum)
+        t0 = time.perf_counter()
+        found = self.lookup(tier, url, checksum)
         if found.data is not None:
             tier.count_hit(len(found.data))
             if tel is not None:
@@ -178,7 +284,9 @@ class Tiers:
                 self.count({f"{into}_from_{origin}": 1})
                 return data
             tier = self._next(tier.rank)
+        t0 = time.perf_counter()
         data = self.cold.fetch(url, checksum, fixed_size=fixed_size, background=background)
+        self.cold_rate.add(len(data), time.perf_counter() - t0)
         self.count({f"{into}_from_cold": 1})
         return data
 
@@ -197,6 +305,11 @@ class Tiers:
                 return size
             tier = self._next(tier.rank)
         return self.cold.size(url)
+
+
+def _close_pin(found: Lookup) -> None:
+    if found.fd is not None:
+        os.close(found.fd)
 
 
 @dataclass(frozen=True)

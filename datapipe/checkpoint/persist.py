@@ -334,9 +334,17 @@ class Persister:
         # the peer link (thread writer with replicate=1): created by the writer before this
         # (its group is a collective, made before any rank can fail opening stores)
         self._link = link
+        self.tiers_out.check_at_start(tiers)
         try:
             for t in tiers:
-                self._targets[t.url] = self._open_targets(t, config.lease_ttl, config.lease_wait)
+                if t is not tiers[0] and t.url in self.tiers_out.out:
+                    continue  # opened by its probe, once it answers
+                try:
+                    self._targets[t.url] = self._open_targets(t, config.lease_ttl, config.lease_wait)
+                except (CheckpointError, StorageError, OSError) as e:
+                    if t is tiers[0]:
+                        raise
+                    self.tiers_out.out_at_start(t.url, f"{type(e).__name__}: {e}")
         except BaseException:
             self.release()
             raise
@@ -347,7 +355,7 @@ class Persister:
         return {tg.store.root: tg.max_step for ts in self._targets.values() for tg in ts if tg.commits}
 
     def roots(self, url: str) -> list[str]:
-        return [tg.store.root for tg in self._targets[url]]
+        return [tg.store.root for tg in self._targets.get(url, ())]
 
     def _open_targets(self, tier: Tier, lease_ttl: float, lease_wait: float) -> list[_Target]:
         """The stores of one tier, their leases taken, in the order a save writes them."""
@@ -488,6 +496,9 @@ class Persister:
         was deleted meanwhile (with its folder) is taken again; one another writer took
         over stays lost. Raises if any of it fails; returns what was done, for the message."""
         took = False
+        if tier.url not in self._targets:  # out from the start: its stores opened, leases taken, now
+            self._targets[tier.url] = self._open_targets(tier, *self._lease_args)
+            took = True
         for tg in self._targets[tier.url]:
             key = f".datapipe-probe-{self.run_id}-{os.getpid()}-{os.urandom(4).hex()}"
             payload = os.urandom(64)
@@ -578,8 +589,16 @@ class Persister:
             self._refuse_used_attempt(tg, step, attempt)
         ranges = chunk_ranges(total, cb)
         chunks = self._write_chunks(tg, step, attempt, view, ranges, known, verify)
-        if chunks:  # the chunks' folder (one for all of them) and the folders above it
-            tg.store.sync_folder(chunks[0]["key"])
+        # In a step of several parts the folders above a rank's chunk folder (the attempt's,
+        # the step's, the root) are every rank's, made durable once by the rank that
+        # commits: after its own chunks (the step's and the attempt's entries exist by then)
+        # and the attempt folder again when every part is in it, before the manifest. The
+        # other ranks sync their chunk folder only and publish their part without a folder
+        # sync: 4 of the 6 directory fsyncs each did were the same ones (each a journal
+        # commit and a device flush), on the path of every save.
+        shared_folders = tg.world_size > 1
+        if chunks:  # the chunks' folder (one for all of them), and above it where this rank syncs those
+            tg.store.sync_folder(chunks[0]["key"], parents=tg.commits or not shared_folders)
         doc = {
             "step": step, "attempt": attempt, "rank": tg.rank,
             "world_size": tg.world_size, "compression": self.compression,
@@ -594,8 +613,8 @@ class Persister:
                 f"step {step}: the part document of rank {tg.rank} would be {len(body)} bytes, "
                 f"more than readers accept ({MAX_PART_BYTES}); the state has too many leaves"
             )
-        tg.store.put(pkey, body)
-        if not chunks:
+        (tg.chunk_store if shared_folders else tg.store).put(pkey, body)
+        if not chunks and (tg.commits or not shared_folders):
             sync_dirs(tg.store, pkey)  # an empty state: the part created the directories
         t1 = time.perf_counter()
         m.update(write_s=t1 - t0, write_gbps=total / (t1 - t0) / 1e9 if t1 > t0 else float("inf"),
@@ -607,8 +626,8 @@ class Persister:
                                       keep_docs=PARTS_INDEX_MAX_BYTES if tg.world_size > 1 else 0)
             index = None
             if docs is not None and tg.world_size > 1:
-                try:
-                    index = write_parts_index(tg.store, step, attempt, parts, docs)
+                try:  # its folder entry synced below, with the parts'
+                    index = write_parts_index(tg.chunk_store, step, attempt, parts, docs)
                 except (OSError, StorageError) as e:  # a copy for speed: the step commits without it
                     for p in parts:
                         p.pop("index_offset", None)
@@ -616,6 +635,8 @@ class Persister:
                                   f"({type(e).__name__}: {e}); committing without it (a load onto another "
                                   "world size reads each part document)", stacklevel=1)
             del docs
+            if shared_folders:  # every part's entry (and its chunk folder's) durable before the manifest
+                tg.store.sync_folder(pkey, parents=False)
             tg.lease.check(f"committing step {step}")  # type: ignore[union-attr]
             write_manifest(tg.store, step, attempt, tg.world_size, parts, tg.origin, index)
             m["committed"] = True

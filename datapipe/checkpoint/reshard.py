@@ -39,7 +39,7 @@ from .leaf import torch_copyable, torch_dtype_from_name
 from .overlap import Copy, GlobalTensor, Piece, plan_copies
 from .step import SavedStep, build_leaf, is_int, leaf_dtype
 
-__all__ = ["load_into", "load_part_full", "run_copies"]
+__all__ = ["fill_into", "load_into", "load_part_full", "parts_overlapping", "run_copies", "whole_state"]
 
 
 def _run_copy(saved: SavedStep, c: Copy) -> int:
@@ -366,8 +366,13 @@ def load_into(store: Store, step: int, manifest: dict[str, Any], into: Any, rank
     """Fill the tensors of ``into`` in place from step ``step`` and return ``into``'s
     structure with every other value taken from the checkpoint (see ``load_checkpoint``)."""
     where = f"checkpoint step {step} at {store.root}"
-    saved = SavedStep(store, step, manifest, where)
-    builder = _StateBuilder(saved, _own_rank(rank), map_location)
+    return fill_into(SavedStep(store, step, manifest, where), into, _own_rank(rank), map_location)
+
+
+def fill_into(saved: SavedStep, into: Any, rank: int, map_location: Any) -> Any:
+    """``into``'s tensors filled in place from ``saved`` (read by overlap), every other value
+    taken from the checkpoint; ``rank``: whose per-rank leaves ``into`` asks for."""
+    builder = _StateBuilder(saved, rank, map_location)
     result = builder.fill(into, (), "")
     run_copies(saved, builder.copies)
     for path, back in builder.finish:
@@ -375,14 +380,44 @@ def load_into(store: Store, step: int, manifest: dict[str, Any], into: Any, rank
             back()
         except (RuntimeError, TypeError, ValueError) as e:  # torch's or numpy's word on that target
             raise CheckpointError(f"into: {path!r}: the loaded bytes could not be copied into it "
-                                  f"({type(e).__name__}: {e}) ({where})") from e
+                                  f"({type(e).__name__}: {e}) ({saved.where})") from e
     return result
+
+
+def whole_state(saved: SavedStep, rank: int, map_location: Any) -> Any:
+    """Rank ``rank``'s saved tree with each global tensor whole (read from every part)."""
+    builder = _StateBuilder(saved, rank, map_location)
+    return _rebuild(saved.parts[rank]["tree"], lambda i: builder.materialize(rank, i), saved.part_urls[rank])
+
+
+def parts_overlapping(saved: SavedStep, into: Any, rank: int) -> set[int]:
+    """The ranks of ``saved`` whose stored bytes filling ``into`` reads (``rank``: this
+    rank's index among the saved ones, whose per-rank leaves ``into`` may ask for, if it
+    is one): the parts whose pieces overlap a box of ``into``'s tensors, and ``rank``."""
+    boxes: dict[Any, Any] = {}
+    out = {rank} if rank < saved.world_size else set()
+    stack: list[tuple[Any, str]] = [(into, "")]
+    while stack:
+        x, path = stack.pop()
+        if isinstance(x, Replicated):
+            stack.append((x.value, path))
+            continue
+        t = _target(x, path, boxes)
+        if t is not None:
+            gt = saved.tensors.get(path)
+            start = t.start if t.start is not None else (0,) * len(t.shape)
+            for p in gt.pieces if gt is not None and len(start) == len(gt.shape) else []:
+                if all(max(a, b) < min(a + n, b + m) for a, n, b, m in zip(start, t.shape, p.start, p.shape)):
+                    out.add(p.rank)
+        elif isinstance(x, dict):
+            stack.extend((v, _path(path, k)) for k, v in x.items())
+        elif isinstance(x, (list, tuple)):
+            stack.extend((v, _path(path, i)) for i, v in enumerate(x))
+    return out
 
 
 def load_part_full(store: Store, step: int, manifest: dict[str, Any], rank: int, map_location: Any) -> Any:
     """Rank ``rank``'s saved state with each global tensor whole (``load_checkpoint``
     without ``into=`` of a checkpoint holding DTensors or Replicated arrays)."""
     where = f"checkpoint step {step} at {store.root}"
-    saved = SavedStep(store, step, manifest, where)
-    builder = _StateBuilder(saved, rank, map_location)
-    return _rebuild(saved.parts[rank]["tree"], lambda i: builder.materialize(rank, i), saved.part_urls[rank])
+    return whole_state(SavedStep(store, step, manifest, where), rank, map_location)

@@ -15,6 +15,13 @@ it. Each round removes at least one copy from a finite set, so a restore ends: w
 state, or with :class:`NoCheckpointError` naming what was skipped (the endless restart
 loop of a ``latest`` pointing at a partial folder plus a corrupt replica cannot happen:
 ``latest`` is never read).
+
+Onto another world size (``reshard=True``): every rank lists every own and replica folder
+of its node's tiers, so the parts of ranks that left are found where the remaining nodes
+keep them; the saved ranks' parts are read as one step by overlap (``SavedStep(joined=)``,
+reshard.py), each from where this rank can read it, else sent, as stored, by a rank that
+holds it (only the parts the rank's ``into`` boxes overlap). The same agreement rounds
+skip failing copies.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -60,6 +68,8 @@ class RestoreResult:
     read_s: float = 0.0
     bytes: int = 0
     seconds: float = 0.0  # the whole restore, agreement rounds included
+    saved_world_size: int = 0  # the world size that saved ``step``
+    resharded: bool = False  # saved by another world size, read onto this one by overlap
 
 
 # A copy: (source kind, tier index, job rank whose part it is). Its step/attempt is the plan's.
@@ -75,10 +85,11 @@ def _commit_time(doc: dict[str, Any]) -> float | None:
     return float(t) if math.isfinite(t) else None
 
 
-def _complete(store: Store, origin: tuple[int, int] | None, world_size: int,
+def _complete(store: Store, origin: tuple[int, int | None] | None, world_size: int | None,
               skipped: list[str]) -> list[list[Any]]:
-    """``[[step, attempt, commit time], ...]`` of the steps in ``store`` whose manifest
-    verifies (and, in a node-local folder, names the expected job rank and world size)."""
+    """``[[step, attempt, commit time, saved world size], ...]`` of the steps in ``store``
+    whose manifest verifies (and, in a node-local folder, names the expected job rank and
+    world size). A world size of None: any (a restore that reshards)."""
     # Any failure here is a note, never raised: this runs before the ranks first agree,
     # and a rank that raised would leave the others waiting out their timeout.
     out: list[list[Any]] = []
@@ -100,16 +111,20 @@ def _complete(store: Store, origin: tuple[int, int] | None, world_size: int,
             continue
         if origin is not None:
             got = doc.get("origin")
-            if not (isinstance(got, dict) and (got.get("rank"), got.get("world_size")) == origin
-                    and doc["world_size"] == 1):
+            ows = got.get("world_size") if isinstance(got, dict) else None
+            if not (isinstance(got, dict) and got.get("rank") == origin[0] and doc["world_size"] == 1
+                    and isinstance(ows, int) and not isinstance(ows, bool) and origin[0] < ows <= 1 << 20
+                    and (origin[1] is None or ows == origin[1])):
                 skipped.append(f"{store.url(manifest_key(s))}: holds the part of {got!r:.80}, "
-                               f"not of rank {origin[0]} of {origin[1]}")
+                               f"not of rank {origin[0]} of {origin[1] or 'any world size'}")
                 continue
-        elif doc["world_size"] != world_size:
+            out.append([s, doc["attempt"], _commit_time(doc), ows])
+            continue
+        if world_size is not None and doc["world_size"] != world_size:
             skipped.append(f"{store.url(manifest_key(s))}: saved by {doc['world_size']} ranks, "
                            f"this job has {world_size}")
             continue
-        out.append([s, doc["attempt"], _commit_time(doc)])
+        out.append([s, doc["attempt"], _commit_time(doc), doc["world_size"]])
     return out
 
 
@@ -170,7 +185,8 @@ def _replica_docs(store: Store, step: int, attempt: str) -> tuple[list[tuple[str
     return [(manifest_key(step), mdata), (entry["key"], pdata)], part["chunks"]
 
 
-def _send_replica(group: _Group, dst: int, store: Store, step: int, attempt: str) -> tuple[list[Any], str | None]:
+def _send_replica(group: _Group, dst: int, store: Store, step: int, attempt: str,
+                  tag: int = 0) -> tuple[list[Any], str | None]:
     """Start sending a replica to ``dst``, pipelined: sizes and a JSON header naming each
     file (or the reason there is none), the manifest and the part as stored, then each
     chunk as it is read, its send started before the next is read (the receiver takes
@@ -193,13 +209,13 @@ def _send_replica(group: _Group, dst: int, store: Store, step: int, attempt: str
     files = [[k, len(b)] for k, b in docs] + [[c["key"], c["stored_bytes"]] for c in chunks]
     header = json.dumps({"files": files, "error": error}).encode()
     sizes = torch.tensor([len(header), sum(n for _k, n in files)], dtype=torch.int64)
-    reqs = [dist.isend(sizes, dst, group=group.group),
-            dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group.group)]
+    reqs = [dist.isend(sizes, dst, group=group.group, tag=tag),
+            dist.isend(torch.frombuffer(bytearray(header), dtype=torch.uint8), dst, group=group.group, tag=tag)]
     failed: str | None = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "buffer is not writable": gloo only reads what it sends
         for _k, b in docs:
-            reqs.append(dist.isend(torch.frombuffer(b, dtype=torch.uint8), dst, group=group.group))
+            reqs.append(dist.isend(torch.frombuffer(b, dtype=torch.uint8), dst, group=group.group, tag=tag))
         for c in chunks:
             n = c["stored_bytes"]
             buf = None
@@ -212,7 +228,7 @@ def _send_replica(group: _Group, dst: int, store: Store, step: int, attempt: str
                     failed, buf = f"{store.url(c['key'])}: {type(e).__name__}: {e}", None
             if buf is None:
                 buf = torch.frombuffer(mmap.mmap(-1, n, prot=mmap.PROT_READ), dtype=torch.uint8)
-            reqs.append(dist.isend(buf, dst, group=group.group))
+            reqs.append(dist.isend(buf, dst, group=group.group, tag=tag))
     return reqs, failed
 
 
@@ -298,6 +314,37 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
         raise
 
 
+def _recv_files(group: _Group, src: int, tag: int, into: MemoryStore) -> None:
+    """Receive into ``into`` the files of a one-part checkpoint that ``src`` sends with
+    :func:`_send_replica` (manifest, part, chunks: as stored, each checked later by the step
+    reader, as a load from storage checks them). What ``src`` announced is received to the
+    end even when it sent an error (its sends complete), then the error is raised."""
+    import torch
+    import torch.distributed as dist
+
+    sizes = torch.empty(2, dtype=torch.int64)
+    dist.recv(sizes, src, group=group.group, tag=tag)
+    nh, nb = int(sizes[0]), int(sizes[1])
+    if not (0 < nh <= MAX_PART_BYTES and 0 <= nb <= 1 << 44):
+        raise CheckpointError(f"rank {src} announced {nh} header and {nb} data bytes for a part")
+    h = torch.empty(nh, dtype=torch.uint8)
+    dist.recv(h, src, group=group.group, tag=tag)
+    try:
+        header = json.loads(bytes(h.numpy()))
+        files = [(str(k), int(n)) for k, n in header["files"]]
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"rank {src} sent a malformed header for a part: {e}") from None
+    if any(not 0 < n <= MAX_CHUNK_BYTES + (1 << 20) for _k, n in files) or sum(n for _k, n in files) != nb:
+        raise CheckpointError(f"rank {src} sent a file list of sizes that are not a part's or do not add up "
+                              f"to {nb} bytes")
+    for key, n in files:  # announced: every one is sent, readable or not (zeros then)
+        buf = torch.empty(n, dtype=torch.uint8)
+        dist.recv(buf, src, group=group.group, tag=tag)
+        into.put(key, buf.numpy().tobytes())
+    if header.get("error") is not None:
+        raise CheckpointError(str(header["error"]))
+
+
 def _check_attempt(store: Store, step: int, attempt: str) -> None:
     doc = read_manifest(store, step)
     if doc["attempt"] != attempt:
@@ -307,15 +354,28 @@ def _check_attempt(store: Store, step: int, attempt: str) -> None:
 
 def restore_checkpoint(tiers: list[Tier], *, rank: int | None = None, world_size: int | None = None,
                        ranks_per_node: int | None = None, map_location: Any = None,
-                       timeout_s: float = 600.0) -> RestoreResult:
+                       timeout_s: float = 600.0, reshard: bool = False, into: Any = None) -> RestoreResult:
     """Load this rank's part of the newest step every rank can load from ``tiers`` (the
     writer's list; node-local tier URLs are this node's). With more than one rank every
     rank must call it at once (torch.distributed initialised): the ranks agree on the step
     and trade peer replicas over a gloo group of its own (``timeout_s`` per collective,
     destroyed at the end). A copy that fails to load on any rank, for any reason, is
-    skipped on every rank with a warning naming it. See the module docstring."""
+    skipped on every rank with a warning naming it. See the module docstring.
+
+    ``reshard=True``: the newest step saved by any world size, onto this one (a job that
+    shrank after a node was lost, or grew). The parts of ranks that left are found in
+    every folder of the node-local tiers (their own, or the peer replicas the remaining
+    nodes keep), else in a shared tier; a part no rank of a node can read is sent by a rank
+    that holds it. ``into=`` (this rank's state on this world: DTensors on the new mesh,
+    ``LocalShard``s, tensors, as ``load_checkpoint(into=)`` takes) is filled in place by
+    overlap, and only the parts it overlaps are read or sent; the other values come from
+    the checkpoint. Without ``into=`` every rank gets the saved state of its rank (rank 0's
+    on a rank the save did not have) with each global tensor whole. ``into=`` without
+    ``reshard`` restores only steps saved by this world size, the same way."""
     t_start = time.perf_counter()
     tiers = check_tiers(tiers)
+    if not isinstance(reshard, bool):
+        raise CheckpointOptionError(f"restore_checkpoint: reshard must be True or False, got {reshard!r:.80}")
     try:
         rank, world = Topology.resolve(rank, world_size, environment=False)
     except Exception as e:
@@ -326,6 +386,8 @@ def restore_checkpoint(tiers: list[Tier], *, rank: int | None = None, world_size
             f"restoring rank {rank} of {world} from tiers needs every rank at once over torch.distributed "
             f"(initialised: {live}); to read one rank's part of a shared tier use load_checkpoint(url, rank=)"
         )
+    if reshard or into is not None:
+        return _restore_any_world(tiers, rank, world, into, reshard, map_location, timeout_s, t_start)
     rpn = (resolve_ranks_per_node(ranks_per_node, world, f"Tier({tiers[0].url!r})")
            if any(t.replicate for t in tiers) else None)
     own: dict[int, Store] = {}
@@ -371,10 +433,10 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, 
     when: dict[tuple[int, str], float] = {}
 
     def saves(steps: list[list[Any]]) -> set[tuple[int, str]]:
-        for s, a, t in steps:
+        for s, a, t, _w in steps:
             if t is not None:
                 when[(int(s), str(a))] = max(float(t), when.get((int(s), str(a)), float(t)))
-        return {(int(s), str(a)) for s, a, _t in steps}
+        return {(int(s), str(a)) for s, a, _t, _w in steps}
 
     for r, info in enumerate(infos):
         for i, steps in info["own"].items():
@@ -482,7 +544,7 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, 
         failed = [(r, f) for r, f in enumerate(results) if f is not None]
         if not failed:
             return RestoreResult(state, s, kind, where, [c[0] for c in srcs if c is not None], notes,
-                                 read_s, nbytes, time.perf_counter() - t_start)
+                                 read_s, nbytes, time.perf_counter() - t_start, saved_world_size=world)
         for r, f in failed:
             cr = srcs[r]
             if cr is not None:
@@ -500,3 +562,276 @@ def _check_origin(store: Store, step: int, rank: int, world: int) -> None:
 
 def _manifest_bytes(store: Store, step: int, rank: int = 0) -> int:
     return int(read_manifest(store, step)["parts"][rank]["data_bytes"])
+
+
+# -- restoring onto another world size ---------------------------------------------------------
+
+_FOLDER = re.compile(r"(?:rank|replica-of-rank)-(\d{5})")
+
+# A copy of one saved rank's part: (kind, tier index, saved rank, the rank that reads it
+# from its node: -1 for a shared tier, which every rank reads).
+_PartCopy = tuple[str, int, int, int]
+
+
+def _node_folders(store: Store, skipped: list[str]) -> list[tuple[int, str, str]]:
+    """``(saved rank, kind, folder)`` of each own and replica folder in a node-local tier
+    (docs/CHECKPOINT_FORMAT.md, "Tiers"); other names are not the tier's and are left alone."""
+    try:
+        keys = store.list("")
+    except Exception as e:
+        skipped.append(f"{store.root}: cannot list ({type(e).__name__}: {e})")
+        return []
+    out = []
+    for name in sorted({k.split("/", 1)[0] for k in keys if "/" in k}):
+        m = _FOLDER.fullmatch(name)
+        if m is None:
+            continue
+        r = int(m.group(1))
+        if name == own_dir(r):
+            out.append((r, LOCAL, name))
+        elif name == replica_dir(r):
+            out.append((r, PEER_REPLICA, name))
+    return out
+
+
+def _restore_any_world(tiers: list[Tier], rank: int, world: int, into: Any, reshard: bool, map_location: Any,
+                       timeout_s: float, t_start: float) -> RestoreResult:
+    """restore_checkpoint(reshard=True or into=): the newest step whose every saved rank's
+    part some rank can reach, saved by any world size (``reshard``) or by this one, read
+    onto this world by overlap (reshard.py). Every rank lists every folder of its node's
+    tiers (its own and the replicas it keeps are not the only ones once the world changed),
+    and rank 0 the shared tiers. A part is read where this rank can read it (a folder of its
+    node, a shared tier); else it is sent, as stored, by a rank that holds it, and checked
+    here as if read from storage. Only the parts whose pieces overlap ``into`` are sent
+    (without ``into``, every part: each global tensor comes back whole)."""
+    skipped: list[str] = []
+    folders: dict[tuple[int, str, int], Store] = {}  # (tier, kind, saved rank) -> its folder on this node
+    local: list[list[Any]] = []
+    shared: dict[int, Store] = {}
+    remote: list[list[Any]] = []
+    for i, t in enumerate(tiers):
+        if t.node_local:
+            for r, kind, name in _node_folders(open_store(t.url, t.storage_options), skipped):
+                folders[(i, kind, r)] = st = open_store(join_url(t.url, name), t.storage_options)
+                local += [[i, kind, r, *e] for e in _complete(st, (r, None), None, skipped)]
+        else:
+            shared[i] = open_store(t.url, t.storage_options)
+            if rank == 0:
+                remote += [[i, *e] for e in _complete(shared[i], None, None, skipped)]
+    group = _Group(rank, world, timeout_s)
+    try:
+        infos = group.all_gather_json({"local": local, "remote": remote, "skipped": skipped})
+        return _plan_and_read(group, tiers, infos, folders, shared, rank, world, into, reshard, map_location,
+                              t_start)
+    finally:
+        group.close()
+
+
+def _plan_and_read(group: _Group, tiers: list[Tier], infos: list[dict[str, Any]],
+                   folders: dict[tuple[int, str, int], Store], shared: dict[int, Store], rank: int, world: int,
+                   into: Any, reshard: bool, map_location: Any, t_start: float) -> RestoreResult:
+    from .reshard import fill_into, parts_overlapping, whole_state
+    from .step import SavedStep
+
+    notes = list(dict.fromkeys(n for info in infos for n in info["skipped"]))  # a node's ranks list alike
+    for note in notes:
+        warnings.warn(f"restore: skipping {note}", stacklevel=3)
+    have: dict[_PartCopy, set[tuple[int, str]]] = {}
+    when: dict[tuple[int, str], float] = {}
+    world_of: dict[tuple[int, str], set[int]] = {}
+
+    def add(c: _PartCopy, s: int, a: str, t: Any, n: int) -> None:
+        have.setdefault(c, set()).add((s, a))
+        world_of.setdefault((s, a), set()).add(n)
+        if t is not None:
+            when[(s, a)] = max(float(t), when.get((s, a), float(t)))
+
+    for q, info in enumerate(infos):
+        for i, kind, r, s, a, t, n in info["local"]:
+            add((str(kind), int(i), int(r), q), int(s), str(a), t, int(n))
+    for i, s, a, t, n in infos[0]["remote"]:
+        for r in range(int(n)):
+            add((REMOTE, int(i), r, -1), int(s), str(a), t, int(n))
+
+    def newest(sa: tuple[int, str]) -> tuple[int, bool, float]:
+        t = when.get(sa)
+        return (sa[0], t is not None, 0.0 if t is None else t)
+
+    bad: set[tuple[_PartCopy, int, str]] = set()
+    # one save has one world size: its copies disagreeing on it cannot all be its own
+    candidates = sorted((sa for sa, ws in world_of.items() if len(ws) == 1 and (reshard or ws == {world})),
+                        key=lambda sa: (newest(sa), sa[1]), reverse=True)
+
+    def usable(s: int, a: str, r: int) -> list[_PartCopy]:
+        return [c for c, v in have.items() if c[2] == r and (s, a) in v and (c, s, a) not in bad]
+
+    def readable(cs: list[_PartCopy], q: int) -> _PartCopy | None:
+        """The copy rank ``q`` reads itself: its node's own folder, a replica there, a shared tier."""
+        mine = [c for c in cs if c[3] in (q, -1)]
+        return min(mine, key=lambda c: (_PREFERENCE[c[0]], c[1])) if mine else None
+
+    def provider(cs: list[_PartCopy]) -> _PartCopy | None:
+        """The copy on a node that is sent to the ranks that cannot read the part: the lowest
+        holder's (of a node-local copy; then each rank reads a shared tier itself)."""
+        held = [c for c in cs if c[3] >= 0]
+        return min(held, key=lambda c: (c[3], _PREFERENCE[c[0]], c[1])) if held else None
+
+    while True:
+        plan = None
+        for s, a in candidates:
+            if plan is not None and newest((s, a)) != newest((plan[0], plan[1])):
+                break
+            n = next(iter(world_of[(s, a)]))
+            cs = [usable(s, a, r) for r in range(n)]
+            if all(cs):
+                if plan is not None:
+                    raise CheckpointError(
+                        f"restore: step {s} was saved twice, as attempts {a} and {plan[1]}, and their manifests "
+                        f"in tiers {[t.url for t in tiers]} do not say which is newer (the same commit time, "
+                        "or none); delete the older one's step folder from the tier that holds it")
+                plan = (s, a, n, cs)
+        if plan is None:
+            raise NoCheckpointError(
+                f"no step is complete and verified for all its saved ranks in tiers {[t.url for t in tiers]} "
+                f"(this job: {world} ranks; steps seen: {sorted({s for s, _a in world_of})}; "
+                f"skipped: {'; '.join(notes) or 'none'})")
+        s, a, n, cs = plan
+        mine = [readable(c, rank) for c in cs]
+        sent = [provider(c) for c in cs]
+        # 1. the documents of the parts some rank cannot read, from their providers
+        docs: dict[str, Any] = {}
+        failed: dict[_PartCopy, str] = {}  # a copy this rank found failing -> why
+        for r in range(n):
+            p = sent[r]
+            if p is not None and p[3] == rank and any(readable(cs[r], q) is None for q in range(world)):
+                try:
+                    st = _copy_store(p, folders, shared)
+                    docs[str(r)] = [d.decode("latin-1") for d in _part_docs(st, s, a, r, n, p)]
+                except Exception as e:
+                    failed[p] = f"{type(e).__name__}: {e}"
+        gathered = group.all_gather_json(docs)
+        # 2. this rank's view of every part: read where it can, else the documents received
+        stores: list[Store] = []
+        received: dict[int, MemoryStore] = {}
+        used: list[_PartCopy | None] = []
+        manifests: list[dict[str, Any]] = []
+        saved = None
+        at = 0
+        t0 = time.perf_counter()
+        try:
+            for r in range(n):
+                at = r
+                own_copy = mine[r]
+                used.append(own_copy or sent[r])
+                if own_copy is not None:
+                    stores.append(_copy_store(own_copy, folders, shared))
+                    continue
+                p = sent[r]
+                got = gathered[p[3]].get(str(r)) if p is not None else None
+                if p is None or got is None:
+                    raise CheckpointError(f"rank {p[3] if p else '?'} sent no documents of rank {r}'s part")
+                mem = MemoryStore(f"{_copy_url(p, tiers)} (sent by rank {p[3]})")
+                mem.put(manifest_key(s), got[0].encode("latin-1"))
+                mem.put(_part_doc_key(s, a, r, n, p), got[1].encode("latin-1"))
+                received[r] = mem
+                stores.append(mem)
+            where = f"checkpoint step {s} saved by {n} ranks, restored onto {world}"
+            for r, st in enumerate(stores):
+                at = r  # a failure here is this part's copy's
+                manifests.append(_checked_manifest(st, s, a, r, n, used[r]))
+                read_part(st, manifests[r], r if manifests[r]["world_size"] > 1 else 0, where)
+            at = -1  # past this, a failure is of the parts together: every copy used is skipped
+            saved = SavedStep(stores[0], s, manifests[0], where, joined=list(zip(stores, manifests)), prefer=rank)
+            need = parts_overlapping(saved, into, rank) if into is not None else set(range(n))
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+            for c in [used[at]] if at >= 0 else used:
+                if c is not None:
+                    failed[c] = why
+            need = set()
+        requests = sorted([r, sent[r][3]] for r in need if mine[r] is None and sent[r] is not None)  # type: ignore[index]
+        asked = group.all_gather_json(requests)
+        # 3. send what others asked this rank for, then take what this rank asked for
+        reqs: list[Any] = []
+        holder_errors: list[str] = []
+        for q, wanted in enumerate(asked):
+            for r, h in wanted:
+                if h == rank:
+                    p = sent[r]
+                    more, err = _send_replica(group, q, _copy_store(p, folders, shared), s, a, tag=r)
+                    reqs += more
+                    if err is not None:
+                        holder_errors.append(err)
+        for r, h in requests:
+            try:
+                _recv_files(group, h, r, received[r])
+            except Exception as e:
+                failed[sent[r]] = f"{type(e).__name__}: {e}"  # type: ignore[index]
+        for q in reqs:
+            q.wait()
+        state: Any = None
+        if not failed and saved is not None:
+            try:
+                state = (fill_into(saved, into, rank, map_location) if into is not None
+                         else whole_state(saved, rank if rank < n else 0, map_location))
+            except Exception as e:
+                for r in sorted(saved.failed_ranks) or range(n):
+                    if used[r] is not None:
+                        failed[used[r]] = f"{type(e).__name__}: {e}"  # type: ignore[index]
+        read_s = time.perf_counter() - t0
+        kinds = sorted({(c[0] if mine[r] is not None else PEER_REPLICA) for r, c in enumerate(used)
+                        if c is not None and r in need}, key=_PREFERENCE.__getitem__)
+        me = kinds[-1] if kinds else LOCAL
+        agreed = group.all_gather_json([[[list(c), why] for c, why in failed.items()], holder_errors, me])
+        for q, (_f, herrs, _k) in enumerate(agreed):
+            for h in herrs:
+                warnings.warn(f"restore: rank {q} sending a part of step {s}: {h}", stacklevel=3)
+        failures = [(q, tuple(c), why) for q, (f, _h, _k) in enumerate(agreed) for c, why in f]
+        if not failures:
+            nbytes = sum(int(m["parts"][r if m["world_size"] > 1 else 0]["data_bytes"])
+                         for r, m in enumerate(manifests) if r in need)
+            url = next((st.root for r, st in enumerate(stores) if r in need), stores[0].root)
+            return RestoreResult(state, s, me, url, [k for _f, _h, k in agreed], notes, read_s, nbytes,
+                                 time.perf_counter() - t_start, saved_world_size=n, resharded=n != world)
+        for q, c, why in failures:
+            bad.add(((str(c[0]), int(c[1]), int(c[2]), int(c[3])), s, a))
+            note = f"{c[0]} copy of rank {c[2]}'s part of step {s} (saved by {n} ranks; read on rank {q}): {why}"
+            notes.append(note)
+            warnings.warn(f"restore: skipping the {note}", stacklevel=3)
+
+
+def _copy_store(c: _PartCopy, folders: dict[tuple[int, str, int], Store], shared: dict[int, Store]) -> Store:
+    return shared[c[1]] if c[0] == REMOTE else folders[(c[1], c[0], c[2])]
+
+
+def _copy_url(c: _PartCopy, tiers: list[Tier]) -> str:
+    url = tiers[c[1]].url
+    return url if c[0] == REMOTE else join_url(url, own_dir(c[2]) if c[0] == LOCAL else replica_dir(c[2]))
+
+
+def _part_doc_key(s: int, a: str, r: int, n: int, c: _PartCopy) -> str:
+    return part_key(s, a, r if c[0] == REMOTE and n > 1 else 0)
+
+
+def _part_docs(store: Store, s: int, a: str, r: int, n: int, c: _PartCopy) -> tuple[bytes, bytes]:
+    """The stored manifest and part document of saved rank ``r`` in a copy, checked first."""
+    _checked_manifest(store, s, a, r, n, c)
+    return store.get(manifest_key(s)), read_doc(store, _part_doc_key(s, a, r, n, c), "part", MAX_PART_BYTES)[0]
+
+
+def _checked_manifest(store: Store, s: int, a: str, r: int, n: int, c: _PartCopy | None) -> dict[str, Any]:
+    """The manifest of step ``s`` in ``store``, of this save: attempt ``a``, and either a
+    one-part checkpoint of saved rank ``r`` of ``n`` (a node-local folder, or what was sent
+    of one) or a shared step of ``n`` parts."""
+    doc = read_manifest(store, s)
+    if doc["attempt"] != a:
+        raise CheckpointError(f"{store.url(manifest_key(s))}: attempt {doc['attempt']}, not {a}: "
+                              "another save of this step replaced it")
+    if c is not None and c[0] == REMOTE:
+        if doc["world_size"] != n:
+            raise CheckpointError(f"{store.url(manifest_key(s))}: saved by {doc['world_size']} ranks, not {n}")
+    else:
+        _check_origin(store, s, r, n)
+        if doc["world_size"] != 1:
+            raise CheckpointError(f"{store.url(manifest_key(s))}: {doc['world_size']} parts where one was expected")
+    return doc

@@ -392,16 +392,32 @@ class SavedStep:
     a :class:`CorruptCheckpointError` naming the part file."""
 
     def __init__(self, store: Store, step: int, manifest: dict[str, Any], where: str,
-                 threads: int = READ_THREADS) -> None:
+                 threads: int = READ_THREADS, *, joined: list[tuple[Store, dict[str, Any]]] | None = None,
+                 prefer: int | None = None) -> None:
         self.store, self.step, self.where, self.threads = store, step, where, threads
-        ws = manifest["world_size"]
-        self.world_size = ws
-        parts = self._parts_from_index(manifest)
-        if parts is None:
-            with cf.ThreadPoolExecutor(max(1, min(threads, ws)), thread_name_prefix="datapipe-ckpt-meta") as pool:
-                parts = list(pool.map(lambda r: self._read_part(manifest, r), range(ws)))
-        self.parts = parts
-        self.part_urls = [store.url(e["key"]) for e in manifest["parts"]]
+        self.failed_ranks: set[int] = set()  # ranks whose bytes failed a check (restore skips those copies)
+        self.prefer = prefer
+        self._twins: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}  # a joined step's boxes -> piece
+        if joined is not None:
+            # One part per saved rank, each read from a store of its own: a node-local
+            # folder or a received copy (a one-part checkpoint whose manifest names its
+            # origin), or rank r's part of a shared tier's step. Node-local parts each
+            # hold their rank's copy of the values it held with other ranks: of the exact
+            # duplicates of a piece one is kept, rank ``prefer``'s where it has one.
+            ws = len(joined)
+            self.world_size, self.stores, self.copies_allowed = ws, [s for s, _m in joined], True
+            self.parts = [self._read_part(m, r if m["world_size"] > 1 else 0, s) for r, (s, m) in enumerate(joined)]
+            self.part_urls = [s.url(m["parts"][r if m["world_size"] > 1 else 0]["key"])
+                              for r, (s, m) in enumerate(joined)]
+        else:
+            ws = manifest["world_size"]
+            self.world_size, self.stores, self.copies_allowed = ws, [store] * ws, False
+            parts = self._parts_from_index(manifest)
+            if parts is None:
+                with cf.ThreadPoolExecutor(max(1, min(threads, ws)), thread_name_prefix="datapipe-ckpt-meta") as pool:
+                    parts = list(pool.map(lambda r: self._read_part(manifest, r), range(ws)))
+            self.parts = parts
+            self.part_urls = [store.url(e["key"]) for e in manifest["parts"]]
         self.chunk_starts = [[c["offset"] for c in p["chunks"]] for p in self.parts]
         self._sizes: dict[tuple[int, int], int] = {}
         self._lock = threading.Lock()
@@ -474,11 +490,12 @@ class SavedStep:
                                   f"{self.store.url(e['key'])} (part {r}'s bytes in the parts index)", self.where))
         return parts
 
-    def _read_part(self, manifest: dict[str, Any], r: int) -> dict[str, Any]:
+    def _read_part(self, manifest: dict[str, Any], r: int, store: Store | None = None) -> dict[str, Any]:
+        store = self.store if store is None else store
         entry = manifest["parts"][r]
-        data = read_doc_bytes(self.store, entry["key"], "part", MAX_PART_BYTES)
+        data = read_doc_bytes(store, entry["key"], "part", MAX_PART_BYTES)
         return parse_part(data, entry, self.step, manifest["attempt"], r, manifest["world_size"],
-                        self.store.url(entry["key"]), self.where)
+                        store.url(entry["key"]), self.where)
 
     def _index_part(self, r: int) -> None:
         part, url = self.parts[r], self.part_urls[r]
@@ -516,8 +533,14 @@ class SavedStep:
                 raise CorruptCheckpointError(
                     f"{url}: global tensor {path!r:.100} is {kind} {dtype} {list(gshape)} here, "
                     f"{gt.kind} {gt.dtype} {list(gt.shape)} in {gt.where}")
-            if not replica:
+            if replica:
+                continue
+            twin = self._twins.get((path, start, region)) if self.copies_allowed else None
+            if twin is None:
+                self._twins[(path, start, region)] = len(gt.pieces)
                 gt.pieces.append(Piece(r, off, start, region))
+            elif r == self.prefer:  # the reading rank's own part: no other part need be read for it
+                gt.pieces[twin] = Piece(r, off, start, region)
 
     @staticmethod
     def _check_global(g: Any, shape: list[int], nbytes: int, path: str,
@@ -554,12 +577,13 @@ class SavedStep:
         with self._lock:
             size = self._sizes.get(key)
         if size is None:
-            c = self.parts[r]["chunks"][i]
-            confine(self.store, c["key"], self.where)
-            size = self.store.size(c["key"])
+            c, store = self.parts[r]["chunks"][i], self.stores[r]
+            confine(store, c["key"], self.where)
+            size = store.size(c["key"])
             if size != c["stored_bytes"]:
+                self.failed_ranks.add(r)
                 raise CorruptCheckpointError(
-                    f"chunk {self.store.url(c['key'])} of {self.where} holds {size} bytes, its part "
+                    f"chunk {store.url(c['key'])} of {self.where} holds {size} bytes, its part "
                     f"{self.part_urls[r]} records {c['stored_bytes']}")
             with self._lock:
                 self._sizes[key] = size
@@ -581,15 +605,22 @@ class SavedStep:
     def _fill(self, r: int, i: int, lo: int, hi: int, dst: np.ndarray[Any, Any]) -> None:
         """Bytes ``[lo, hi)`` of chunk ``i`` of rank ``r`` into ``dst``, checked: ``lo``/``hi``
         fall on block boundaries (or the chunk's ends when it has no blocks)."""
-        part = self.parts[r]
+        try:
+            self._fill_checked(r, i, lo, hi, dst)
+        except BaseException:
+            self.failed_ranks.add(r)
+            raise
+
+    def _fill_checked(self, r: int, i: int, lo: int, hi: int, dst: np.ndarray[Any, Any]) -> None:
+        part, store = self.parts[r], self.stores[r]
         c = part["chunks"][i]
-        key, url = c["key"], self.store.url(c["key"])
+        key, url = c["key"], store.url(c["key"])
         self.chunk_size(r, i)
         if part.get("compression") == "zstd":
-            raw = unzstd_chunk(c, self.store.get_range(key, 0, c["stored_bytes"]), url, self.where)
+            raw = unzstd_chunk(c, store.get_range(key, 0, c["stored_bytes"]), url, self.where)
             dst[:] = np.frombuffer(raw, np.uint8, hi - lo, lo)
             return
-        got = self.store.readinto(key, dst.data, lo)
+        got = store.readinto(key, dst.data, lo)
         if got != hi - lo:
             raise CorruptCheckpointError(f"chunk {url} of {self.where}: read {got} of bytes [{lo}, {hi})")
         blocks = self._blocks(r, i)

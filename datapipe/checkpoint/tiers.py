@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckpointOptionError
+from ..storage import is_local_url
 
 __all__ = ["Tier", "check_tiers", "writer_tiers", "own_dir", "replica_dir", "peer_of", "source_of",
            "resolve_ranks_per_node", "TiersOut"]
@@ -160,10 +161,55 @@ class TiersOut:
     def __init__(self) -> None:
         self.out: dict[str, str] = {}  # url -> why it is out
         self._warned: set[str] = set()
+        # what the check at start found, said as the first save begins: a writer process's
+        # warnings reach the trainer with its saves' replies
+        self._at_start: list[str] = []
+
+    def check_at_start(self, tiers: list[Tier]) -> None:
+        """The doctor's check of a folder (``datapipe.cache.check_folder_within``), cheap,
+        of each tier on a local folder that exists (one to be created is checked by its
+        creation): ``START_PROBE_BYTES`` (16 KiB) written, fsync'd, read back and removed,
+        within 10 s (``START_CHECK_DEADLINE_S``). A tier below the first that fails is out of the
+        path from the start, with one warning naming it and the fix (given as the first save
+        begins), and probed before each save it is due for; the first tier is warned about and
+        kept (its saves fail as they
+        would, naming it: a writer whose first tier is gone must not look healthy)."""
+        from ..cache import check_folder_within  # the folder check alone, not the cache
+
+        for i, tier in enumerate(tiers):
+            if not is_local_url(tier.url):
+                continue
+            path = tier.url[len("file://"):] if tier.url.startswith("file://") else tier.url
+            if not os.path.isdir(path):
+                continue
+            check = check_folder_within(path)
+            if not check.failed:
+                continue
+            if i == 0:
+                self._at_start.append(f"checkpoint tier {tier.url} fails the check at start ({check.problem}); it "
+                                      "is the first tier, so saves to it fail until it is fixed")
+                continue
+            self.out_at_start(tier.url, f"it fails the check at start: {check.problem}")
+
+    def out_at_start(self, url: str, why: str) -> None:
+        """``url`` cannot be written as the writer starts (``why``): out of the path, said
+        once (as the first save begins); probed before each save it is due for, as a tier
+        that failed a save is."""
+        self.out[url] = why
+        if url in self._warned:
+            return
+        self._warned.add(url)
+        self._at_start.append(f"checkpoint tier {url} is out of the path from the start ({why}): saves go to the "
+                              "other tiers; it is probed before each save it is due for and taken back when it "
+                              "answers")
 
     def skip(self, url: str, probe: Callable[[], str], step: int) -> str | None:
         """None when ``url`` is to be written at ``step`` (in the path, or back now: its
-        probe passed); else why it is skipped."""
+        probe passed); else why it is skipped. The first call says what the check at start
+        found."""
+        said, self._at_start = self._at_start, []
+        for message in said:
+            warnings.warn(message, stacklevel=2)
         why = self.out.get(url)
         if why is None:
             return None

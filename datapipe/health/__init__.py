@@ -7,15 +7,17 @@
   store; `FileBoard`: a file per rank in a run directory) and `Publisher`, which publishes
   each window of a `datapipe.telemetry.Telemetry` from a thread of its own;
 - doctor.py: `check_tiers` (and `datapipe doctor`): each tier written, fsync'd, read back
-  and timed, free space against its budget, an object store's GET latency and errors;
+  and timed, free space against its budget (a folder through `datapipe.cache.check_folder`,
+  the check a cache and a checkpoint writer run as they start), an object store's GET
+  latency and errors;
 - prometheus.py: `serve`, a Prometheus endpoint (extra `metrics`: prometheus_client).
 
 The recorder itself is `datapipe.telemetry` (a leaf), so the loader and the cache record
 without importing this package. No collective runs here: publishing is a `set` or a file
 rename per window, reading never waits on a rank.
 
-Imports: telemetry, storage, topology, options, errors (cache and checkpoint only to read
-the arguments a config dict may hold).
+Imports: telemetry, storage, topology, options, errors, cache (`check_folder`; cache and
+checkpoint inside a function to read the arguments a config dict may hold).
 """
 
 from .board import BOARD_FOLDER, Board, BoardRead, FileBoard, Publisher, StoreBoard

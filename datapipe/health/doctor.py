@@ -1,13 +1,15 @@
 """Tier health checks: each tier written, fsync'd, read back and timed; free space against
-its budget; an object store's GET latency and error rate. ``datapipe doctor`` prints them;
-:func:`check_tiers` is the same check, cheap enough for a loader or checkpoint writer to
-run as it starts (``probe_bytes=1 << 20, probes=3``: a few milliseconds per disk).
+its budget; an object store's GET latency and error rate. ``datapipe doctor`` prints them.
+A folder's check is ``datapipe.cache.check_folder``, the one check of a folder tier: a
+``TieredCache`` runs it, with a 16 KiB probe, on each directory tier as a process opens its
+tiers, and a ``CheckpointWriter`` on each local tier as it starts (a tier that fails is out
+of the path from the start, with a warning naming it and the fix).
 
     checks = check_tiers([TierSpec("warm", "/mnt/nvme/cache", budget_bytes=100 << 30),
                           TierSpec("cold", "s3://bucket/dataset")])
     print(format_checks(checks)); failed = [c for c in checks if c.failed]
 
-A folder tier: a probe file ``.datapipe-doctor-<token>`` is created (``O_EXCL``: never an
+A folder tier (``check_folder``): a probe file ``.datapipe-doctor-<token>`` is created (``O_EXCL``: never an
 existing file), written, fsync'd, dropped from the page cache where the kernel allows, read
 back and compared, and removed (only if it is still the file this check created: delete
 only what we wrote). A missing folder, a read-only one, a full disk, a read that differs
@@ -24,18 +26,16 @@ when the filesystem answers at last.
 
 from __future__ import annotations
 
-import errno
 import inspect
 import math
 import os
-import stat
-import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..cache import PROBE_PREFIX, Deadline, check_folder
 from ..errors import DatapipeError, OptionError
 from ..options import check_bool, check_bytes, check_float, check_int, check_mapping, check_path, show
 from ..storage import (
@@ -50,10 +50,6 @@ from ..storage import (
 
 __all__ = ["TierSpec", "TierCheck", "check_tiers", "tiers_from_config", "format_checks", "worst", "PROBE_PREFIX"]
 
-#: the name of every probe file and object a check writes: ``.datapipe-doctor-<token>``
-PROBE_PREFIX = ".datapipe-doctor-"
-
-_MAX_WALK = 100_000  # files counted for a tier's own use; past this its use is "unknown"
 _ERROR_RATE_FAILS = 0.2
 _STATUS_ORDER = {"ok": 0, "warn": 1, "failed": 2}
 
@@ -256,29 +252,27 @@ def _checkpoint_tiers(config: Mapping[str, Any], opts: dict[str, Any] | None) ->
 
 def _with_deadline(spec: TierSpec, probe_bytes: int, probes: int, timeout_s: float, min_mb_s: float | None,
                    storage_options: dict[str, Any] | None) -> TierCheck:
-    box: list[TierCheck] = []
     t0 = time.perf_counter()
 
-    def run() -> None:
+    def run() -> TierCheck:
         try:
             if spec.kind == "dir":
-                check = _check_dir(spec, probe_bytes, min_mb_s)
-            else:
-                check = _check_store(spec, probe_bytes, probes, storage_options, timeout_s)
+                return _check_dir(spec, probe_bytes, min_mb_s)
+            return _check_store(spec, probe_bytes, probes, storage_options, timeout_s)
         except Exception as e:  # an unforeseen failure is the tier's, named, never the caller's crash
-            check = TierCheck(spec.name, spec.url, spec.kind, "failed", f"check failed: {type(e).__name__}: {e}")
-        box.append(check)
+            return TierCheck(spec.name, spec.url, spec.kind, "failed", f"check failed: {type(e).__name__}: {e}")
 
-    thread = threading.Thread(target=run, name=f"datapipe-doctor-{spec.name}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    seconds = time.perf_counter() - t0
-    if not box:
+    deadline = Deadline(timeout_s, name=f"datapipe-doctor-{spec.name}")
+    try:
+        check = deadline.call(run, what=f"checking {spec.url}")
+    except OSError:  # the deadline's own: run() returns every failure as the tier's
         return TierCheck(spec.name, spec.url, spec.kind, "failed",
                          f"no answer within {timeout_s:g} s: the filesystem or store hangs (a dead mount, a "
                          "stuck network); its probe is removed when it answers", budget_bytes=spec.budget_bytes,
-                         seconds=seconds)
-    return _replace(box[0], seconds=seconds)
+                         seconds=time.perf_counter() - t0)
+    finally:
+        deadline.close()
+    return _replace(check, seconds=time.perf_counter() - t0)
 
 
 def _replace(check: TierCheck, **changes: Any) -> TierCheck:
@@ -292,126 +286,11 @@ def _size(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _write_problem(e: OSError, path: str) -> str:
-    if e.errno == errno.EROFS:
-        return f"read-only: the filesystem at {path} is mounted read-only ({e.strerror})"
-    if e.errno in (errno.EACCES, errno.EPERM):
-        return f"read-only: no permission to create a file in {path} ({e.strerror}); fix its owner or mode"
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"full: no space left on {path} ({e.strerror}); free space or point the tier elsewhere"
-    return f"cannot write in {path}: {e.strerror or e} (errno {e.errno})"
-
-
 def _check_dir(spec: TierSpec, probe_bytes: int, min_mb_s: float | None) -> TierCheck:
-    path = spec.url[len("file://"):] if spec.url.startswith("file://") else spec.url
-    path = os.path.abspath(path)
-
-    def fail(problem: str, **kw: Any) -> TierCheck:
-        return TierCheck(spec.name, path, "dir", "failed", problem, budget_bytes=spec.budget_bytes, **kw)
-
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return fail(f"missing: no folder at {path}; create it or fix the path")
-    except OSError as e:
-        return fail(f"cannot reach {path}: {e.strerror or e} (errno {e.errno})")
-    if not stat.S_ISDIR(st.st_mode):
-        return fail(f"not a folder: {path} is a file or device")
-    try:
-        vfs = os.statvfs(path)
-    except OSError as e:
-        return fail(f"cannot read the free space of {path}: {e.strerror or e}")
-    free = vfs.f_bavail * vfs.f_frsize
-    if free < probe_bytes:
-        return fail(f"full: {_size(free)} free on {path}, less than the {_size(probe_bytes)} probe; free space or "
-                    "point the tier elsewhere", free_bytes=free)
-    data = os.urandom(probe_bytes)
-    probe = os.path.join(path, f"{PROBE_PREFIX}{uuid.uuid4().hex[:16]}")
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except OSError as e:
-        return fail(_write_problem(e, path), free_bytes=free)
-    ino, phase = None, "write"
-    try:
-        try:
-            ino = os.fstat(fd).st_ino
-            t0 = time.perf_counter()
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            t1 = time.perf_counter()
-            os.fsync(fd)
-            t2 = time.perf_counter()
-            if hasattr(os, "posix_fadvise"):  # so the read below comes from the device, not the page cache
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        phase = "read"
-        t3 = time.perf_counter()
-        with open(probe, "rb", buffering=0) as f:
-            back = f.read()
-        t4 = time.perf_counter()
-    except OSError as e:
-        if phase == "read":
-            return fail(f"unreadable: the probe written to {path} cannot be read back: {e.strerror or e} "
-                        f"(errno {e.errno}); the disk or filesystem is failing", free_bytes=free)
-        return fail(_write_problem(e, path), free_bytes=free)
-    finally:
-        _remove_own(probe, ino)
-    if back != data:
-        return fail(f"corrupt: the probe read back from {path} differs from what was written ({len(back)} of "
-                    f"{len(data)} bytes read); the disk or filesystem is failing", free_bytes=free)
-    write_mb_s = probe_bytes / max(t2 - t0, 1e-9) / 1e6
-    read_mb_s = probe_bytes / max(t4 - t3, 1e-9) / 1e6
-    fsync_ms = (t2 - t1) * 1e3
-    status, problems = "ok", []
-    if min_mb_s is not None and min(write_mb_s, read_mb_s) < min_mb_s:
-        status = "failed"
-        problems.append(f"slow: writes {write_mb_s:.3g} MB/s and reads {read_mb_s:.3g} MB/s, below the "
-                        f"{min_mb_s:g} MB/s asked")
-    used = None
-    if spec.budget_bytes is not None:
-        used = _used_bytes(path)
-        room = free + (used or 0)
-        if room < spec.budget_bytes:
-            status = "warn" if status == "ok" else status
-            own = f" + its own {_size(used)}" if used is not None else " (its own files not counted: too many)"
-            problems.append(f"short of its budget: {_size(free)} free{own} < budget {_size(spec.budget_bytes)}; "
-                            f"lower the budget to {_size(room)} or free space")
-    return TierCheck(spec.name, path, "dir", status, "; ".join(problems), write_mb_s=write_mb_s, read_mb_s=read_mb_s,
-                     fsync_ms=fsync_ms, free_bytes=free, budget_bytes=spec.budget_bytes, used_bytes=used)
-
-
-def _remove_own(probe: str, ino: int | None) -> None:
-    """Remove the probe if it is still the file this check created."""
-    try:
-        if ino is not None and os.lstat(probe).st_ino == ino:
-            os.unlink(probe)
-    except OSError:
-        pass
-
-
-def _used_bytes(path: str) -> int | None:
-    """The bytes of the files under ``path`` (links not followed), or None past
-    :data:`_MAX_WALK` entries."""
-    total, seen, stack = 0, 0, [path]
-    while stack:
-        try:
-            entries = list(os.scandir(stack.pop()))
-        except OSError:
-            continue
-        for entry in entries:
-            seen += 1
-            if seen > _MAX_WALK:
-                return None
-            try:
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-                elif entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_blocks * 512
-            except OSError:
-                continue
-    return total
+    c = check_folder(spec.url, probe_bytes=probe_bytes, budget_bytes=spec.budget_bytes, min_mb_s=min_mb_s)
+    return TierCheck(spec.name, c.path, "dir", c.status, c.problem, write_mb_s=c.write_mb_s, read_mb_s=c.read_mb_s,
+                     fsync_ms=c.fsync_ms, free_bytes=c.free_bytes, budget_bytes=c.budget_bytes,
+                     used_bytes=c.used_bytes)
 
 
 def _check_store(spec: TierSpec, probe_bytes: int, probes: int, storage_options: dict[str, Any] | None,

@@ -4,7 +4,7 @@ Holds: ``packer`` (``pack()``: plan, worker processes, resume; ``plan_shards``, 
 listed samples into shards; ``pack_shard``, one planned shard written; ``commit_shards``,
 finished shards published), ``pieces`` (a large shard written by several workers at once,
 at offsets known from the listing), ``writer`` (``ShardWriter``), ``sources`` (listing a
-directory by the key rules, in pieces by several processes too, ``file_key``, reading
+directory by the key rules, in pieces by several threads (or Ray tasks) too, ``file_key``, reading
 JSONL/Parquet rows), ``join`` (parts -> one dataset). How the result is made visible (the
 writer lock, the ``_pack/`` journal, the commit with the manifest last, the shard series and
 its limits, the checks of a writer's

@@ -454,8 +454,9 @@ def list_in_pieces(root: str, skip_errors: bool = False, follow_links: bool = Fa
     whole folders listed elsewhere: the top levels are listed here without descending,
     until there are ``pieces`` folders (or three levels are listed), and
     ``list_folders(folders)`` yields the listing of each folder's subtree
-    (``list_directory(..., within=folder, allow_empty=True)``), in order, in other
-    processes. A sample's files share a folder, so no sample is split between listings."""
+    (``list_directory(..., within=folder, allow_empty=True)``), in order, listed elsewhere
+    (by a pack's threads, by Ray tasks). A sample's files share a folder, so no sample is
+    split between listings."""
     # ``units`` in the order a serial listing reaches them: a folder's own entries, then
     # its subfolders' subtrees, the last subfolder first (list_directory's stack)
     units: list[DirectoryListing | DatapipeError | str] = [""]

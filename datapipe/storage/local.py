@@ -118,11 +118,12 @@ class LocalStore(Store):
         for i in range(len(parts) - 1, -1, -1):
             fsync_dir(os.path.join(self.root, *parts[:i]))
 
-    def sync_folder(self, key: str) -> None:
+    def sync_folder(self, key: str, *, parents: bool = True) -> None:
         if not self.durable:
             return
         fsync_dir(os.path.dirname(self.path(key)))
-        self.sync_parents(key)
+        if parents:
+            self.sync_parents(key)
 
     def deferring_folder_sync(self) -> LocalStore:
         return LocalStore(self.root, durable=self.durable, writer_token=self.writer_token, folder_sync=False)

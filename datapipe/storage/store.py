@@ -141,10 +141,11 @@ class Store(ABC):
         memory) return themselves."""
         return self
 
-    def sync_folder(self, key: str) -> None:
+    def sync_folder(self, key: str, *, parents: bool = True) -> None:
         """Make the folder holding ``key`` durable and, as :meth:`sync_parents`, every folder
-        above it: what a writer through :meth:`deferring_folder_sync` calls once its files
-        there are published. A no-op where :meth:`sync_parents` is."""
+        above it (``parents=False``: that folder only, for a writer whose parents another
+        writer syncs later): what a writer through :meth:`deferring_folder_sync` calls once
+        its files there are published. A no-op where :meth:`sync_parents` is."""
         return None
 
     def for_writer(self, token: str) -> Store:

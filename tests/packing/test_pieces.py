@@ -1,5 +1,5 @@
 """A large shard written by several workers at once (``packing.pieces``), and the source
-listed by several processes (``sources.list_in_pieces``): the same bytes, records and
+listed by several threads (``sources.list_in_pieces``): the same bytes, records and
 listing as one process, every worker kept busy by a pack of few large shards, skipped
 inputs, failures and kill -9 in the middle of a piece."""
 
@@ -107,9 +107,9 @@ def test_pieces_tile_their_shard(sizes, long_every, workers, shard_mb):
 # --- a pack of one large shard ----------------------------------------------------------
 
 # A pack that records which processes wrote shard bytes (each ShardBuilder: its pid and
-# whether it wrote a piece) and which listed folders, in files under argv[3].
+# whether it wrote a piece) and which process and thread listed folders, in files under argv[3].
 _TRACED = """
-import json, os, sys
+import json, os, sys, threading
 import datapipe
 from datapipe.format import shard
 from datapipe.packing import packer, sources
@@ -123,12 +123,12 @@ def init(self, *a, piece_at=None, **k):
 def listing(*a, within="", recursive=True, **k):
     if recursive:
         with open(os.path.join(trace, "listers"), "a") as f:
-            f.write(f"{os.getpid()}\\n")
+            f.write(json.dumps([os.getpid(), threading.get_ident()]) + "\\n")
     return real_list(*a, within=within, recursive=recursive, **k)
 shard.ShardBuilder.__init__ = init
 sources.list_directory = packer.list_directory = listing
 r = datapipe.pack(sys.argv[1], sys.argv[2], workers=int(sys.argv[4]))
-print(json.dumps([r.shards, r.samples, os.getpid(), r.workers]))
+print(json.dumps([r.shards, r.samples, os.getpid(), r.workers, threading.get_ident()]))
 """
 
 
@@ -141,13 +141,16 @@ def test_one_large_shard_is_written_by_every_worker_with_the_bytes_of_one(corpus
     p = subprocess.run([sys.executable, "-c", _TRACED, corpus, par, str(trace), "3"], env=_env(), cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    shards, samples, me, workers = json.loads(p.stdout)
+    shards, samples, me, workers, main = json.loads(p.stdout)
     assert (shards, samples, workers) == (1, 1260, 3)
     writers = [json.loads(line) for line in (trace / "writers").read_text().splitlines()]
     assert all(piece for _, piece in writers) and len(writers) >= 3  # the one shard, in pieces for 3 workers
     assert me not in {pid for pid, _ in writers}
-    listers = {int(x) for x in (trace / "listers").read_text().split()}
-    assert len(listers) > 1 and me not in listers  # the folders, listed by other processes
+    listers = {tuple(json.loads(line)) for line in (trace / "listers").read_text().splitlines()}
+    # the folders, listed by other threads of the pack's own process: no listing is pickled
+    # from another process, which unpickled alone took a third of the listing's CPU
+    assert {pid for pid, _ in listers} == {me}
+    assert len(listers) > 1 and main not in {thread for _, thread in listers}
     _same_files(one, par)
     assert _samples(par) == read_corpus(corpus)
     assert datapipe.verify_dataset(par).ok
