@@ -14,7 +14,9 @@ first batch; GPTDataset builds its document, sample and shuffle indices in its f
 seq_len, num_workers=0, and reads them from its cache after), the memory the plan or index
 adds (RSS growth over construction, libraries imported before), tokens/s over ``--tokens``
 tokens after the first min(tokens / 2, 4 M) (workers start, the first windows are read),
-counting every sequence as the L + 1 tokens the model reads (LitData's blocks of
+and the CPU seconds the process and its workers spend per 100 M of them (a figure that other
+load on the machine moves far less than tokens/s), counting every sequence as the L + 1
+tokens the model reads (LitData's blocks of
 ``block_size = L + 1``, GPTDataset's ``tokens`` and its last label, datapipe's and the
 memmap's ``input_ids``), and the peak RSS of the main process and of a worker. datapipe
 hands out int64 (``datapipe``) or, with ``dtype="int32"``, the stored int32
@@ -149,6 +151,25 @@ def rss():
             return int(line.split()[1]) * 1024
     return 0
 
+def tree_cpu():
+    # CPU seconds of this process and each of its children (the DataLoader workers) so far,
+    # by pid: unlike tokens/s, hardly moved by other load on the machine
+    me, out = os.getpid(), {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            f = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(d) == me or int(f[1]) == me:
+            out[int(d)] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+def cpu_since(before):
+    # a process gone since (a helper that exited) takes its CPU time with it: left out
+    return sum(t - before.get(pid, 0.0) for pid, t in tree_cpu().items())
+
 L, B, W, want, system = spec["seq_len"], spec["batch"], spec["workers"], spec["tokens"], spec["system"]
 import torch  # imported before the baseline: the plan's memory is what construction adds
 if system.startswith("datapipe"):
@@ -210,7 +231,7 @@ for b in it:
     k = count(b)
     if t1 is None:
         if n >= spec["warmup"]:  # the first tokens warm up (workers start, first windows read), then the timed ones
-            t1, n = time.perf_counter(), 0
+            t1, n, cpu1 = time.perf_counter(), 0, tree_cpu()
         else:
             n += k
             continue
@@ -218,13 +239,15 @@ for b in it:
     if n >= want:
         break
 seconds = time.perf_counter() - t1
+cpu = cpu_since(cpu1)
 del it, b
 gc.collect()
 time.sleep(0.2)
 main = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 print(json.dumps({"startup_s": first, "plan_bytes": plan_bytes, "tokens": n, "seconds": seconds,
-                  "tokens_per_s": n / seconds, "peak_rss_main": main, "peak_rss_worker": children if W else 0,
+                  "tokens_per_s": n / seconds, "cpu_s_per_100m": cpu / n * 1e8,
+                  "peak_rss_main": main, "peak_rss_worker": children if W else 0,
                   **extra}))
 """
 
@@ -331,14 +354,15 @@ def _line(r: dict[str, Any]) -> str:
     if "startup_s" not in r:
         return f"L={r['seq_len']} {r['system']}: {r['tokens_per_s'] / 1e6:.0f} M tokens/s"
     return (f"L={r['seq_len']} workers={r['workers']} {r['system']}: {r['tokens_per_s'] / 1e6:.1f} M tokens/s, "
-            f"start-up {r['startup_s']:.2f} s, plan {r['plan_bytes'] / 2**20:.0f} MiB, "
+            f"CPU {r.get('cpu_s_per_100m', float('nan')):.2f} s per 100 M tokens, start-up {r['startup_s']:.2f} s, "
+            f"plan {r['plan_bytes'] / 2**20:.0f} MiB, "
             f"peak RSS {r['peak_rss_main'] / 2**20:.0f} MiB (+ worker {r['peak_rss_worker'] / 2**20:.0f} MiB)")
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The figures and the ratios the targets name."""
-    lines = [f"{'L':>5} {'workers':>7} {'system':<15} {'M tokens/s':>11} {'start-up s':>10} {'plan MiB':>9} "
-             f"{'RSS MiB':>8} {'worker MiB':>10}"]
+    lines = [f"{'L':>5} {'workers':>7} {'system':<15} {'M tokens/s':>11} {'CPU s/100M':>10} {'start-up s':>10} "
+             f"{'plan MiB':>9} {'RSS MiB':>8} {'worker MiB':>10}"]
     by = {}
     for r in rows:
         if "seq_len" not in r:
@@ -348,7 +372,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             lines.append(f"{r['seq_len']:>5} {r['workers']:>7} {r['system']:<15} {'-':>11}  {r['error'][:70]}")
         elif "startup_s" in r:
             lines.append(f"{r['seq_len']:>5} {r['workers']:>7} {r['system']:<15} {r['tokens_per_s'] / 1e6:>11.1f} "
-                         f"{r['startup_s']:>10.2f} {r['plan_bytes'] / 2**20:>9.0f} {r['peak_rss_main'] / 2**20:>8.0f} "
+                         f"{r.get('cpu_s_per_100m', float('nan')):>10.2f} {r['startup_s']:>10.2f} "
+                         f"{r['plan_bytes'] / 2**20:>9.0f} {r['peak_rss_main'] / 2**20:>8.0f} "
                          f"{r['peak_rss_worker'] / 2**20:>10.0f}")
         else:
             lines.append(f"{r['seq_len']:>5} {'':>7} {r['system']:<15} {r['tokens_per_s'] / 1e6:>11.1f}")

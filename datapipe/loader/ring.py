@@ -18,6 +18,11 @@ processes), so it never writes a slot the main process still reads. A worker tha
 free slot (the trainer holds more batches than ``prefetch_factor + 2`` per worker) sends
 that batch the ordinary way, pickled: it never waits for the trainer, and nothing deadlocks.
 
+A :class:`~.batch.BatchGroup` (consecutive batches of one worker's stream, the token
+loaders' in a worker) goes into one slot as one message: torch's worker queue costs more a
+message than a batch of token sequences takes to cut. Its batches are opened together and
+view the one slot, which is free again once none of them is viewed.
+
 Slots are created by the worker, sized to the first batch that needs them (and regrown by
 half again when a batch does not fit), so their size follows what ``map=`` produces, not
 what is stored. They are anonymous: nothing is left in ``/dev/shm`` by a killed process.
@@ -26,6 +31,7 @@ what is stored. They are anonymous: nothing is left in ``/dev/shm`` by a killed 
 from __future__ import annotations
 
 import itertools
+import math
 import mmap
 import os
 import weakref
@@ -35,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from .batch import Batch, Column, LazyTensor
+from ..errors import LoaderOptionError
+from .batch import Batch, BatchGroup, Column, LazyTensor
 
 __all__ = ["BatchRing", "RingBatch"]
 
@@ -52,7 +59,9 @@ def _aligned(n: int) -> int:
 class RingBatch:
     """A batch written into slot ``slot`` of worker ``worker`` (what the DataLoader's queue
     carries). ``fields``: name -> ("column", data offset, data bytes, offsets offset,
-    samples) | ("tensor", offset, dtype name, shape) | ("value", the value itself)."""
+    samples) | ("tensor", offset, dtype name, shape) | ("value", the value itself).
+    ``group``: a :class:`~.batch.BatchGroup` written into the slot, the (fields, samples) of
+    each of its batches (``fields`` and ``samples`` are then the first's)."""
 
     worker: int
     slot: int
@@ -64,6 +73,7 @@ class RingBatch:
     form: str = "dict"  # Batch.form
     ring: int = 0  # the id of the ring in the main process (see _MAIN_RINGS)
     opened: bool = False
+    group: tuple[tuple[dict[str, tuple[Any, ...]], int], ...] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "opened"}
@@ -154,9 +164,11 @@ class BatchRing:
         self._slots: list[_Slot | None] = [None] * self.slots_per_worker  # worker side
         self._maps: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}  # main side
         #: (main process) batches opened from slots, and batches that came pickled because
-        #: their worker found no slot free (counted by the loader)
+        #: their worker found no slot free (counted by the loader); slots opened (a group's
+        #: batches come in one)
         self.opened = 0
         self.fallbacks = 0
+        self.messages = 0
 
     def __getstate__(self) -> dict[str, Any]:
         return {"slots_per_worker": self.slots_per_worker, "free": self.free, "id": self.id}
@@ -166,10 +178,11 @@ class BatchRing:
         self._init_local()
 
     # -- worker side -------------------------------------------------------------------
-    def write(self, worker: int, batch: Batch) -> RingBatch | None:
-        """``batch`` written into a free slot of ``worker``'s, or None (no slot is free: send
-        the batch itself)."""
-        need = _measure(batch)
+    def write(self, worker: int, batch: Batch | BatchGroup) -> RingBatch | None:
+        """``batch`` (or a group of batches) written into a free slot of ``worker``'s, or None
+        (no slot is free: send the batch itself)."""
+        batches = batch if isinstance(batch, BatchGroup) else (batch,)
+        need = sum(_measure(b) for b in batches)
         if not self.free[worker].acquire(block=False):
             return None
         i = next((k for k, s in enumerate(self._slots) if s is None or s.mm[0] == _FREE), -1)
@@ -190,7 +203,10 @@ class BatchRing:
         mm = slot.mm
         mm[0] = _BUSY
         try:
-            fields = self._fill(mm, batch)
+            written, pos = [], _HEADER
+            for b in batches:
+                fields, pos = self._fill(mm, b, pos)
+                written.append((fields, len(b)))
         except Exception:
             # a value the slot cannot hold after all: the slot stays free (else its worker
             # loses it for good) and the batch goes the ordinary way, pickled, where a value
@@ -198,19 +214,20 @@ class BatchRing:
             mm[0] = _FREE
             self.free[worker].release()
             return None
-        out = RingBatch(worker, i, slot.generation, len(mm), fields, len(batch), form=batch.form, ring=self.id)
+        out = RingBatch(worker, i, slot.generation, len(mm), written[0][0], written[0][1], form=batches[0].form,
+                        ring=self.id, group=tuple(written) if isinstance(batch, BatchGroup) else None)
         if not slot.sent:
             out.fd = DupFd(slot.fd)
             slot.sent = True
         return out
 
     @staticmethod
-    def _fill(mm: mmap.mmap, batch: Batch) -> dict[str, tuple[Any, ...]]:
+    def _fill(mm: mmap.mmap, batch: Batch, pos: int) -> tuple[dict[str, tuple[Any, ...]], int]:
+        """``batch`` written into the slot from ``pos`` on: (its fields, where the next may start)."""
         import torch
 
         view = memoryview(mm)
         try:
-            pos = _HEADER
             fields: dict[str, tuple[Any, ...]] = {}
             for name, value in batch.items():
                 if isinstance(value, Column):
@@ -235,7 +252,7 @@ class BatchRing:
                     pos += _aligned(nbytes)
                 else:
                     fields[name] = ("value", value)
-            return fields
+            return fields, pos
         finally:
             view.release()
 
@@ -243,14 +260,32 @@ class BatchRing:
     def open(self, rb: RingBatch, steps: int | None = None, skipped: tuple[Any, ...] = ()) -> Batch:
         """The batch that ``rb`` describes, viewing its slot; the slot is freed for its
         worker when nothing views it any more."""
-        import torch
+        if rb.group is not None:
+            raise LoaderOptionError(f"BatchRing.open: slot {rb.slot} of worker {rb.worker} holds a group of "
+                                    f"{len(rb.group)} batches; open it with open_all()")
+        return self.open_all(rb, steps, skipped)[0]
 
+    def open_all(self, rb: RingBatch, steps: int | None = None, skipped: tuple[Any, ...] = ()) -> list[Batch]:
+        """The batches that ``rb`` describes (one, or each of a group's, whose ``steps`` are
+        their samples), viewing its slot; the slot is freed for its worker when nothing
+        views any of them any more."""
         mm = self._map(rb)
         rb.opened = True
         base = np.frombuffer(mm, dtype=np.uint8)
         weakref.finalize(base, _release, mm, self.free[rb.worker], os.getpid())
+        self.messages += 1
+        if rb.group is None:
+            self.opened += 1
+            return [Batch(self._fields(base, rb.fields), rb.samples, steps, skipped, rb.form)]
+        self.opened += len(rb.group)
+        return [Batch(self._fields(base, fields), n, None, (), rb.form) for fields, n in rb.group]
+
+    @staticmethod
+    def _fields(base: np.ndarray[Any, Any], specs: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
+        import torch
+
         fields: dict[str, Any] = {}
-        for name, spec in rb.fields.items():
+        for name, spec in specs.items():
             kind = spec[0]
             if kind == "column":
                 _, pos, nbytes, opos, n = spec
@@ -259,15 +294,14 @@ class BatchRing:
             elif kind == "tensor":
                 _, pos, dtype, shape = spec
                 dt = getattr(torch, dtype)
-                count = int(np.prod(shape, dtype=np.int64))
-                nbytes = count * torch.empty(0, dtype=dt).element_size()
+                count = math.prod(shape)
+                nbytes = count * int(dt.itemsize)
                 # the tensor holds `base` (through the numpy slice), so the slot stays taken
                 fields[name] = torch.from_numpy(base[pos : pos + nbytes]).view(dt).view(shape) if count else \
                     torch.empty(shape, dtype=dt)
             else:
                 fields[name] = spec[1]
-        self.opened += 1
-        return Batch(fields, rb.samples, steps, skipped, rb.form)
+        return fields
 
     def _map(self, rb: RingBatch) -> mmap.mmap:
         key = (rb.worker, rb.slot)

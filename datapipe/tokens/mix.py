@@ -12,7 +12,9 @@ The plan is :class:`datapipe.plan.MixturePlan` (docs/TOKEN_FORMAT.md, "Mixtures"
 batch k's slots given to the sources by (seed, k), data-parallel rank r taking slots
 ``[r*B/dp, (r+1)*B/dp)``, DataLoader worker w of W building global steps ``start + w,
 start + w + W, ...`` (torch's round-robin order), so each worker produces whole per-rank
-batches and the loader's output is the rank's batches in step order. The fetch stage is
+batches and the loader's output is the rank's batches in step order. Under a
+:class:`~datapipe.StreamingDataLoader` (``grouped``) a worker builds groups of consecutive
+steps in turn instead (:class:`WorkerSteps`) and sends each group as one message. The fetch stage is
 the loader's :class:`~datapipe.loader.Prefetcher` over every source's logical chunks
 (:class:`~.read.ChunkFetch`), the read stage :mod:`.read`'s batch cutters.
 """
@@ -22,13 +24,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ..errors import LoaderOptionError, OptionError, PlanError, StateMismatchError, WorkerStateError
-from ..loader import Batch, Chunk, PassFetch, PassKey, Prefetcher
+from ..loader import Batch, BatchGroup, Chunk, PassFetch, PassKey, Prefetcher
 from ..options import (
     MAX_COUNT,
     check_bytes,
@@ -38,8 +41,17 @@ from ..options import (
     check_path,
     show,
 )
-from ..plan import MixturePlan, worker_steps
-from .dataset import ALL_CHUNKS, MAX_SEED, MAX_SEQ_LEN, MAX_THREADS, cut_batch, fetched_units, torch_dtype
+from ..plan import MixturePlan
+from .dataset import (
+    ALL_CHUNKS,
+    MAX_SEED,
+    MAX_SEQ_LEN,
+    MAX_THREADS,
+    cut_batch,
+    fetched_units,
+    message_batches,
+    torch_dtype,
+)
 from .read import CHUNK_TOKENS, ChunkFetch, Layout, TokenSource, layout_identity, make_layout
 from .stream import TokenStream, check_reading, check_topology
 
@@ -47,6 +59,41 @@ __all__ = ["TokenMix"]
 
 #: the stop of an endless mix (``steps=None``): no run gets there
 ENDLESS = 1 << 62
+
+
+@dataclass(frozen=True)
+class WorkerSteps:
+    """The global steps of ``[start, stop)`` that DataLoader ``worker`` of ``num_workers``
+    builds when workers take groups of ``group`` consecutive steps in turn (group 1:
+    :func:`datapipe.plan.worker_steps`), from its ``offset``-th on; ``len`` and slices
+    without listing them (an endless mix has 2**62)."""
+
+    start: int
+    worker: int
+    num_workers: int
+    stop: int
+    group: int = 1
+    offset: int = 0
+
+    def _total(self) -> int:
+        n = max(self.stop - self.start, 0)
+        groups = -(-n // self.group)
+        mine = len(range(self.worker, groups, self.num_workers))
+        count = mine * self.group
+        if mine and (groups - 1 - self.worker) % self.num_workers == 0:  # the last group, maybe short, is mine
+            count -= groups * self.group - n
+        return count
+
+    def __len__(self) -> int:
+        return max(self._total() - self.offset, 0)
+
+    def __getitem__(self, part: slice) -> Any:
+        a, b, _ = part.indices(len(self))
+        if part.stop is None:  # the rest: still not listed
+            return WorkerSteps(self.start, self.worker, self.num_workers, self.stop, self.group, self.offset + a)
+        k = np.arange(self.offset + a, self.offset + max(a, b), dtype=np.int64)
+        return (self.start + (self.worker + (k // self.group) * self.num_workers) * self.group
+                + k % self.group).tolist()
 
 
 def _weights_of(name: str, weights: Any, names: Sequence[str] | None) -> tuple[list[str], list[float]]:
@@ -242,13 +289,24 @@ class TokenMix(TokenStream):
         return dict(self._mix_state)
 
     def _batch_steps(self) -> int:
-        return self.per_rank_batch()
+        return self.per_rank_batch() * self._group()
+
+    def _group(self) -> int:
+        """Global steps a DataLoader worker builds and sends together (see
+        :meth:`datapipe.TokenDataset._group`)."""
+        if not self.grouped:
+            return 1
+        width = self.seq_len + 1 if self.packing == "concat" else 3 * self.seq_len
+        return message_batches(self.per_rank_batch() * width * int(torch_dtype(self.dtype).itemsize))
+
+    def _worker_steps(self, worker: int, num_workers: int) -> WorkerSteps:
+        return WorkerSteps(self._start, worker, num_workers, self._stop(), self._group())
 
     def _stop(self) -> int:
         return ENDLESS if self.steps is None else max(self.steps, self._start)
 
     def _share(self, worker: int, num_workers: int) -> int:
-        return len(worker_steps(self._start, worker, num_workers, self._stop())) * self.per_rank_batch()
+        return len(self._worker_steps(worker, num_workers)) * self.per_rank_batch()
 
     def _load(self, state: dict[str, Any]) -> None:
         plan = MixturePlan.from_state(self._counts(), state, global_batch=self.global_batch, seed=self.seed,
@@ -272,12 +330,13 @@ class TokenMix(TokenStream):
         return self._pass()
 
     def _batches(self, dp_rank: int, dp_size: int, worker: int, num_workers: int,
-                 in_worker: bool) -> Iterator[Batch]:
+                 in_worker: bool) -> Iterator[Batch | BatchGroup]:
         per = self.per_rank_batch()
         plan = MixturePlan.from_state(self._counts(), self._mix_state, global_batch=self.global_batch,
                                       seed=self.seed, dp_size=dp_size, window=self.window, identity=self.identity)
         progress = self._progress
-        steps = worker_steps(self._start, worker, num_workers, self._stop())[self._worker_skip // per:]
+        steps = self._worker_steps(worker, num_workers)[self._worker_skip // per:]
+        group = steps.group
         key = PassKey(0, dp_rank, dp_size, worker, num_workers, per, self.chunk_steps)
         fetch = self._fetch
         chunks = _mix_chunks(plan, dp_rank, steps, fetch.base, self.chunk_steps)
@@ -288,6 +347,7 @@ class TokenMix(TokenStream):
         layout = self.layouts[0]
         import torch
 
+        pending: list[Batch] = []  # the group being gathered (one may span chunks)
         try:
             for chunk in fetching.chunks():
                 units = fetched_units(chunk)
@@ -296,13 +356,23 @@ class TokenMix(TokenStream):
                     fields = cut_batch(layout, chunk.shard[a:a + per], chunk.sample[a:a + per], units, dtype,
                                        self.pad_id, in_worker)
                     fields["source"] = torch.from_numpy(source[a:a + per].astype(np.int64))
-                    progress.steps += per
-                    yield Batch(fields, per)
+                    if group == 1:
+                        progress.steps += per
+                        yield Batch(fields, per)
+                        continue
+                    pending.append(Batch(fields, per))
+                    if len(pending) == group:
+                        progress.steps += per * group
+                        yield BatchGroup(pending, group)
+                        pending = []
+            if pending:  # the worker's last group of the pass
+                progress.steps += per * len(pending)
+                yield BatchGroup(pending, group)
         finally:
             fetching.end(self)
 
 
-def _mix_chunks(plan: MixturePlan, dp_rank: int, steps: range, base: NDArray[np.int64],
+def _mix_chunks(plan: MixturePlan, dp_rank: int, steps: WorkerSteps, base: NDArray[np.int64],
                 chunk_steps: int) -> Iterator[Chunk]:
     """The plan stage of a mix's pass: the worker's global ``steps`` in chunks (one step,
     then four times as many each time, up to ``chunk_steps``), each naming the unit (a
@@ -310,7 +380,7 @@ def _mix_chunks(plan: MixturePlan, dp_rank: int, steps: range, base: NDArray[np.
     takes, in slot order. Runs on the prefetcher's thread."""
     i, size, number = 0, 1, 0
     while i < len(steps):
-        group = steps[i:i + min(size, chunk_steps)]
+        group: list[int] = steps[i:i + min(size, chunk_steps)]
         batches = [plan.batch(s, dp_rank) for s in group]
         units = np.concatenate([base[b.source] + b.chunk for b in batches])
         samples = np.concatenate([b.sample for b in batches])

@@ -97,6 +97,9 @@ class TokenStream(_Base):  # type: ignore[type-arg]  # torch's IterableDataset i
         self.yield_skip_markers = False
         self.batched = False
         self.skipped: list[tuple[str, str | None, str]] = []
+        #: set by a StreamingDataLoader whose workers run the passes: a worker may send groups
+        #: of consecutive batches (``BatchGroup``), one message each (a subclass decides)
+        self.grouped = False
         #: a StreamingDataLoader's PassControl while its persistent workers start
         self._control: Any = None
         self._worker_passes = WorkerPasses()

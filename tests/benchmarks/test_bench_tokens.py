@@ -16,6 +16,7 @@ def test_bench_tokens_rows(tmp_path):
     for r in rows[2:6]:
         assert "error" not in r, r
         assert r["tokens"] >= 40_000 and r["tokens_per_s"] > 0 and r["startup_s"] > 0 and r["peak_rss_main"] > 0
+        assert r["cpu_s_per_100m"] >= 0
     assert rows[0]["dtype"] == "int32" and rows[0]["corpus_tokens"] >= 400_000
     table = format_table(rows)
     assert "datapipe" in table and "memcpy floor" in table
