@@ -24,7 +24,7 @@ from __future__ import annotations
 from .arrays import ArrayLike, Bools, Int64s
 from .epoch import EpochPlan
 from .future import chunk_fetches, fetch_order, first_use, worker_chunk_steps
-from .mixture import MixtureBatch, MixturePlan, mixture_counts, worker_steps
+from .mixture import MixtureBatch, MixturePlan, WorkerSteps, mixture_counts, worker_steps
 from .partition import Partition, Split, batch_steps, per_rank_count, worker_batches
 from .permutation import derive_key, feistel_permute
 from .quality import order_quality, sequence_quality
@@ -83,4 +83,5 @@ __all__ = [
     "worker_batches",
     "worker_chunk_steps",
     "worker_steps",
+    "WorkerSteps",
 ]

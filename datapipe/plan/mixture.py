@@ -11,7 +11,8 @@ within a few chunks at a time.
 Global batch k: its B slots are given to the sources (``counts[s]`` each) in an order
 shuffled by a Feistel permutation keyed by (seed, k); data-parallel rank r of ``dp_size``
 takes slots ``[r*B/dp, (r+1)*B/dp)``, and DataLoader worker w of W takes the rank's batches
-k = start + w, start + w + W, ... (:func:`worker_steps`: torch's round-robin order), so a
+k = start + w, start + w + W, ... (:func:`worker_steps`: torch's round-robin order; in groups
+of consecutive steps when a worker sends several batches as one message), so a
 rank's loader yields its share of global batches in step order. A batch's content depends
 on (sources, seed, window, the weights in force, k) only, never on ``dp_size``: a state
 counted in global steps resumes exactly on any data-parallel size.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, cast
@@ -40,7 +41,7 @@ from .permutation import derive_key, feistel_permute
 from .resume import layout_fingerprint
 from .shuffle import EpochOrder, check_counts, epoch_order
 
-__all__ = ["MIXTURE_STATE_VERSION", "MixtureBatch", "MixturePlan", "mixture_counts", "worker_steps"]
+__all__ = ["MIXTURE_STATE_VERSION", "MixtureBatch", "MixturePlan", "mixture_counts", "worker_steps", "WorkerSteps"]
 
 MIXTURE_STATE_VERSION = 1
 #: key part that sets a batch's slot permutation apart from the sources' own orders
@@ -97,12 +98,54 @@ def _pos_int(name: str, v: object, lo: int = 1) -> int:
     return int(v)
 
 
-def worker_steps(start: int, worker: int, num_workers: int, stop: int) -> range:
+@dataclass(frozen=True)
+class WorkerSteps:
+    """The global steps of ``[start, stop)`` that DataLoader ``worker`` of ``num_workers``
+    builds when workers take groups of ``group`` consecutive steps in turn (group 1: torch's
+    round-robin order), from its ``offset``-th on; ``len`` and slices
+    without listing them (an endless mix has 2**62)."""
+
+    start: int
+    worker: int
+    num_workers: int
+    stop: int
+    group: int = 1
+    offset: int = 0
+
+    def _total(self) -> int:
+        n = max(self.stop - self.start, 0)
+        groups = -(-n // self.group)
+        mine = len(range(self.worker, groups, self.num_workers))
+        count = mine * self.group
+        if mine and (groups - 1 - self.worker) % self.num_workers == 0:  # the last group, maybe short, is mine
+            count -= groups * self.group - n
+        return count
+
+    def __len__(self) -> int:
+        return max(self._total() - self.offset, 0)
+
+    def __getitem__(self, part: slice) -> Any:
+        a, b, _ = part.indices(len(self))
+        if part.stop is None:  # the rest: still not listed
+            return WorkerSteps(self.start, self.worker, self.num_workers, self.stop, self.group, self.offset + a)
+        k = np.arange(self.offset + a, self.offset + max(a, b), dtype=np.int64)
+        return (self.start + (self.worker + (k // self.group) * self.num_workers) * self.group
+                + k % self.group).tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        g, n, w = self.group, self.num_workers, self.worker
+        for k in range(self.offset, self._total()):
+            yield self.start + (w + (k // g) * n) * g + k % g
+
+
+def worker_steps(start: int, worker: int, num_workers: int, stop: int, group: int = 1) -> WorkerSteps:
     """Global steps in ``[start, stop)`` that DataLoader ``worker`` of ``num_workers`` builds
-    after a (re)start at ``start``: torch asks its workers for batches in turn."""
+    after a (re)start at ``start``, workers taking groups of ``group`` steps in turn."""
     if not 0 <= worker < num_workers:
         raise OptionError(f"worker={worker} is not inside num_workers={num_workers}")
-    return range(start + worker, stop, num_workers)
+    if group < 1:
+        raise OptionError(f"group={group} must be >= 1")
+    return WorkerSteps(start, worker, num_workers, stop, group)
 
 
 @dataclass(frozen=True)

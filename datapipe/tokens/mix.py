@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,7 +40,7 @@ from ..options import (
     check_path,
     show,
 )
-from ..plan import MixturePlan
+from ..plan import MixturePlan, WorkerSteps, worker_steps
 from .dataset import (
     ALL_CHUNKS,
     MAX_SEED,
@@ -59,41 +58,6 @@ __all__ = ["TokenMix"]
 
 #: the stop of an endless mix (``steps=None``): no run gets there
 ENDLESS = 1 << 62
-
-
-@dataclass(frozen=True)
-class WorkerSteps:
-    """The global steps of ``[start, stop)`` that DataLoader ``worker`` of ``num_workers``
-    builds when workers take groups of ``group`` consecutive steps in turn (group 1:
-    :func:`datapipe.plan.worker_steps`), from its ``offset``-th on; ``len`` and slices
-    without listing them (an endless mix has 2**62)."""
-
-    start: int
-    worker: int
-    num_workers: int
-    stop: int
-    group: int = 1
-    offset: int = 0
-
-    def _total(self) -> int:
-        n = max(self.stop - self.start, 0)
-        groups = -(-n // self.group)
-        mine = len(range(self.worker, groups, self.num_workers))
-        count = mine * self.group
-        if mine and (groups - 1 - self.worker) % self.num_workers == 0:  # the last group, maybe short, is mine
-            count -= groups * self.group - n
-        return count
-
-    def __len__(self) -> int:
-        return max(self._total() - self.offset, 0)
-
-    def __getitem__(self, part: slice) -> Any:
-        a, b, _ = part.indices(len(self))
-        if part.stop is None:  # the rest: still not listed
-            return WorkerSteps(self.start, self.worker, self.num_workers, self.stop, self.group, self.offset + a)
-        k = np.arange(self.offset + a, self.offset + max(a, b), dtype=np.int64)
-        return (self.start + (self.worker + (k // self.group) * self.num_workers) * self.group
-                + k % self.group).tolist()
 
 
 def _weights_of(name: str, weights: Any, names: Sequence[str] | None) -> tuple[list[str], list[float]]:
@@ -300,7 +264,7 @@ class TokenMix(TokenStream):
         return message_batches(self.per_rank_batch() * width * int(torch_dtype(self.dtype).itemsize))
 
     def _worker_steps(self, worker: int, num_workers: int) -> WorkerSteps:
-        return WorkerSteps(self._start, worker, num_workers, self._stop(), self._group())
+        return worker_steps(self._start, worker, num_workers, self._stop(), self._group())
 
     def _stop(self) -> int:
         return ENDLESS if self.steps is None else max(self.steps, self._start)

@@ -185,8 +185,7 @@ def test_a_mixes_workers_send_groups_of_consecutive_steps(root, tmp_path, packin
 @given(start=st.integers(0, 50), n=st.integers(0, 200), workers=st.integers(1, 5), group=st.integers(1, 17),
        skip=st.integers(0, 60))
 def test_worker_steps_partition_the_steps_in_groups_taken_in_turn(start, n, workers, group, skip):
-    from datapipe.plan import worker_steps
-    from datapipe.tokens.mix import WorkerSteps
+    from datapipe.plan import WorkerSteps, worker_steps
 
     stop = start + n
     mine = [WorkerSteps(start, w, workers, stop, group) for w in range(workers)]
@@ -202,8 +201,10 @@ def test_worker_steps_partition_the_steps_in_groups_taken_in_turn(start, n, work
     for ws, steps in zip(mine, listed):
         rest = ws[skip:]
         assert len(rest) == len(steps[skip:]) and rest[0:len(rest)] == steps[skip:]
-        if group == 1:
-            assert steps == list(worker_steps(start, ws.worker, workers, stop))
+        assert list(ws) == steps  # iterated one by one: the same steps as sliced
+        if group == 1:  # torch's round-robin order
+            assert steps == list(range(start + ws.worker, stop, workers))
+            assert list(worker_steps(start, ws.worker, workers, stop)) == steps
 
 
 def test_small_batches_go_in_groups_of_up_to_a_mebibyte_and_large_ones_alone():
