@@ -27,6 +27,7 @@ served again in that source's epoch.
 from __future__ import annotations
 
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -112,6 +113,16 @@ class WorkerSteps:
     group: int = 1
     offset: int = 0
 
+    def __post_init__(self) -> None:
+        if not 0 <= self.worker < self.num_workers:
+            raise OptionError(f"worker={self.worker} is not inside num_workers={self.num_workers}")
+        if self.group < 1 or self.offset < 0:
+            raise OptionError(f"group={self.group}, offset={self.offset}: group must be >= 1 and offset >= 0")
+
+    def _step(self, k: int) -> int:
+        g = self.group
+        return self.start + (self.worker + (k // g) * self.num_workers) * g + k % g
+
     def _total(self) -> int:
         n = max(self.stop - self.start, 0)
         groups = -(-n // self.group)
@@ -124,8 +135,16 @@ class WorkerSteps:
     def __len__(self) -> int:
         return max(self._total() - self.offset, 0)
 
-    def __getitem__(self, part: slice) -> Any:
-        a, b, _ = part.indices(len(self))
+    def __getitem__(self, part: int | slice) -> Any:
+        if not isinstance(part, slice):
+            i = operator.index(part)
+            n = len(self)
+            if not -n <= i < n:
+                raise IndexError(f"step {i} of a worker's {n} steps")
+            return self._step(self.offset + (i % n))
+        a, b, step = part.indices(len(self))
+        if step != 1:
+            raise OptionError(f"a worker's steps are sliced in order only (step {part.step!r})")
         if part.stop is None:  # the rest: still not listed
             return WorkerSteps(self.start, self.worker, self.num_workers, self.stop, self.group, self.offset + a)
         k = np.arange(self.offset + a, self.offset + max(a, b), dtype=np.int64)
@@ -133,18 +152,13 @@ class WorkerSteps:
                 + k % self.group).tolist()
 
     def __iter__(self) -> Iterator[int]:
-        g, n, w = self.group, self.num_workers, self.worker
         for k in range(self.offset, self._total()):
-            yield self.start + (w + (k // g) * n) * g + k % g
+            yield self._step(k)
 
 
 def worker_steps(start: int, worker: int, num_workers: int, stop: int, group: int = 1) -> WorkerSteps:
     """Global steps in ``[start, stop)`` that DataLoader ``worker`` of ``num_workers`` builds
     after a (re)start at ``start``, workers taking groups of ``group`` steps in turn."""
-    if not 0 <= worker < num_workers:
-        raise OptionError(f"worker={worker} is not inside num_workers={num_workers}")
-    if group < 1:
-        raise OptionError(f"group={group} must be >= 1")
     return WorkerSteps(start, worker, num_workers, stop, group)
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datapipe.errors import OptionError, PlanError, StateMismatchError
-from datapipe.plan.mixture import MixturePlan, mixture_counts, worker_steps
+from datapipe.plan.mixture import MixturePlan, WorkerSteps, mixture_counts, worker_steps
 
 weights_st = st.lists(st.one_of(st.just(0.0), st.floats(0.01, 10.0)), min_size=1, max_size=4).filter(any)
 sources_st = st.lists(st.one_of(st.integers(1, 40), st.lists(st.integers(0, 9), min_size=1, max_size=5)
@@ -185,6 +185,20 @@ def test_workers_take_global_steps_round_robin():
     assert every == list(range(10, 20))
     with pytest.raises(OptionError):
         worker_steps(0, 3, 3, 10)
+
+
+def test_a_workers_steps_index_like_a_sequence_and_refuse_what_they_cannot_be():
+    ws = worker_steps(10, 1, 3, 20, group=2)  # groups (10, 11) (12, 13) ... taken in turn: worker 1 gets 12, 13, 18, 19
+    assert list(ws) == [12, 13, 18, 19] == ws[0:4]
+    assert (ws[0], ws[3], ws[-1], ws[-4]) == (12, 19, 19, 12)
+    assert list(ws[1:]) == [13, 18, 19] and ws[1:][0] == 13
+    with pytest.raises(IndexError):
+        ws[4]
+    with pytest.raises(OptionError, match="in order only"):
+        ws[::2]
+    for bad in (dict(worker=0, num_workers=0), dict(worker=-1, num_workers=2), dict(worker=0, num_workers=2, group=0)):
+        with pytest.raises(OptionError):
+            WorkerSteps(0, stop=10, **bad)
 
 
 def test_a_batch_is_a_function_of_the_step_only():
