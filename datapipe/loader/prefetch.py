@@ -10,7 +10,8 @@ object with ``close()`` (:meth:`.source.ShardSource.fetch` for shards), ``unit_b
 what it holds. :class:`PassFetch` is the stage's output for one pass: its chunks, each with
 what its fetches gave (``Chunk.fetched``), released once the consumer asks for the next.
 
-A chunk is handed on when its units have landed; a pass may take it in pieces as they land
+A chunk is queued as soon as its fetches start; :meth:`PassFetch.chunks` hands it on when its
+units have landed, or, with ``align``, in pieces as they land
 (:func:`landed_pieces`): a window's first sample then waits for its own shard, not for every
 shard of the window. The pieces hold the chunk's items in its order.
 
