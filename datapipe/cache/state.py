@@ -95,7 +95,8 @@ class ProcessState:
         self.closed = False
         self.deadline = Deadline(s.tier_deadline_s)
         self.tiers = Tiers(self.cold, self.stats.update, warn=self.warn, retry_s=s.tier_retry_s, give_up=self._give_up,
-                           deadline=self.deadline, min_mb_s=s.tier_min_mb_s, window_bytes=s.tier_window_bytes)
+                           deadline=self.deadline, min_mb_s=s.tier_min_mb_s, window_bytes=s.tier_window_bytes,
+                           rearm=self.rearm)
         self.counters: CounterFlusher | None = None
         if s.warm_dir is not None:
             try:
@@ -206,6 +207,12 @@ class ProcessState:
             self.warned.add(kind)
         if first:
             warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+    def rearm(self, *kinds: str) -> None:
+        """Warnings of ``kinds`` are said again the next time they are met (a tier's outage
+        is over: its next one is news)."""
+        with self.lock:
+            self.warned.difference_update(kinds)
 
     def warm_broken(self, e: OSError) -> bool:
         """True when ``e`` says the warm directory itself is gone or unwritable (deleted,

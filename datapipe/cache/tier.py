@@ -104,6 +104,9 @@ class DirTier:
         #: probe passes, until its next window of reads is judged (walk.py)
         self.out_slow = False
         self.on_trial = False
+        #: a probe of it is under way (walk.py ``Tiers.in_path``), or was abandoned at the
+        #: deadline and has not answered yet: no other probe starts meanwhile
+        self.probing = False
         #: its read window (walk.py ``Tiers.rate``)
         self.rate: ReadRate | None = None
         #: where calls on its folder that may hang run, under the cache's deadline, and
@@ -189,7 +192,7 @@ class DirTier:
         repaired or given up (``repair``), or passed over with a warning, and the caller
         reads through to the tiers below."""
         if timed_out(e):  # abandoned past the deadline: the walk took the tier out already
-            return self.retry_at is not None
+            return True  # (even when another thread's probe has taken it back since)
         if self.repair is not None:
             return self.repair(e)
         if isinstance(e, DatapipeError) or e.errno not in BROKEN_DIR_ERRNOS:

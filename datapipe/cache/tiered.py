@@ -421,13 +421,16 @@ class TieredCache:
                 size = os.fstat(fd).st_size
                 if end > size:  # the copy is the whole object: a bad range
                     _slice(b"", start, end, url, size)
+                t0 = time.perf_counter()
                 part = os.pread(fd, end - start, start)
+                seconds = time.perf_counter() - t0
             except BaseException:
                 os.close(fd)
                 raise
             if len(part) == end - start and checksum_ok(part, checksum):
                 os.close(fd)
                 warm.count_hit(end - start)
+                state.tiers.measured(warm, len(part), seconds)  # for the rule against slow tiers
                 return part
             if len(part) != end - start:
                 warm.count_corrupt()  # shrunk since it was verified
@@ -561,6 +564,19 @@ class TieredCache:
             f"{'checksum ' + checksum if checksum else 'its fill record'} and another process holds it "
             "pinned, so it is neither removed nor replaced until that process releases it; pass the "
             "checksum of the object as it is now, or use read()/pin_or_read(), which read around it")
+
+    def note_read(self, url: str, nbytes: int, seconds: float) -> None:
+        """Report a read of the pinned warm copy of ``url`` that :meth:`pin_or_read` or
+        :meth:`local_path` returned: ``nbytes`` read in ``seconds`` by the caller (the
+        loader times its read of the file). The cache does not read a copy it hands out as
+        a path, so this is how such reads reach the rule against slow tiers
+        (``tier_min_mb_s``): they count in the warm tier's window as its own hits do."""
+        nbytes = check_int("nbytes", nbytes, min=0, error=CacheOptionError)
+        seconds = check_float("seconds", seconds, min=0, max=1e9, error=CacheOptionError)
+        state = self._state()
+        warm = state.tiers.warm
+        if warm is not None and warm.retry_at is None:  # out of the path: its window waits for its probe
+            state.tiers.measured(warm, nbytes, seconds)
 
     def release(self, url: str) -> None:
         """Drop one pin taken by :meth:`local_path` (or by :meth:`pin_or_read`, when it

@@ -59,10 +59,14 @@ class Tiers:
     def __init__(self, cold: ColdReader, count: Count, *, warn: Warn | None = None,
                  retry_s: float = DEFAULT_TIER_RETRY_S, give_up: Callable[[DirTier], None] | None = None,
                  deadline: Deadline | None = None, min_mb_s: float | None = None,
-                 window_bytes: int = DEFAULT_TIER_WINDOW_BYTES) -> None:
+                 window_bytes: int = DEFAULT_TIER_WINDOW_BYTES,
+                 rearm: Callable[..., None] | None = None) -> None:
         self.cold = cold
         self.count = count
         self.warn = warn
+        #: ``rearm(*kinds)``: warnings of these kinds are said again when next met (the
+        #: process state's :meth:`~.state.ProcessState.rearm`)
+        self.rearm = rearm
         self.retry_s = retry_s
         #: every call on a tier's folder that may hang (lookups, writes, probes) goes through it
         self.deadline = deadline if deadline is not None else Deadline(None)
@@ -121,40 +125,65 @@ class Tiers:
             return True
         if time.monotonic() < at:
             return False
-        with self._out_lock:  # one probe at a time: a thread that waited sees what it found
+        # The probe is claimed under the lock and run outside it: a probe of a hung mount
+        # waits up to the deadline, and the reads of other threads (and other tiers) must
+        # not wait with it; they see the tier out until the probe's answer is applied.
+        with self._out_lock:
             at = tier.retry_at
             if at is None:
                 return True
-            if time.monotonic() < at:
+            if tier.probing or time.monotonic() < at:
                 return False
-            try:
-                self.deadline.call(tier.probe, what=f"{tier.name} cache {tier.dir.root}: a probe")
-            except OSError as e:
-                tier.retry_at = time.monotonic() + self.retry_s
-                tier.count_event("probes_failed")
-                tier.out_error = f"{type(e).__name__}: {e}"
-                tier.out_slow = False
-                return False
-            except StorageError:  # its path is someone else's folder now: never touched again
+            tier.probing = True
+            tier.retry_at = time.monotonic() + self.retry_s
+        answered = True
+        try:
+            error = self.deadline.call(partial(_probe, tier), what=f"{tier.name} cache {tier.dir.root}: a probe",
+                                       abandon=partial(_probe_answered, tier))
+        except OSError as e:  # abandoned: ``probing`` stays set until the probe answers
+            error, answered = e, False
+        if isinstance(error, StorageError):  # its path is someone else's folder now: never touched again
+            with self._out_lock:
                 tier.retry_at = float("inf")
-                given_up = True
-            else:
-                given_up = False
-                tier.retry_at = None
-                if tier.out_slow:  # it answers: judged on its next window of reads
-                    tier.on_trial, tier.out_slow = True, False
-                    self.rate(tier).reset()
-                    tier.count_event("trials")
-                    return True
-                tier.count_event("backs")
-        if given_up:
+                tier.probing = False
             if self.give_up is not None:
                 self.give_up(tier)
             return False
-        if self.warn is not None:
-            self.warn(f"{tier.name}_back", f"{tier.name} cache {tier.dir.root} answers again (a probe was "
-                      f"written, fsync'd and read back; it was out after {tier.out_error}): back in the path")
+        if isinstance(error, OSError):
+            with self._out_lock:
+                tier.retry_at = time.monotonic() + self.retry_s
+                tier.out_error = f"{type(error).__name__}: {error}"
+                tier.out_slow = False
+                tier.probing = tier.probing and not answered
+            tier.count_event("probes_failed")
+            return False
+        if error is not None:
+            with self._out_lock:
+                tier.probing = False
+            raise error
+        with self._out_lock:
+            tier.retry_at = None
+            tier.probing = False
+            trial = tier.out_slow
+            if trial:  # it answers: judged on its next window of reads
+                tier.on_trial, tier.out_slow = True, False
+                self.rate(tier).reset()
+        if trial:
+            tier.count_event("trials")
+            return True
+        tier.count_event("backs")
+        self._say_back(tier, f"{tier.name} cache {tier.dir.root} answers again (a probe was written, fsync'd "
+                       f"and read back; it was out after {tier.out_error}): back in the path")
         return True
+
+    def _say_back(self, tier: DirTier, message: str) -> None:
+        """Say that ``tier`` is back in the path; its next outage (and its recovery) is then
+        said again: each warning kind is said once per process (``ProcessState.warn``), so
+        the kinds of an outage are forgotten once it is over (``rearm``)."""
+        if self.warn is not None:
+            self.warn(f"{tier.name}_back", message)
+        if self.rearm is not None:
+            self.rearm(f"{tier.name}_hung", f"{tier.name}_slow", f"{tier.name}_back")
 
     def rate(self, tier: DirTier) -> ReadRate:
         """``tier``'s read window (see rates.py)."""
@@ -206,10 +235,9 @@ class Tiers:
                     back, tier.on_trial = tier.on_trial, False
                 if back:
                     tier.count_event("backs")
-                    if self.warn is not None:
-                        self.warn(f"{tier.name}_back", f"{tier.name} cache {tier.dir.root} reads at "
-                                  f"{rate / 1e6:.3g} MB/s again (tier_min_mb_s={self.min_mb_s:g}; it was out "
-                                  f"after {tier.out_error}): back in the path")
+                    self._say_back(tier, f"{tier.name} cache {tier.dir.root} reads at {rate / 1e6:.3g} MB/s "
+                                   f"again (tier_min_mb_s={self.min_mb_s:g}; it was out after {tier.out_error}): "
+                                   "back in the path")
             return
         instead = self._instead(tier)
         if instead is not None and instead < rate:
@@ -305,6 +333,23 @@ class Tiers:
                 return size
             tier = self._next(tier.rank)
         return self.cold.size(url)
+
+
+def _probe(tier: DirTier) -> Exception | None:
+    """``tier.probe()``'s failure, returned (so that an abandoned probe's answer reaches
+    ``_probe_answered`` whatever it is), else None."""
+    try:
+        tier.probe()
+    except Exception as e:
+        return e
+    return None
+
+
+def _probe_answered(tier: DirTier, _error: Exception | None) -> None:
+    """An abandoned probe answered at last (the mount is no longer hung in it): the tier
+    may be probed again. Until then no other probe starts, so a mount still hung holds one
+    thread in the kernel, not one more per ``retry_s``."""
+    tier.probing = False
 
 
 def _close_pin(found: Lookup) -> None:

@@ -493,9 +493,13 @@ class ShardSource:
                     # read while pinned; the private copy needs no pin once read
                     t0 = time.perf_counter()
                     read = self._read_local(path, info, f"the warm copy of {info.url} at {path}", ix.url, g)
+                    seconds = time.perf_counter() - t0
                     tel = getattr(cache, "telemetry", None)  # the warm tier's bytes, as its reader timed them
                     if tel is not None:
-                        tel.read("warm", len(read[0]), time.perf_counter() - t0)
+                        tel.read("warm", len(read[0]), seconds)
+                    note_read = getattr(cache, "note_read", None)  # and for its rule against slow tiers
+                    if note_read is not None:
+                        note_read(info.url, len(read[0]), seconds)
                     return read
                 finally:
                     cache.release(info.url)

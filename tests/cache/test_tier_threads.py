@@ -35,7 +35,8 @@ def test_two_threads_meeting_a_due_probe_take_the_tier_back_once(tmp_path):
             real_probe = tier.dir.probe
             # Each probe waits for the other thread to be probing too: where two threads may
             # probe at once they both do (and both took the tier back); where one probes at
-            # a time the wait runs out, unmet, and the other thread finds the tier back.
+            # a time the wait runs out, unmet, and the other thread, which does not wait for
+            # the probe, reads around the tier while it is still out.
             both = threading.Barrier(2)
 
             def probe():
@@ -61,4 +62,4 @@ def test_two_threads_meeting_a_due_probe_take_the_tier_back_once(tmp_path):
     assert s["warm_backs"] == 1, {k: v for k, v in s.items() if k.startswith("warm") and v}
     back = [str(w.message) for w in caught if "back in the path" in str(w.message)]
     assert len(back) == 1, back
-    assert s["warm_fills"] >= 3  # o0, then o2 and o3 once back
+    assert s["warm_fills"] >= 2  # o0, then the prober's object once back
