@@ -60,7 +60,8 @@ from .read import (
 )
 from .stream import MAX_EPOCH, TokenStream, check_reading, check_topology
 
-__all__ = ["TokenDataset", "MAX_SEQ_LEN", "cut_batch", "fetched_units", "message_batches", "torch_dtype"]
+__all__ = ["TokenDataset", "MAX_SEQ_LEN", "cut_batch", "fetched_units", "group_batches", "message_batches",
+           "torch_dtype"]
 
 #: ``window=None``: every chunk (a full global shuffle)
 ALL_CHUNKS = 1 << 62
@@ -88,6 +89,14 @@ def message_batches(batch_bytes: int) -> int:
     if batch_bytes >= GROUP_ALONE:
         return 1
     return max(1, min(GROUP_BATCHES, GROUP_BYTES // max(batch_bytes, 1)))
+
+
+def group_batches(batch: int, seq_len: int, packing: str, dtype: str, extra: int = 1) -> int:
+    """Batches of ``batch`` sequences a DataLoader worker sends in one message: a concat
+    batch is one tensor of ``seq_len + extra`` columns, a documents batch three of
+    ``seq_len`` (``input_ids``, ``position_ids``, the labels)."""
+    width = seq_len + extra if packing == "concat" else 3 * seq_len
+    return message_batches(batch * width * int(torch_dtype(dtype).itemsize))
 
 
 def _counts_of(counts: NDArray[Any], _epoch: int) -> tuple[NDArray[Any], None]:
@@ -298,9 +307,8 @@ class TokenDataset(TokenStream):
         take groups of consecutive batches in turn, so the loader's stream is the same."""
         if not (self.grouped and self.batched):
             return 1
-        fields, width = (1, self.layout.seq_len + self.layout.extra) if isinstance(self.layout, ConcatLayout) \
-            else (3, self.layout.seq_len)
-        return message_batches(self.batch_size * fields * width * int(torch_dtype(self.dtype).itemsize))
+        extra = self.layout.extra if isinstance(self.layout, ConcatLayout) else 0
+        return group_batches(self.batch_size, self.layout.seq_len, self.packing, self.dtype, extra)
 
     def _share(self, worker: int, num_workers: int) -> int:
         plan = self._current_plan()

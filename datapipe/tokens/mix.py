@@ -48,7 +48,7 @@ from .dataset import (
     MAX_THREADS,
     cut_batch,
     fetched_units,
-    message_batches,
+    group_batches,
     torch_dtype,
 )
 from .read import CHUNK_TOKENS, ChunkFetch, Layout, TokenSource, layout_identity, make_layout
@@ -260,8 +260,7 @@ class TokenMix(TokenStream):
         :meth:`datapipe.TokenDataset._group`)."""
         if not self.grouped:
             return 1
-        width = self.seq_len + 1 if self.packing == "concat" else 3 * self.seq_len
-        return message_batches(self.per_rank_batch() * width * int(torch_dtype(self.dtype).itemsize))
+        return group_batches(self.per_rank_batch(), self.seq_len, self.packing, self.dtype)
 
     def _worker_steps(self, worker: int, num_workers: int) -> WorkerSteps:
         return worker_steps(self._start, worker, num_workers, self._stop(), self._group())

@@ -214,3 +214,13 @@ def test_small_batches_go_in_groups_of_up_to_a_mebibyte_and_large_ones_alone():
     assert message_batches(8 * 2049 * 4) == 15  # int32: 64 KiB
     assert message_batches(64) == 16  # tiny batches: at most 16 a message
     assert message_batches(8 * 8193 * 4) == 1 and message_batches(8 * 8193 * 8) == 1  # 256 KiB and more: alone
+
+
+def test_a_group_counts_every_tensor_of_a_batch():
+    from datapipe.tokens.dataset import group_batches, message_batches
+
+    assert group_batches(8, 2048, "concat", "int64") == message_batches(8 * 2049 * 8) == 7
+    assert group_batches(8, 2048, "concat", "int64", extra=0) == message_batches(8 * 2048 * 8)
+    # documents: input_ids, position_ids and labels, each L wide
+    assert group_batches(8, 2048, "documents", "int32") == message_batches(8 * 3 * 2048 * 4) == 5
+    assert group_batches(8, 8192, "documents", "int64") == 1
