@@ -5,6 +5,7 @@ table still reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -57,8 +58,7 @@ def test_the_later_reader_takes_the_stored_counts_and_repacking_checks_them(tmp_
     t = first.layout.table
     counts = t.counts.copy()
     counts[0] += 1  # well formed, checksums right, but not what these documents pack into
-    forged = DocumentTable(t.seq_len, t.block_tokens, t.chunk_blocks, t.part_docs, t.part_tokens,
-                           t.chunk_doc_start, t.chunk_token_start, counts)
+    forged = dataclasses.replace(t, counts=counts)
     (tmp_path / KEY).write_bytes(forged.to_bytes(first.source.identity))
     later = _dataset(tmp_path, shuffle=False)
     assert np.array_equal(later.layout.counts, counts)  # read, not counted
