@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -53,6 +53,7 @@ __all__ = [
     "DocumentLayout",
     "PackedChunk",
     "DocumentTable",
+    "LengthReader",
     "TABLE_MAGIC",
     "lengths_sum",
     "cu_seqlens",
@@ -533,6 +534,21 @@ class DocumentTable:
         return ""
 
 
+@runtime_checkable
+class LengthReader(Protocol):
+    """A part's document lengths that a :class:`DocumentLayout` does not hold: ``size``
+    documents; ``read(start, stop)``: the lengths of documents ``[start, stop)`` (the
+    reader's I/O, e.g. a range of an ``.idx``, not checked: the layout checks them);
+    ``where(start, stop)``: what such a read reads, for errors (a URL and byte range)."""
+
+    @property
+    def size(self) -> int: ...
+
+    def read(self, start: int, stop: int) -> ArrayLike: ...
+
+    def where(self, start: int, stop: int) -> str: ...
+
+
 class DocumentLayout(_Layout):
     """Whole documents packed into sequences of at most ``seq_len`` tokens (see the module
     docstring). ``doc_lengths[p]``: tokens per document of part p (e.g. an ``np.memmap`` view
@@ -548,13 +564,14 @@ class DocumentLayout(_Layout):
     time; memory O(chunks) kept plus a bounded working set. ``table``: what an earlier
     layout over the same lengths counted (its :attr:`table`, stored and read back with
     :meth:`DocumentTable.from_bytes`): O(chunks), no length read until a chunk is repacked.
-    With a table, a part's lengths may be None (not held at all): a reader then gives a
-    chunk's lengths to :meth:`chunk` (read from the ranges :meth:`document_pieces` names),
-    and they are checked against the table's checksum of that chunk's lengths first."""
+    With a table, a part's lengths may be a :class:`LengthReader` instead of an array (not
+    held at all: e.g. ranges of an ``.idx`` read when a chunk is repacked); what it reads
+    is checked against the table's checksum of that chunk's lengths before it is used."""
 
     kind = "documents"
 
-    def __init__(self, doc_lengths: Sequence[ArrayLike | None], seq_len: int, *, block_tokens: int | None = None,
+    def __init__(self, doc_lengths: Sequence[ArrayLike | LengthReader], seq_len: int, *,
+                 block_tokens: int | None = None,
                  chunk_blocks: int | None = None, table: DocumentTable | None = None) -> None:
         if isinstance(doc_lengths, np.ndarray) and doc_lengths.ndim == 1:
             raise OptionError("doc_lengths is one array per part: pass [lengths] for a single part")
@@ -562,13 +579,13 @@ class DocumentLayout(_Layout):
             raise OptionError(f"table={table!r}: expected a DocumentTable (DocumentTable.from_bytes) or None")
         if table is not None and table.defect():
             raise OptionError(f"table: not a document packing table ({table.defect()})")
-        if table is None and any(x is None for x in doc_lengths):
-            raise OptionError("doc_lengths: a part's lengths may be None (not held) only with a table=")
+        if table is None and any(isinstance(x, LengthReader) for x in doc_lengths):
+            raise OptionError("doc_lengths: a part's lengths may be a LengthReader (not held) only with a table=; "
+                              "counting reads every length")
         # with a table no length is read now: a chunk's are checked when it is repacked.
-        #: each part's document lengths, or None where they are not held (a reader gives
-        #: a chunk's to :meth:`chunk`)
-        self.doc_lengths: list[npt.NDArray[Any] | None] = [
-            None if x is None else _lengths_arg(f"doc_lengths[{i}]", x, scan=table is None)
+        #: each part's document lengths: an array, or a :class:`LengthReader` of them
+        self.doc_lengths: list[npt.NDArray[Any] | LengthReader] = [
+            x if isinstance(x, LengthReader) else _lengths_arg(f"doc_lengths[{i}]", x, scan=table is None)
             for i, x in enumerate(doc_lengths)]
         self.seq_len = L = _int_arg("seq_len", seq_len, 1, 1 << 31)
         self.block_tokens = 64 * L if block_tokens is None else _int_arg("block_tokens", block_tokens, 1)
@@ -578,8 +595,7 @@ class DocumentLayout(_Layout):
             raise PlanError(f"the document packing table counts {table.part_docs.size} parts, the lengths given "
                             f"are of {len(self.doc_lengths)}: count the documents again (DocumentLayout without "
                             "table=)")
-        docs = np.array([x.size if x is not None else int(table.part_docs[i]) if table is not None else 0
-                         for i, x in enumerate(self.doc_lengths)], dtype=np.int64)
+        docs = np.array([int(x.size) for x in self.doc_lengths], dtype=np.int64)
         self.part_doc_starts = np.concatenate(([0], np.cumsum(docs)))
         self.num_documents = int(self.part_doc_starts[-1])
         if table is None:
@@ -622,12 +638,8 @@ class DocumentLayout(_Layout):
                             f"{int(docs.sum())}: count the documents again (DocumentLayout without table=)")
 
     def held(self) -> list[npt.NDArray[Any]]:
-        """Every part's lengths, or :class:`PlanError` when some are not held."""
-        missing = [i for i, x in enumerate(self.doc_lengths) if x is None]
-        if missing:
-            raise PlanError(f"the document lengths of parts {missing[:5]} are not held: give a chunk's lengths to "
-                            "DocumentLayout.chunk(c, lengths)")
-        return [x for x in self.doc_lengths if x is not None]
+        """Every part's lengths (all held: a layout that counts is given arrays only)."""
+        return [x for x in self.doc_lengths if not isinstance(x, LengthReader)]
 
     def _slices(self) -> Iterator[Int64s]:
         for x in self.held():
@@ -698,31 +710,25 @@ class DocumentLayout(_Layout):
         while c < n:
             e = min(n, max(c + 1, int(np.searchsorted(starts, starts[c] + _DOC_CHUNK, side="right")) - 1))
             base = int(starts[c])
-            lengths = self._lengths_of(base, int(starts[e]))
+            lengths, _ = self._lengths_of(base, int(starts[e]))
             for j in range(c, e):
                 out[j] = lengths_sum(lengths[int(starts[j]) - base:int(starts[j + 1]) - base])
             c = e
         return out
 
-    def document_pieces(self, chunk: int) -> Pieces:
-        """Chunk ``chunk``'s documents as pieces of parts: ``[start, stop)`` of part ``part``'s
-        documents, in order (what a reader reads a chunk's lengths from)."""
-        c = int(_check_ids("chunk", [chunk], self.num_chunks)[0])
-        d0, d1 = self.chunk_doc_start[c:c + 1], self.chunk_doc_start[c + 1:c + 2]
-        return _range_pieces(self.part_doc_starts, d0, d1)
-
-    def _lengths_of(self, d0: int, d1: int) -> Int64s:
-        """Lengths of global documents ``[d0, d1)`` (they may lie in several parts), from
-        the lengths held."""
+    def _lengths_of(self, d0: int, d1: int) -> tuple[Int64s, list[str]]:
+        """(lengths of global documents ``[d0, d1)``, which may lie in several parts; what
+        was read for them, where a part's are a :class:`LengthReader`'s)."""
         p = _range_pieces(self.part_doc_starts, np.array([d0]), np.array([d1]))
-        out = []
+        out, read = [], []
         for i, a, z in zip(p.part.tolist(), p.start.tolist(), p.stop.tolist()):
-            held = self.doc_lengths[i]
-            if held is None:
-                raise PlanError(f"the document lengths of part {i} are not held: give chunk lengths to "
-                                "DocumentLayout.chunk(c, lengths)")
-            out.append(np.asarray(held[a:z], dtype=np.int64))
-        return np.concatenate([*out, np.empty(0, np.int64)])
+            x = self.doc_lengths[i]
+            if isinstance(x, LengthReader):
+                out.append(np.asarray(x.read(a, z), dtype=np.int64))
+                read.append(x.where(a, z))
+            else:
+                out.append(np.asarray(x[a:z], dtype=np.int64))
+        return np.concatenate([*out, np.empty(0, np.int64)]), read
 
     def lengths_match(self, chunk: int, lengths: ArrayLike) -> bool:
         """Whether ``lengths`` are chunk ``chunk``'s documents' lengths as they were counted
@@ -732,18 +738,24 @@ class DocumentLayout(_Layout):
         return bool(arr.ndim == 1 and arr.size == int(self.chunk_doc_start[c + 1] - self.chunk_doc_start[c])
                     and lengths_sum(arr) == int(self.table.chunk_sums[c]))
 
-    def chunk(self, c: int, lengths: ArrayLike | None = None) -> PackedChunk:
-        """Chunk ``c``'s packing, recomputed from its documents' ``lengths`` (by default
-        those held; O(documents of the chunk)), which must match what was counted
-        (:meth:`lengths_match`), else :class:`PlanError`."""
+    def chunk(self, c: int) -> PackedChunk:
+        """Chunk ``c``'s packing, recomputed from its documents' lengths (O(documents of the
+        chunk); a :class:`LengthReader` reads them now), which must be what was counted
+        (:meth:`lengths_match`): else :class:`CorruptIndexError` naming what was read, or
+        :class:`PlanError` for lengths given as arrays."""
         c = int(_check_ids("chunk", [c], self.num_chunks)[0])
         L = self.seq_len
         d0, d1 = int(self.chunk_doc_start[c]), int(self.chunk_doc_start[c + 1])
-        lengths = self._lengths_of(d0, d1) if lengths is None else np.asarray(lengths)
+        lengths, read = self._lengths_of(d0, d1)
         if not self.lengths_match(c, lengths):
-            raise PlanError(f"chunk {c}'s documents [{d0}, {d1}): the {lengths.size} lengths given do not match "
-                            "the checksum counted of them: the document lengths changed since the plan was made")
-        lengths = lengths.astype(np.int64, copy=False)
+            if read:
+                raise CorruptIndexError(
+                    f"{', '.join(read)}: chunk {c}'s document lengths do not match the checksum the document "
+                    "packing table recorded when it counted them: the file was damaged or replaced since. Index or "
+                    "pack the dataset again (if the file is right, remove the table, plans/ beside the manifest: "
+                    "it is counted again)")
+            raise PlanError(f"chunk {c}'s documents [{d0}, {d1}): their lengths do not match the checksum counted "
+                            "of them: the document lengths changed since the plan was made")
         t0, t1 = int(self.chunk_token_start[c]), int(self.chunk_token_start[c + 1])
         if lengths.size and (lengths.min() < 0 or int(lengths.sum()) != t1 - t0):
             raise PlanError(f"chunk {c}'s documents [{d0}, {d1}) hold {int(lengths.sum())} tokens (smallest "

@@ -168,6 +168,10 @@ class TokenSource:
         data = self._range(store, key, url, a, b)
         return np.frombuffer(data, dtype="<i4").astype(np.int32, copy=False)
 
+    def idx_url(self, i: int) -> str:
+        """The URL of part ``i``'s ``.idx``."""
+        return self._located(self.manifest.parts[i].idx)[2]
+
     def _range(self, store: Store, key: str, url: str, a: int, b: int) -> bytes:
         data = call_with_retry(lambda: store.get_range(key, a, b), url, self.retry)
         if len(data) != b - a:
@@ -294,8 +298,9 @@ def _stored_document_layout(source: TokenSource, seq_len: int, block: int, chunk
         del counted, lengths  # the ranged parts' lengths are read per chunk from here on
         if found != "foreign":
             _store_table(source, key, url, table, overwrite=found == "stale")
-    kept = [None if table.part_ranged[i] else held[i] if i in held else source.part_lengths(i)[0]
-            for i in range(len(source.manifest.parts))]
+    kept: list[IntArray | _IdxSizes] = [
+        _IdxSizes(source, i) if table.part_ranged[i] else held[i] if i in held else source.part_lengths(i)[0]
+        for i in range(len(source.manifest.parts))]
     return DocumentLayout(kept, seq_len, block_tokens=block, chunk_blocks=chunk_blocks, table=table)
 
 
@@ -350,31 +355,21 @@ def _store_table(source: TokenSource, key: str, url: str, table: DocumentTable, 
                       "this dataset counts its documents again", RuntimeWarning, stacklevel=4)
 
 
-def _chunk_lengths(source: TokenSource, layout: DocumentLayout, chunk: int) -> Int64s:
-    """Chunk ``chunk``'s document lengths: the layout's where it holds them, else one range
-    read of the ``.idx`` sizes per part (:meth:`TokenSource.read_sizes`); checked against
-    the table's checksum of them (:meth:`~datapipe.plan.DocumentLayout.lengths_match`)
-    before anything uses them: a mismatch is a
-    :class:`~datapipe.errors.CorruptIndexError` naming the ranges read."""
-    p = layout.document_pieces(chunk)
-    out: list[IntArray] = []
-    read: list[str] = []
-    for i, a, b in zip(p.part.tolist(), p.start.tolist(), p.stop.tolist()):
-        held = layout.doc_lengths[i]
-        if held is not None:
-            out.append(held[a:b])
-        else:
-            out.append(source.read_sizes(i, a, b))
-            lo, hi = idx_sizes_range(a, b)
-            read.append(f"{source._located(source.manifest.parts[i].idx)[2]} bytes [{lo}, {hi})")
-    lengths = np.concatenate([*(np.asarray(x, dtype=np.int64) for x in out), np.empty(0, np.int64)])
-    if not layout.lengths_match(chunk, lengths):
-        what = ", ".join(read) if read else "the document lengths held"
-        raise CorruptIndexError(f"{what}: chunk {chunk}'s document lengths do not match the checksum the document "
-                                f"packing table ({DOCUMENT_TABLES}/ beside {source.store.url(MANIFEST)}) recorded "
-                                "when it counted them: the .idx was damaged or replaced since. Index or pack the "
-                                "dataset again (if the .idx is right, remove the table: it is counted again)")
-    return lengths
+class _IdxSizes:
+    """Part ``part``'s document lengths as a :class:`~datapipe.plan.tokens.LengthReader`:
+    ranges of its ``.idx`` sizes (one sequence per document), read when a chunk is repacked
+    (:meth:`TokenSource.read_sizes`); the layout checks them against its table."""
+
+    def __init__(self, source: TokenSource, part: int) -> None:
+        self.source, self.part = source, part
+        self.size = source.manifest.parts[part].documents
+
+    def read(self, start: int, stop: int) -> npt.NDArray[np.int32]:
+        return self.source.read_sizes(self.part, start, stop)
+
+    def where(self, start: int, stop: int) -> str:
+        a, b = idx_sizes_range(start, stop)
+        return f"{self.source.idx_url(self.part)} bytes [{a}, {b})"
 
 
 def layout_identity(source: TokenSource, layout: Layout) -> str:
@@ -447,7 +442,7 @@ class ChunkFetch:
             at += b - a
         if isinstance(layout, ConcatLayout):
             return TokenChunk(unit, joined)
-        packed = layout.chunk(c, _chunk_lengths(source, layout, c))
+        packed = layout.chunk(c)
         first = packed.offsets[:-1]
         start = layout.part_token_starts[packed.part[first]] + packed.start[first] - layout.chunk_token_start[c]
         return TokenChunk(unit, joined, packed, start.astype(np.int64), packed.tokens())
