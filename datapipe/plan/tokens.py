@@ -400,7 +400,7 @@ def lengths_sum(lengths: ArrayLike) -> int:
     """The checksum a :class:`DocumentTable` keeps of one chunk's document lengths: xxh3-64
     of them as little-endian int64, as a signed int64 (how the table stores it)."""
     raw = np.ascontiguousarray(lengths, dtype="<i8")
-    v = int(checksum(memoryview(raw).cast("B")).partition(":")[2], 16)
+    v = int(checksum(raw.data.cast("B")).partition(":")[2], 16)
     return v - (1 << 64) if v >= 1 << 63 else v
 
 

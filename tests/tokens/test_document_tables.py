@@ -6,6 +6,7 @@ table still reads."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import shutil
 import warnings
@@ -150,7 +151,7 @@ def test_with_the_table_no_idx_is_read_whole_and_the_sequences_are_the_counted_o
     counted = _rows(first)
     for p in (0, 1):
         _garble_past_the_sizes(_idx(tmp_path, p))
-    with pytest.raises(CorruptIndexError, match="part-00000-000.idx: checksum"):
+    with pytest.raises(CorruptIndexError, match=r"part-00000-000\.idx: checksum"):
         TokenSource(str(tmp_path)).part_lengths(0)  # what a whole read would meet
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -264,7 +265,7 @@ def _sentence_split_pair(prefix, rng, docs: int) -> list[np.ndarray]:
     with open(f"{prefix}.idx", "wb") as f:
         write_idx(f, sizes, doc_index, np.uint16)
     cum = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
-    return [tokens[cum[a]:cum[b]] for a, b in zip(doc_index[:-1], doc_index[1:])]
+    return [tokens[cum[a]:cum[b]] for a, b in itertools.pairwise(doc_index.tolist())]
 
 
 def _one_per_document_pair(prefix, rng, docs: int) -> list[np.ndarray]:
