@@ -324,7 +324,7 @@ def main() -> None:
     pad = 1 - rank["tokens"] / (rank["sequences"] * L)
     print(f"\ndocuments: {rank['sequences']:,} sequences in {rank['chunks']:,} chunks (padding "
           f"{pad:.1%} of their tokens); the stored table: {mb(count['kept'])} "
-          f"= 8 B x (3 x chunks + 2 x parts + 2); at 1e12 tokens {mb(count['kept'] * by_tokens)}")
+          f"= 8 B x (4 x chunks + 3 x parts + 2) and its header; at 1e12 tokens {mb(count['kept'] * by_tokens)}")
     print(f"  once per (dataset, seq_len): count every document, store the table (O(documents) time, "
           f"O(chunks) memory): {count['seconds']:.3f} s, peak RSS growth {mb(count['peak_growth'])}")
     print(f"    at 1e12 tokens / 1e9 documents = measured x 1e9 / documents = x {by_docs:,.0f}: "
@@ -337,8 +337,8 @@ def main() -> None:
           f"{nparts} parts, the table stored (reads the manifest, each .xxh, each .bin's size, the table; no .idx)")
     print(f"  the first process (no table yet: every .idx read whole, counted, the table stored): "
           f"{first['seconds']:.3f} s, peak RSS growth {mb(first['peak_growth'])}, read {mb(first['read'])}")
-    show(f"per rank: open + layout + EpochPlan; at 1e12 on the parts repeated x {times} ({nparts * times:,} parts)",
-         opened, opened_big)
+    show(f"per rank: open + layout + EpochPlan; at 1e12 on the parts repeated x {times} ({nparts * times:,} parts: "
+         "the formula's per-chunk cost includes the parts', which grow with it here)", opened, opened_big)
     for name, r, parts in (("here", opened, nparts), ("at 1e12", opened_big, nparts * times)):
         xxh = 8 * sum(-(-2 * t // (1 << 20)) for t in [r["tokens"] // parts] * parts)
         table_bytes = 8 * (4 * r["chunks"] + 3 * parts + 2)
