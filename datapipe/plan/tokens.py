@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeGuard, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -549,6 +549,11 @@ class LengthReader(Protocol):
     def where(self, start: int, stop: int) -> str: ...
 
 
+def _is_reader(x: object) -> TypeGuard[LengthReader]:
+    """``x`` is a :class:`LengthReader` (an array, the common case, is told apart cheaply)."""
+    return not isinstance(x, np.ndarray) and isinstance(x, LengthReader)
+
+
 class DocumentLayout(_Layout):
     """Whole documents packed into sequences of at most ``seq_len`` tokens (see the module
     docstring). ``doc_lengths[p]``: tokens per document of part p (e.g. an ``np.memmap`` view
@@ -579,13 +584,13 @@ class DocumentLayout(_Layout):
             raise OptionError(f"table={table!r}: expected a DocumentTable (DocumentTable.from_bytes) or None")
         if table is not None and table.defect():
             raise OptionError(f"table: not a document packing table ({table.defect()})")
-        if table is None and any(isinstance(x, LengthReader) for x in doc_lengths):
+        if table is None and any(_is_reader(x) for x in doc_lengths):
             raise OptionError("doc_lengths: a part's lengths may be a LengthReader (not held) only with a table=; "
                               "counting reads every length")
         # with a table no length is read now: a chunk's are checked when it is repacked.
         #: each part's document lengths: an array, or a :class:`LengthReader` of them
         self.doc_lengths: list[npt.NDArray[Any] | LengthReader] = [
-            x if isinstance(x, LengthReader) else _lengths_arg(f"doc_lengths[{i}]", x, scan=table is None)
+            x if _is_reader(x) else _lengths_arg(f"doc_lengths[{i}]", cast(ArrayLike, x), scan=table is None)
             for i, x in enumerate(doc_lengths)]
         self.seq_len = L = _int_arg("seq_len", seq_len, 1, 1 << 31)
         self.block_tokens = 64 * L if block_tokens is None else _int_arg("block_tokens", block_tokens, 1)
@@ -639,7 +644,7 @@ class DocumentLayout(_Layout):
 
     def held(self) -> list[npt.NDArray[Any]]:
         """Every part's lengths (all held: a layout that counts is given arrays only)."""
-        return [x for x in self.doc_lengths if not isinstance(x, LengthReader)]
+        return [x for x in self.doc_lengths if isinstance(x, np.ndarray)]
 
     def _slices(self) -> Iterator[Int64s]:
         for x in self.held():
@@ -723,7 +728,7 @@ class DocumentLayout(_Layout):
         out, read = [], []
         for i, a, z in zip(p.part.tolist(), p.start.tolist(), p.stop.tolist()):
             x = self.doc_lengths[i]
-            if isinstance(x, LengthReader):
+            if _is_reader(x):
                 out.append(np.asarray(x.read(a, z), dtype=np.int64))
                 read.append(x.where(a, z))
             else:
