@@ -25,7 +25,10 @@ parts' token streams, so a reader fetches one chunk's covering range per part.
   :class:`DocumentTable` (O(chunks)), stored as bytes (:meth:`DocumentTable.to_bytes`,
   checksummed and bound to the dataset's identity) and given back to later processes'
   layouts (``DocumentLayout(..., table=)``), which then cost O(chunks) and read no length
-  until a chunk is repacked; repacking checks the chunk against the table.
+  until a chunk is repacked; repacking checks the chunk's lengths against the table's
+  checksum of them, and the chunk against the table. With a table a part's lengths need
+  not be held at all: a :class:`LengthReader` reads a chunk's when it is repacked (a
+  reader's range of an ``.idx``), so a process holds O(parts + chunks).
 - :func:`data_parallel`: the ranks of a tensor/context/pipeline-parallel group read the same
   sequences: (rank, world size) -> (data-parallel rank, data-parallel size).
 """

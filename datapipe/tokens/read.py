@@ -23,7 +23,10 @@ logical chunk of sequences fetched and verified, and batches cut from fetched ch
   store), every covered block checked against ``.xxh`` (:func:`verify_blocks`) before a
   token of it is used. A flipped bit is a :class:`~datapipe.errors.ChecksumError` naming the
   file and block, never a wrong token. What it returns (:class:`TokenChunk`) holds the
-  chunk's tokens as one array and, for document packing, the chunk's packing.
+  chunk's tokens as one array and, for document packing, the chunk's packing (repacked from
+  its documents' lengths: for a part read in ranges, one range of the ``.idx`` sizes, read
+  then and checked against the table's checksum of them: a flipped bit is a
+  :class:`~datapipe.errors.CorruptIndexError` naming the ``.idx`` and the byte range).
 - :func:`cut_concat`, :class:`DocumentRows`: the read stage: the rows of a batch cut from
   fetched chunks with numpy (one slice assignment per row, converting the stored dtype as it
   copies; no Python per token), written into the batch's tensors, or straight into a
