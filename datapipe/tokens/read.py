@@ -311,11 +311,15 @@ def _stored_table(source: TokenSource, key: str, url: str) -> tuple[DocumentTabl
     """(the table at ``key``, "") when it is there and fits, else (None, why): "absent",
     "stale" (a table of datapipe's that is damaged, of another version or another
     dataset's: counted again and replaced, with a warning) or "foreign" (a file that is
-    no table of datapipe's: left as it is, with a warning)."""
+    no table of datapipe's, or that could not be read: left as it is, with a warning)."""
     try:
         data = source._get(source.store, key, url)
     except ObjectNotFoundError:
         return None, "absent"
+    except DatapipeError as e:  # what it holds is unknown: it is not overwritten
+        warnings.warn(f"{url}: the document packing table could not be read ({e}); counting the documents, and "
+                      "not storing the table there", RuntimeWarning, stacklevel=4)
+        return None, "foreign"
     try:
         table = DocumentTable.from_bytes(data, url, identity=source.identity)
         _check_fits(source, table, url)
