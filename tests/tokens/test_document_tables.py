@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from datapipe import TokenDataset, index_tokens
+from datapipe import TokenDataset, TokenMix, index_tokens
 from datapipe.checksum import canonical_json, checksum
 from datapipe.errors import CorruptIndexError, PlanError
 from datapipe.format.tokens import HEADER_BYTES, write_idx
@@ -308,3 +309,24 @@ def test_parts_of_several_sequences_a_document_are_read_whole_and_the_rest_in_ra
     with pytest.warns(RuntimeWarning, match=r"parts \[0\]'s lengths in ranges.*counting the documents again"):
         _dataset(tmp_path)
     assert (tmp_path / KEY).read_bytes() == good
+
+
+def test_a_mix_of_documents_packed_sources_reads_no_idx_whole_with_their_tables(tmp_path):
+    rng = np.random.default_rng(17)
+    names = []
+    for i, n in enumerate((160, 90)):
+        write_tokens(tmp_path / f"s{i}", [random_documents(rng, n, mean=20)])
+        names.append(str(tmp_path / f"s{i}"))
+    kw = dict(global_batch=6, chunk_tokens=64, steps=8, seed=5, packing="documents")
+    counted = [{k: v.clone() for k, v in b.items()} for b in TokenMix({names[0]: 2, names[1]: 1}, 8, **kw)]
+    for name in names:
+        _garble_past_the_sizes(Path(name) / "part-00000-000.idx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mix = TokenMix({names[0]: 2, names[1]: 1}, 8, **kw)
+    assert all(isinstance(x, LengthReader) for lay in mix.layouts for x in lay.doc_lengths)
+    got = [{k: v.clone() for k, v in b.items()} for b in mix]
+    assert len(got) == len(counted) == 8
+    for g, w in zip(got, counted):
+        for k in w:
+            assert torch.equal(g[k], w[k]), k
