@@ -57,6 +57,9 @@ __all__ = [
     "idx_bytes",
     "write_idx",
     "read_idx",
+    "idx_header",
+    "check_idx_header",
+    "idx_sizes_range",
     "flat_index",
     "read_flat",
     "block_count",
@@ -71,6 +74,7 @@ __all__ = [
     "make_token_manifest",
     "parse_token_manifest",
     "check_part",
+    "check_index",
     "check_block_sums",
     "TokenPartWriter",
 ]
@@ -187,11 +191,18 @@ class TokenIndex:
     def bin_bytes(self) -> int:
         return self.num_tokens * self.dtype.itemsize
 
+    @property
+    def one_sequence_per_document(self) -> bool:
+        """Whether document j is sequence j for every j (``doc_index`` is 0, 1, ..., S):
+        then the documents' lengths are a slice of the sizes (:func:`idx_sizes_range`)."""
+        d = self.doc_index
+        return bool(d.size == self.lengths.size + 1 and not (np.diff(d) != 1).any())
+
     def document_lengths(self) -> IntArray:
         """Tokens per document: ``lengths`` itself (a view) when every document is one
         sequence, else summed over each document's sequences."""
         d = self.doc_index
-        if d.size == self.lengths.size + 1 and not (np.diff(d) != 1).any():
+        if self.one_sequence_per_document:
             return self.lengths
         cum = np.concatenate(([0], np.cumsum(self.lengths, dtype=np.int64)))
         out: Int64s = cum[d[1:]] - cum[d[:-1]]
@@ -316,6 +327,46 @@ def read_idx(data: Buffer, *, bin_size: int | None = None, where: str = "<.idx>"
             f"the .bin holds {bin_size} bytes"
         )
     return TokenIndex(dt, lengths, pointers, doc_index, modes)
+
+
+def idx_header(data: Buffer, where: str) -> tuple[np.dtype[Any], int, int]:
+    """(dtype, sequences, documents) of an ``.idx``'s first :data:`HEADER_BYTES` bytes:
+    magic, version and a known integer dtype code checked (:class:`CorruptIndexError`
+    naming ``where``)."""
+    mv = _u8(data, where)
+    if len(mv) < HEADER_BYTES:
+        raise CorruptIndexError(f"{where}: {len(mv)} bytes is shorter than the {HEADER_BYTES}-byte .idx header")
+    if bytes(mv[:9]) != MAGIC:
+        raise CorruptIndexError(f"{where}: not a Megatron .idx (magic {bytes(mv[:9])!r}, expected {MAGIC!r})")
+    version, code, seqs, docs1 = struct.unpack_from("<QBQQ", mv, 9)
+    if version != IDX_VERSION:
+        raise CorruptIndexError(f"{where}: .idx version {version}; only version {IDX_VERSION} exists")
+    if docs1 < 1:
+        raise CorruptIndexError(f"{where}: the header counts {docs1} document indices; there is always one more "
+                                "than the documents")
+    return _dtype_from_code(code, where), int(seqs), int(docs1) - 1
+
+
+def check_idx_header(manifest: TokenManifest, i: int, data: Buffer, *, where: str = "") -> None:
+    """Part ``i``'s ``.idx`` header (its first :data:`HEADER_BYTES` bytes) must name the
+    manifest's dtype, sequences and documents, so that the file has the size the manifest
+    records (:func:`idx_size`) and its sizes lie where :func:`idx_sizes_range` says; else
+    :class:`CorruptIndexError` naming the file. What a reader checks before it range-reads
+    sizes from an ``.idx`` it does not read whole."""
+    part = manifest.parts[i]
+    pre = f"{where}: " if where else ""
+    dt, seqs, docs = idx_header(bytes(_u8(data, part.idx)[:HEADER_BYTES]), f"{pre}{part.idx}")
+    got, expect = (dt, seqs, docs), (manifest.dtype, part.sequences, part.documents)
+    if got != expect or idx_size(seqs, docs) != part.idx_bytes:
+        raise CorruptIndexError(f"{pre}{part.idx}: the header names (dtype, sequences, documents) = {got}, the "
+                                f"manifest records {expect} in {part.idx_bytes} bytes; the file was replaced since "
+                                "it was indexed (index or pack the dataset again)")
+
+
+def idx_sizes_range(start: int, stop: int) -> tuple[int, int]:
+    """The bytes ``[a, b)`` of an ``.idx`` that hold sequences ``[start, stop)``'s sizes
+    (int32, right after the header)."""
+    return HEADER_BYTES + 4 * start, HEADER_BYTES + 4 * stop
 
 
 def _split_long(doc_lengths: Int64s) -> tuple[npt.NDArray[np.int32], Int64s]:
@@ -640,13 +691,28 @@ def check_part(manifest: TokenManifest, i: int, idx_data: Buffer, xxh_data: Buff
     pre = f"{where}: " if where else ""
     _check_recorded(part.idx, idx_data, part.idx_bytes, part.idx_checksum, pre)
     sums = check_block_sums(manifest, i, xxh_data, where=where)
+    return PartIndex(part, _checked_index(manifest, i, idx_data, pre), sums)
+
+
+def check_index(manifest: TokenManifest, i: int, idx_data: Buffer, *, where: str = "") -> TokenIndex:
+    """Part ``i``'s ``.idx`` from its bytes, checked as :func:`check_part` checks it (size and
+    checksum the manifest records, an index of the part's counts and dtype), without its
+    ``.xxh``: what a reader that has the block sums already needs of the ``.idx``."""
+    part = manifest.parts[i]
+    pre = f"{where}: " if where else ""
+    _check_recorded(part.idx, idx_data, part.idx_bytes, part.idx_checksum, pre)
+    return _checked_index(manifest, i, idx_data, pre)
+
+
+def _checked_index(manifest: TokenManifest, i: int, idx_data: Buffer, pre: str) -> TokenIndex:
+    part = manifest.parts[i]
     index = read_idx(idx_data, bin_size=part.bin_bytes, where=f"{pre}{part.idx}")
     counts = (index.dtype, index.num_sequences, index.num_documents, index.num_tokens)
     expect = (manifest.dtype, part.sequences, part.documents, part.tokens)
     if counts != expect:
         raise CorruptIndexError(f"{pre}{part.idx}: (dtype, sequences, documents, tokens) = {counts}, "
                                 f"the manifest records {expect}")
-    return PartIndex(part, index, sums)
+    return index
 
 
 # --- writing one part ---------------------------------------------------------------------

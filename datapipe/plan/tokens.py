@@ -25,7 +25,10 @@ parts' token streams, so a reader fetches one chunk's covering range per part.
   :class:`DocumentTable` (O(chunks)), stored as bytes (:meth:`DocumentTable.to_bytes`,
   checksummed and bound to the dataset's identity) and given back to later processes'
   layouts (``DocumentLayout(..., table=)``), which then cost O(chunks) and read no length
-  until a chunk is repacked; repacking checks the chunk against the table.
+  until a chunk is repacked; repacking checks the chunk's lengths against the table's
+  checksum of them, and the chunk against the table. With a table a part's lengths need
+  not be held at all: a :class:`LengthReader` reads a chunk's when it is repacked (a
+  reader's range of an ``.idx``), so a process holds O(parts + chunks).
 - :func:`data_parallel`: the ranks of a tensor/context/pipeline-parallel group read the same
   sequences: (rank, world size) -> (data-parallel rank, data-parallel size).
 """
@@ -35,7 +38,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, TypeGuard, cast, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -53,7 +56,9 @@ __all__ = [
     "DocumentLayout",
     "PackedChunk",
     "DocumentTable",
+    "LengthReader",
     "TABLE_MAGIC",
+    "lengths_sum",
     "cu_seqlens",
     "position_ids",
     "data_parallel",
@@ -385,32 +390,49 @@ def _next_fit_counts(start: Int64s, end: Int64s, block_first: Int64s, L: int) ->
     return counts
 
 
-#: the first bytes of a stored :class:`DocumentTable`
+#: the first bytes of a stored :class:`DocumentTable`: a file at a table's path that does
+#: not start with them is no table of datapipe's (a reader leaves it alone)
 TABLE_MAGIC = b"DPDOCTAB"
 #: the longest header a stored table may have (it names sizes and checksums only)
 _MAX_TABLE_HEADER = 1 << 16
-_TABLE_FORMAT, _TABLE_VERSION = "datapipe-document-table", 1
+#: version 2 added each part's ``part_ranged`` and each chunk's ``chunk_sums``
+_TABLE_FORMAT, _TABLE_VERSION = "datapipe-document-table", 2
+
+
+def lengths_sum(lengths: ArrayLike) -> int:
+    """The checksum a :class:`DocumentTable` keeps of one chunk's document lengths: xxh3-64
+    of them as little-endian int64, as a signed int64 (how the table stores it)."""
+    raw = np.ascontiguousarray(lengths, dtype="<i8")
+    v = int(checksum(raw.data.cast("B")).partition(":")[2], 16)
+    return v - (1 << 64) if v >= 1 << 63 else v
 
 
 @dataclass(frozen=True)
 class DocumentTable:
-    """What :class:`DocumentLayout` computes from every document length, O(chunks): the
-    packing's parameters, each part's documents and tokens, each chunk's first document and
-    first token (and the ends) and its sequences. Stored once per (dataset, seq_len) with
-    :meth:`to_bytes`, read back with :meth:`from_bytes` and given to ``DocumentLayout(...,
-    table=)``, so no later process counts again."""
+    """What :class:`DocumentLayout` computes from every document length, O(parts + chunks):
+    the packing's parameters, each part's documents and tokens, each chunk's first document
+    and first token (and the ends), its sequences and the checksum of its documents'
+    lengths (:func:`lengths_sum`), so that a reader may take a chunk's lengths from a range
+    of a file and check them before it repacks the chunk. ``part_ranged[p]`` (0 or 1) is
+    the reader's to set: 1 where part p's document lengths are a plain slice of its
+    ``.idx`` sizes (one sequence per document), so they can be range-read. Stored once
+    per (dataset, seq_len) with :meth:`to_bytes`, read back with :meth:`from_bytes` and
+    given to ``DocumentLayout(..., table=)``, so no later process counts again."""
 
     seq_len: int
     block_tokens: int
     chunk_blocks: int
     part_docs: Int64s
     part_tokens: Int64s
+    part_ranged: Int64s
     chunk_doc_start: Int64s
     chunk_token_start: Int64s
     counts: Int64s
+    chunk_sums: Int64s
 
     def _arrays(self) -> tuple[Int64s, ...]:
-        return (self.part_docs, self.part_tokens, self.chunk_doc_start, self.chunk_token_start, self.counts)
+        return (self.part_docs, self.part_tokens, self.part_ranged, self.chunk_doc_start, self.chunk_token_start,
+                self.counts, self.chunk_sums)
 
     def to_bytes(self, identity: str = "") -> bytes:
         """The table as a file: :data:`TABLE_MAGIC`, the header's length (8 bytes, little
@@ -432,7 +454,8 @@ class DocumentTable:
         checksums, its sizes, and that its arrays describe a partition of the documents and
         tokens into chunks (O(chunks)); ``identity``: the one it must have been stored with.
         :class:`~datapipe.errors.CorruptIndexError` naming ``where`` for bytes that are no
-        such table, :class:`~datapipe.errors.PlanError` for a table of another dataset."""
+        such table (or a table of another version), :class:`~datapipe.errors.PlanError` for
+        a table of another dataset."""
         view = memoryview(data).cast("B")
         redo = "remove it and the next reader counts the documents again"
 
@@ -467,7 +490,7 @@ class DocumentTable:
                 raise bad(f"{name}={v!r}")
             sizes[name] = v
         parts, chunks = sizes["parts"], sizes["chunks"]
-        want = 8 * (2 * parts + 3 * chunks + 2)
+        want = 8 * (3 * parts + 4 * chunks + 2)
         if view.nbytes - head - n != want:
             raise bad(f"{view.nbytes - head - n} payload bytes where {parts} parts and {chunks} chunks take {want}")
         payload = view[head + n:]
@@ -478,12 +501,11 @@ class DocumentTable:
             raise PlanError(f"{where}: the document packing table was computed for {doc.get('identity')!r}, "
                             f"not {identity!r} (the dataset changed since); {redo}")
         flat = np.frombuffer(payload, dtype="<i8").astype(np.int64, copy=False)  # a view where int64 is "<i8"
-        cut = np.cumsum([parts, parts, chunks + 1, chunks + 1])
-        part_docs, part_tokens, doc_start, tok_start, counts = np.split(flat, cut)
-        for a in (part_docs, part_tokens, doc_start, tok_start, counts):
+        cut = np.cumsum([parts, parts, parts, chunks + 1, chunks + 1, chunks])
+        arrays = np.split(flat, cut)
+        for a in arrays:
             a.flags.writeable = False
-        table = cls(sizes["seq_len"], sizes["block_tokens"], sizes["chunk_blocks"], part_docs, part_tokens,
-                    doc_start, tok_start, counts)
+        table = cls(sizes["seq_len"], sizes["block_tokens"], sizes["chunk_blocks"], *arrays)
         defect = table.defect()
         if defect:
             raise bad(defect)
@@ -491,15 +513,18 @@ class DocumentTable:
 
     def defect(self) -> str:
         """Why the arrays are no partition of the parts' documents and tokens into chunks
-        (O(chunks)), or "" when they are one."""
+        (O(parts + chunks)), or "" when they are one."""
         arrays = self._arrays()
         if any(not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.int64 for a in arrays):
             return "its arrays are not 1-d int64 arrays"
-        part_docs, part_tokens, doc_start, tok_start, counts = arrays
-        if part_docs.size != part_tokens.size or not doc_start.size == tok_start.size == counts.size + 1:
+        part_docs, part_tokens, ranged, doc_start, tok_start, counts, sums = arrays
+        if not part_docs.size == part_tokens.size == ranged.size \
+                or not doc_start.size == tok_start.size == counts.size + 1 == sums.size + 1:
             return "its arrays' sizes do not match"
         if (part_docs < 0).any() or (part_tokens < 0).any() or (counts < 0).any():
             return "a negative size"
+        if ((ranged != 0) & (ranged != 1)).any():
+            return "a part_ranged flag that is neither 0 nor 1"
         if counts.size:
             wide = np.diff(tok_start)
             if doc_start[0] != 0 or tok_start[0] != 0 or (np.diff(doc_start) <= 0).any() or (wide < 0).any():
@@ -510,6 +535,26 @@ class DocumentTable:
         if int(doc_start[-1]) != sum(part_docs.tolist()) or int(tok_start[-1]) != sum(part_tokens.tolist()):
             return "its chunks do not end where the parts' documents and tokens end"
         return ""
+
+
+@runtime_checkable
+class LengthReader(Protocol):
+    """A part's document lengths that a :class:`DocumentLayout` does not hold: ``size``
+    documents; ``read(start, stop)``: the lengths of documents ``[start, stop)`` (the
+    reader's I/O, e.g. a range of an ``.idx``, not checked: the layout checks them);
+    ``where(start, stop)``: what such a read reads, for errors (a URL and byte range)."""
+
+    @property
+    def size(self) -> int: ...
+
+    def read(self, start: int, stop: int) -> ArrayLike: ...
+
+    def where(self, start: int, stop: int) -> str: ...
+
+
+def _is_reader(x: object) -> TypeGuard[LengthReader]:
+    """``x`` is a :class:`LengthReader` (an array, the common case, is told apart cheaply)."""
+    return not isinstance(x, np.ndarray) and isinstance(x, LengthReader)
 
 
 class DocumentLayout(_Layout):
@@ -526,11 +571,15 @@ class DocumentLayout(_Layout):
     about :data:`CHUNK_TOKENS`. Planning reads the lengths once, in slices: O(documents)
     time; memory O(chunks) kept plus a bounded working set. ``table``: what an earlier
     layout over the same lengths counted (its :attr:`table`, stored and read back with
-    :meth:`DocumentTable.from_bytes`): O(chunks), no length read until a chunk is repacked."""
+    :meth:`DocumentTable.from_bytes`): O(chunks), no length read until a chunk is repacked.
+    With a table, a part's lengths may be a :class:`LengthReader` instead of an array (not
+    held at all: e.g. ranges of an ``.idx`` read when a chunk is repacked); what it reads
+    is checked against the table's checksum of that chunk's lengths before it is used."""
 
     kind = "documents"
 
-    def __init__(self, doc_lengths: Sequence[ArrayLike], seq_len: int, *, block_tokens: int | None = None,
+    def __init__(self, doc_lengths: Sequence[ArrayLike | LengthReader], seq_len: int, *,
+                 block_tokens: int | None = None,
                  chunk_blocks: int | None = None, table: DocumentTable | None = None) -> None:
         if isinstance(doc_lengths, np.ndarray) and doc_lengths.ndim == 1:
             raise OptionError("doc_lengths is one array per part: pass [lengths] for a single part")
@@ -538,18 +587,27 @@ class DocumentLayout(_Layout):
             raise OptionError(f"table={table!r}: expected a DocumentTable (DocumentTable.from_bytes) or None")
         if table is not None and table.defect():
             raise OptionError(f"table: not a document packing table ({table.defect()})")
-        # with a table no length is read now: a chunk's are checked when it is repacked
-        self.doc_lengths = [_lengths_arg(f"doc_lengths[{i}]", x, scan=table is None)
-                            for i, x in enumerate(doc_lengths)]
+        if table is None and any(_is_reader(x) for x in doc_lengths):
+            raise OptionError("doc_lengths: a part's lengths may be a LengthReader (not held) only with a table=; "
+                              "counting reads every length")
+        # with a table no length is read now: a chunk's are checked when it is repacked.
+        #: each part's document lengths: an array, or a :class:`LengthReader` of them
+        self.doc_lengths: list[npt.NDArray[Any] | LengthReader] = [
+            x if _is_reader(x) else _lengths_arg(f"doc_lengths[{i}]", cast(ArrayLike, x), scan=table is None)
+            for i, x in enumerate(doc_lengths)]
         self.seq_len = L = _int_arg("seq_len", seq_len, 1, 1 << 31)
         self.block_tokens = 64 * L if block_tokens is None else _int_arg("block_tokens", block_tokens, 1)
         self.chunk_blocks = max(1, CHUNK_TOKENS // self.block_tokens) if chunk_blocks is None \
             else _int_arg("chunk_blocks", chunk_blocks, 1)
-        docs = np.array([x.size for x in self.doc_lengths], dtype=np.int64)
+        if table is not None and table.part_docs.size != len(self.doc_lengths):
+            raise PlanError(f"the document packing table counts {table.part_docs.size} parts, the lengths given "
+                            f"are of {len(self.doc_lengths)}: count the documents again (DocumentLayout without "
+                            "table=)")
+        docs = np.array([int(x.size) for x in self.doc_lengths], dtype=np.int64)
         self.part_doc_starts = np.concatenate(([0], np.cumsum(docs)))
         self.num_documents = int(self.part_doc_starts[-1])
         if table is None:
-            part_tokens = np.array([int(x.sum(dtype=np.int64)) for x in self.doc_lengths], dtype=np.int64)
+            part_tokens = np.array([int(x.sum(dtype=np.int64)) for x in self.held()], dtype=np.int64)
         else:
             self._check_table(table, docs)
             part_tokens = table.part_tokens
@@ -564,9 +622,10 @@ class DocumentLayout(_Layout):
                 table.chunk_doc_start, table.chunk_token_start, table.counts
         self.counts, self._chunk_starts = _finish_counts(counts)
         #: what was counted, to store (:meth:`DocumentTable.to_bytes`) for later processes
+        #: (``part_ranged`` all 0: the reader that knows its files sets it)
         self.table = table if table is not None else DocumentTable(
-            L, self.block_tokens, self.chunk_blocks, docs, part_tokens, self.chunk_doc_start,
-            self.chunk_token_start, self.counts)
+            L, self.block_tokens, self.chunk_blocks, docs, part_tokens, np.zeros(docs.size, dtype=np.int64),
+            self.chunk_doc_start, self.chunk_token_start, self.counts, self._chunk_sums())
         ident = {"kind": self.kind, "seq_len": L, "block_tokens": self.block_tokens,
                  "chunk_blocks": self.chunk_blocks,
                  "parts": checksum(np.ascontiguousarray(part_tokens, dtype="<i8").tobytes()
@@ -586,8 +645,12 @@ class DocumentLayout(_Layout):
                             f"{int(table.part_docs.sum())} documents, the lengths given hold {docs.size} parts of "
                             f"{int(docs.sum())}: count the documents again (DocumentLayout without table=)")
 
+    def held(self) -> list[npt.NDArray[Any]]:
+        """Every part's lengths (all held: a layout that counts is given arrays only)."""
+        return [x for x in self.doc_lengths if isinstance(x, np.ndarray)]
+
     def _slices(self) -> Iterator[Int64s]:
-        for x in self.doc_lengths:
+        for x in self.held():
             for a in range(0, x.size, _DOC_CHUNK):
                 yield x[a:a + _DOC_CHUNK].astype(np.int64)
 
@@ -646,22 +709,61 @@ class DocumentLayout(_Layout):
                 np.concatenate([*chunk_tok, [self.num_tokens]]).astype(np.int64),
                 np.concatenate([*finished, np.empty(0, np.int64)]).astype(np.int64))
 
-    def _lengths_of(self, d0: int, d1: int) -> Int64s:
-        """Lengths of global documents ``[d0, d1)`` (they may lie in several parts)."""
-        out = []
-        for p in range(int(np.searchsorted(self.part_doc_starts, d0, side="right")) - 1, len(self.doc_lengths)):
-            a, z = int(self.part_doc_starts[p]), int(self.part_doc_starts[p + 1])
-            if a >= d1:
-                break
-            out.append(np.asarray(self.doc_lengths[p][max(d0, a) - a:min(d1, z) - a], dtype=np.int64))
-        return np.concatenate([*out, np.empty(0, np.int64)])
+    def _chunk_sums(self) -> Int64s:
+        """:func:`lengths_sum` of every chunk's document lengths, read in groups of chunks
+        of about ``_DOC_CHUNK`` documents (O(documents) time, bounded memory)."""
+        n, starts = self.num_chunks, self.chunk_doc_start
+        out = np.empty(n, dtype=np.int64)
+        c = 0
+        while c < n:
+            e = min(n, max(c + 1, int(np.searchsorted(starts, starts[c] + _DOC_CHUNK, side="right")) - 1))
+            base = int(starts[c])
+            lengths, _ = self._lengths_of(base, int(starts[e]))
+            for j in range(c, e):
+                out[j] = lengths_sum(lengths[int(starts[j]) - base:int(starts[j + 1]) - base])
+            c = e
+        return out
+
+    def _lengths_of(self, d0: int, d1: int) -> tuple[Int64s, list[str]]:
+        """(lengths of global documents ``[d0, d1)``, which may lie in several parts; what
+        was read for them, where a part's are a :class:`LengthReader`'s)."""
+        p = _range_pieces(self.part_doc_starts, np.array([d0]), np.array([d1]))
+        out, read = [], []
+        for i, a, z in zip(p.part.tolist(), p.start.tolist(), p.stop.tolist()):
+            x = self.doc_lengths[i]
+            if _is_reader(x):
+                out.append(np.asarray(x.read(a, z), dtype=np.int64))
+                read.append(x.where(a, z))
+            else:
+                out.append(np.asarray(x[a:z], dtype=np.int64))
+        return np.concatenate([*out, np.empty(0, np.int64)]), read
+
+    def lengths_match(self, chunk: int, lengths: ArrayLike) -> bool:
+        """Whether ``lengths`` are chunk ``chunk``'s documents' lengths as they were counted
+        (their number and the table's checksum of them)."""
+        c = int(_check_ids("chunk", [chunk], self.num_chunks)[0])
+        arr = np.asarray(lengths)
+        return bool(arr.ndim == 1 and arr.size == int(self.chunk_doc_start[c + 1] - self.chunk_doc_start[c])
+                    and lengths_sum(arr) == int(self.table.chunk_sums[c]))
 
     def chunk(self, c: int) -> PackedChunk:
-        """Chunk ``c``'s packing, recomputed from the lengths (O(documents of the chunk))."""
+        """Chunk ``c``'s packing, recomputed from its documents' lengths (O(documents of the
+        chunk); a :class:`LengthReader` reads them now), which must be what was counted
+        (:meth:`lengths_match`): else :class:`CorruptIndexError` naming what was read, or
+        :class:`PlanError` for lengths given as arrays."""
         c = int(_check_ids("chunk", [c], self.num_chunks)[0])
         L = self.seq_len
         d0, d1 = int(self.chunk_doc_start[c]), int(self.chunk_doc_start[c + 1])
-        lengths = self._lengths_of(d0, d1)
+        lengths, read = self._lengths_of(d0, d1)
+        if not self.lengths_match(c, lengths):
+            if read:
+                raise CorruptIndexError(
+                    f"{', '.join(read)}: chunk {c}'s document lengths do not match the checksum the document "
+                    "packing table recorded when it counted them: the file was damaged or replaced since. Index or "
+                    "pack the dataset again (if the file is right, remove the table, plans/ beside the manifest: "
+                    "it is counted again)")
+            raise PlanError(f"chunk {c}'s documents [{d0}, {d1}): their lengths do not match the checksum counted "
+                            "of them: the document lengths changed since the plan was made")
         t0, t1 = int(self.chunk_token_start[c]), int(self.chunk_token_start[c + 1])
         if lengths.size and (lengths.min() < 0 or int(lengths.sum()) != t1 - t0):
             raise PlanError(f"chunk {c}'s documents [{d0}, {d1}) hold {int(lengths.sum())} tokens (smallest "

@@ -227,7 +227,7 @@ class TokenDataset(TokenStream):
         storage_options = check_reading(storage_options, cache)
         self._init_stream(self.rank, self.world_size, replication, pipeline, dp_rank, dp_size)
         self.url = url
-        self.source = TokenSource(url, storage_options, keep_lengths=packing == "documents",
+        self.source = TokenSource(url, storage_options,
                                   max_pooled_bytes=prefetch_bytes)
         self.seq_len, self.packing = seq_len, packing
         if packing == "concat" and not extra_token:

@@ -142,7 +142,7 @@ class TokenMix(TokenStream):
         self._init_stream(rank, world_size, replication, pipeline, dp_rank, dp_size)
         #: the sources' names (as given), in the mix's order: ``source`` values index it
         self.names = names
-        self.sources = [TokenSource(u, storage_options, keep_lengths=packing == "documents",
+        self.sources = [TokenSource(u, storage_options,
                                     max_pooled_bytes=prefetch_bytes) for u in names]
         self.layouts: list[Layout] = [make_layout(s, seq_len, packing, chunk_tokens) for s in self.sources]
         self.seq_len, self.packing, self.global_batch, self.seed = seq_len, packing, global_batch, seed

@@ -2,19 +2,31 @@
 logical chunk of sequences fetched and verified, and batches cut from fetched chunks.
 
 - :class:`TokenSource`: a token dataset (docs/TOKEN_FORMAT.md) opened for reading: the
-  manifest (its own checksum), every part's ``.xxh`` and, for document packing, its ``.idx``
-  (sizes and checksums the manifest records, :func:`~datapipe.format.tokens.check_part`)
-  and every ``.bin``'s size are checked when it is opened, before any offset is used.
-  Concatenated sequences take no offset from an ``.idx``: it is not read.
+  manifest (its own checksum), every part's ``.xxh`` (size and checksum the manifest
+  records) and every ``.bin``'s size are checked when it is opened, before any offset is
+  used. No ``.idx`` is read at open.
 - :func:`make_layout`: the plan's view of it (:class:`~datapipe.plan.ConcatLayout` or
   :class:`~datapipe.plan.DocumentLayout`), whose chunks are the fetch stage's units.
+  Concatenated sequences take no offset from an ``.idx``: it is never read. Document
+  packing takes its plan from the stored :class:`~datapipe.plan.DocumentTable`
+  (O(parts + chunks)); only where there is none (or it is stale) are the ``.idx`` files
+  read whole, checked (:func:`~datapipe.format.tokens.check_index`) and counted, once, and
+  the table stored. A part whose documents are not one sequence each (an ``.idx`` indexed
+  in place whose ``doc_idx`` is not 0..n) has its lengths read whole and kept; every other
+  part's lengths are read per chunk, at fetch: the chunk's slice of the ``.idx`` sizes
+  (after the ``.idx``'s header is checked against the manifest,
+  :func:`~datapipe.format.tokens.check_idx_header`), checked against the table's checksum
+  of that chunk's lengths before the chunk is repacked.
 - :class:`ChunkFetch`: the fetch stage's ``fetch(unit)`` for one or more sources: the
   block-aligned byte range of each ``.bin`` a chunk covers (:func:`block_span`), read into a
   private buffer (through the cache's ``read_range`` when there is a cache, else from the
   store), every covered block checked against ``.xxh`` (:func:`verify_blocks`) before a
   token of it is used. A flipped bit is a :class:`~datapipe.errors.ChecksumError` naming the
   file and block, never a wrong token. What it returns (:class:`TokenChunk`) holds the
-  chunk's tokens as one array and, for document packing, the chunk's packing.
+  chunk's tokens as one array and, for document packing, the chunk's packing (repacked from
+  its documents' lengths: for a part read in ranges, one range of the ``.idx`` sizes, read
+  then and checked against the table's checksum of them: a flipped bit is a
+  :class:`~datapipe.errors.CorruptIndexError` naming the ``.idx`` and the byte range).
 - :func:`cut_concat`, :class:`DocumentRows`: the read stage: the rows of a batch cut from
   fetched chunks with numpy (one slice assignment per row, converting the stored dtype as it
   copies; no Python per token), written into the batch's tensors, or straight into a
@@ -30,24 +42,28 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ChecksumError, DatapipeError, ObjectNotFoundError, PlanError, StorageError
+from ..errors import ChecksumError, CorruptIndexError, DatapipeError, ObjectNotFoundError, PlanError, StorageError
 from ..format.tokens import (
+    HEADER_BYTES,
     MANIFEST,
     TokenManifest,
     block_span,
     check_block_sums,
-    check_part,
+    check_idx_header,
+    check_index,
+    idx_sizes_range,
     parse_token_manifest,
     verify_blocks,
 )
 from ..loader import BufferPool
 from ..plan import ConcatLayout, DocumentLayout, DocumentTable, PackedChunk, Pieces, cu_seqlens
+from ..plan.tokens import TABLE_MAGIC
 from ..storage import RetryPolicy, Store, call_with_retry, is_local_url, open_store, split_url
 
 __all__ = [
@@ -83,11 +99,11 @@ def _is_elsewhere(name: str) -> bool:
 class TokenSource:
     """A token dataset at ``url`` opened for reading; everything a reader uses is checked
     first (see the module docstring). ``sums[i]``, ``bin_keys[i]``: part i's block checksums
-    and where its ``.bin`` lies. ``keep_lengths``: read each part's ``.idx`` (checked) and keep its document lengths
-    (document packing plans from them); concatenation needs only the manifest's token counts
-    and the ``.xxh``: its ``.idx`` (12 bytes a document) is not read at all."""
+    and where its ``.bin`` lies. Opening reads the manifest, each ``.xxh`` and each ``.bin``'s
+    size: O(parts + blocks), no ``.idx``. A part's ``.idx`` is read whole only by
+    :meth:`part_lengths` (counting documents), and in ranges by :meth:`read_sizes`."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, keep_lengths: bool = False,
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
                  retry: RetryPolicy | None = None, max_pooled_bytes: int = 512 << 20) -> None:
         self.url = url
         self.storage_options = storage_options
@@ -113,16 +129,9 @@ class TokenSource:
         self.sums: list[npt.NDArray[np.uint64]] = []
         #: (store, key, URL) of each part's ``.bin``
         self.bin_keys: list[tuple[Store, str, str]] = []
-        lengths: list[IntArray] = []
         for i, part in enumerate(m.parts):
             xxh = self._get(self.store, part.xxh, self.store.url(part.xxh))
-            if keep_lengths:  # document packing plans from the .idx's lengths: checked, then viewed
-                idx_store, idx_key, idx_url = self._located(part.idx)
-                checked = check_part(m, i, self._get(idx_store, idx_key, idx_url), xxh, where=url)
-                lengths.append(checked.index.document_lengths())
-                sums = checked.sums
-            else:  # concatenation takes no offset from the .idx (O(documents) bytes): it is not read
-                sums = check_block_sums(m, i, xxh, where=url)
+            sums = check_block_sums(m, i, xxh, where=url)
             located = self._located(part.bin)
             size = self._size(*located)
             if size != part.bin_bytes:
@@ -132,8 +141,47 @@ class TokenSource:
             self.bin_keys.append(located)
         #: tokens of each part, in stream order
         self.part_tokens = np.array([p.tokens for p in m.parts], dtype=np.int64)
-        self.doc_lengths = lengths
+        #: parts whose ``.idx`` header this process checked (:meth:`read_sizes`)
+        self._headers: set[int] = set()
         self.pool = BufferPool(max_pooled_bytes)
+
+    def part_lengths(self, i: int) -> tuple[IntArray, bool]:
+        """(document lengths, one sequence per document) of part ``i``, from its whole
+        ``.idx`` checked against the manifest (:func:`~datapipe.format.tokens.check_index`):
+        O(documents) bytes read; the lengths are an array of their own (4 or 8 bytes a
+        document), the ``.idx``'s bytes are not kept."""
+        store, key, url = self._located(self.manifest.parts[i].idx)
+        index = check_index(self.manifest, i, self._get(store, key, url), where=self.url)
+        return np.array(index.document_lengths(), copy=True), index.one_sequence_per_document
+
+    def read_sizes(self, i: int, start: int, stop: int) -> npt.NDArray[np.int32]:
+        """Sequences ``[start, stop)``'s sizes (int32) of part ``i``'s ``.idx``: one range
+        read, after the file's header was checked against the manifest (once per process,
+        :func:`~datapipe.format.tokens.check_idx_header`). The sizes themselves are not
+        checked here: the caller checks them (a document table's checksum of them)."""
+        part = self.manifest.parts[i]
+        if not 0 <= start <= stop <= part.sequences:
+            raise PlanError(f"sizes [{start}, {stop}) of part {i}: it holds {part.sequences} sequences")
+        store, key, url = self._located(part.idx)
+        if i not in self._headers:
+            head = self._range(store, key, url, 0, HEADER_BYTES)
+            check_idx_header(self.manifest, i, head, where=self.url)
+            self._headers.add(i)
+        a, b = idx_sizes_range(start, stop)
+        data = self._range(store, key, url, a, b)
+        return np.frombuffer(data, dtype="<i4").astype(np.int32, copy=False)
+
+    def idx_url(self, i: int) -> str:
+        """The URL of part ``i``'s ``.idx``."""
+        return self._located(self.manifest.parts[i].idx)[2]
+
+    def _range(self, store: Store, key: str, url: str, a: int, b: int) -> bytes:
+        data = call_with_retry(lambda: store.get_range(key, a, b), url, self.retry)
+        if len(data) != b - a:
+            raise CorruptIndexError(f"{url}: bytes [{a}, {b}) read {len(data)} bytes; the file is shorter than the "
+                                    "manifest records (truncated or replaced since it was indexed: index or pack "
+                                    "the dataset again)")
+        return data
 
     def _located(self, name: str) -> tuple[Store, str, str]:
         """(store, key, URL) of a file the manifest names: a key of the dataset's store, or
@@ -232,31 +280,103 @@ def make_layout(source: TokenSource, seq_len: int, packing: str, chunk_tokens: i
 
 def _stored_document_layout(source: TokenSource, seq_len: int, block: int, chunk_blocks: int) -> DocumentLayout:
     """The document layout from the table stored beside the manifest (checked, bound to the
-    manifest's checksum: O(chunks)), else counted (O(documents)) and stored there, by an
-    atomic put, for every later process. A store that refuses the put costs a warning."""
+    manifest's checksum, fitting the manifest's parts: O(parts + chunks)), else counted
+    (O(documents)) and stored there, by an atomic put, for every later process. A store
+    that refuses the put costs a warning; a file at the table's path that is no table of
+    datapipe's is never overwritten (a warning, and every process counts). Either way the
+    layout holds only the lengths of the parts that are not one sequence per document."""
     key = f"{DOCUMENT_TABLES}/documents-{seq_len}-{block}-{chunk_blocks}.table"
     url = source.store.url(key)
-    stale = False
+    table, found = _stored_table(source, key, url)
+    held: dict[int, IntArray] = {}
+    if table is None:
+        lengths, ranged = [], []
+        for i in range(len(source.manifest.parts)):
+            x, one = source.part_lengths(i)
+            lengths.append(x)
+            ranged.append(one)
+        counted = DocumentLayout(lengths, seq_len, block_tokens=block, chunk_blocks=chunk_blocks)
+        table = replace(counted.table, part_ranged=np.array(ranged, dtype=np.int64))
+        held = {i: x for i, x in enumerate(lengths) if not ranged[i]}
+        del counted, lengths  # the ranged parts' lengths are read per chunk from here on
+        if found != "foreign":
+            _store_table(source, key, url, table, overwrite=found == "stale")
+    kept: list[IntArray | _IdxSizes] = [
+        _IdxSizes(source, i) if table.part_ranged[i] else held[i] if i in held else source.part_lengths(i)[0]
+        for i in range(len(source.manifest.parts))]
+    return DocumentLayout(kept, seq_len, block_tokens=block, chunk_blocks=chunk_blocks, table=table)
+
+
+def _stored_table(source: TokenSource, key: str, url: str) -> tuple[DocumentTable | None, str]:
+    """(the table at ``key``, "") when it is there and fits, else (None, why): "absent",
+    "stale" (a table of datapipe's that is damaged, of another version or another
+    dataset's: counted again and replaced, with a warning) or "foreign" (a file that is
+    no table of datapipe's, or that could not be read: left as it is, with a warning)."""
     try:
-        table = DocumentTable.from_bytes(source._get(source.store, key, url), url, identity=source.identity)
-        if not np.array_equal(table.part_tokens, source.part_tokens):
-            raise PlanError(f"{url}: its parts' token counts are not the manifest's")
-        return DocumentLayout(source.doc_lengths, seq_len, block_tokens=block, chunk_blocks=chunk_blocks, table=table)
+        data = source._get(source.store, key, url)
     except ObjectNotFoundError:
-        pass
+        return None, "absent"
+    except DatapipeError as e:  # what it holds is unknown: it is not overwritten
+        warnings.warn(f"{url}: the document packing table could not be read ({e}); counting the documents, and "
+                      "not storing the table there", RuntimeWarning, stacklevel=4)
+        return None, "foreign"
+    try:
+        table = DocumentTable.from_bytes(data, url, identity=source.identity)
+        _check_fits(source, table, url)
+        return table, ""
     except DatapipeError as e:
-        stale = True
-        warnings.warn(f"{e}; counting the documents again", RuntimeWarning, stacklevel=3)
-    layout = DocumentLayout(source.doc_lengths, seq_len, block_tokens=block, chunk_blocks=chunk_blocks)
+        if bytes(data[:len(TABLE_MAGIC)]) != TABLE_MAGIC:
+            warnings.warn(f"{url} is not a datapipe document packing table ({e}); it is left as it is and every "
+                          "process opening this dataset counts its documents (move that file away so that the "
+                          "table can be stored there)", RuntimeWarning, stacklevel=4)
+            return None, "foreign"
+        warnings.warn(f"{e}; counting the documents again", RuntimeWarning, stacklevel=4)
+        return None, "stale"
+
+
+def _check_fits(source: TokenSource, table: DocumentTable, url: str) -> None:
+    """:class:`PlanError` unless ``table`` describes the manifest's parts: their tokens and
+    documents (so every chunk's boundaries lie within them), and one sequence per document
+    wherever it says a part's lengths are read in ranges."""
+    parts = source.manifest.parts
+    redo = "remove it and the next reader counts the documents again"
+    if not np.array_equal(table.part_tokens, source.part_tokens):
+        raise PlanError(f"{url}: its parts' token counts are not the manifest's; {redo}")
+    if not np.array_equal(table.part_docs, np.array([p.documents for p in parts], dtype=np.int64)):
+        raise PlanError(f"{url}: its parts' document counts are not the manifest's (its chunks would lie past the "
+                        f"documents); {redo}")
+    bad = [i for i, p in enumerate(parts) if table.part_ranged[i] and p.sequences != p.documents]
+    if bad:
+        raise PlanError(f"{url}: it reads parts {bad[:5]}'s lengths in ranges, but their documents are not one "
+                        f"sequence each; {redo}")
+
+
+def _store_table(source: TokenSource, key: str, url: str, table: DocumentTable, *, overwrite: bool) -> None:
     try:
         # the ranks of a job count at once: those that finish after the first one stored it
         # do not upload it again
-        if stale or not source.store.exists(key):
-            source.store.put(key, layout.table.to_bytes(source.identity))
+        if overwrite or not source.store.exists(key):
+            source.store.put(key, table.to_bytes(source.identity))
     except (DatapipeError, OSError) as e:
         warnings.warn(f"{url}: the document packing table could not be stored ({e}); every process opening "
-                      "this dataset counts its documents again", RuntimeWarning, stacklevel=3)
-    return layout
+                      "this dataset counts its documents again", RuntimeWarning, stacklevel=4)
+
+
+class _IdxSizes:
+    """Part ``part``'s document lengths as a :class:`~datapipe.plan.tokens.LengthReader`:
+    ranges of its ``.idx`` sizes (one sequence per document), read when a chunk is repacked
+    (:meth:`TokenSource.read_sizes`); the layout checks them against its table."""
+
+    def __init__(self, source: TokenSource, part: int) -> None:
+        self.source, self.part = source, part
+        self.size = source.manifest.parts[part].documents
+
+    def read(self, start: int, stop: int) -> npt.NDArray[np.int32]:
+        return self.source.read_sizes(self.part, start, stop)
+
+    def where(self, start: int, stop: int) -> str:
+        a, b = idx_sizes_range(start, stop)
+        return f"{self.source.idx_url(self.part)} bytes [{a}, {b})"
 
 
 def layout_identity(source: TokenSource, layout: Layout) -> str:

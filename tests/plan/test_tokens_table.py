@@ -137,8 +137,8 @@ def _parts(data: bytes) -> tuple[dict, np.ndarray]:
 def test_a_well_sealed_table_that_is_no_partition_is_refused(change):
     header, flat = _parts(_table_bytes())
     P, N = header["parts"], header["chunks"]
-    counts = slice(2 * P + 2 * (N + 1), None)
-    doc_start = slice(2 * P, 2 * P + N + 1)
+    counts = slice(3 * P + 2 * (N + 1), 3 * P + 2 * (N + 1) + N)
+    doc_start = slice(3 * P, 3 * P + N + 1)
     if change == "negative count":
         flat[counts][0] = -1
     elif change == "more sequences than tokens":
@@ -167,7 +167,8 @@ def test_a_table_built_by_hand_is_checked_too():
                        ({"chunk_doc_start": t.chunk_doc_start[::-1].copy()}, "in order"),
                        ({"part_tokens": t.part_tokens + 1}, "end where")):
         fields = {f: getattr(t, f) for f in ("seq_len", "block_tokens", "chunk_blocks", "part_docs", "part_tokens",
-                                              "chunk_doc_start", "chunk_token_start", "counts")}
+                                              "part_ranged", "chunk_doc_start", "chunk_token_start", "counts",
+                                              "chunk_sums")}
         fields.update(bad)
         with pytest.raises(OptionError, match=match):
             DocumentLayout(parts, 32, table=DocumentTable(**fields), **kw)
