@@ -270,9 +270,9 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
         files = [(str(k), int(n)) for k, n in header["files"]]
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"rank {src} sent a malformed replica header: {e}") from None
-    if any(not 0 < n <= MAX_CHUNK_BYTES + (1 << 20) for _k, n in files) or sum(n for _k, n in files) != nb:
-        raise CheckpointError(f"rank {src} sent a file list of sizes that are not a replica's or do not add up "
-                              f"to {nb} bytes")
+    if any(n <= 0 for _k, n in files) or sum(n for _k, n in files) != nb:
+        raise CheckpointError(f"rank {src} sent a file list of sizes that are not all positive or do not "
+                              f"add up to {nb} bytes")
     got = 0  # files received so far
     pending: list[Any] = []  # the chunks' receives, once posted
     waited = 0  # of them
@@ -285,7 +285,10 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
         got += 1
         return buf.numpy().tobytes()
 
-    try:
+    try:  # from here on, what src announced is received to the end (below)
+        if any(n > MAX_CHUNK_BYTES + (1 << 20) for _k, n in files):
+            raise CheckpointError(f"rank {src} sent a file list of sizes that are not a replica's "
+                                  f"({[n for _k, n in files][:8]})")
         if header.get("error") is not None:
             raise CheckpointError(str(header["error"]))
         mkey, pkey = manifest_key(step), part_key(step, attempt, 0)
@@ -320,11 +323,7 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
         try:  # take the rest of what src sends, so that its sends complete
             for q in pending[waited:]:  # each once: a second wait on a gloo receive waits for another
                 q.wait()
-            rest = [] if pending else [n for _k, n in files[got:]]
-            scratch = torch.empty(max(rest, default=0), dtype=torch.uint8)
-            for n in rest:
-                if n:
-                    dist.recv(scratch[:n], src, group=group.group)
+            _drain(group, src, [] if pending else [n for _k, n in files[got:]])
         except Exception:  # the connection itself failed: nothing more will come
             pass
         raise
@@ -353,22 +352,32 @@ def _recv_files(group: _Group, src: int, tag: int, into: MemoryStore) -> None:
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"rank {src} sent a malformed header for a part: {e}") from None
     if any(n <= 0 for _k, n in files) or sum(n for _k, n in files) != nb:
-        raise CheckpointError(f"rank {src} sent a file list of sizes that do not add up to {nb} bytes")
-    error = header.get("error")
+        raise CheckpointError(f"rank {src} sent a file list of sizes that are not all positive or do not "
+                              f"add up to {nb} bytes")
     if any(n > MAX_CHUNK_BYTES + (1 << 20) for _k, n in files):
         # announced all the same: take them (no more memory than accepting them would
         # hold), so that the sender's sends complete, and refuse them after
-        error = f"rank {src} sent a file list of sizes that are not a part's ({[n for _k, n in files][:8]})"
-        scratch = torch.empty(max(n for _k, n in files), dtype=torch.uint8)
-        for _k, n in files:
-            dist.recv(scratch[:n], src, group=group.group, tag=tag)
-        raise CheckpointError(error)
+        _drain(group, src, [n for _k, n in files], tag)
+        raise CheckpointError(f"rank {src} sent a file list of sizes that are not a part's "
+                              f"({[n for _k, n in files][:8]})")
     for key, n in files:  # announced: every one is sent, readable or not (zeros then)
         buf = torch.empty(n, dtype=torch.uint8)
         dist.recv(buf, src, group=group.group, tag=tag)
         into.put(key, buf.numpy().tobytes())
-    if error is not None:
-        raise CheckpointError(str(error))
+    if header.get("error") is not None:
+        raise CheckpointError(str(header["error"]))
+
+
+def _drain(group: _Group, src: int, sizes: list[int], tag: int = 0) -> None:
+    """Receive and drop the files of ``sizes`` that ``src`` announced, so that its sends
+    complete: one scratch buffer, of the largest (accepting them would hold them all)."""
+    import torch
+    import torch.distributed as dist
+
+    scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8)
+    for n in sizes:
+        if n:
+            dist.recv(scratch[:n], src, group=group.group, tag=tag)
 
 
 def _check_attempt(store: Store, step: int, attempt: str) -> None:
@@ -534,8 +543,7 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, 
             # the slowest rank: the replica goes first, then this rank's own part. (A rank
             # that itself waits for a replica does not wait here: two ranks holding each
             # other's replicas would each wait for a receive the other has not posted.)
-            for q in reqs:
-                q.wait()
+            _wait_sends(reqs, rank, s, group.timeout_s)
             reqs = []  # each waited once
         where = ""
         t0 = time.perf_counter()
@@ -557,8 +565,7 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, 
         except Exception as e:  # any failure is agreed on below: a rank that raised here would hang the others
             failure = f"{kind} copy of rank {rank}'s part of step {s} at {where}: {type(e).__name__}: {e}"
         read_s = time.perf_counter() - t0
-        for q in reqs:
-            q.wait()
+        _wait_sends(reqs, rank, s, group.timeout_s)
         # 3. agree: a copy that failed anywhere is skipped everywhere; a holder's failure to
         # read what it sent is named on every rank alike (a warning turned into an error
         # then stops every rank at once, never one while the others wait for it)
@@ -852,8 +859,8 @@ def _wait_sends(reqs: list[Any], rank: int, step: int, timeout_s: float) -> None
             q.wait()
     except Exception as e:
         raise CheckpointError(
-            f"restore: rank {rank} sending parts of step {step}: a receiving rank did not take them within "
-            f"timeout_s={timeout_s} s ({type(e).__name__}: {e}); every rank must run the same datapipe; "
+            f"restore: rank {rank} sending parts of step {step}: a receiving rank stopped, or did not take them "
+            f"within timeout_s={timeout_s} s ({type(e).__name__}: {e}); every rank must run the same datapipe; "
             "see the other ranks' errors") from e
 
 
