@@ -41,9 +41,10 @@ def _ranks(rank: int, port: int, folder: str, receiver: str) -> None:
                     limit = restore.MAX_CHUNK_BYTES
                     restore.MAX_CHUNK_BYTES = -(1 << 19)  # (the receiver allows 1 MiB more)
                     try:
-                        with pytest.raises(CheckpointError, match=rf"rank 0 sent a file list of sizes that are "
-                                                                  rf"not a {receiver}'s \(\[\d+, \d+, 1048576, 1048576, "
-                                                                  r"1048576\]\)"):
+                        sizes = r"\[\d+, \d+, 1048576, 1048576, 1048576\]"  # manifest, part, chunks
+                        with pytest.raises(CheckpointError,
+                                           match=rf"rank 0 sent a file list of sizes that are not a {receiver}'s "
+                                                 rf"\({sizes}\)"):
                             if receiver == "part":  # a part a resharding restore asked for
                                 restore._recv_files(group, 0, TAG, got)
                             else:  # this rank's own part, from the peer replica its holder keeps
