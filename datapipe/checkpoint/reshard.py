@@ -257,8 +257,13 @@ class _StateBuilder:
                 return r, node
         return None
 
-    def leaf_ranks(self, r: int, node: Any) -> set[int]:
-        """The ranks whose data :meth:`saved_value` of ``node`` (of rank ``r``) reads."""
+    def value_ranks(self, keys: tuple[Any, ...]) -> set[int]:
+        """The ranks whose data the saved value at ``keys`` reads, found as :meth:`fill`
+        finds a value of ``into`` that is not a tensor (none where there is none)."""
+        found = self._find(keys)
+        if found is None:
+            return set()
+        r, node = found
         out: set[int] = set()
         for i in _leaf_indices(node):
             leaves = self.saved.parts[r]["leaves"]
@@ -430,9 +435,7 @@ def parts_overlapping(saved: SavedStep, into: Any, rank: int) -> set[int]:
         elif isinstance(x, (list, tuple)):
             stack.extend((v, (*keys, i), _path(path, i)) for i, v in enumerate(x))
         else:
-            found = builder._find(keys)
-            if found is not None:
-                out |= builder.leaf_ranks(*found)
+            out |= builder.value_ranks(keys)
     return out
 
 

@@ -406,7 +406,10 @@ def restore_checkpoint(tiers: list[Tier], *, rank: int | None = None, world_size
     overlap, and only the parts it overlaps are read or sent; the other values come from
     the checkpoint. Without ``into=`` every rank gets the saved state of its rank (rank 0's
     on a rank the save did not have) with each global tensor whole. ``into=`` without
-    ``reshard`` restores only steps saved by this world size, the same way."""
+    ``reshard`` restores only steps saved by this world size, the same way. An ``into=``
+    that does not fit the newest step (a key it lacks, another dtype or global shape, a
+    box outside it) is a :class:`CheckpointOptionError` on every rank, naming the key: no
+    older step whose shapes fit is restored in its place, and no copy is skipped."""
     t_start = time.perf_counter()
     tiers = check_tiers(tiers)
     if not isinstance(reshard, bool):
