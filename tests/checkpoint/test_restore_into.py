@@ -128,6 +128,15 @@ def _two_ranks(rank: int, port: int, root: str) -> None:
                                match=why if rank == 1 else rf"rank 1's into= does not fit step 2: .*{why}"):
                 restore_checkpoint(tiers, reshard=True, into=into if rank == 1 else fitting, timeout_s=60)
         _no_skips(caught)
+    # a plain tensor of saved rank 0's own, asked for by rank 1: no world size but that one
+    # places it
+    why = r"'extra' was saved per rank by ranks \[0\] \(a plain tensor\), and rank 1 has none"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CheckpointOptionError, match=why if rank == 1 else rf"rank 1's into= .*{why}"):
+            restore_checkpoint(tiers, reshard=True, into={"extra": torch.zeros(5, dtype=torch.int64)}
+                               if rank == 1 else fitting, timeout_s=60)
+    _no_skips(caught)
     # nothing was skipped: a fitting into= gets step 2. Rank 1's rows (4-8) overlap only the
     # parts on its own node, but its "extra" (not a tensor in into=) is saved rank 0's array:
     # that part is sent from node 0 too
