@@ -752,7 +752,7 @@ def _plan_and_read(group: _Group, tiers: list[Tier], infos: list[dict[str, Any]]
         used: list[_PartCopy | None] = []
         manifests: list[dict[str, Any]] = []
         saved = None
-        into_error: str | None = None  # `into` refused on this rank: raised on every rank
+        into_error: list[str] | None = None  # [its type, why]: `into` refused here, raised on every rank
         at = 0
         t0 = time.perf_counter()
         try:
@@ -789,7 +789,7 @@ def _plan_and_read(group: _Group, tiers: list[Tier], infos: list[dict[str, Any]]
             try:
                 need = parts_overlapping(saved, into, rank) if into is not None else set(range(n))
             except _INTO_ERRORS as e:  # about `into` itself (a DTensor's mesh, ...): no copy's fault
-                into_error = str(e)
+                into_error = [type(e).__name__, str(e)]
             except Exception as e:
                 _blame(failed, used, range(n), e)
         requests = sorted([r, sent[r][3]] for r in need if mine[r] is None and sent[r] is not None)  # type: ignore[index]
@@ -820,7 +820,7 @@ def _plan_and_read(group: _Group, tiers: list[Tier], infos: list[dict[str, Any]]
                 if saved.failed_ranks:  # not raised for `into`: a read failed first
                     _blame(failed, used, saved.failed_ranks, e)
                 else:  # `into` does not fit this step (the fill checks it before reading)
-                    into_error = str(e)
+                    into_error = [type(e).__name__, str(e)]
             except Exception as e:
                 _blame(failed, used, saved.failed_ranks or range(n), e)
         read_s = time.perf_counter() - t0
@@ -836,8 +836,9 @@ def _plan_and_read(group: _Group, tiers: list[Tier], infos: list[dict[str, Any]]
         if refused:
             # The caller's `into` does not fit the newest step: skipping its copies would
             # restore an older step whose shapes fit, and lose the progress since.
-            q, why = next(((q, i) for q, i in refused if q == rank), refused[0])
-            raise CheckpointOptionError(
+            q, (kind, why) = next(((q, i) for q, i in refused if q == rank), refused[0])
+            error = UnsupportedStateError if kind == UnsupportedStateError.__name__ else CheckpointOptionError
+            raise error(
                 f"restore_checkpoint: {why}" if q == rank
                 else f"restore_checkpoint: rank {q}'s into= does not fit step {s}: {why}")
         failures = [(q, tuple(c), why) for q, (f, _h, _k, _i) in enumerate(agreed) for c, why in f]

@@ -137,6 +137,19 @@ def _two_ranks(rank: int, port: int, root: str) -> None:
             restore_checkpoint(tiers, reshard=True, into={"extra": torch.zeros(5, dtype=torch.int64)}
                                if rank == 1 else fitting, timeout_s=60)
     _no_skips(caught)
+    # a DTensor this reader cannot place (a padded local shard): its own error, on both ranks
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from datapipe.errors import UnsupportedStateError
+
+    padded = DTensor.from_local(torch.zeros(5, COLS), init_device_mesh("cpu", (2,)), [Shard(0)], run_check=False,
+                                shape=torch.Size((ROWS[2], COLS)), stride=(COLS, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(UnsupportedStateError, match=r"'w'.*padded shards are not supported"):
+            restore_checkpoint(tiers, reshard=True, into={"w": padded}, timeout_s=60)
+    _no_skips(caught)
     # nothing was skipped: a fitting into= gets step 2. Rank 1's rows (4-8) overlap only the
     # parts on its own node, but its "extra" (not a tensor in into=) is saved rank 0's array:
     # that part is sent from node 0 too
