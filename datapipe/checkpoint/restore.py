@@ -357,9 +357,9 @@ def _recv_files(group: _Group, src: int, tag: int, into: MemoryStore) -> None:
     if any(n > MAX_CHUNK_BYTES + (1 << 20) for _k, n in files):
         # announced all the same: take them (no more memory than accepting them would
         # hold), so that the sender's sends complete, and refuse them after
-        _drain(group, src, [n for _k, n in files], tag)
+        why = _drain(group, src, [n for _k, n in files], tag)
         raise CheckpointError(f"rank {src} sent a file list of sizes that are not a part's "
-                              f"({[n for _k, n in files][:8]})")
+                              f"({[n for _k, n in files][:8]}){why}")
     for key, n in files:  # announced: every one is sent, readable or not (zeros then)
         buf = torch.empty(n, dtype=torch.uint8)
         dist.recv(buf, src, group=group.group, tag=tag)
@@ -368,16 +368,24 @@ def _recv_files(group: _Group, src: int, tag: int, into: MemoryStore) -> None:
         raise CheckpointError(str(header["error"]))
 
 
-def _drain(group: _Group, src: int, sizes: list[int], tag: int = 0) -> None:
+def _drain(group: _Group, src: int, sizes: list[int], tag: int = 0) -> str:
     """Receive and drop the files of ``sizes`` that ``src`` announced, so that its sends
-    complete: one scratch buffer, of the largest (accepting them would hold them all)."""
+    complete: one scratch buffer, of the largest, and only while that is at most twice a
+    file a part may hold (a sender a little off, e.g. another datapipe); past that nothing
+    is received (memory stays bounded) and the sender's sends wait out its timeout. Returns
+    what the caller's error adds about it."""
     import torch
     import torch.distributed as dist
 
-    scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8)
+    top = max(sizes, default=0)
+    if top > 2 * (MAX_CHUNK_BYTES + (1 << 20)):
+        return (f"; not received (a file of {top} bytes is more than twice a part's largest): rank {src}'s sends "
+                "wait out the group's timeout")
+    scratch = torch.empty(top, dtype=torch.uint8)
     for n in sizes:
         if n:
             dist.recv(scratch[:n], src, group=group.group, tag=tag)
+    return ""
 
 
 def _check_attempt(store: Store, step: int, attempt: str) -> None:

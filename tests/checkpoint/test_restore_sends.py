@@ -72,3 +72,13 @@ def test_a_refused_file_list_is_still_received_so_the_sender_completes(tmp_path,
     with CheckpointWriter(folder, rank=0, world_size=1, background="thread") as w:
         w.save(STEP, {"w": torch.zeros(3 << 20, dtype=torch.uint8) + 1}).wait()
     spawn_ranks(_ranks, (free_port(), folder, receiver), 2)
+
+
+def test_a_file_far_past_a_parts_largest_is_not_drained():
+    """Memory stays bounded: a sender announcing a file of more than twice a part's largest
+    is not received at all (its sends wait out the group's timeout), and nothing is posted."""
+    from datapipe.checkpoint import restore
+    from datapipe.checkpoint.format import MAX_CHUNK_BYTES
+
+    why = restore._drain(None, 1, [10, 3 * MAX_CHUNK_BYTES])  # type: ignore[arg-type]  # no group: nothing may be received
+    assert "not received" in why and str(3 * MAX_CHUNK_BYTES) in why
