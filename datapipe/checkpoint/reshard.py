@@ -257,6 +257,22 @@ class _StateBuilder:
                 return r, node
         return None
 
+    def value_ranks(self, keys: tuple[Any, ...]) -> set[int]:
+        """The ranks whose data the saved value at ``keys`` reads, found as :meth:`fill`
+        finds a value of ``into`` that is not a tensor (none where there is none)."""
+        found = self._find(keys)
+        if found is None:
+            return set()
+        r, node = found
+        out: set[int] = set()
+        for i in _leaf_indices(node):
+            leaves = self.saved.parts[r]["leaves"]
+            spec = leaves[i] if is_int(i) and i < len(leaves) else None
+            path = spec.get("path") if isinstance(spec, dict) else None
+            gt = self.saved.tensors.get(path) if (r, path) not in self.saved.per_rank else None  # type: ignore[arg-type]
+            out |= {p.rank for p in gt.pieces} if gt is not None else {r}
+        return out
+
     def saved_value(self, r: int, node: Any) -> Any:
         """A saved tree node of rank ``r`` as a value, its arrays read whole."""
         return _rebuild(node, lambda i: self.materialize(r, i), self.saved.part_urls[r])
@@ -298,25 +314,27 @@ class _StateBuilder:
             if idx is None:
                 holders = sorted(r for r, p in saved.per_rank if p == path)
                 if holders:
-                    raise CheckpointError(
+                    raise CheckpointOptionError(
                         f"into: {path!r} was saved per rank by ranks {holders[:8]} (a plain tensor), and "
                         f"rank {self.rank} has none; save it inside Replicated(...) if it is the same on "
                         f"every rank, or as a DTensor, to load it onto another world size ({saved.where})")
-                raise CheckpointError(f"into: {path!r} is not in the checkpoint ({saved.where})")
+                raise CheckpointOptionError(f"into: {path!r} is not in the checkpoint ({saved.where})")
             spec = saved.parts[self.rank]["leaves"][idx]
             gt = GlobalTensor(path, spec["kind"], spec["dtype"], 0, tuple(spec["shape"]),
                               [Piece(self.rank, spec["offset"], (0,) * len(spec["shape"]), tuple(spec["shape"]))],
                               saved.part_urls[self.rank])
             gt.itemsize = leaf_dtype(spec["kind"], spec["dtype"], path, gt.where)[1]
         if _dtype_name(t.local) != gt.dtype:
-            raise CheckpointError(f"into: {path!r} is {_dtype_name(t.local)}, the checkpoint holds {gt.dtype}")
+            raise CheckpointOptionError(
+                f"into: {path!r} is {_dtype_name(t.local)}, the checkpoint holds {gt.dtype} ({saved.where})")
         if _target_global_shape(t) != gt.shape:
-            raise CheckpointError(
+            raise CheckpointOptionError(
                 f"into: {path!r} has global shape {list(_target_global_shape(t))}, "
-                f"the checkpoint's is {list(gt.shape)}")
+                f"the checkpoint's is {list(gt.shape)} ({saved.where})")
         start = t.start if t.start is not None else (0,) * len(gt.shape)
         if len(start) != len(gt.shape) or any(s + n > g for s, n, g in zip(start, t.shape, gt.shape)):
-            raise CheckpointError(f"into: {path!r}: box {list(start)} + {list(t.shape)} lies outside {list(gt.shape)}")
+            raise CheckpointOptionError(
+                f"into: {path!r}: box {list(start)} + {list(t.shape)} lies outside {list(gt.shape)} ({saved.where})")
         if math.prod(t.shape) == 0:
             return
         flat, back = _flat_bytes(t.local, path, saved.where)
@@ -393,14 +411,17 @@ def whole_state(saved: SavedStep, rank: int, map_location: Any) -> Any:
 def parts_overlapping(saved: SavedStep, into: Any, rank: int) -> set[int]:
     """The ranks of ``saved`` whose stored bytes filling ``into`` reads (``rank``: this
     rank's index among the saved ones, whose per-rank leaves ``into`` may ask for, if it
-    is one): the parts whose pieces overlap a box of ``into``'s tensors, and ``rank``."""
+    is one): the parts whose pieces overlap a box of ``into``'s tensors, ``rank``, and the
+    parts a value of ``into`` that is not a tensor is read from (its saved value, found as
+    :meth:`_StateBuilder.fill` finds it, may hold arrays)."""
+    builder = _StateBuilder(saved, rank, None)
     boxes: dict[Any, Any] = {}
     out = {rank} if rank < saved.world_size else set()
-    stack: list[tuple[Any, str]] = [(into, "")]
+    stack: list[tuple[Any, tuple[Any, ...], str]] = [(into, (), "")]
     while stack:
-        x, path = stack.pop()
+        x, keys, path = stack.pop()
         if isinstance(x, Replicated):
-            stack.append((x.value, path))
+            stack.append((x.value, keys, path))
             continue
         t = _target(x, path, boxes)
         if t is not None:
@@ -410,9 +431,11 @@ def parts_overlapping(saved: SavedStep, into: Any, rank: int) -> set[int]:
                 if all(max(a, b) < min(a + n, b + m) for a, n, b, m in zip(start, t.shape, p.start, p.shape)):
                     out.add(p.rank)
         elif isinstance(x, dict):
-            stack.extend((v, _path(path, k)) for k, v in x.items())
+            stack.extend((v, (*keys, k), _path(path, k)) for k, v in x.items())
         elif isinstance(x, (list, tuple)):
-            stack.extend((v, _path(path, i)) for i, v in enumerate(x))
+            stack.extend((v, (*keys, i), _path(path, i)) for i, v in enumerate(x))
+        else:
+            out |= builder.value_ranks(keys)
     return out
 
 

@@ -36,7 +36,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointOptionError, NoCheckpointError, StorageError
+from ..errors import (
+    CheckpointError,
+    CheckpointOptionError,
+    NoCheckpointError,
+    StorageError,
+    UnsupportedStateError,
+)
 from ..storage import MemoryStore, Store, join_url, open_store
 from ..topology import Topology
 from .commit import scan_steps
@@ -71,6 +77,10 @@ class RestoreResult:
     saved_world_size: int = 0  # the world size that saved ``step``
     resharded: bool = False  # saved by another world size, read onto this one by overlap
 
+
+# What the fill of `into` raises about `into` itself (a box, dtype or key the step does not
+# have, a DTensor it cannot place), before it reads any byte for it: no copy's fault.
+_INTO_ERRORS = (CheckpointOptionError, UnsupportedStateError)
 
 # A copy: (source kind, tier index, job rank whose part it is). Its step/attempt is the plan's.
 _Copy = tuple[str, int, int]
@@ -132,7 +142,7 @@ class _Group:
     """The collective side of a restore: a gloo group of its own, or one process."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float) -> None:
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.group: Any = None
         if world_size > 1:
             import torch.distributed as dist
@@ -158,12 +168,18 @@ class _Group:
         data = json.dumps(obj).encode()
         n = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, n, group=self.group)
-        top = max(int(s) for s in sizes)
-        mine = torch.zeros(top, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
-        bufs = [torch.empty(top, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(bufs, mine, group=self.group)
+        try:
+            dist.all_gather(sizes, n, group=self.group)
+            top = max(int(s) for s in sizes)
+            mine = torch.zeros(top, dtype=torch.uint8)
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+            bufs = [torch.empty(top, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(bufs, mine, group=self.group)
+        except RuntimeError as e:  # gloo's word: a rank stopped, or did not come within the timeout
+            raise CheckpointError(
+                f"restore: rank {self.rank} of {self.world_size}: the ranks' exchange failed (a rank stopped, "
+                f"or did not reach it within timeout_s={self.timeout_s} s): {e}; see the other ranks' "
+                "errors") from e
         return [json.loads(bytes(b[: int(s)].numpy())) for b, s in zip(bufs, sizes)]
 
 
@@ -254,9 +270,9 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
         files = [(str(k), int(n)) for k, n in header["files"]]
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"rank {src} sent a malformed replica header: {e}") from None
-    if any(not 0 < n <= MAX_CHUNK_BYTES + (1 << 20) for _k, n in files) or sum(n for _k, n in files) != nb:
-        raise CheckpointError(f"rank {src} sent a file list of sizes that are not a replica's or do not add up "
-                              f"to {nb} bytes")
+    if any(n <= 0 for _k, n in files) or sum(n for _k, n in files) != nb:
+        raise CheckpointError(f"rank {src} sent a file list of sizes that are not all positive or do not "
+                              f"add up to {nb} bytes")
     got = 0  # files received so far
     pending: list[Any] = []  # the chunks' receives, once posted
     waited = 0  # of them
@@ -269,7 +285,10 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
         got += 1
         return buf.numpy().tobytes()
 
-    try:
+    try:  # from here on, what src announced is received to the end (below)
+        if any(n > MAX_CHUNK_BYTES + (1 << 20) for _k, n in files):
+            raise CheckpointError(f"rank {src} sent a file list of sizes that are not a replica's "
+                                  f"({[n for _k, n in files][:8]})")
         if header.get("error") is not None:
             raise CheckpointError(str(header["error"]))
         mkey, pkey = manifest_key(step), part_key(step, attempt, 0)
@@ -304,11 +323,7 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
         try:  # take the rest of what src sends, so that its sends complete
             for q in pending[waited:]:  # each once: a second wait on a gloo receive waits for another
                 q.wait()
-            rest = [] if pending else [n for _k, n in files[got:]]
-            scratch = torch.empty(max(rest, default=0), dtype=torch.uint8)
-            for n in rest:
-                if n:
-                    dist.recv(scratch[:n], src, group=group.group)
+            _drain(group, src, [] if pending else [n for _k, n in files[got:]])
         except Exception:  # the connection itself failed: nothing more will come
             pass
         raise
@@ -318,7 +333,9 @@ def _recv_files(group: _Group, src: int, tag: int, into: MemoryStore) -> None:
     """Receive into ``into`` the files of a one-part checkpoint that ``src`` sends with
     :func:`_send_replica` (manifest, part, chunks: as stored, each checked later by the step
     reader, as a load from storage checks them). What ``src`` announced is received to the
-    end even when it sent an error (its sends complete), then the error is raised."""
+    end even when it sent an error, or a file list refused here (its sends complete), then
+    the error is raised; only a header that cannot be read, or whose sizes do not add up to
+    what ``src`` announced, leaves the rest unreceived (then nothing says what to take)."""
     import torch
     import torch.distributed as dist
 
@@ -334,15 +351,41 @@ def _recv_files(group: _Group, src: int, tag: int, into: MemoryStore) -> None:
         files = [(str(k), int(n)) for k, n in header["files"]]
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"rank {src} sent a malformed header for a part: {e}") from None
-    if any(not 0 < n <= MAX_CHUNK_BYTES + (1 << 20) for _k, n in files) or sum(n for _k, n in files) != nb:
-        raise CheckpointError(f"rank {src} sent a file list of sizes that are not a part's or do not add up "
-                              f"to {nb} bytes")
+    if any(n <= 0 for _k, n in files) or sum(n for _k, n in files) != nb:
+        raise CheckpointError(f"rank {src} sent a file list of sizes that are not all positive or do not "
+                              f"add up to {nb} bytes")
+    if any(n > MAX_CHUNK_BYTES + (1 << 20) for _k, n in files):
+        # announced all the same: take them (no more memory than accepting them would
+        # hold), so that the sender's sends complete, and refuse them after
+        why = _drain(group, src, [n for _k, n in files], tag)
+        raise CheckpointError(f"rank {src} sent a file list of sizes that are not a part's "
+                              f"({[n for _k, n in files][:8]}){why}")
     for key, n in files:  # announced: every one is sent, readable or not (zeros then)
         buf = torch.empty(n, dtype=torch.uint8)
         dist.recv(buf, src, group=group.group, tag=tag)
         into.put(key, buf.numpy().tobytes())
     if header.get("error") is not None:
         raise CheckpointError(str(header["error"]))
+
+
+def _drain(group: _Group, src: int, sizes: list[int], tag: int = 0) -> str:
+    """Receive and drop the files of ``sizes`` that ``src`` announced, so that its sends
+    complete: one scratch buffer, of the largest, and only while that is at most twice a
+    file a part may hold (a sender a little off, e.g. another datapipe); past that nothing
+    is received (memory stays bounded) and the sender's sends wait out its timeout. Returns
+    what the caller's error adds about it."""
+    import torch
+    import torch.distributed as dist
+
+    top = max(sizes, default=0)
+    if top > 2 * (MAX_CHUNK_BYTES + (1 << 20)):
+        return (f"; not received (a file of {top} bytes is more than twice a part's largest): rank {src}'s sends "
+                "wait out the group's timeout")
+    scratch = torch.empty(top, dtype=torch.uint8)
+    for n in sizes:
+        if n:
+            dist.recv(scratch[:n], src, group=group.group, tag=tag)
+    return ""
 
 
 def _check_attempt(store: Store, step: int, attempt: str) -> None:
@@ -371,7 +414,10 @@ def restore_checkpoint(tiers: list[Tier], *, rank: int | None = None, world_size
     overlap, and only the parts it overlaps are read or sent; the other values come from
     the checkpoint. Without ``into=`` every rank gets the saved state of its rank (rank 0's
     on a rank the save did not have) with each global tensor whole. ``into=`` without
-    ``reshard`` restores only steps saved by this world size, the same way."""
+    ``reshard`` restores only steps saved by this world size, the same way. An ``into=``
+    that does not fit the newest step (a key it lacks, another dtype or global shape, a
+    box outside it) is a :class:`CheckpointOptionError` on every rank, naming the key: no
+    older step whose shapes fit is restored in its place, and no copy is skipped."""
     t_start = time.perf_counter()
     tiers = check_tiers(tiers)
     if not isinstance(reshard, bool):
@@ -508,8 +554,7 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, 
             # the slowest rank: the replica goes first, then this rank's own part. (A rank
             # that itself waits for a replica does not wait here: two ranks holding each
             # other's replicas would each wait for a receive the other has not posted.)
-            for q in reqs:
-                q.wait()
+            _wait_sends(reqs, rank, s, group.timeout_s)
             reqs = []  # each waited once
         where = ""
         t0 = time.perf_counter()
@@ -531,8 +576,7 @@ def _restore(group: _Group, tiers: list[Tier], mine: dict[str, Any], rank: int, 
         except Exception as e:  # any failure is agreed on below: a rank that raised here would hang the others
             failure = f"{kind} copy of rank {rank}'s part of step {s} at {where}: {type(e).__name__}: {e}"
         read_s = time.perf_counter() - t0
-        for q in reqs:
-            q.wait()
+        _wait_sends(reqs, rank, s, group.timeout_s)
         # 3. agree: a copy that failed anywhere is skipped everywhere; a holder's failure to
         # read what it sent is named on every rank alike (a warning turned into an error
         # then stops every rank at once, never one while the others wait for it)
@@ -716,6 +760,7 @@ def _plan_and_read(group: _Group, tiers: list[Tier], infos: list[dict[str, Any]]
         used: list[_PartCopy | None] = []
         manifests: list[dict[str, Any]] = []
         saved = None
+        into_error: list[str] | None = None  # [its type, why]: `into` refused here, raised on every rank
         at = 0
         t0 = time.perf_counter()
         try:
@@ -742,13 +787,19 @@ def _plan_and_read(group: _Group, tiers: list[Tier], infos: list[dict[str, Any]]
                 read_part(st, manifests[r], r if manifests[r]["world_size"] > 1 else 0, where)
             at = -1  # past this, a failure is of the parts together: every copy used is skipped
             saved = SavedStep(stores[0], s, manifests[0], where, joined=list(zip(stores, manifests)), prefer=rank)
-            need = parts_overlapping(saved, into, rank) if into is not None else set(range(n))
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
             for c in [used[at]] if at >= 0 else used:
                 if c is not None:
                     failed[c] = why
-            need = set()
+        need: set[int] = set()
+        if saved is not None:
+            try:
+                need = parts_overlapping(saved, into, rank) if into is not None else set(range(n))
+            except _INTO_ERRORS as e:  # about `into` itself (a DTensor's mesh, ...): no copy's fault
+                into_error = [type(e).__name__, str(e)]
+            except Exception as e:
+                _blame(failed, used, range(n), e)
         requests = sorted([r, sent[r][3]] for r in need if mine[r] is None and sent[r] is not None)  # type: ignore[index]
         asked = group.all_gather_json(requests)
         # 3. send what others asked this rank for, then take what this rank asked for
@@ -767,37 +818,70 @@ def _plan_and_read(group: _Group, tiers: list[Tier], infos: list[dict[str, Any]]
                 _recv_files(group, h, r, received[r])
             except Exception as e:
                 failed[sent[r]] = f"{type(e).__name__}: {e}"  # type: ignore[index]
-        for q in reqs:
-            q.wait()
+        _wait_sends(reqs, rank, s, group.timeout_s)
         state: Any = None
-        if not failed and saved is not None:
+        if not failed and saved is not None and into_error is None:
             try:
                 state = (fill_into(saved, into, rank, map_location) if into is not None
                          else whole_state(saved, rank if rank < n else 0, map_location))
+            except _INTO_ERRORS as e:
+                if saved.failed_ranks:  # not raised for `into`: a read failed first
+                    _blame(failed, used, saved.failed_ranks, e)
+                else:  # `into` does not fit this step (the fill checks it before reading)
+                    into_error = [type(e).__name__, str(e)]
             except Exception as e:
-                for r in sorted(saved.failed_ranks) or range(n):
-                    if used[r] is not None:
-                        failed[used[r]] = f"{type(e).__name__}: {e}"  # type: ignore[index]
+                _blame(failed, used, saved.failed_ranks or range(n), e)
         read_s = time.perf_counter() - t0
         kinds = sorted({(c[0] if mine[r] is not None else PEER_REPLICA) for r, c in enumerate(used)
                         if c is not None and r in need}, key=_PREFERENCE.__getitem__)
         me = kinds[-1] if kinds else LOCAL
-        agreed = group.all_gather_json([[[list(c), why] for c, why in failed.items()], holder_errors, me])
-        for q, (_f, herrs, _k) in enumerate(agreed):
+        agreed = group.all_gather_json([[[list(c), why] for c, why in failed.items()], holder_errors, me,
+                                        into_error])
+        for q, (_f, herrs, _k, _i) in enumerate(agreed):
             for h in herrs:
                 warnings.warn(f"restore: rank {q} sending a part of step {s}: {h}", stacklevel=3)
-        failures = [(q, tuple(c), why) for q, (f, _h, _k) in enumerate(agreed) for c, why in f]
+        refused = [(q, i) for q, (_f, _h, _k, i) in enumerate(agreed) if i is not None]
+        if refused:
+            # The caller's `into` does not fit the newest step: skipping its copies would
+            # restore an older step whose shapes fit, and lose the progress since.
+            q, (kind, why) = next(((q, i) for q, i in refused if q == rank), refused[0])
+            error = UnsupportedStateError if kind == UnsupportedStateError.__name__ else CheckpointOptionError
+            raise error(
+                f"restore_checkpoint: {why}" if q == rank
+                else f"restore_checkpoint: rank {q}'s into= does not fit step {s}: {why}")
+        failures = [(q, tuple(c), why) for q, (f, _h, _k, _i) in enumerate(agreed) for c, why in f]
         if not failures:
             nbytes = sum(int(m["parts"][r if m["world_size"] > 1 else 0]["data_bytes"])
                          for r, m in enumerate(manifests) if r in need)
             url = next((st.root for r, st in enumerate(stores) if r in need), stores[0].root)
-            return RestoreResult(state, s, me, url, [k for _f, _h, k in agreed], notes, read_s, nbytes,
+            return RestoreResult(state, s, me, url, [k for _f, _h, k, _i in agreed], notes, read_s, nbytes,
                                  time.perf_counter() - t_start, saved_world_size=n, resharded=n != world)
         for q, c, why in failures:
             bad.add(((str(c[0]), int(c[1]), int(c[2]), int(c[3])), s, a))
             note = f"{c[0]} copy of rank {c[2]}'s part of step {s} (saved by {n} ranks; read on rank {q}): {why}"
             notes.append(note)
             warnings.warn(f"restore: skipping the {note}", stacklevel=3)
+
+
+def _wait_sends(reqs: list[Any], rank: int, step: int, timeout_s: float) -> None:
+    """Wait for this rank's sends of parts; a receiver that stopped taking them (gone, or
+    not the datapipe this one is) leaves them waiting out the group's timeout."""
+    try:
+        for q in reqs:
+            q.wait()
+    except Exception as e:
+        raise CheckpointError(
+            f"restore: rank {rank} sending parts of step {step}: a receiving rank stopped, or did not take them "
+            f"within timeout_s={timeout_s} s ({type(e).__name__}: {e}); every rank must run the same datapipe; "
+            "see the other ranks' errors") from e
+
+
+def _blame(failed: dict[_PartCopy, str], used: list[_PartCopy | None], ranks: Any, e: BaseException) -> None:
+    """Mark the copies of saved ``ranks`` that this rank used as failing with ``e``."""
+    for r in sorted(ranks):
+        c = used[r]
+        if c is not None:
+            failed[c] = f"{type(e).__name__}: {e}"
 
 
 def _copy_store(c: _PartCopy, folders: dict[tuple[int, str, int], Store], shared: dict[int, Store]) -> Store:
