@@ -45,6 +45,7 @@ from .retry import (
     is_throttle,
     is_transient,
     queued,
+    run_requests,
     single_layer_options,
 )
 from .store import DelegatingStore, SeekableFile, Store, is_local_url, join_url, split_url
@@ -71,6 +72,7 @@ __all__ = [
     "fsync_dir",
     "RetryPolicy",
     "call_with_retry",
+    "run_requests",
     "fetch_object",
     "fetch_range",
     "is_throttle",

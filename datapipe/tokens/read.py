@@ -42,7 +42,9 @@ from __future__ import annotations
 import json
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -64,7 +66,7 @@ from ..format.tokens import (
 from ..loader import BufferPool
 from ..plan import ConcatLayout, DocumentLayout, DocumentTable, PackedChunk, Pieces, cu_seqlens
 from ..plan.tokens import TABLE_MAGIC
-from ..storage import RetryPolicy, Store, call_with_retry, is_local_url, open_store, split_url
+from ..storage import RetryPolicy, Store, call_with_retry, is_local_url, open_store, run_requests, split_url
 
 __all__ = [
     "IGNORE_INDEX",
@@ -85,6 +87,8 @@ CHUNK_TOKENS = 1 << 20
 #: the folder beside the manifest where document packing tables are kept, one per
 #: (seq_len, block, chunk): counted once, read by every later process
 DOCUMENT_TABLES = "plans"
+#: requests a TokenSource makes at once when it opens (each part's .xxh and .bin size)
+OPEN_REQUESTS = 16
 
 Layout = ConcatLayout | DocumentLayout
 IntArray = npt.NDArray[np.integer[Any]]
@@ -129,11 +133,11 @@ class TokenSource:
         self.sums: list[npt.NDArray[np.uint64]] = []
         #: (store, key, URL) of each part's ``.bin``
         self.bin_keys: list[tuple[Store, str, str]] = []
+        located_bins = [self._located(part.bin) for part in m.parts]
+        xxhs, sizes = self._open_requests(located_bins)
         for i, part in enumerate(m.parts):
-            xxh = self._get(self.store, part.xxh, self.store.url(part.xxh))
-            sums = check_block_sums(m, i, xxh, where=url)
-            located = self._located(part.bin)
-            size = self._size(*located)
+            sums = check_block_sums(m, i, xxhs[i], where=url)
+            located, size = located_bins[i], sizes[i]
             if size != part.bin_bytes:
                 raise ChecksumError(f"{located[2]}: {size} bytes, the manifest records {part.bin_bytes}; the file was "
                                     "truncated, extended or replaced since it was packed (pack or index it again)")
@@ -144,6 +148,26 @@ class TokenSource:
         #: parts whose ``.idx`` header this process checked (:meth:`read_sizes`)
         self._headers: set[int] = set()
         self.pool = BufferPool(max_pooled_bytes)
+
+    def _open_requests(self, bins: list[tuple[Store, str, str]]) -> tuple[list[bytes], list[int]]:
+        """Every part's ``.xxh`` and its ``.bin``'s size: two requests a part, each retried,
+        up to :data:`OPEN_REQUESTS` at a time (on threads kept for the open, not one started
+        per request: at hundreds of parts that was most of a rank's start-up)."""
+        parts = self.manifest.parts
+        fns: list[Any] = [partial(self.store.get, p.xxh) for p in parts]
+        fns += [partial(store.size, key) for store, key, _url in bins]
+        whats = [self.store.url(p.xxh) for p in parts] + [u for _s, _k, u in bins]
+        if len(fns) <= 2:
+            out = [call_with_retry(fn, what, self.retry) for fn, what in zip(fns, whats)]
+        else:
+            workers = min(OPEN_REQUESTS, len(fns))
+            pool = ThreadPoolExecutor(workers, thread_name_prefix="datapipe-token-open")
+            try:
+                out = run_requests(fns, whats, self.retry, pool=pool, concurrency=workers)
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)  # an abandoned attempt is not waited for
+        n = len(parts)
+        return [bytes(x) for x in out[:n]], [int(x) for x in out[n:]]
 
     def part_lengths(self, i: int) -> tuple[IntArray, bool]:
         """(document lengths, one sequence per document) of part ``i``, from its whole
