@@ -32,6 +32,7 @@ from .resume import OrderKey, layout_fingerprint, make_state, read_state
 from .shuffle import ALGORITHMS, EpochOrder, NoShuffle, WindowShuffle, check_counts, epoch_order
 from .tokens import (
     CHUNK_TOKENS,
+    TABLE_MAGIC,
     ConcatLayout,
     DocumentLayout,
     DocumentTable,
@@ -50,6 +51,7 @@ __all__ = [
     "ConcatLayout",
     "DocumentLayout",
     "DocumentTable",
+    "TABLE_MAGIC",
     "EpochOrder",
     "EpochPlan",
     "Int64s",

@@ -64,8 +64,7 @@ from ..format.tokens import (
     verify_blocks,
 )
 from ..loader import BufferPool
-from ..plan import ConcatLayout, DocumentLayout, DocumentTable, PackedChunk, Pieces, cu_seqlens
-from ..plan.tokens import TABLE_MAGIC
+from ..plan import TABLE_MAGIC, ConcatLayout, DocumentLayout, DocumentTable, PackedChunk, Pieces, cu_seqlens
 from ..storage import RetryPolicy, Store, call_with_retry, is_local_url, open_store, run_requests, split_url
 
 __all__ = [
