@@ -473,12 +473,12 @@ class Node:
 
     def command(self) -> list[str]:
         a = self.a
-        # node 0 hosts the rendezvous store and, alone, closes a round 2 s after it joined;
-        # node 1 is a client and, when it joins first, waits for node 0. A node is dead 4 s
-        # after its last heartbeat (torch's default is 15 s; fewer than 3 missed beats let a
-        # loaded machine's late heartbeat split the job in two worlds)
+        # node 0 hosts the rendezvous store and, alone, closes a round --last-call-s after it
+        # joined; node 1 is a client and, when it joins first, waits for node 0. A node is
+        # dead 3 s after its last heartbeat (torch's default is 15 s; fewer than 3 missed
+        # beats let a loaded machine's late heartbeat split the job in two worlds)
         conf = (f"is_host={int(self.index == 0)},last_call_timeout={a.last_call_s if self.index == 0 else 60},"
-                f"keep_alive_interval=1,keep_alive_max_attempt=4,join_timeout={int(a.timeout)}")
+                f"keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout={int(a.timeout)}")
         worker = ["--worker", "--work", self.work, "--drill-node", str(self.index), "--batch", str(a.batch),
                   "--local-every", str(a.local_every), "--remote-every", str(a.remote_every),
                   "--step-s", str(a.step_s), "--window-s", str(a.window_s), "--throttle-bps", str(a.throttle_bps),
@@ -933,8 +933,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--throttle-bps", type=float, default=0.0, help=argparse.SUPPRESS)  # a rank's: from --throttle-s
     p.add_argument("--windows", type=int, default=2, help="windows within which the straggler must be named (2)")
     p.add_argument("-k", type=float, default=1.5, help="the detector's k (default 1.5)")
-    p.add_argument("--last-call-s", type=int, default=2,
-                   help="node 0's rendezvous last call: how long a round waits for more nodes (default 2)")
+    p.add_argument("--last-call-s", type=int, default=1,
+                   help="node 0's rendezvous last call: how long a round waits for more nodes (default 1)")
     p.add_argument("--max-restarts", type=int, default=3, help="torchrun --max-restarts (default 3)")
     p.add_argument("--timeout", type=float, default=120.0,
                    help="give up on any wait after this many seconds (default 120)")
