@@ -152,9 +152,9 @@ def rss():
     return 0
 
 def tree_cpu():
-    # CPU seconds of this process and each of its children (the DataLoader workers) so far,
-    # by pid: unlike tokens/s, hardly moved by other load on the machine
-    me, out = os.getpid(), {}
+    # CPU seconds of this process and each of its descendants (the DataLoader workers and
+    # whatever they start) so far, by pid: unlike tokens/s, hardly moved by other load
+    me, parent, cpu = os.getpid(), {}, {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -162,8 +162,15 @@ def tree_cpu():
             f = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(d) == me or int(f[1]) == me:
-            out[int(d)] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+        parent[int(d)] = int(f[1])
+        cpu[int(d)] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in cpu:
+        p, seen = pid, 0
+        while p not in (me, 0, 1) and seen < 64:  # up the parents to this process, or not
+            p, seen = parent.get(p, 0), seen + 1
+        if p == me:
+            out[pid] = cpu[pid]
     return out
 
 def cpu_since(before):
