@@ -270,22 +270,16 @@ def read_idx(data: Buffer, *, bin_size: int | None = None, where: str = "<.idx>"
     :class:`CorruptIndexError` (or :class:`FormatError` for a float dtype) naming ``where``."""
     mv = _u8(data, where)
     n = len(mv)
-    if n < HEADER_BYTES:
-        raise CorruptIndexError(f"{where}: {n} bytes is shorter than the {HEADER_BYTES}-byte .idx header")
-    if bytes(mv[:9]) != MAGIC:
-        raise CorruptIndexError(f"{where}: not a Megatron .idx (magic {bytes(mv[:9])!r}, expected {MAGIC!r})")
-    version, code, seqs, docs1 = struct.unpack_from("<QBQQ", mv, 9)
-    if version != IDX_VERSION:
-        raise CorruptIndexError(f"{where}: .idx version {version}; only version {IDX_VERSION} exists")
-    dt = _dtype_from_code(code, where)
-    expect = idx_size(seqs, docs1 - 1, multimodal) if docs1 >= 1 else -1
-    if docs1 < 1 or expect != n:
+    dt, seqs, docs = idx_header(mv, where)
+    docs1 = docs + 1
+    expect = idx_size(seqs, docs, multimodal)
+    if expect != n:
         hint = ""
-        if docs1 >= 1 and not multimodal and idx_size(seqs, docs1 - 1, True) == n:
+        if not multimodal and idx_size(seqs, docs, True) == n:
             hint = " (it holds sequence modes: a multimodal index, which a token dataset does not read)"
         raise CorruptIndexError(
             f"{where}: the header counts {seqs} sequences and {docs1} document indices, which take "
-            f"{expect if docs1 >= 1 else 'an impossible number of'} bytes; the file has {n}{hint}"
+            f"{expect} bytes; the file has {n}{hint}"
         )
     off = HEADER_BYTES
     lengths = np.frombuffer(mv, dtype="<i4", count=seqs, offset=off)

@@ -228,7 +228,7 @@ def _idx(lengths=(3, 0, 5), docs=(0, 1, 2, 3), code=8):
     (lambda b: b[:9] + struct.pack("<Q", 2) + b[17:], "version"),
     (lambda b: b[:17] + bytes([9]) + b[18:], "unknown dtype code"),
     (lambda b: b[:18] + struct.pack("<Q", 1 << 60) + b[26:], "take"),
-    (lambda b: b[:26] + struct.pack("<Q", 0) + b[34:], "take"),
+    (lambda b: b[:26] + struct.pack("<Q", 0) + b[34:], "0 document indices; there is always one more"),
     (lambda b: b + b"\0", "take"),
     (lambda b: b + b"\0\0\0", "multimodal"),
     (lambda b: b[:34] + struct.pack("<i", -1) + b[38:], "negative length"),
