@@ -2,8 +2,10 @@
 where the kernel allows, read back, compared and timed; free space (plus the tier's own
 files) against its budget. ``datapipe doctor`` (``health.check_tiers``) runs it with a large
 probe; a :class:`~datapipe.cache.TieredCache` runs it once per directory tier when a process
-opens its tiers, and a ``CheckpointWriter`` once per local tier when it starts, both with a
-small one (:data:`START_PROBE_BYTES`) under a deadline.
+opens its tiers (not again in a DataLoader worker whose cache came from a process that
+checked the folder and found it sound: ``Settings.checked_roots``), and a
+``CheckpointWriter`` once per local tier when it starts, both with a small one
+(:data:`START_PROBE_BYTES`) under a deadline.
 
 The probe is ``.datapipe-doctor-<token>`` in the folder, created with ``O_EXCL`` (never an
 existing file) and removed only while it is still the file this check created (delete only

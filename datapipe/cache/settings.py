@@ -52,6 +52,9 @@ class Settings(Protocol):
     tier_deadline_s: float | None
     tier_min_mb_s: float | None
     tier_window_bytes: int
+    #: folders a parent process checked at open and found sound (a DataLoader worker's cache
+    #: came from it, pickled or forked): not checked again in this process
+    checked_roots: frozenset[str]
 
 
 def check_local_tiers(local_tiers: Any, warm_dir: object) -> tuple[CacheTier, ...]:

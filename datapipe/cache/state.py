@@ -140,9 +140,13 @@ class ProcessState:
             except OSError as e:
                 self.warn("shared-init", f"shared cache {s.shared_dir} unusable ({e}); reading through to the "
                           "cold tier")
+        #: the folders this process checked at open and found sound (handed to the processes
+        #: it starts with the cache: ``Settings.checked_roots``)
+        self.passed: set[str] = set()
         for dir_tier in self._dir_tiers():
             dir_tier.io, dir_tier.hung = self.deadline, self.tiers.hung
-            self._check_at_open(dir_tier)
+            if dir_tier.dir.root not in s.checked_roots:  # once per process tree, not per worker
+                self._check_at_open(dir_tier)
         if warm is not None:
             try:  # node-wide counters: this process's share, written to the warm dir
                 counter_file = CounterFile(warm.root)
@@ -173,6 +177,9 @@ class ProcessState:
         seconds = self.deadline.seconds if self.deadline.seconds is not None else START_CHECK_DEADLINE_S
         check = check_folder_within(tier.dir.root, seconds, budget_bytes=tier.dir.budget, used=tier.dir.usage)
         problem, failed = check.problem, check.failed
+        tier.count_event("checks")
+        if not failed:
+            self.passed.add(tier.dir.root)
         if failed:
             self.tiers.take_out(tier, OSError(problem))
             self.warn(f"{tier.name}_broken", f"{what} cache {tier.dir.root} fails the check at open ({problem}): "

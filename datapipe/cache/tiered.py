@@ -219,6 +219,8 @@ class TieredCache:
         self.tier_deadline_s = None if tier_deadline_s is None else float(tier_deadline_s)
         self.tier_min_mb_s = None if tier_min_mb_s is None else float(tier_min_mb_s)
         self.tier_window_bytes = tier_window_bytes
+        #: folders checked at open by the process this cache came from (see Settings)
+        self.checked_roots: frozenset[str] = frozenset()
         self._telemetry = telemetry
         self.schedule: Schedule[str] | None = None
         self._warm_urls: tuple[Schedule[str], dict[str, str]] | None = None  # warm file name -> URL
@@ -231,7 +233,15 @@ class TieredCache:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_process"], state["_process_lock"] = None, None
+        state["checked_roots"] = self._checked_here()  # a worker does not check them again
         return state
+
+    def _checked_here(self) -> frozenset[str]:
+        """The folders this process, or the one it came from, checked at open and found sound."""
+        process = self._process
+        if process is None or process.closed:
+            return self.checked_roots
+        return self.checked_roots | frozenset(process.passed)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -245,6 +255,8 @@ class TieredCache:
             with self._process_lock:
                 state = self._process
                 if state is None or state.pid != os.getpid() or state.closed:
+                    if state is not None and state.pid != os.getpid():  # forked: the parent checked
+                        self.checked_roots = self._checked_here()
                     state = self._process = ProcessState(self)
                     state.set_telemetry(self._telemetry)
         return state
