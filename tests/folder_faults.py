@@ -61,3 +61,14 @@ class ReadOnly:
             pytest.skip(f"renameat2(RENAME_EXCHANGE) does not work here: {os.strerror(err)}")
         self.off(blocker)  # the old folder, now at the blocker's name
         shutil.rmtree(blocker)
+
+
+def fill_up(path):
+    """Write zeros to the file ``path`` until its file system refuses more (a full disk)."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass

@@ -258,21 +258,7 @@ def _recv_replica(group: _Group, src: int, rank: int, world: int, step: int, att
     import torch
     import torch.distributed as dist
 
-    sizes = torch.empty(2, dtype=torch.int64)
-    dist.recv(sizes, src, group=group.group)
-    nh, nb = int(sizes[0]), int(sizes[1])
-    if not (0 < nh <= MAX_PART_BYTES and 0 <= nb <= 1 << 44):
-        raise CheckpointError(f"rank {src} announced {nh} header and {nb} data bytes for a replica")
-    h = torch.empty(nh, dtype=torch.uint8)
-    dist.recv(h, src, group=group.group)
-    try:
-        header = json.loads(bytes(h.numpy()))
-        files = [(str(k), int(n)) for k, n in header["files"]]
-    except (ValueError, TypeError, KeyError) as e:
-        raise CheckpointError(f"rank {src} sent a malformed replica header: {e}") from None
-    if any(n <= 0 for _k, n in files) or sum(n for _k, n in files) != nb:
-        raise CheckpointError(f"rank {src} sent a file list of sizes that are not all positive or do not "
-                              f"add up to {nb} bytes")
+    header, files = _recv_header(group, src, 0, "a replica")
     got = 0  # files received so far
     pending: list[Any] = []  # the chunks' receives, once posted
     waited = 0  # of them
@@ -339,21 +325,7 @@ def _recv_files(group: _Group, src: int, tag: int, into: MemoryStore) -> None:
     import torch
     import torch.distributed as dist
 
-    sizes = torch.empty(2, dtype=torch.int64)
-    dist.recv(sizes, src, group=group.group, tag=tag)
-    nh, nb = int(sizes[0]), int(sizes[1])
-    if not (0 < nh <= MAX_PART_BYTES and 0 <= nb <= 1 << 44):
-        raise CheckpointError(f"rank {src} announced {nh} header and {nb} data bytes for a part")
-    h = torch.empty(nh, dtype=torch.uint8)
-    dist.recv(h, src, group=group.group, tag=tag)
-    try:
-        header = json.loads(bytes(h.numpy()))
-        files = [(str(k), int(n)) for k, n in header["files"]]
-    except (ValueError, TypeError, KeyError) as e:
-        raise CheckpointError(f"rank {src} sent a malformed header for a part: {e}") from None
-    if any(n <= 0 for _k, n in files) or sum(n for _k, n in files) != nb:
-        raise CheckpointError(f"rank {src} sent a file list of sizes that are not all positive or do not "
-                              f"add up to {nb} bytes")
+    header, files = _recv_header(group, src, tag, "a part")
     if any(n > MAX_CHUNK_BYTES + (1 << 20) for _k, n in files):
         # announced all the same: take them (no more memory than accepting them would
         # hold), so that the sender's sends complete, and refuse them after
@@ -366,6 +338,31 @@ def _recv_files(group: _Group, src: int, tag: int, into: MemoryStore) -> None:
         into.put(key, buf.numpy().tobytes())
     if header.get("error") is not None:
         raise CheckpointError(str(header["error"]))
+
+
+def _recv_header(group: _Group, src: int, tag: int, what: str) -> tuple[dict[str, Any], list[tuple[str, int]]]:
+    """The header :func:`_send_replica` sends first: (the header, its file list), its sizes
+    checked (a header of bounded size; positive file sizes adding up to the data announced).
+    A header that fails this leaves the rest unreceived: nothing then says what to take."""
+    import torch
+    import torch.distributed as dist
+
+    sizes = torch.empty(2, dtype=torch.int64)
+    dist.recv(sizes, src, group=group.group, tag=tag)
+    nh, nb = int(sizes[0]), int(sizes[1])
+    if not (0 < nh <= MAX_PART_BYTES and 0 <= nb <= 1 << 44):
+        raise CheckpointError(f"rank {src} announced {nh} header and {nb} data bytes for {what}")
+    h = torch.empty(nh, dtype=torch.uint8)
+    dist.recv(h, src, group=group.group, tag=tag)
+    try:
+        header = json.loads(bytes(h.numpy()))
+        files = [(str(k), int(n)) for k, n in header["files"]]
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"rank {src} sent a malformed header for {what}: {e}") from None
+    if any(n <= 0 for _k, n in files) or sum(n for _k, n in files) != nb:
+        raise CheckpointError(f"rank {src} sent a file list of sizes that are not all positive or do not "
+                              f"add up to {nb} bytes")
+    return header, files
 
 
 def _drain(group: _Group, src: int, sizes: list[int], tag: int = 0) -> str:

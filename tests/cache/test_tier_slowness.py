@@ -22,6 +22,7 @@ from datapipe.cache import CacheTier, TieredCache
 from datapipe.cache.warm import url_key
 from datapipe.errors import OptionError
 from datapipe.health import PROBE_PREFIX
+from tests.folder_faults import fill_up
 from tools.elastic_drill import ThrottledStore
 
 SIZE = 256 << 10  # above rates.MIN_READ_BYTES: each read counts in its tier's window
@@ -222,16 +223,6 @@ def test_the_options_are_checked_naming_them(kw):
         TieredCache(**kw)
 
 
-def _fill_up(path):
-    with open(path, "wb") as f:  # to the last block
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
-
-
 def test_a_tier_that_fails_the_check_at_open_is_out_from_the_start_and_taken_back(tmp_path, tmpfs):
     urls = _objects(tmp_path, 3)
     fs = tmpfs("8m")
@@ -240,7 +231,7 @@ def test_a_tier_that_fails_the_check_at_open_is_out_from_the_start_and_taken_bac
     made = TieredCache(**tiers)
     made.stats()  # the folders are made as a process opens its tiers
     made.close()
-    _fill_up(fs.path / "filler")  # a full disk: the folders open, a write fails
+    fill_up(fs.path / "filler")  # a full disk: the folders open, a write fails
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         c = TieredCache(**tiers, tier_retry_s=0)  # no exception: both are passed by

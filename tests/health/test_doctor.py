@@ -16,6 +16,7 @@ from datapipe.checkpoint import Tier as CheckpointTier
 from datapipe.cli import main
 from datapipe.errors import OptionError
 from datapipe.health import PROBE_PREFIX, TierSpec, check_tiers, format_checks, tiers_from_config
+from tests.folder_faults import fill_up
 from tools.s3_endpoint import LocalS3
 
 
@@ -61,13 +62,7 @@ def test_a_read_only_folder_fails_with_the_reason(tmp_path, tmpfs):
 
 def test_a_full_tmpfs_fails_with_the_reason(tmpfs):
     fs = tmpfs("4m")
-    with open(fs.path / "filler", "wb") as f:  # fill it to the last block
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
+    fill_up(fs.path / "filler")  # to the last block
     (c,) = check_tiers([TierSpec("warm", str(fs.path))], probe_bytes=1 << 16)
     assert c.failed and c.problem.startswith("full:"), c.problem
     assert sorted(os.listdir(fs.path)) == ["filler"]  # no probe left behind
