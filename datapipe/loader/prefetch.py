@@ -511,7 +511,6 @@ class PassFetch:
                 yield from landed_pieces(chunk, align)
             pre.done(chunk)
 
-
     def end(self, owner: object) -> ReadAhead | None:
         """After the pass: the read ahead into the next pass (stopped when ``owner`` is
         collected) if the next pass's first chunk arrived, else None (the prefetcher is
