@@ -19,8 +19,9 @@ composed of the stages), ``pass_state`` (progress and the error policy every sta
 ``dataloader`` (``StreamingDataLoader``), ``ring`` (the shared-memory batch ring), ``control``
 (what the main process and DataLoader workers tell each other). A token loader plugs its own
 planner, fetch and reader into the plan and fetch stages (the face gives it what it reuses:
-``LazyTensor``, ``BatchGroup``, ``share_size``, ``WorkerPasses``, ``BufferPool`` beside the stage parts, and the
-resume rules: ``set_resumable_epoch`` (their ``set_epoch``), ``check_worker_state``, ``worker_info``).
+``LazyTensor``, ``LazyRows``, ``BatchGroup``, ``share_size``, ``WorkerPasses``, ``BufferPool`` beside the
+stage parts, and the resume rules: ``set_resumable_epoch`` (their ``set_epoch``), ``check_worker_state``,
+``worker_info``).
 
 Imports ``plan``, ``format``, ``storage``, ``tables``, ``tarindex`` (to resolve shard URLs),
 ``datapipe.dataset``, ``decode`` and the leaves; never ``pack`` or ``checkpoint``. Names load
@@ -33,7 +34,7 @@ from .._lazy import lazy_exports
 from ..decode import DEFAULT_DECODERS, make_decoder
 
 if TYPE_CHECKING:
-    from .batch import Batch, BatchGroup, Column, LazyTensor
+    from .batch import Batch, BatchGroup, Column, LazyRows, LazyTensor
     from .chunks import Chunk, EpochPlanner, PassKey, pass_chunks, share_size
     from .control import WorkerPasses
     from .dataloader import StreamingDataLoader
@@ -46,15 +47,16 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_DECODERS", "Stream", "StreamingDataLoader", "StreamingDataset", "make_decoder",
            "resolve_topology", "Batch", "Column", "Chunk", "EpochPlanner", "PassKey", "pass_chunks", "ErrorPolicy",
            "Progress", "Skipped", "PassFetch", "Prefetcher", "ReadAhead", "take_read_ahead", "LazyTensor",
-           "BatchGroup", "share_size", "WorkerPasses", "BufferPool", "set_resumable_epoch", "check_worker_state",
-           "worker_info"]
+           "LazyRows", "BatchGroup", "share_size", "WorkerPasses", "BufferPool", "set_resumable_epoch",
+           "check_worker_state", "worker_info"]
 
 #: public name -> the submodule that defines it, imported on first use
 _WHERE = {"Stream": "mixing", "StreamingDataLoader": "dataloader", "StreamingDataset": "dataset",
           "resolve_topology": "dataset", "Batch": "batch", "Column": "batch", "Chunk": "chunks",
           "EpochPlanner": "chunks", "PassKey": "chunks", "pass_chunks": "chunks", "ErrorPolicy": "pass_state",
           "Progress": "pass_state", "Skipped": "pass_state", "PassFetch": "prefetch", "Prefetcher": "prefetch",
-          "ReadAhead": "prefetch", "take_read_ahead": "prefetch", "LazyTensor": "batch", "BatchGroup": "batch",
+          "ReadAhead": "prefetch", "take_read_ahead": "prefetch", "LazyTensor": "batch", "LazyRows": "batch",
+          "BatchGroup": "batch",
           "share_size": "chunks",
           "WorkerPasses": "control", "BufferPool": "source", "set_resumable_epoch": "dataset",
           "check_worker_state": "dataset", "worker_info": "dataset"}

@@ -38,7 +38,7 @@ from .pass_state import Progress, Skipped, split_skipped
 if TYPE_CHECKING:
     from .readers import ChunkRead, LaidOutRows
 
-__all__ = ["Batch", "BatchGroup", "Column", "LazyTensor", "batch_chunks", "cut_batches", "distinct"]
+__all__ = ["Batch", "BatchGroup", "Column", "LazyRows", "LazyTensor", "batch_chunks", "cut_batches", "distinct"]
 
 _BYTES = (bytes, bytearray, memoryview)
 _MISSING = object()
@@ -198,41 +198,85 @@ def _contiguous_column(data: NDArray[np.uint8], offsets: NDArray[np.int64]) -> C
     return Column([data], offsets[:-1], offsets[1:])
 
 
+_NUMPY_DTYPES: dict[Any, np.dtype[Any]] = {}
+
+
+def numpy_dtype(dtype: Any) -> np.dtype[Any]:
+    """The numpy dtype of torch ``dtype`` (remembered: torch has no cheap way to say it)."""
+    got = _NUMPY_DTYPES.get(dtype)
+    if got is None:
+        import torch
+
+        got = _NUMPY_DTYPES[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
+    return got
+
+
 class LazyTensor:
     """A tensor field of a :class:`Batch` written where it is read: a loader's ring writes it
-    straight into its shared-memory slot (``fill_into``), which saves making it and copying
-    it there; anything else gets it made once (:meth:`tensor`, and pickling, which sends the
-    tensor). ``fill(array)`` writes the values into a numpy array of ``shape`` and ``dtype``
-    (a torch dtype); it must keep alive whatever it reads (its references are dropped once
-    the tensor is made)."""
+    straight into its shared-memory slot (:meth:`fill_array`), which saves making it and
+    copying it there; anything else gets it made once (:meth:`tensor`, and pickling, which
+    sends the tensor). ``fill(array)`` writes the values into a numpy array of ``shape`` and
+    ``dtype`` (a torch dtype that numpy has); it must keep alive whatever it reads (its
+    references are dropped once the tensor is made)."""
 
-    __slots__ = ("_fill", "_tensor", "dtype", "shape")
+    __slots__ = ("_fill", "_tensor", "dtype", "nbytes", "shape")
 
     def __init__(self, shape: tuple[int, ...], dtype: Any, fill: Any) -> None:
         self.shape, self.dtype, self._fill = tuple(shape), dtype, fill
         self._tensor: Any = None
+        # asked twice a batch in a worker: computed once (a torch.empty(0) to learn the
+        # element size cost more than cutting the rows)
+        self.nbytes = math.prod(self.shape) * int(dtype.itemsize)
 
     @property
-    def nbytes(self) -> int:
-        # math.prod and the dtype's itemsize: asked twice a batch in a worker, where a
-        # torch.empty(0) to learn the element size cost more than cutting the rows
-        return math.prod(self.shape) * int(self.dtype.itemsize)
+    def array_dtype(self) -> np.dtype[Any]:
+        """The numpy dtype :meth:`fill_array` writes."""
+        return numpy_dtype(self.dtype)
 
-    def fill_into(self, out: Any) -> None:
-        """Write the values into ``out``, a CPU tensor of this shape and dtype."""
+    def fill_array(self, out: NDArray[Any]) -> None:
+        """Write the values into ``out``, a numpy array of this shape and :attr:`array_dtype`
+        (a view of a ring's slot: no tensor is made, which costs more than a batch's rows
+        take to cut)."""
         if self._tensor is not None:
-            out.copy_(self._tensor)
-        elif out.numel():
-            self._fill(out.numpy())
+            np.copyto(out, self._tensor.numpy())
+        elif out.size:
+            self._fill(out)
 
     def tensor(self) -> Any:
         if self._tensor is None:
             import torch
 
             t = torch.empty(self.shape, dtype=self.dtype)
-            self.fill_into(t)
+            if t.numel():
+                self._fill(t.numpy())
             self._tensor, self._fill = t, None
         return self._tensor
+
+    def rows(self, start: int, stop: int) -> LazyRows:
+        """Rows ``[start, stop)`` of this tensor, a field of one batch of a group."""
+        return LazyRows(self, start, stop)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _identity, (self.tensor(),)
+
+
+class LazyRows:
+    """Rows ``[start, stop)`` of a :class:`LazyTensor` (``whole``) that the batches of a
+    :class:`BatchGroup` share: the group's rows are cut in one pass, and a ring writes
+    ``whole`` once into its slot, each batch's field viewing its rows there (cutting batch
+    by batch cost more in Python than the rows took to copy). Anything else gets the rows
+    as a tensor of their own (:meth:`tensor`, and pickling)."""
+
+    __slots__ = ("dtype", "nbytes", "shape", "start", "stop", "whole")
+
+    def __init__(self, whole: LazyTensor, start: int, stop: int) -> None:
+        self.whole, self.start, self.stop = whole, int(start), int(stop)
+        self.shape = (self.stop - self.start, *whole.shape[1:])
+        self.dtype = whole.dtype
+        self.nbytes = math.prod(self.shape) * int(whole.dtype.itemsize)
+
+    def tensor(self) -> Any:
+        return self.whole.tensor()[self.start:self.stop].clone()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _identity, (self.tensor(),)

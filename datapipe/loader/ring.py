@@ -35,6 +35,7 @@ import math
 import mmap
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.reduction import DupFd
 from typing import Any
@@ -42,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import LoaderOptionError
-from .batch import Batch, BatchGroup, Column, LazyTensor
+from .batch import Batch, BatchGroup, Column, LazyRows, LazyTensor
 
 __all__ = ["BatchRing", "RingBatch"]
 
@@ -123,18 +124,52 @@ class _Slot:
         self.fd, self.mm, self.generation, self.sent = fd, mm, generation, False
 
 
-def _measure(batch: Batch) -> int:
-    """Bytes the batch needs in a slot (with alignment); fields that are neither columns
-    nor CPU tensors travel in the RingBatch itself."""
+def _measure(batches: Sequence[Batch]) -> int:
+    """Bytes the batches need in a slot (with alignment; the tensor that a group's
+    :class:`~.batch.LazyRows` share, once); fields that are neither columns nor CPU tensors
+    travel in the RingBatch itself."""
     need = 0
-    for value in batch.values():
-        if isinstance(value, Column):
-            need += _aligned(value.nbytes) + _aligned(8 * (len(value) + 1))
-        elif isinstance(value, LazyTensor):
-            need += _aligned(value.nbytes)
-        elif _raw_tensor(value):
-            need += _aligned(value.numel() * value.element_size())
+    wholes: set[int] = set()
+    for batch in batches:
+        for value in batch.values():
+            if isinstance(value, Column):
+                need += _aligned(value.nbytes) + _aligned(8 * (len(value) + 1))
+            elif isinstance(value, LazyTensor):
+                need += _aligned(value.nbytes)
+            elif isinstance(value, LazyRows):
+                if id(value.whole) not in wholes:
+                    wholes.add(id(value.whole))
+                    need += _aligned(value.whole.nbytes)
+            elif _raw_tensor(value):
+                need += _aligned(value.numel() * value.element_size())
     return need
+
+
+def _write_lazy(mm: mmap.mmap, value: LazyTensor, pos: int) -> None:
+    """``value`` written into the slot at ``pos`` (through a numpy view: a torch one costs
+    more than a batch's rows take to cut)."""
+    if value.nbytes:
+        dt = value.array_dtype
+        value.fill_array(np.frombuffer(mm, dtype=dt, count=value.nbytes // dt.itemsize, offset=pos)
+                         .reshape(value.shape))
+
+
+_ARRAY_DTYPES: dict[str, np.dtype[Any] | None] = {}
+
+
+def _array_dtype(name: str) -> np.dtype[Any] | None:
+    """The numpy dtype that torch dtype ``name`` reads through ``torch.from_numpy`` as
+    itself, or None (bfloat16, float8, ...: viewed in torch)."""
+    if name not in _ARRAY_DTYPES:
+        import torch
+
+        try:
+            dt = np.dtype(name)
+            ok = torch.from_numpy(np.zeros(1, dtype=dt)).dtype == getattr(torch, name)
+        except (TypeError, AttributeError):
+            ok = False
+        _ARRAY_DTYPES[name] = dt if ok else None
+    return _ARRAY_DTYPES[name]
 
 
 def _raw_tensor(value: Any) -> bool:
@@ -182,7 +217,7 @@ class BatchRing:
         """``batch`` (or a group of batches) written into a free slot of ``worker``'s, or None
         (no slot is free: send the batch itself)."""
         batches = batch if isinstance(batch, BatchGroup) else (batch,)
-        need = sum(_measure(b) for b in batches)
+        need = _measure(batches)
         if not self.free[worker].acquire(block=False):
             return None
         i = next((k for k, s in enumerate(self._slots) if s is None or s.mm[0] == _FREE), -1)
@@ -204,8 +239,9 @@ class BatchRing:
         mm[0] = _BUSY
         try:
             written, pos = [], _HEADER
+            placed: dict[int, tuple[LazyTensor, int]] = {}  # LazyRows' wholes written: where
             for b in batches:
-                fields, pos = self._fill(mm, b, pos)
+                fields, pos = self._fill(mm, b, pos, placed)
                 written.append((fields, len(b)))
         except Exception:
             # a value the slot cannot hold after all: the slot stays free (else its worker
@@ -222,8 +258,11 @@ class BatchRing:
         return out
 
     @staticmethod
-    def _fill(mm: mmap.mmap, batch: Batch, pos: int) -> tuple[dict[str, tuple[Any, ...]], int]:
-        """``batch`` written into the slot from ``pos`` on: (its fields, where the next may start)."""
+    def _fill(mm: mmap.mmap, batch: Batch, pos: int,
+              placed: dict[int, tuple[LazyTensor, int]]) -> tuple[dict[str, tuple[Any, ...]], int]:
+        """``batch`` written into the slot from ``pos`` on: (its fields, where the next may
+        start). ``placed``: the wholes of :class:`~.batch.LazyRows` written so far, and
+        where (a batch's rows of one are found there; the first to ask writes it)."""
         import torch
 
         view = memoryview(mm)
@@ -238,11 +277,19 @@ class BatchRing:
                     fields[name] = ("column", pos, nbytes, opos, len(value))
                     pos = opos + _aligned(offsets.nbytes)
                 elif isinstance(value, LazyTensor):  # written straight into the slot
-                    nbytes = value.nbytes
-                    if nbytes:
-                        value.fill_into(torch.frombuffer(view[pos : pos + nbytes], dtype=value.dtype).view(value.shape))
+                    _write_lazy(mm, value, pos)
                     fields[name] = ("tensor", pos, str(value.dtype).removeprefix("torch."), value.shape)
-                    pos += _aligned(nbytes)
+                    pos += _aligned(value.nbytes)
+                elif isinstance(value, LazyRows):
+                    whole = value.whole
+                    at = placed.get(id(whole))
+                    if at is None:
+                        _write_lazy(mm, whole, pos)
+                        placed[id(whole)] = at = (whole, pos)  # holding it: its id stays its own
+                        pos += _aligned(whole.nbytes)
+                    row = whole.nbytes // whole.shape[0]
+                    fields[name] = ("tensor", at[1] + value.start * row, str(value.dtype).removeprefix("torch."),
+                                    value.shape)
                 elif _raw_tensor(value):
                     nbytes = value.numel() * value.element_size()
                     dst = torch.frombuffer(view[pos : pos + nbytes], dtype=value.dtype) if nbytes else None
@@ -295,10 +342,15 @@ class BatchRing:
                 _, pos, dtype, shape = spec
                 dt = getattr(torch, dtype)
                 count = math.prod(shape)
-                nbytes = count * int(dt.itemsize)
-                # the tensor holds `base` (through the numpy slice), so the slot stays taken
-                fields[name] = torch.from_numpy(base[pos : pos + nbytes]).view(dt).view(shape) if count else \
-                    torch.empty(shape, dtype=dt)
+                if not count:
+                    fields[name] = torch.empty(shape, dtype=dt)
+                    continue
+                raw = base[pos : pos + count * int(dt.itemsize)]
+                # the tensor holds `base` (through the numpy slice), so the slot stays taken;
+                # shaped in numpy where it can be (a torch view costs several times more)
+                as_array = _array_dtype(dtype)
+                fields[name] = torch.from_numpy(raw.view(as_array).reshape(shape)) if as_array is not None else \
+                    torch.from_numpy(raw).view(dt).view(shape)
             else:
                 fields[name] = spec[1]
         return fields

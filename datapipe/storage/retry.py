@@ -24,6 +24,8 @@ import concurrent.futures as cf
 import errno
 import heapq
 import math
+import os
+import queue
 import random
 import threading
 import time
@@ -369,9 +371,59 @@ def run_requests(
     return results
 
 
+class _AttemptThreads:
+    """The daemon threads :func:`_bounded` runs attempts on, reused: starting a thread for
+    every read of a local file cost more than the read (the new thread's handshake waits
+    for the GIL). A thread that has run an attempt waits ``idle_s`` for the next one, then
+    ends; one held by an abandoned attempt is not waiting, so a new one starts beside it.
+    After a fork the child has none of them (they are not copied), and starts its own."""
+
+    def __init__(self, idle_s: float = 30.0) -> None:
+        self.idle_s = idle_s
+        self._reset()
+        if hasattr(os, "register_at_fork"):  # POSIX
+            os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._tasks: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._waiting = 0  # threads waiting for a task that no task has been put for yet
+
+    def submit(self, run: Callable[[], None]) -> None:
+        with self._lock:
+            start = self._waiting == 0
+            if not start:
+                self._waiting -= 1  # a waiting thread takes it
+        self._tasks.put(run)
+        if start:
+            threading.Thread(target=self._serve, args=(self._tasks,), name="datapipe-attempt", daemon=True).start()
+
+    def _serve(self, tasks: queue.SimpleQueue[Callable[[], None]]) -> None:
+        while True:
+            try:
+                run = tasks.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if tasks is not self._tasks:
+                        return
+                    if self._waiting:  # no task is on its way to this thread: it ends
+                        self._waiting -= 1
+                        return
+                continue  # a task was put for it just now
+            run()
+            del run
+            with self._lock:
+                if tasks is not self._tasks:
+                    return
+                self._waiting += 1
+
+
+_threads = _AttemptThreads()
+
+
 def _bounded(fn: Callable[[], T], what: str, timeout: float | None, end: float | None,
              clock: list[float | None]) -> T:
-    """``fn()`` in a daemon thread of its own, abandoned (its result dropped) when it has
+    """``fn()`` on a daemon thread (:class:`_AttemptThreads`), abandoned (its result dropped) when it has
     not answered within ``timeout`` seconds of sending its request (a wait in
     :func:`queued` does not count; ``clock``, see there) or by ``end`` (a
     ``time.monotonic()`` deadline); a daemon thread does not hold up the exit."""
@@ -387,7 +439,7 @@ def _bounded(fn: Callable[[], T], what: str, timeout: float | None, end: float |
         finally:
             done.set()
 
-    threading.Thread(target=run, name="datapipe-attempt", daemon=True).start()
+    _threads.submit(run)
     while not done.is_set():
         now, t0 = time.monotonic(), clock[0]
         if end is not None and now >= end:

@@ -60,7 +60,7 @@ from .read import (
 )
 from .stream import MAX_EPOCH, TokenStream, check_reading, check_topology
 
-__all__ = ["TokenDataset", "MAX_SEQ_LEN", "cut_batch", "fetched_units", "group_batches", "message_batches",
+__all__ = ["TokenDataset", "MAX_SEQ_LEN", "GroupCut", "cut_batch", "fetched_units", "group_batches", "message_batches",
            "torch_dtype"]
 
 #: ``window=None``: every chunk (a full global shuffle)
@@ -71,23 +71,18 @@ MAX_SEQ_LEN = 1 << 24
 MAX_THREADS = 256
 _DTYPES = ("int64", "int32")
 #: a DataLoader worker's message (``grouped``): batches of up to this many bytes together, at
-#: most GROUP_BATCHES of them. torch's worker queue costs about 0.2 ms a message, a batch of
-#: 8 x 2,049 int64 tokens about 0.05 ms to cut: one message a batch capped the loader at a
-#: quarter of its in-process rate. Not more: a slot the worker writes should stay in its
-#: core's L2 cache (2 MiB here) beside the tokens it reads; 2 MiB groups cost the workers
-#: twice the CPU a token of 1 MiB groups did (measured here). A batch of GROUP_ALONE bytes or
-#: more goes alone: its message costs little beside its bytes, and grouping such batches
-#: cost the workers more than it saved the main process (8 x 8,193 int32: 1.2 s of CPU per
-#: 100 M tokens in groups of 4, 0.8 s alone, measured here)
-GROUP_BYTES = 1 << 20
-GROUP_BATCHES = 16
-GROUP_ALONE = 256 << 10
+#: most GROUP_BATCHES of them (a batch of more goes alone). torch's worker queue costs about
+#: 0.3 ms of the main process's CPU a message, against a few microseconds a batch: 1 MiB
+#: groups of 8 x 2,049 int64 tokens held the loader at 129-165 M tokens/s through two
+#: workers, 4 MiB groups gave 178-202 M; batches of 8 x 8,193 sent alone 131-137 M, in
+#: groups 211-259 M (measured here, 2026-12-02; a group's batches are cut in one pass, see
+#: GroupCut)
+GROUP_BYTES = 4 << 20
+GROUP_BATCHES = 64
 
 
 def message_batches(batch_bytes: int) -> int:
     """Batches of ``batch_bytes`` a DataLoader worker sends in one message (``grouped``)."""
-    if batch_bytes >= GROUP_ALONE:
-        return 1
     return max(1, min(GROUP_BATCHES, GROUP_BYTES // max(batch_bytes, 1)))
 
 
@@ -133,6 +128,60 @@ def cut_batch(layout: Layout, units: NDArray[Any], samples: NDArray[Any], chunks
     if not lazy:
         fields = {k: v.tensor() if isinstance(v, LazyTensor) else v for k, v in fields.items()}
     return fields
+
+
+class GroupCut:
+    """A DataLoader worker's group of batches, cut as its batches' rows come (``add``, while
+    their chunks are fetched: a chunk's buffer goes back to the pool once the pass moves
+    on, and what is cut holds the arrays it reads). A concat group's ``input_ids`` are rows
+    of one tensor cut in one pass (:class:`~datapipe.loader.batch.LazyRows`, written once
+    into the ring's slot: cutting batch by batch cost more in Python than the rows took to
+    copy); document batches, whose ``cu_seqlens`` and ``padding`` are each batch's own, are
+    cut one by one."""
+
+    def __init__(self, layout: Layout, dtype: Any, pad_id: int) -> None:
+        self.layout, self.dtype, self.pad_id = layout, dtype, pad_id
+        self.concat = isinstance(layout, ConcatLayout)
+        self.units: list[NDArray[Any]] = []
+        self.samples: list[NDArray[Any]] = []
+        self.tokens: dict[int, NDArray[Any]] = {}  # concat: each unit's tokens, held
+        self._chunks: list[dict[int, TokenChunk]] = []  # the dicts of chunks whose tokens are held
+        self.fields: list[dict[str, Any]] = []  # each batch's, but a concat group's input_ids
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def add(self, units: NDArray[Any], samples: NDArray[Any], chunks: dict[int, TokenChunk],
+            **more: Any) -> None:
+        """A batch's rows (the sequences (``units[i]``, ``samples[i]``) of ``chunks``), and
+        ``more`` fields of its own."""
+        self.units.append(units)
+        self.samples.append(samples)
+        if not self.concat:
+            self.fields.append({**cut_batch(self.layout, units, samples, chunks, self.dtype, self.pad_id, lazy=True),
+                                **more})
+            return
+        self.fields.append(more)
+        if not any(c is chunks for c in self._chunks):  # a pass chunk's units: most batches' are the last one's
+            self._chunks.append(chunks)
+            self.tokens.update((u, c.tokens) for u, c in chunks.items())
+
+    def batches(self) -> list[dict[str, Any]]:
+        """Each batch's fields (lazy), in the order added."""
+        layout = self.layout
+        if not isinstance(layout, ConcatLayout):
+            return self.fields
+        units, samples = np.concatenate(self.units), np.concatenate(self.samples)
+        whole = LazyTensor((units.size, layout.seq_len + layout.extra), self.dtype,
+                           partial(cut_concat, units, samples, self.tokens, layout.seq_len))
+        out, a = [], 0
+        for u, more in zip(self.units, self.fields):
+            out.append({"input_ids": whole.rows(a, a + u.size), **more})
+            a += u.size
+        return out
+
+    def group(self, of: int) -> BatchGroup:
+        return BatchGroup([Batch(f, int(u.size)) for f, u in zip(self.batches(), self.units)], of)
 
 
 def fetched_units(chunk: Chunk) -> dict[int, TokenChunk]:
@@ -337,28 +386,29 @@ class TokenDataset(TokenStream):
         fetching = self._fetch_stage(plan, key, in_worker)
         # in a worker, a batch's tensors are written where the loader's ring puts them
         lazy = in_worker and self.batched
-        pending: list[Batch] = []  # the group being gathered (one may span chunks)
+        pending = GroupCut(self.layout, dtype, self.pad_id)  # the group being cut (one may span chunks)
         try:
             for chunk in fetching.chunks():
                 units = fetched_units(chunk)
                 for a in range(0, chunk.steps.size, self.batch_size):
                     b = min(a + self.batch_size, chunk.steps.size)
+                    if group > 1:
+                        pending.add(chunk.shard[a:b], chunk.sample[a:b], units)
+                        if len(pending) == group:
+                            progress.steps += sum(u.size for u in pending.units)
+                            yield pending.group(group)
+                            pending = GroupCut(self.layout, dtype, self.pad_id)
+                        continue
                     fields = cut_batch(self.layout, chunk.shard[a:b], chunk.sample[a:b], units, dtype,
                                        self.pad_id, lazy)
                     if not self.batched:
                         yield from self._items(fields, b - a)
-                    elif group == 1:
+                    else:
                         progress.steps += b - a
                         yield Batch(fields, b - a)
-                    else:
-                        pending.append(Batch(fields, b - a))
-                        if len(pending) == group:
-                            progress.steps += sum(p.size for p in pending)
-                            yield BatchGroup(pending, group)
-                            pending = []
-            if pending:  # the worker's last group of the pass
-                progress.steps += sum(p.size for p in pending)
-                yield BatchGroup(pending, group)
+            if len(pending):  # the worker's last group of the pass
+                progress.steps += sum(u.size for u in pending.units)
+                yield pending.group(group)
         finally:
             self._ahead = fetching.end(self)
 

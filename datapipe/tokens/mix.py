@@ -46,6 +46,7 @@ from .dataset import (
     MAX_SEED,
     MAX_SEQ_LEN,
     MAX_THREADS,
+    GroupCut,
     cut_batch,
     fetched_units,
     group_batches,
@@ -310,27 +311,28 @@ class TokenMix(TokenStream):
         layout = self.layouts[0]
         import torch
 
-        pending: list[Batch] = []  # the group being gathered (one may span chunks)
+        pending = GroupCut(layout, dtype, self.pad_id)  # the group being cut (one may span chunks)
         try:
             for chunk in fetching.chunks():
                 units = fetched_units(chunk)
                 source = np.searchsorted(fetch.base, chunk.shard, side="right") - 1
                 for a in range(0, chunk.steps.size, per):
+                    of_source = torch.from_numpy(source[a:a + per].astype(np.int64))
+                    if group > 1:
+                        pending.add(chunk.shard[a:a + per], chunk.sample[a:a + per], units, source=of_source)
+                        if len(pending) == group:
+                            progress.steps += per * group
+                            yield pending.group(group)
+                            pending = GroupCut(layout, dtype, self.pad_id)
+                        continue
                     fields = cut_batch(layout, chunk.shard[a:a + per], chunk.sample[a:a + per], units, dtype,
                                        self.pad_id, in_worker)
-                    fields["source"] = torch.from_numpy(source[a:a + per].astype(np.int64))
-                    if group == 1:
-                        progress.steps += per
-                        yield Batch(fields, per)
-                        continue
-                    pending.append(Batch(fields, per))
-                    if len(pending) == group:
-                        progress.steps += per * group
-                        yield BatchGroup(pending, group)
-                        pending = []
-            if pending:  # the worker's last group of the pass
+                    fields["source"] = of_source
+                    progress.steps += per
+                    yield Batch(fields, per)
+            if len(pending):  # the worker's last group of the pass
                 progress.steps += per * len(pending)
-                yield BatchGroup(pending, group)
+                yield pending.group(group)
         finally:
             fetching.end(self)
 

@@ -313,6 +313,52 @@ def test_a_retried_call_without_a_pool_abandons_an_attempt_after_its_timeout():
         release.set()
 
 
+def test_attempts_without_a_pool_reuse_their_threads_and_a_hung_one_holds_only_its_own():
+    """call_with_retry(pool=None) runs each attempt on a reused daemon thread (starting one
+    for each read cost more than reading a local file): many calls in turn add at most one
+    thread; an attempt that hangs holds its thread only, and the next call runs on another;
+    a forked child runs its attempts on threads of its own."""
+    import multiprocessing
+    import threading
+
+    from datapipe.storage.retry import RetryPolicy, call_with_retry
+
+    policy = RetryPolicy(attempts=1, attempt_timeout_s=60)
+
+    def attempt_threads():
+        return {t.ident for t in threading.enumerate() if t.name == "datapipe-attempt"}
+
+    before = attempt_threads()
+    ran = {call_with_retry(threading.get_ident, "t (test)", policy) for _ in range(20)}
+    assert threading.get_ident() not in ran and len(attempt_threads() - before) <= 1
+    assert ran <= attempt_threads()
+
+    gate, hung, results = threading.Event(), [], []
+
+    def hangs():
+        hung.append(threading.get_ident())
+        gate.wait(60)
+        return "late"
+
+    caller = threading.Thread(target=lambda: results.append(call_with_retry(hangs, "t (test)", policy)))
+    caller.start()
+    try:
+        while not hung:
+            gate.wait(0.01)
+        assert call_with_retry(threading.get_ident, "t (test)", policy) != hung[0]
+    finally:
+        gate.set()
+        caller.join(60)
+    assert results == ["late"]
+
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.SimpleQueue()
+    child = ctx.Process(target=lambda: q.put(call_with_retry(lambda: "from the child", "t (test)", policy)))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0 and q.get() == "from the child"
+
+
 def test_a_lease_released_between_create_and_read_is_taken_at_once():
     """The create (If-None-Match) finds the holder's lease, which is released before it is
     read: the contender tries again at once instead of reporting an unreadable holder."""

@@ -145,6 +145,42 @@ def test_a_groups_slot_is_free_again_only_once_none_of_its_batches_is_viewed():
     assert ring.write(0, _group(1)) is not None
 
 
+def test_batches_that_share_one_tensors_rows_have_it_cut_and_written_once():
+    """A concat group's batches view rows of one LazyTensor (GroupCut): the ring measures
+    and writes it once (one fill), each batch's field views its rows in the slot; sent
+    pickled (no slot free), each batch is its rows."""
+    from datapipe.loader import LazyRows
+    from datapipe.loader.ring import _measure
+
+    fills = []
+
+    def fill(out):
+        fills.append(out.shape)
+        out[...] = np.arange(out.size).reshape(out.shape)
+
+    def group():
+        whole = LazyTensor((6, 4), torch.int64, fill)
+        return BatchGroup([Batch({"input_ids": whole.rows(a, b), "k": a}, b - a) for a, b in ((0, 2), (2, 5), (5, 6))],
+                          3)
+
+    want = torch.arange(24).reshape(6, 4)
+    g = group()
+    assert isinstance(g[1]["input_ids"], LazyRows) and g[1]["input_ids"].shape == (3, 4)
+    assert _measure(g) == 6 * 4 * 8  # once, not once a batch
+    ring = BatchRing(1, 1, multiprocessing.get_context("fork"))
+    written = ring.write(0, g)
+    assert written is not None and fills == [(6, 4)]
+    batches = ring.open_all(pickle.loads(pickle.dumps(written)))
+    assert [b.steps for b in batches] == [2, 3, 1] and [b["k"] for b in batches] == [0, 2, 5]
+    for b, (a, e) in zip(batches, ((0, 2), (2, 5), (5, 6))):
+        assert torch.equal(b["input_ids"], want[a:e])
+    fills.clear()
+    sent = pickle.loads(pickle.dumps(group()))  # the fallback: each batch its own tensor
+    assert fills == [(6, 4)]
+    assert [torch.equal(b["input_ids"], want[a:e]) for b, (a, e) in zip(sent, ((0, 2), (2, 5), (5, 6)))] == [True] * 3
+    assert sent[0]["input_ids"].untyped_storage().nbytes() == 2 * 4 * 8  # its rows, not the whole
+
+
 def test_a_group_sent_pickled_is_its_batches():
     group = pickle.loads(pickle.dumps(_group(2)))
     assert isinstance(group, BatchGroup) and group.of == 2 and group.steps == 4 and group.full
@@ -154,10 +190,13 @@ def test_a_group_sent_pickled_is_its_batches():
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
 @pytest.mark.parametrize("packing", ["concat", "documents"])
-def test_a_mixes_workers_send_groups_of_consecutive_steps(root, tmp_path, packing):
+def test_a_mixes_workers_send_groups_of_consecutive_steps(root, tmp_path, packing, monkeypatch):
     """TokenMix: a worker builds groups of consecutive global steps in turn (16 here), one
     message each; the loader's batches are the in-process mix's in step order, and its
     state after a batch inside a group resumes the rest exactly."""
+    import datapipe.tokens.dataset
+
+    monkeypatch.setattr(datapipe.tokens.dataset, "GROUP_BATCHES", 16)  # forked workers see it too
     rng = np.random.default_rng(2)
     other = str(tmp_path / "other")
     write_tokens(other, [random_documents(rng, 120)])
@@ -207,20 +246,23 @@ def test_worker_steps_partition_the_steps_in_groups_taken_in_turn(start, n, work
             assert list(worker_steps(start, ws.worker, workers, stop)) == steps
 
 
-def test_small_batches_go_in_groups_of_up_to_a_mebibyte_and_large_ones_alone():
+def test_batches_go_in_groups_of_up_to_four_mebibytes_and_larger_ones_alone():
     from datapipe.tokens.dataset import message_batches
 
-    assert message_batches(8 * 2049 * 8) == 7  # 8 x 2,049 int64: 128 KiB and a bit
-    assert message_batches(8 * 2049 * 4) == 15  # int32: 64 KiB
-    assert message_batches(64) == 16  # tiny batches: at most 16 a message
-    assert message_batches(8 * 8193 * 4) == 1 and message_batches(8 * 8193 * 8) == 1  # 256 KiB and more: alone
+    assert message_batches(8 * 2049 * 8) == 31  # 8 x 2,049 int64: 128 KiB and a bit
+    assert message_batches(8 * 2049 * 4) == 63  # int32: 64 KiB
+    assert message_batches(64) == 64  # tiny batches: at most 64 a message
+    assert message_batches(8 * 8193 * 8) == 7  # 512 KiB and a bit
+    assert message_batches(2 << 20) == 2 and message_batches((2 << 20) + 1) == 1  # more than 2 MiB: alone
+    assert message_batches(64 << 20) == 1
 
 
 def test_a_group_counts_every_tensor_of_a_batch():
     from datapipe.tokens.dataset import group_batches, message_batches
 
-    assert group_batches(8, 2048, "concat", "int64") == message_batches(8 * 2049 * 8) == 7
+    assert group_batches(8, 2048, "concat", "int64") == message_batches(8 * 2049 * 8) == 31
     assert group_batches(8, 2048, "concat", "int64", extra=0) == message_batches(8 * 2048 * 8)
     # documents: input_ids, position_ids and labels, each L wide
-    assert group_batches(8, 2048, "documents", "int32") == message_batches(8 * 3 * 2048 * 4) == 5
-    assert group_batches(8, 8192, "documents", "int64") == 1
+    assert group_batches(8, 2048, "documents", "int32") == message_batches(8 * 3 * 2048 * 4) == 21
+    assert group_batches(8, 8192, "documents", "int64") == 2  # 1.5 MiB a batch
+    assert group_batches(16, 8192, "documents", "int64") == 1

@@ -58,11 +58,14 @@ def test_batches_cross_the_ring_as_tensors_equal_to_the_in_process_pass(root, co
 
 
 @pytest.mark.parametrize("packing", ["concat", "documents"])
-def test_batches_held_past_the_rings_slots_come_pickled_and_equal(root, packing):
+def test_batches_held_past_the_rings_slots_come_pickled_and_equal(root, packing, monkeypatch):
     """A worker writes each batch (each group of batches, one message) straight into a ring
     slot; a trainer that holds more groups than the ring has slots gets the rest pickled,
-    made from the same rows. (batch_size=1: a group holds 16 batches, so a worker sends
-    more groups than it has slots.)"""
+    made from the same rows. (batch_size=1: a group holds 16 batches here, so a worker
+    sends more groups than it has slots.)"""
+    import datapipe.tokens.dataset
+
+    monkeypatch.setattr(datapipe.tokens.dataset, "GROUP_BATCHES", 16)  # forked workers see it too
     want = _inprocess(root, 1, packing=packing)
     loader = StreamingDataLoader(TokenDataset(root, L, packing=packing, **KW), batch_size=1, num_workers=2,
                                  multiprocessing_context="fork", prefetch_factor=1)
