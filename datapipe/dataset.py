@@ -166,27 +166,27 @@ def _index_error(where: str, e: BaseException) -> CorruptIndexError:
                              "re-run the pack that wrote it")
 
 
-def _check_statistics(md: Any, where: str, num_shards: int) -> None:
-    """Refuse, at open and from the footer alone, a sample table whose column ranges no
-    valid row has (an empty checksum, a shard number out of range, a negative offset):
-    the per-row checks would refuse it too, but only once its row group is read."""
-    for g in range(md.num_row_groups):
-        group = md.row_group(g)
-        for c in range(group.num_columns):
-            col = group.column(c)
-            st = col.statistics
-            if st is None or not st.has_min_max:
-                continue
-            name, lo, hi = col.path_in_schema, st.min, st.max
-            bad = (name == "checksum" and not (is_checksum(lo) and is_checksum(hi))) \
-                or (name == "shard" and not (0 <= lo and hi < num_shards)) \
-                or (name == "offset" and lo < 0) or (name == "length" and lo <= 0) \
-                or (name == "key" and not lo)
-            if bad or (st.has_null_count and st.null_count and name in SAMPLE_BASE):  # the layout may be null
-                raise CorruptIndexError(
-                    f"{where}: column {name!r} of row group {g} holds values no valid index has "
-                    f"({lo!r}..{hi!r}); the index is damaged (re-run the pack that wrote it)"
-                )
+def _check_statistics(md: Any, g: int, where: str, num_shards: int) -> None:
+    """Refuse, from the footer alone, a row group of the sample table whose column ranges
+    no valid row has (an empty checksum, a shard number out of range, a negative offset),
+    before any of its rows is decoded (checked as the group is first read, not at open:
+    at 10^7 samples the footer holds 1,221 groups of 7 columns, 33 ms of Python to walk)."""
+    group = md.row_group(g)
+    for c in range(group.num_columns):
+        col = group.column(c)
+        st = col.statistics
+        if st is None or not st.has_min_max:
+            continue
+        name, lo, hi = col.path_in_schema, st.min, st.max
+        bad = (name == "checksum" and not (is_checksum(lo) and is_checksum(hi))) \
+            or (name == "shard" and not (0 <= lo and hi < num_shards)) \
+            or (name == "offset" and lo < 0) or (name == "length" and lo <= 0) \
+            or (name == "key" and not lo)
+        if bad or (st.has_null_count and st.null_count and name in SAMPLE_BASE):  # the layout may be null
+            raise CorruptIndexError(
+                f"{where}: column {name!r} of row group {g} holds values no valid index has "
+                f"({lo!r}..{hi!r}); the index is damaged (re-run the pack that wrote it)"
+            )
 
 
 class DatasetIndex:
@@ -247,6 +247,7 @@ class DatasetIndex:
         self._samples_where = self.store.url(self._samples_file)
         self._groups: OrderedDict[int, pa.Table] = OrderedDict()
         self._sums: OrderedDict[int, pa.Table] = OrderedDict()  # each row group's checksum column, read apart
+        self._checked: set[int] = set()  # row groups whose footer statistics passed
         self._lock = threading.Lock()
         # the footer now, so that a damaged or inconsistent sample table fails at open
         self._pq: pq.ParquetFile | None = self._samples_parquet()
@@ -312,7 +313,6 @@ class DatasetIndex:
                 f"{where}: row groups of {rows[:4]}... rows do not match {n} samples in groups of "
                 f"{rg} (sample_row_group in {MANIFEST}); re-run the pack that wrote it"
             )
-        _check_statistics(md, where, self.num_shards)
         return f
 
     def _group(self, g: int, checksums: bool = False) -> pa.Table:
@@ -327,6 +327,9 @@ class DatasetIndex:
                 return table
             if self._pq is None:
                 self._pq = self._samples_parquet()
+            if g not in self._checked:
+                _check_statistics(self._pq.metadata, g, self._samples_where, self.num_shards)
+                self._checked.add(g)
             names = self._pq.schema_arrow.names
             columns = ["checksum"] if checksums else [c for c in names if c != "checksum"]
             try:

@@ -73,7 +73,12 @@ READ_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 SHARDS_FILE = "shards.parquet"
 SAMPLES_FILE = "samples.parquet"
-SAMPLE_ROW_GROUP = 65536
+#: rows of a ``samples.parquet`` row group (the manifest says which a dataset has: any reads).
+#: A reader of a shard decodes the row groups its rows lie in, and a fresh DataLoader worker
+#: reads those of every shard in its first shuffle window before its first batch: 8,192 rows
+#: cost 3.9 ms a shard of 1,000 samples against 11.7 ms for 65,536 (measured here); the
+#: footer grows with the groups (1,221 of them, about 1 MiB, at 10^7 samples)
+SAMPLE_ROW_GROUP = 8192
 #: manifest ``origin`` of an index of existing tar shards (``datapipe index``): its shard
 #: names may be URLs or absolute paths (shards stay where they are), and its samples may
 #: leave gaps (members that name no sample) and a longer end-of-archive tail

@@ -167,8 +167,8 @@ def _stream_skip(dest):
 
 
 def test_empty_sample_checksums_are_refused_by_the_loader(tmp_path):
-    """An index whose sample checksums are empty verifies nothing: refused at open, by
-    every reader (StreamingDataset used to read it unchecked)."""
+    """An index whose sample checksums are empty verifies nothing: refused before any
+    sample is read, by every reader (StreamingDataset used to read it unchecked)."""
     dest = _make(tmp_path / "ds")
     shards, per, manifest = _index(dest)
     for r in per:
@@ -180,6 +180,25 @@ def test_empty_sample_checksums_are_refused_by_the_loader(tmp_path):
 
 
 # -- item 2: the manifest has a checksum of its own, and every field is validated --------------
+
+
+def test_a_row_groups_statistics_are_checked_as_it_is_first_read(tmp_path, monkeypatch):
+    """The footer's column statistics of each row group of samples.parquet are checked
+    before any of that group's rows is decoded (as the group is first read: walking them
+    all at open cost 33 ms at 10^7 samples): a re-signed table whose third group holds
+    empty checksums opens, serves the groups before it, and names that group when read."""
+    import datapipe.format.index
+
+    monkeypatch.setattr(datapipe.format.index, "SAMPLE_ROW_GROUP", 8)  # 24 samples: 3 groups
+    dest = _make(tmp_path / "ds")
+    shards, per, manifest = _index(dest)
+    assert manifest["sample_row_group"] == 8
+    per[2].checksums[:] = [""] * len(per[2].checksums)  # shard 2: samples 16..23, row group 2
+    _resign(dest, shards, per, manifest)
+    ds = datapipe.open_dataset(dest)
+    assert [ds[i]["__key__"] for i in (0, 9, 15)] == ["d/s000", "d/s009", "d/s015"]
+    with pytest.raises(datapipe.errors.CorruptIndexError, match=r"samples.parquet: column 'checksum' of row group 2"):
+        ds[20]
 
 
 @pytest.mark.parametrize("field,value", [
@@ -200,10 +219,13 @@ def test_edited_manifest_field_is_refused(tmp_path, field, value):
 
 def test_one_digit_of_sample_row_group_does_not_return_another_sample(tmp_path):
     """The reported case: sample_row_group 65536 -> 65535 made ds[i] another sample."""
+    from datapipe.format import SAMPLE_ROW_GROUP
+
     dest = _make(tmp_path / "ds", n=24)
     path = tmp_path / "ds" / "manifest.json"
-    text = path.read_text().replace('"sample_row_group": 65536', '"sample_row_group": 65535')
-    path.write_text(text)
+    was = f'"sample_row_group": {SAMPLE_ROW_GROUP}'
+    assert was in path.read_text()
+    path.write_text(path.read_text().replace(was, f'"sample_row_group": {SAMPLE_ROW_GROUP - 1}'))
     _refused(lambda: datapipe.open_dataset(dest)[5], "manifest.json")
 
 
