@@ -38,7 +38,8 @@ from .pass_state import Progress, Skipped, split_skipped
 if TYPE_CHECKING:
     from .readers import ChunkRead, LaidOutRows
 
-__all__ = ["Batch", "BatchGroup", "Column", "LazyRows", "LazyTensor", "batch_chunks", "cut_batches", "distinct"]
+__all__ = ["Batch", "BatchGroup", "Column", "LazyRows", "LazyTensor", "array_dtype", "batch_chunks", "cut_batches",
+           "distinct"]
 
 _BYTES = (bytes, bytearray, memoryview)
 _MISSING = object()
@@ -198,17 +199,22 @@ def _contiguous_column(data: NDArray[np.uint8], offsets: NDArray[np.int64]) -> C
     return Column([data], offsets[:-1], offsets[1:])
 
 
-_NUMPY_DTYPES: dict[Any, np.dtype[Any]] = {}
+_ARRAY_DTYPES: dict[Any, np.dtype[Any] | None] = {}
 
 
-def numpy_dtype(dtype: Any) -> np.dtype[Any]:
-    """The numpy dtype of torch ``dtype`` (remembered: torch has no cheap way to say it)."""
-    got = _NUMPY_DTYPES.get(dtype)
-    if got is None:
+def array_dtype(dtype: Any) -> np.dtype[Any] | None:
+    """The numpy dtype that torch ``dtype`` reads as itself through ``torch.from_numpy``,
+    or None (bfloat16, float8, ...: numpy has none); remembered, since torch has no cheap
+    way to say it."""
+    if dtype not in _ARRAY_DTYPES:
         import torch
 
-        got = _NUMPY_DTYPES[dtype] = torch.empty(0, dtype=dtype).numpy().dtype
-    return got
+        try:
+            got: np.dtype[Any] | None = torch.empty(0, dtype=dtype).numpy().dtype
+        except TypeError:
+            got = None
+        _ARRAY_DTYPES[dtype] = got
+    return _ARRAY_DTYPES[dtype]
 
 
 class LazyTensor:
@@ -219,19 +225,20 @@ class LazyTensor:
     ``dtype`` (a torch dtype that numpy has); it must keep alive whatever it reads (its
     references are dropped once the tensor is made)."""
 
-    __slots__ = ("_fill", "_tensor", "dtype", "nbytes", "shape")
+    __slots__ = ("_fill", "_tensor", "dtype", "nbytes", "row_bytes", "shape")
 
     def __init__(self, shape: tuple[int, ...], dtype: Any, fill: Any) -> None:
         self.shape, self.dtype, self._fill = tuple(shape), dtype, fill
         self._tensor: Any = None
         # asked twice a batch in a worker: computed once (a torch.empty(0) to learn the
         # element size cost more than cutting the rows)
-        self.nbytes = math.prod(self.shape) * int(dtype.itemsize)
+        self.row_bytes = math.prod(self.shape[1:]) * int(dtype.itemsize)
+        self.nbytes = self.row_bytes * self.shape[0] if self.shape else int(dtype.itemsize)
 
     @property
-    def array_dtype(self) -> np.dtype[Any]:
-        """The numpy dtype :meth:`fill_array` writes."""
-        return numpy_dtype(self.dtype)
+    def array_dtype(self) -> np.dtype[Any] | None:
+        """The numpy dtype :meth:`fill_array` writes (None: numpy has none, see :func:`array_dtype`)."""
+        return array_dtype(self.dtype)
 
     def fill_array(self, out: NDArray[Any]) -> None:
         """Write the values into ``out``, a numpy array of this shape and :attr:`array_dtype`
@@ -273,7 +280,7 @@ class LazyRows:
         self.whole, self.start, self.stop = whole, int(start), int(stop)
         self.shape = (self.stop - self.start, *whole.shape[1:])
         self.dtype = whole.dtype
-        self.nbytes = math.prod(self.shape) * int(whole.dtype.itemsize)
+        self.nbytes = whole.row_bytes * (self.stop - self.start)
 
     def tensor(self) -> Any:
         return self.whole.tensor()[self.start:self.stop].clone()
@@ -289,8 +296,8 @@ def _identity(value: Any) -> Any:
 class BatchGroup(tuple):  # type: ignore[type-arg]  # a tuple of Batch es; typed by its items' use
     """Consecutive batches of one DataLoader worker's stream sent as one message (a
     :class:`~.dataloader.StreamingDataLoader` hands them out one by one): torch's worker
-    queue costs about 0.2 ms a message (two queues, their feeder threads, a wakeup each
-    side), more than a batch of token sequences takes to cut. ``of``: the batches a full
+    queue costs about 0.3 ms of the main process's CPU a message (two queues, their feeder
+    threads, a wakeup each side), more than a batch of token sequences takes to cut. ``of``: the batches a full
     group holds (a shorter one is the worker's last of its pass)."""
 
     of: int

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import LoaderOptionError
-from .batch import Batch, BatchGroup, Column, LazyRows, LazyTensor
+from .batch import Batch, BatchGroup, Column, LazyRows, LazyTensor, array_dtype
 
 __all__ = ["BatchRing", "RingBatch"]
 
@@ -150,26 +150,14 @@ def _write_lazy(mm: mmap.mmap, value: LazyTensor, pos: int) -> None:
     more than a batch's rows take to cut)."""
     if value.nbytes:
         dt = value.array_dtype
+        if dt is None:  # the batch goes pickled (see write)
+            raise TypeError(f"no numpy dtype for {value.dtype}")
         value.fill_array(np.frombuffer(mm, dtype=dt, count=value.nbytes // dt.itemsize, offset=pos)
                          .reshape(value.shape))
 
 
-_ARRAY_DTYPES: dict[str, np.dtype[Any] | None] = {}
-
-
-def _array_dtype(name: str) -> np.dtype[Any] | None:
-    """The numpy dtype that torch dtype ``name`` reads through ``torch.from_numpy`` as
-    itself, or None (bfloat16, float8, ...: viewed in torch)."""
-    if name not in _ARRAY_DTYPES:
-        import torch
-
-        try:
-            dt = np.dtype(name)
-            ok = torch.from_numpy(np.zeros(1, dtype=dt)).dtype == getattr(torch, name)
-        except (TypeError, AttributeError):
-            ok = False
-        _ARRAY_DTYPES[name] = dt if ok else None
-    return _ARRAY_DTYPES[name]
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _raw_tensor(value: Any) -> bool:
@@ -278,7 +266,7 @@ class BatchRing:
                     pos = opos + _aligned(offsets.nbytes)
                 elif isinstance(value, LazyTensor):  # written straight into the slot
                     _write_lazy(mm, value, pos)
-                    fields[name] = ("tensor", pos, str(value.dtype).removeprefix("torch."), value.shape)
+                    fields[name] = ("tensor", pos, _dtype_name(value.dtype), value.shape)
                     pos += _aligned(value.nbytes)
                 elif isinstance(value, LazyRows):
                     whole = value.whole
@@ -287,15 +275,14 @@ class BatchRing:
                         _write_lazy(mm, whole, pos)
                         placed[id(whole)] = at = (whole, pos)  # holding it: its id stays its own
                         pos += _aligned(whole.nbytes)
-                    row = whole.nbytes // whole.shape[0]
-                    fields[name] = ("tensor", at[1] + value.start * row, str(value.dtype).removeprefix("torch."),
+                    fields[name] = ("tensor", at[1] + value.start * whole.row_bytes, _dtype_name(value.dtype),
                                     value.shape)
                 elif _raw_tensor(value):
                     nbytes = value.numel() * value.element_size()
                     dst = torch.frombuffer(view[pos : pos + nbytes], dtype=value.dtype) if nbytes else None
                     if dst is not None:
                         dst.view(value.shape).copy_(value)
-                    fields[name] = ("tensor", pos, str(value.dtype).removeprefix("torch."), tuple(value.shape))
+                    fields[name] = ("tensor", pos, _dtype_name(value.dtype), tuple(value.shape))
                     pos += _aligned(nbytes)
                 else:
                     fields[name] = ("value", value)
@@ -348,7 +335,7 @@ class BatchRing:
                 raw = base[pos : pos + count * int(dt.itemsize)]
                 # the tensor holds `base` (through the numpy slice), so the slot stays taken;
                 # shaped in numpy where it can be (a torch view costs several times more)
-                as_array = _array_dtype(dtype)
+                as_array = array_dtype(dt)
                 fields[name] = torch.from_numpy(raw.view(as_array).reshape(shape)) if as_array is not None else \
                     torch.from_numpy(raw).view(dt).view(shape)
             else:

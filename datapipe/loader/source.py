@@ -418,8 +418,8 @@ class ShardSource:
             return TableRows(g, info.url, table, keys)
         try:
             # the sample table is read in row groups from the store: retried like shard bytes;
-            # a local one is read as local shard bytes are, without the retry layer's thread
-            # per attempt (its timeouts are for requests that hang on a network)
+            # a local one is read as local shard bytes are, without the retry layer's attempt
+            # threads (its timeouts are for requests that hang on a network)
             if self._local_index[int(self.source_of[g])]:
                 table = ix.shard_samples(local)
             else:

@@ -391,15 +391,24 @@ class _AttemptThreads:
 
     def submit(self, run: Callable[[], None]) -> None:
         with self._lock:
-            start = self._waiting == 0
-            if not start:
+            reuse = self._waiting > 0
+            if reuse:
                 self._waiting -= 1  # a waiting thread takes it
-        self._tasks.put(run)
-        if start:
-            threading.Thread(target=self._serve, args=(self._tasks,), name="datapipe-attempt", daemon=True).start()
+        if reuse:
+            self._tasks.put(run)
+        else:  # a new thread, given its first task itself (if it cannot start, nothing is left queued)
+            threading.Thread(target=self._serve, args=(self._tasks, run), name="datapipe-attempt",
+                             daemon=True).start()
 
-    def _serve(self, tasks: queue.SimpleQueue[Callable[[], None]]) -> None:
+    def _serve(self, tasks: queue.SimpleQueue[Callable[[], None]], run: Callable[[], None] | None) -> None:
         while True:
+            if run is not None:
+                run()
+                run = None
+                with self._lock:
+                    if tasks is not self._tasks:
+                        return
+                    self._waiting += 1
             try:
                 run = tasks.get(timeout=self.idle_s)
             except queue.Empty:
@@ -409,13 +418,7 @@ class _AttemptThreads:
                     if self._waiting:  # no task is on its way to this thread: it ends
                         self._waiting -= 1
                         return
-                continue  # a task was put for it just now
-            run()
-            del run
-            with self._lock:
-                if tasks is not self._tasks:
-                    return
-                self._waiting += 1
+                # else a task was put for it just now: take it
 
 
 _threads = _AttemptThreads()
@@ -458,7 +461,7 @@ def _bounded(fn: Callable[[], T], what: str, timeout: float | None, end: float |
 
 def _inline(fn: Callable[[], T], what: str, policy: RetryPolicy,
             on_retry: Callable[[BaseException], None] | None) -> T:
-    """Retries without a pool: each attempt runs in a thread of its own and is abandoned
+    """Retries without a pool: each attempt runs on a daemon thread (reused) and is abandoned
     after ``attempt_timeout_s`` (or what is left of the deadline); the deadline also stops
     further attempts. Throttled answers use up no attempt (see the module's notes)."""
     last: BaseException | None = None

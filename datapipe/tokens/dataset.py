@@ -131,25 +131,29 @@ def cut_batch(layout: Layout, units: NDArray[Any], samples: NDArray[Any], chunks
 
 
 class GroupCut:
-    """A DataLoader worker's group of batches, cut as its batches' rows come (``add``, while
-    their chunks are fetched: a chunk's buffer goes back to the pool once the pass moves
-    on, and what is cut holds the arrays it reads). A concat group's ``input_ids`` are rows
-    of one tensor cut in one pass (:class:`~datapipe.loader.batch.LazyRows`, written once
-    into the ring's slot: cutting batch by batch cost more in Python than the rows took to
-    copy); document batches, whose ``cu_seqlens`` and ``padding`` are each batch's own, are
-    cut one by one."""
+    """A DataLoader worker's groups of ``of`` batches, each cut as its batches' rows come
+    (:meth:`add`, while their chunks are fetched: a chunk's buffer goes back to the pool
+    once the pass moves on, and what is cut holds the arrays it reads) and handed out whole
+    by :meth:`take`. A concat group's ``input_ids`` are rows of one tensor cut in one pass
+    (:class:`~datapipe.loader.batch.LazyRows`, written once into the ring's slot: cutting
+    batch by batch cost more in Python than the rows took to copy); document batches,
+    whose ``cu_seqlens`` and ``padding`` are each batch's own, are cut one by one. Fields
+    are lazy: only a worker's ring writes them."""
 
-    def __init__(self, layout: Layout, dtype: Any, pad_id: int) -> None:
-        self.layout, self.dtype, self.pad_id = layout, dtype, pad_id
-        self.concat = isinstance(layout, ConcatLayout)
+    def __init__(self, layout: Layout, dtype: Any, pad_id: int, of: int) -> None:
+        self.layout, self.dtype, self.pad_id, self.of = layout, dtype, pad_id, of
+        self._start()
+
+    def _start(self) -> None:
         self.units: list[NDArray[Any]] = []
         self.samples: list[NDArray[Any]] = []
-        self.tokens: dict[int, NDArray[Any]] = {}  # concat: each unit's tokens, held
-        self._chunks: list[dict[int, TokenChunk]] = []  # the dicts of chunks whose tokens are held
-        self.fields: list[dict[str, Any]] = []  # each batch's, but a concat group's input_ids
+        self.rows = 0
+        self.tokens: dict[int, NDArray[Any]] = {}  # concat: the tokens of each unit its rows read, held
+        self.fields: list[dict[str, Any]] = []  # each batch's (a concat group's but its input_ids)
 
-    def __len__(self) -> int:
-        return len(self.units)
+    @property
+    def full(self) -> bool:
+        return len(self.units) == self.of
 
     def add(self, units: NDArray[Any], samples: NDArray[Any], chunks: dict[int, TokenChunk],
             **more: Any) -> None:
@@ -157,31 +161,32 @@ class GroupCut:
         ``more`` fields of its own."""
         self.units.append(units)
         self.samples.append(samples)
-        if not self.concat:
+        self.rows += int(units.size)
+        if not isinstance(self.layout, ConcatLayout):
             self.fields.append({**cut_batch(self.layout, units, samples, chunks, self.dtype, self.pad_id, lazy=True),
                                 **more})
             return
         self.fields.append(more)
-        if not any(c is chunks for c in self._chunks):  # a pass chunk's units: most batches' are the last one's
-            self._chunks.append(chunks)
-            self.tokens.update((u, c.tokens) for u, c in chunks.items())
+        tokens = self.tokens
+        for u in units.tolist():
+            if u not in tokens:
+                tokens[u] = chunks[u].tokens
 
-    def batches(self) -> list[dict[str, Any]]:
-        """Each batch's fields (lazy), in the order added."""
-        layout = self.layout
-        if not isinstance(layout, ConcatLayout):
-            return self.fields
-        units, samples = np.concatenate(self.units), np.concatenate(self.samples)
-        whole = LazyTensor((units.size, layout.seq_len + layout.extra), self.dtype,
-                           partial(cut_concat, units, samples, self.tokens, layout.seq_len))
-        out, a = [], 0
-        for u, more in zip(self.units, self.fields):
-            out.append({"input_ids": whole.rows(a, a + u.size), **more})
-            a += u.size
-        return out
-
-    def group(self, of: int) -> BatchGroup:
-        return BatchGroup([Batch(f, int(u.size)) for f, u in zip(self.batches(), self.units)], of)
+    def take(self) -> tuple[BatchGroup, int]:
+        """(the group cut so far, its rows), and a new group begun."""
+        layout, fields = self.layout, self.fields
+        if isinstance(layout, ConcatLayout):
+            units, samples = np.concatenate(self.units), np.concatenate(self.samples)
+            whole = LazyTensor((units.size, layout.seq_len + layout.extra), self.dtype,
+                               partial(cut_concat, units, samples, self.tokens, layout.seq_len))
+            fields, a = [], 0
+            for u, more in zip(self.units, self.fields):
+                fields.append({"input_ids": whole.rows(a, a + u.size), **more})
+                a += u.size
+        group = BatchGroup([Batch(f, int(u.size)) for f, u in zip(fields, self.units)], self.of)
+        rows = self.rows
+        self._start()
+        return group, rows
 
 
 def fetched_units(chunk: Chunk) -> dict[int, TokenChunk]:
@@ -200,8 +205,8 @@ class TokenDataset(TokenStream):
     written by :func:`~datapipe.pack_tokens` or :func:`~datapipe.index_tokens`), in a
     deterministic, resumable, shuffled order; an ``IterableDataset`` for
     :class:`~datapipe.StreamingDataLoader` (batches cross worker processes through its
-    shared-memory ring as one tensor per field, a worker's consecutive batches under 256 KiB
-    together, up to 1 MiB, in one slot and one message; a batch the trainer keeps keeps that slot taken, and once
+    shared-memory ring as one tensor per field, a worker's consecutive batches together, up
+    to 4 MiB or 64 of them, in one slot and one message; a batch the trainer keeps keeps that slot taken, and once
     a worker has no free slot its next batches come pickled: correct, slower) or a plain
     ``DataLoader``.
 
@@ -386,7 +391,7 @@ class TokenDataset(TokenStream):
         fetching = self._fetch_stage(plan, key, in_worker)
         # in a worker, a batch's tensors are written where the loader's ring puts them
         lazy = in_worker and self.batched
-        pending = GroupCut(self.layout, dtype, self.pad_id)  # the group being cut (one may span chunks)
+        pending = GroupCut(self.layout, dtype, self.pad_id, group)  # the group being cut (one may span chunks)
         try:
             for chunk in fetching.chunks():
                 units = fetched_units(chunk)
@@ -394,10 +399,10 @@ class TokenDataset(TokenStream):
                     b = min(a + self.batch_size, chunk.steps.size)
                     if group > 1:
                         pending.add(chunk.shard[a:b], chunk.sample[a:b], units)
-                        if len(pending) == group:
-                            progress.steps += sum(u.size for u in pending.units)
-                            yield pending.group(group)
-                            pending = GroupCut(self.layout, dtype, self.pad_id)
+                        if pending.full:
+                            done, rows = pending.take()
+                            progress.steps += rows
+                            yield done
                         continue
                     fields = cut_batch(self.layout, chunk.shard[a:b], chunk.sample[a:b], units, dtype,
                                        self.pad_id, lazy)
@@ -406,9 +411,10 @@ class TokenDataset(TokenStream):
                     else:
                         progress.steps += b - a
                         yield Batch(fields, b - a)
-            if len(pending):  # the worker's last group of the pass
-                progress.steps += sum(u.size for u in pending.units)
-                yield pending.group(group)
+            if pending.rows:  # the worker's last group of the pass
+                done, rows = pending.take()
+                progress.steps += rows
+                yield done
         finally:
             self._ahead = fetching.end(self)
 

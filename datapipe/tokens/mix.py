@@ -300,7 +300,7 @@ class TokenMix(TokenStream):
                                       seed=self.seed, dp_size=dp_size, window=self.window, identity=self.identity)
         progress = self._progress
         steps = self._worker_steps(worker, num_workers)[self._worker_skip // per:]
-        group = steps.group
+        group = steps.group if in_worker else 1  # (a group's fields are lazy: a worker's ring writes them)
         key = PassKey(0, dp_rank, dp_size, worker, num_workers, per, self.chunk_steps)
         fetch = self._fetch
         chunks = _mix_chunks(plan, dp_rank, steps, fetch.base, self.chunk_steps)
@@ -311,7 +311,7 @@ class TokenMix(TokenStream):
         layout = self.layouts[0]
         import torch
 
-        pending = GroupCut(layout, dtype, self.pad_id)  # the group being cut (one may span chunks)
+        pending = GroupCut(layout, dtype, self.pad_id, group)  # the group being cut (one may span chunks)
         try:
             for chunk in fetching.chunks():
                 units = fetched_units(chunk)
@@ -320,19 +320,20 @@ class TokenMix(TokenStream):
                     of_source = torch.from_numpy(source[a:a + per].astype(np.int64))
                     if group > 1:
                         pending.add(chunk.shard[a:a + per], chunk.sample[a:a + per], units, source=of_source)
-                        if len(pending) == group:
-                            progress.steps += per * group
-                            yield pending.group(group)
-                            pending = GroupCut(layout, dtype, self.pad_id)
+                        if pending.full:
+                            done, rows = pending.take()
+                            progress.steps += rows
+                            yield done
                         continue
                     fields = cut_batch(layout, chunk.shard[a:a + per], chunk.sample[a:a + per], units, dtype,
                                        self.pad_id, in_worker)
                     fields["source"] = of_source
                     progress.steps += per
                     yield Batch(fields, per)
-            if len(pending):  # the worker's last group of the pass
-                progress.steps += per * len(pending)
-                yield pending.group(group)
+            if pending.rows:  # the worker's last group of the pass
+                done, rows = pending.take()
+                progress.steps += rows
+                yield done
         finally:
             fetching.end(self)
 
