@@ -1,0 +1,21 @@
+"""datapipe's benchmarks (``python -m benchmarks.<name>``; ``benchmarks.report`` runs them all).
+
+Importing this package first writes datapipe's bytecode (``__pycache__``), as ``pip install``
+does for the peers' wheels: with ``PYTHONDONTWRITEBYTECODE`` set (this machine sets it) an
+editable checkout has none, and every fresh process of a measurement (a DataLoader worker, a
+pack worker, a job's interpreter) would compile datapipe's sources again while the peers load
+theirs compiled: a start-up cost that favours the peers. A no-op when the bytecode is current."""
+
+from __future__ import annotations
+
+import compileall
+import importlib.util
+
+
+def _compile_datapipe() -> None:
+    spec = importlib.util.find_spec("datapipe")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        compileall.compile_dir(folder, quiet=2)
+
+
+_compile_datapipe()
