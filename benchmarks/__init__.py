@@ -14,7 +14,8 @@ import importlib.util
 
 def _compile_datapipe() -> None:
     spec = importlib.util.find_spec("datapipe")
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
         compileall.compile_dir(folder, quiet=2)
 
 
