@@ -2,8 +2,8 @@
 
 Importing this package first writes datapipe's bytecode (``__pycache__``), as ``pip install``
 does for the peers' wheels: with ``PYTHONDONTWRITEBYTECODE`` set (this machine sets it) an
-editable checkout has none, and every fresh process of a measurement (a DataLoader worker, a
-pack worker, a job's interpreter) would compile datapipe's sources again while the peers load
+editable checkout has none, and every fresh process of a measurement (a pack worker, a job's
+interpreter, a forkserver or spawn child) would compile datapipe's sources again while the peers load
 theirs compiled: a start-up cost that favours the peers. A no-op when the bytecode is current."""
 
 from __future__ import annotations

@@ -93,8 +93,8 @@ def encode_texts(tok: Any, batch: Batch) -> tuple[npt.NDArray[np.int64], npt.NDA
                                      f"{str(one)[:200]})") from None
         raise PackError(f"{batch.where(0)}: the tokenizer failed on a batch of {len(texts)} documents "
                         f"({type(e).__name__}: {str(e)[:200]})") from None
-    # each document's ids made a list and read into the array one after the other (not all
-    # the lists first: a batch's lists held at once cost twice the time, in fresh memory)
+    # each document's ids made a list and read into the array one after the other (making
+    # all the batch's lists first took twice the time here)
     lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
     values = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int64, count=int(lengths.sum()))
     return values, lengths
