@@ -668,6 +668,40 @@ class SavedStep:
                 j += 1
             i += 1
 
+    def read_through(self, r: int, start: int, end: int, dst: np.ndarray[Any, Any],
+                     scratch: np.ndarray[Any, Any]) -> None:
+        """Bytes ``[start, end)`` of rank ``r``'s data into ``dst``, each block read into
+        ``scratch`` and checked there before its bytes are copied into ``dst``: ``dst`` never
+        holds a byte that failed its check, and the bytes pass through a buffer already
+        touched (a new buffer the size of the range costs a page fault per 4 KiB). Runs of
+        whole blocks that fit ``scratch`` are read and checked at once; a chunk without
+        blocks (or compressed, or with blocks larger than ``scratch``) goes through
+        :meth:`read_into` and a buffer of its own."""
+        part = self.parts[r]
+        chunks = part["chunks"]
+        i = bisect.bisect_right(self.chunk_starts[r], start) - 1
+        whole = part.get("compression") is not None
+        room = len(scratch)
+        while i < len(chunks) and chunks[i]["offset"] < end:
+            c0, cb = chunks[i]["offset"], chunks[i]["bytes"]
+            lo, hi = max(start - c0, 0), min(end - c0, cb)
+            blocks = None if whole else self._blocks(r, i)
+            if blocks is None or blocks[0] > room:
+                tmp = np.empty(hi - lo, np.uint8)
+                self.read_into(r, c0 + lo, c0 + hi, tmp)
+                dst[c0 + lo - start : c0 + hi - start] = tmp
+            else:
+                n = blocks[0]
+                step = room // n * n
+                b0 = lo // n * n
+                while b0 < hi:
+                    b1 = min(b0 + step, -(-hi // n) * n, cb)
+                    self._fill(r, i, b0, b1, scratch[: b1 - b0])
+                    a, z = max(lo, b0), min(hi, b1)
+                    dst[c0 + a - start : c0 + z - start] = scratch[a - b0 : z - b0]
+                    b0 = b1
+            i += 1
+
     def read_range(self, r: int, start: int, end: int) -> tuple[np.ndarray[Any, Any], int]:
         """``(buf, base)``: checked bytes of rank ``r``'s data covering ``[start, end)``;
         ``buf[k]`` is byte ``base + k`` (whole blocks or chunks around the range)."""

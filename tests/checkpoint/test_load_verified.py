@@ -1,4 +1,5 @@
-"""A failed ``load_checkpoint(into=...)`` leaves no unverified bytes in the caller's arrays."""
+"""A failed ``load_checkpoint(into=...)`` leaves no unverified bytes in the caller's arrays;
+a box read block by block through a reading thread's scratch buffer is the saved run."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import os
 
 import numpy as np
 import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from datapipe.checkpoint import CheckpointWriter, load_checkpoint
+from datapipe.checkpoint import CheckpointWriter, LocalShard, load_checkpoint, reshard
 from datapipe.errors import CorruptCheckpointError
 
 
@@ -25,3 +29,55 @@ def test_failed_load_into_writes_no_unverified_bytes(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
         load_checkpoint(url, step=1, into=into)
     assert not into["w"].any(), "corrupt bytes were written into the caller's array"
+
+
+# -- a box read block by block through a reading thread's scratch buffer ----------------------
+# A 1-D tensor of 3.4 MiB in chunks of 2 MiB (blocks of 1 MiB: the second chunk's last block
+# is short); a LocalShard of any run of it is filled from one contiguous run of the saved
+# piece, read and checked in the scratch buffer one run of whole blocks at a time.
+
+N = 891_237  # int32 values: 3,564,948 bytes
+CHUNK = 2 << 20
+
+
+@pytest.fixture(scope="module")
+def long_step(tmp_path_factory):
+    url = str(tmp_path_factory.mktemp("through") / "ck")
+    with CheckpointWriter(url, chunk_bytes=CHUNK, io_threads=1) as w:
+        w.save(1, {"w": torch.arange(N, dtype=torch.int32)})
+    chunks = sorted(os.path.join(d, f) for d, _s, fs in os.walk(url) for f in fs if f.endswith(".bin"))
+    assert len(chunks) == 2 and os.path.getsize(chunks[0]) == CHUNK  # the range crosses a chunk's end
+    return url, chunks
+
+
+@given(a=st.integers(0, N - 1), n=st.integers(1, N), scratch=st.sampled_from([1 << 20, 3 << 19, 1 << 21, 1 << 19]))
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_run_read_through_the_scratch_buffer_is_the_saved_run(long_step, monkeypatch, a, n, scratch):
+    # scratch sizes: one block, one and a half, two, and half a block (below a block the
+    # chunk goes through a buffer of its own)
+    url, _chunks = long_step
+    n = min(n, N - a)
+    monkeypatch.setattr(reshard, "SCRATCH_BYTES", scratch)  # read by each new reading thread
+    into = {"w": LocalShard(torch.full((n,), -1, dtype=torch.int32), (N,), (a,))}
+    load_checkpoint(url, step=1, into=into)
+    assert torch.equal(into["w"].tensor, torch.arange(a, a + n, dtype=torch.int32))
+
+
+def test_a_bad_block_in_a_long_run_reaches_no_byte_of_the_target(tmp_path):
+    url = str(tmp_path / "ck")
+    with CheckpointWriter(url, chunk_bytes=CHUNK, io_threads=1) as w:
+        w.save(1, {"w": torch.arange(N, dtype=torch.int32)})
+    first = sorted(os.path.join(d, f) for d, _s, fs in os.walk(url) for f in fs if f.endswith(".bin"))[0]
+    bad = (1 << 20) + 1000  # a byte of the first chunk's second block
+    with open(first, "r+b") as f:
+        f.seek(bad)
+        byte = f.read(1)
+        f.seek(bad)
+        f.write(bytes([byte[0] ^ 0x10]))
+    target = torch.full((N,), -1, dtype=torch.int32)
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        load_checkpoint(url, step=1, into={"w": LocalShard(target, (N,), (0,))})
+    block = slice((1 << 20) // 4, (2 << 20) // 4)  # the bad block's values
+    assert (target[block] == -1).all(), "bytes of a block that failed its check reached the target"
+    written = target != -1
+    assert torch.equal(target[written], torch.arange(N, dtype=torch.int32)[written])  # only checked bytes
