@@ -16,7 +16,9 @@ shared folders once and writes the parts index, manifest and ``latest``
 DCP runs twice: at its defaults (``dcp``: one writer thread per
 rank) and at datapipe's setting (``dcp_threads``: ``FileSystemWriter(thread_count=4)``,
 datapipe's ``io_threads``). Each round saves and loads with every system, each going
-first in turn; a first round warms all up and is not counted; each step is deleted after
+first in turn; a first round warms all up and is not counted in the medians (its loads, each
+system's first in the rank processes, are printed apart: ``first_load_s``, what a job's
+resume meets; floor, datapipe, dcp, dcp_threads in that order); each step is deleted after
 its load, outside the timing (datapipe's retention deletes nothing). A time is the slowest
 rank's, from a barrier before to a barrier after (for datapipe: save() until the step is
 durable and committed). Both write with fsync (datapipe's local store, DCP's
@@ -129,6 +131,7 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int
     # nothing either); every system's step is deleted after its load, outside the timing
     writer = CheckpointWriter(ours_dir, keep_last=rounds + 2, commit_timeout=600, nice=0, background=background)
     last: dict[str, Any] = {}
+    first_load: dict[str, float] = {}  # round 0: each system's first load in these processes
 
     def save_ours(step: int) -> None:
         last.update(writer.save(step, state).wait())
@@ -186,6 +189,8 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int
             if rank == 0:
                 written[system] = _dir_bytes(step_dir)
             load_s = _timed(load) if load is not None else None
+            if not rnd and load_s is not None:
+                first_load[system] = load_s
             if rnd:
                 if f0 is not None and f1 is not None:
                     flushes[system].append(f1 - f0)
@@ -214,7 +219,8 @@ def _worker(rank: int, world: int, port: int, root: str, cols: int, tensors: int
 
         with open(out, "w") as f:
             json.dump({"times": rows, "written_bytes": written, "datapipe_phases_s": stages,
-                       "floor_save_s": floor_s, "device_flushes": flushes}, f)
+                       "floor_save_s": floor_s, "device_flushes": flushes,
+                       "first_load_s": first_load}, f)
     dist.destroy_process_group()
 
 
@@ -257,6 +263,11 @@ def run(mib: int = 384, rounds: int = 2, directory: str | None = None, tensors: 
         # DCP at datapipe's setting: 4 writer threads per rank (FileSystemWriter(thread_count=4))
         "ratio_save_vs_dcp_threads": med["datapipe"]["save_s"] / med["dcp_threads"]["save_s"],
         "ratio_load_vs_dcp_threads": med["datapipe"]["load_s"] / med["dcp_threads"]["load_s"],
+        # the warm-up round's loads, each system's first in the rank processes (what a job's
+        # resume meets: its lazy imports, new threads and buffers); one figure per run, and
+        # dcp_threads' is not DCP's first (dcp loads before it)
+        "first_load_s": res["first_load_s"],
+        "ratio_first_load": res["first_load_s"]["datapipe"] / res["first_load_s"]["dcp"],
         "best_ratio_save": best["datapipe"]["save_s"] / best["dcp"]["save_s"],
         "best_ratio_load": best["datapipe"]["load_s"] / best["dcp"]["load_s"],
         "target": "ratio_save and ratio_load <= 0.7 (datapipe time / DCP time, medians; save = until committed)",

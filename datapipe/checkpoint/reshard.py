@@ -6,9 +6,10 @@ box of the global tensor, stored row-major at a byte offset of one rank's data. 
 target box (a DTensor's local shard on the new mesh, a :class:`~.dtensor.LocalShard`, or a
 whole plain tensor) the copies that fill it are planned by overlap (overlap.py) and each
 reads its byte span from the chunk files through the step reader (``SavedStep.read_into``
-/ ``read_range``, step.py: checked block by block). Reads run on a thread pool, in slabs
-of at most ``overlap.SLAB_BYTES`` of source span each, so memory in flight is bounded by
-threads x slab.
+/ ``read_range`` / ``read_through``, step.py: checked block by block). Reads run on a
+thread pool, in slabs of at most ``overlap.SLAB_BYTES`` of source span each, so memory in
+flight is bounded by threads x slab; a contiguous run passes through its thread's scratch
+buffer (``SCRATCH_BYTES``) instead.
 
 Two loads go through here: ``load_checkpoint(into=...)`` (:func:`load_into`: the tensors
 of ``into`` filled in place, every other value taken from the checkpoint) and the load of
