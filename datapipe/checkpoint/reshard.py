@@ -59,6 +59,16 @@ def _scratch_buffer() -> np.ndarray[Any, Any]:
     return buf
 
 
+def _slab_buffer(n: int) -> np.ndarray[Any, Any]:
+    """``n`` bytes of this thread's slab buffer, grown when a span needs more (at most a slab
+    and the two blocks around it): a thread's strided copies read into memory it touched
+    already. What is read there is used (copied into the target) before the next copy."""
+    buf = getattr(_scratch, "slab", None)
+    if buf is None or len(buf) < n:
+        buf = _scratch.slab = np.empty(n, np.uint8)
+    return buf[:n]
+
+
 def _run_copy(saved: SavedStep, c: Copy) -> int:
     start = c.piece.data_offset + c.src_first
     if not c.outer:  # one run (at most a slab): read and checked block by block in this
@@ -68,7 +78,7 @@ def _run_copy(saved: SavedStep, c: Copy) -> int:
         saved.read_through(c.piece.rank, start, start + c.run, c.dst[c.dst_first : c.dst_first + c.run],
                            _scratch_buffer())
     else:
-        buf, base = saved.read_range(c.piece.rank, start, start + c.span())
+        buf, base = saved.read_range(c.piece.rank, start, start + c.span(), _slab_buffer)
         src = buf[start - base :]
         shape = (*c.outer, c.run)
         sv = as_strided(src, shape=shape, strides=(*c.src_strides, 1), writeable=False)

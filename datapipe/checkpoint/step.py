@@ -29,6 +29,7 @@ import math
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -702,9 +703,11 @@ class SavedStep:
                     b0 = b1
             i += 1
 
-    def read_range(self, r: int, start: int, end: int) -> tuple[np.ndarray[Any, Any], int]:
+    def read_range(self, r: int, start: int, end: int,
+                   alloc: Callable[[int], np.ndarray[Any, Any]] | None = None) -> tuple[np.ndarray[Any, Any], int]:
         """``(buf, base)``: checked bytes of rank ``r``'s data covering ``[start, end)``;
-        ``buf[k]`` is byte ``base + k`` (whole blocks or chunks around the range)."""
+        ``buf[k]`` is byte ``base + k`` (whole blocks or chunks around the range). ``alloc(n)``
+        gives the buffer of ``n`` bytes to read into (default: a new one)."""
         part = self.parts[r]
         chunks, starts = part["chunks"], self.chunk_starts[r]
         units = []
@@ -723,7 +726,8 @@ class SavedStep:
         if not units:
             raise CorruptCheckpointError(f"{self.part_urls[r]}: bytes [{start}, {end}) lie outside the chunks")
         base = chunks[units[0][0]]["offset"] + units[0][1]
-        buf = np.empty(chunks[units[-1][0]]["offset"] + units[-1][2] - base, np.uint8)
+        n = chunks[units[-1][0]]["offset"] + units[-1][2] - base
+        buf = np.empty(n, np.uint8) if alloc is None else alloc(n)
         for i, lo, hi in units:
             at = chunks[i]["offset"] + lo - base
             self._fill(r, i, lo, hi, buf[at : at + hi - lo])

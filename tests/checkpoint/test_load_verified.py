@@ -81,3 +81,38 @@ def test_a_bad_block_in_a_long_run_reaches_no_byte_of_the_target(tmp_path):
     assert (target[block] == -1).all(), "bytes of a block that failed its check reached the target"
     written = target != -1
     assert torch.equal(target[written], torch.arange(N, dtype=torch.int32)[written])  # only checked bytes
+
+
+# -- strided boxes: each reading thread reuses its slab buffer from one copy to the next ------
+# 20 tensors of different widths, more than a load's 8 reading threads: a thread reads the
+# spans of several copies, of several sizes, into the one buffer, and each box must hold
+# exactly its columns.
+
+WIDTHS = [37 * (i + 1) for i in range(20)]
+ROWS_2D = 600
+
+
+@pytest.fixture(scope="module")
+def wide_step(tmp_path_factory):
+    url = str(tmp_path_factory.mktemp("strided") / "ck")
+    state = {f"t{i}": torch.arange(ROWS_2D * w, dtype=torch.int32).reshape(ROWS_2D, w) + i
+             for i, w in enumerate(WIDTHS)}
+    with CheckpointWriter(url, chunk_bytes=CHUNK) as w:
+        w.save(1, state)
+    return url, state
+
+
+@given(cuts=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1), st.floats(0, 1)), min_size=20, max_size=20))
+@settings(max_examples=10, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_strided_boxes_read_through_a_reused_slab_buffer_hold_their_columns(wide_step, cuts):
+    url, state = wide_step
+    into, want = {}, {}
+    for i, (w, (c, span, row)) in enumerate(zip(WIDTHS, cuts)):
+        c0 = min(int(c * w), w - 1)
+        c1 = c0 + 1 + int(span * (w - c0 - 1))
+        r0 = int(row * (ROWS_2D - 1))
+        into[f"t{i}"] = LocalShard(torch.full((ROWS_2D - r0, c1 - c0), -1, dtype=torch.int32), (ROWS_2D, w), (r0, c0))
+        want[f"t{i}"] = state[f"t{i}"][r0:, c0:c1]
+    load_checkpoint(url, step=1, into=into)
+    for k, v in want.items():
+        assert torch.equal(into[k].tensor, v), k
