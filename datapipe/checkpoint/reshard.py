@@ -60,9 +60,10 @@ def _scratch_buffer() -> np.ndarray[Any, Any]:
 
 
 def _slab_buffer(n: int) -> np.ndarray[Any, Any]:
-    """``n`` bytes of this thread's slab buffer, grown when a span needs more (at most a slab
-    and the two blocks around it): a thread's strided copies read into memory it touched
-    already. What is read there is used (copied into the target) before the next copy."""
+    """``n`` bytes of this thread's slab buffer, grown when a span needs more (what one copy
+    reads: a slab and the blocks around it, or whole chunks where they have no blocks): a
+    thread's strided copies read into memory it touched already, one span at a time as
+    before. What is read there is copied into the target before the next copy."""
     buf = getattr(_scratch, "slab", None)
     if buf is None or len(buf) < n:
         buf = _scratch.slab = np.empty(n, np.uint8)
