@@ -49,24 +49,18 @@ __all__ = ["fill_into", "load_into", "load_part_full", "parts_overlapping", "run
 #: between the read, the check and the copy (with 4 MiB a 384 MiB step resharded onto 4 ranks
 #: loaded 15-30% slower here; with a new buffer per copy, 1.5-2x slower on a process's first load)
 SCRATCH_BYTES = 1 << 20
-_scratch = threading.local()
+_thread = threading.local()
 
 
-def _scratch_buffer() -> np.ndarray[Any, Any]:
-    buf = getattr(_scratch, "buf", None)
-    if buf is None:
-        buf = _scratch.buf = np.empty(SCRATCH_BYTES, np.uint8)
-    return buf
-
-
-def _slab_buffer(n: int) -> np.ndarray[Any, Any]:
-    """``n`` bytes of this thread's slab buffer, grown when a span needs more (what one copy
-    reads: a slab and the blocks around it, or whole chunks where they have no blocks): a
-    thread's strided copies read into memory it touched already, one span at a time as
-    before. What is read there is copied into the target before the next copy."""
-    buf = getattr(_scratch, "slab", None)
+def _thread_buffer(n: int) -> np.ndarray[Any, Any]:
+    """``n`` bytes of this reading thread's buffer, grown when a copy needs more: a contiguous
+    run's ``SCRATCH_BYTES``, or a strided copy's span (a slab and the blocks around it, or
+    whole chunks where they have no blocks). A thread's copies read into memory it touched
+    already, one copy at a time; what is read there is copied into the target before the
+    next copy."""
+    buf = getattr(_thread, "buf", None)
     if buf is None or len(buf) < n:
-        buf = _scratch.slab = np.empty(n, np.uint8)
+        buf = _thread.buf = np.empty(n, np.uint8)
     return buf[:n]
 
 
@@ -77,9 +71,9 @@ def _run_copy(saved: SavedStep, c: Copy) -> int:
         # check would leave unverified bytes in the caller's tensors (and a load with
         # step=None goes on to an older step)
         saved.read_through(c.piece.rank, start, start + c.run, c.dst[c.dst_first : c.dst_first + c.run],
-                           _scratch_buffer())
+                           _thread_buffer(SCRATCH_BYTES))
     else:
-        buf, base = saved.read_range(c.piece.rank, start, start + c.span(), _slab_buffer)
+        buf, base = saved.read_range(c.piece.rank, start, start + c.span(), _thread_buffer)
         src = buf[start - base :]
         shape = (*c.outer, c.run)
         sv = as_strided(src, shape=shape, strides=(*c.src_strides, 1), writeable=False)
