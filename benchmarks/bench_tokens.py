@@ -25,7 +25,9 @@ sequences, shuffled (each system's own shuffle); the page cache is warm (every f
 once before).
 
 Floor: ``memcpy`` of the bytes the loader hands out (batches of B x (L + 1) int64, one
-thread, buffers reused), in tokens/s; and ``read`` (the corpus file read once into a reused
+thread, buffers reused), in tokens/s; the same in as many processes at once as the largest
+``--workers`` (``memcpy floor x2``: their sum, and each one against one alone: the
+parallelism num_workers=2 has, on cores that slow each other down); and ``read`` (the corpus file read once into a reused
 buffer, the int32 bytes: what any loader must at least move). Targets (issue 30): through
 num_workers=2 at seq_len 2048, datapipe >= 3x LitData and >= 3x GPTDataset, and >= 50% of
 the memcpy floor.
@@ -285,6 +287,35 @@ def memcpy_floor(seq_len: int, batch: int, seconds: float = 1.0, source_bytes: i
     return n * width / (time.perf_counter() - t0)
 
 
+_PARALLEL_CHILD = """
+import json, sys, time
+from benchmarks.bench_tokens import memcpy_floor
+L, B, at, seconds = json.loads(sys.argv[1])
+while time.time() < at:
+    time.sleep(0.001)
+print(memcpy_floor(L, B, seconds=seconds, source_bytes=256 << 20))
+"""
+
+
+def memcpy_floor_parallel(seq_len: int, batch: int, processes: int = 2, seconds: float = 1.5) -> list[float]:
+    """Tokens/s of each of ``processes`` processes running :func:`memcpy_floor` at the same
+    time (the parallelism of ``num_workers=processes``): their sum is the floor for that many
+    processes; each one's figure against the floor of one alone shows how much the machine's
+    cores slow each other down (shared caches, memory bandwidth, a host's hyperthreads)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    at = time.time() + 2.0  # every child has imported numpy and built its buffers by then
+    spec = json.dumps([seq_len, batch, at, seconds])
+    children = [subprocess.Popen([sys.executable, "-c", _PARALLEL_CHILD, spec], stdout=subprocess.PIPE, text=True,
+                                 env=env) for _ in range(processes)]
+    rates = []
+    for c in children:
+        out, _ = c.communicate(timeout=120)
+        if c.returncode != 0:
+            raise RuntimeError(f"a memcpy floor process exited {c.returncode}")
+        rates.append(float(out.strip().splitlines()[-1]))
+    return rates
+
+
 def read_floor(path: str) -> float:
     """Tokens/s of reading the corpus file once into a reused buffer (from the page cache)."""
     buf = bytearray(16 << 20)
@@ -331,6 +362,11 @@ def run(quick: bool = False, tokens: int | None = None, corpus_tokens: int | Non
     for L in seq_lens:
         floor = memcpy_floor(L, batch)
         rows.append({"seq_len": L, "workers": 0, "system": "memcpy floor", "tokens_per_s": floor})
+        if any(w > 1 for w in workers):
+            w = max(workers)
+            each = memcpy_floor_parallel(L, batch, processes=w)
+            rows.append({"seq_len": L, "workers": w, "system": f"memcpy floor x{w}", "tokens_per_s": sum(each),
+                         "each_tokens_per_s": each})
         rows.append({"seq_len": L, "workers": 0, "system": "read floor", "tokens_per_s": floor_read})
         for w in workers:
             for system in systems:
@@ -402,6 +438,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 ratio = dp["tokens_per_s"] / floor["tokens_per_s"]
                 lines.append(f"L={L}, num_workers=2: {ours} / memcpy floor = {ratio:.0%} (target >= "
                              f"{FLOOR_TARGET:.0%}): {'met' if ratio >= FLOOR_TARGET else 'NOT met'}")
+            both = by.get((L, 2, "memcpy floor x2"))
+            if both is not None:
+                lines.append(f"L={L}, num_workers=2: {ours} / memcpy floor of 2 processes at once = "
+                             f"{dp['tokens_per_s'] / both['tokens_per_s']:.0%}")
+        both, alone = by.get((L, 2, "memcpy floor x2")), by.get((L, 0, "memcpy floor"))
+        if both is not None and alone is not None:
+            each = ", ".join(f"{e / alone['tokens_per_s']:.2f}" for e in both["each_tokens_per_s"])
+            lines.append(f"L={L}: 2 memcpy processes at once copy {each} of one alone each "
+                         "(how much this machine's cores slow each other)")
     for r in rows:
         if r.get("system") == "megatron helpers":
             lines.append(f"megatron-core: {r['note']}")
