@@ -27,8 +27,9 @@ once before).
 Floor: ``memcpy`` of the bytes the loader hands out (batches of B x (L + 1) int64, one
 thread, buffers reused), in tokens/s; the same in as many processes at once as the largest
 ``--workers`` (``memcpy floor x2``: their sum, and each one against one alone: the
-parallelism num_workers=2 has, on cores that slow each other down); and ``read`` (the corpus file read once into a reused
-buffer, the int32 bytes: what any loader must at least move). Targets (issue 30): through
+parallelism num_workers=2 has, on cores that slow each other down); and ``read`` (the
+corpus file read once into a reused buffer, the int32 bytes: what any loader must at least
+move). Targets (issue 30): through
 num_workers=2 at seq_len 2048, datapipe >= 3x LitData and >= 3x GPTDataset, and >= 50% of
 the memcpy floor.
 
@@ -308,11 +309,17 @@ def memcpy_floor_parallel(seq_len: int, batch: int, processes: int = 2, seconds:
     children = [subprocess.Popen([sys.executable, "-c", _PARALLEL_CHILD, spec], stdout=subprocess.PIPE, text=True,
                                  env=env) for _ in range(processes)]
     rates = []
-    for c in children:
-        out, _ = c.communicate(timeout=120)
-        if c.returncode != 0:
-            raise RuntimeError(f"a memcpy floor process exited {c.returncode}")
-        rates.append(float(out.strip().splitlines()[-1]))
+    try:
+        for c in children:
+            out, _ = c.communicate(timeout=120)
+            if c.returncode != 0:
+                raise RuntimeError(f"a memcpy floor process exited {c.returncode}")
+            rates.append(float(out.strip().splitlines()[-1]))
+    finally:
+        for c in children:  # none is left running when one failed
+            if c.poll() is None:
+                c.kill()
+                c.wait()
     return rates
 
 
