@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._version import __version__
-from ..checksum import ALGORITHM, Hasher, checksum
+from ..checksum import Hasher, checksum, digest64
 from ..errors import ChecksumError, CorruptIndexError, FormatError, OptionError
 from .envelope import check_manifest_checksum, open_manifest, seal_manifest
 from .index import FileDigest, check_relative_name, check_shard_location, is_checksum
@@ -436,10 +436,6 @@ def _digest_sums(blocks: list[str]) -> UInt64s:
     return np.array([int(b.partition(":")[2], 16) for b in blocks], dtype="<u8")
 
 
-def _sum_text(value: int) -> str:
-    return f"{ALGORITHM}:{value:016x}"
-
-
 def block_sums(data: Buffer, block_bytes: int = BLOCK_BYTES) -> UInt64s:
     """The xxh3-64 of each ``block_bytes`` block of ``data`` (what ``.xxh`` holds)."""
     d = FileDigest(_check_block_bytes(block_bytes))
@@ -497,7 +493,7 @@ def verify_blocks(data: Buffer, first_block: int, sums: npt.NDArray[np.uint64], 
         if len(chunk) < block_bytes and b != nblocks - 1:
             raise ChecksumError(f"{where}: block {b} at byte {b * block_bytes} is short ({len(chunk)} bytes) "
                                 "but is not the file's last block")
-        if checksum(chunk) != _sum_text(int(sums[b])):
+        if digest64(chunk) != int(sums[b]):
             raise ChecksumError(
                 f"{where}: block {b} (bytes [{b * block_bytes}, {b * block_bytes + len(chunk)})) fails its "
                 "checksum: the file was damaged or changed after it was packed; re-read it, or re-pack it"
