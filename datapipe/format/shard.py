@@ -12,10 +12,9 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, BinaryIO
 
-import xxhash
 import zstandard
 
-from ..checksum import ALGORITHM, Hasher
+from ..checksum import Hasher, checksum
 from ..errors import FormatError
 from .index import SampleRecords, ShardRecord
 from .sample import COMPRESSIONS, encode_sample
@@ -126,7 +125,7 @@ class ShardBuilder:
         self.records.keys.append(key)
         self.records.offsets.append(self.stored_bytes)
         self.records.lengths.append(length)
-        self.records.checksums.append(f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(self._mv[start : start + length])}")
+        self.records.checksums.append(checksum(self._mv[start : start + length]))
         self.stored_bytes += length
         self._fill = start + length
         self.fields.update(fields)

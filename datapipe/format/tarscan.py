@@ -22,9 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import xxhash
-
-from ..checksum import ALGORITHM, checksum
+from ..checksum import checksum
 from ..errors import CorruptShardError, InvalidMemberNameError
 from .index import SampleRecords
 from .tar import END_OF_ARCHIVE, check_key, padding, split_member_name, walk_members
@@ -66,7 +64,7 @@ def scan_tar(buf: bytes | bytearray | memoryview, where: str) -> ScannedShard:
             records.keys.append(key)
             records.offsets.append(start)
             records.lengths.append(end - start)
-            records.checksums.append(f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(mv[start:end])}")
+            records.checksums.append(checksum(mv[start:end]))
             member_fields.append("/".join(order))
             member_bounds.extend(bounds)
             seen.add(key)

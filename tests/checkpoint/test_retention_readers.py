@@ -83,4 +83,4 @@ def test_a_local_folder_under_retention_always_shows_a_checkpoint(tmp_path, tmpf
 @pytest.mark.timeout(600)
 def test_s3_under_retention_always_shows_a_checkpoint(s3):
     root, options = s3
-    _read_beside_the_writer(f"{root}/ckpt", options, rounds=40)
+    _read_beside_the_writer(f"{root}/ckpt", options, rounds=20)
