@@ -47,10 +47,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from datapipe.plan import CHUNK_TOKENS  # TokenDataset's default tokens per logical chunk (one fetch)
+
 ROOT = Path(__file__).resolve().parents[1]
 BIG_TOKENS, BIG_DOCS = 10**12, 10**9
-#: TokenDataset's default tokens per logical chunk (one fetch)
-CHUNK_TOKENS = 1 << 20
 
 _CHILD = r"""
 import json, sys, time

@@ -75,7 +75,8 @@ def read_state(state: Any, key: OrderKey) -> tuple[int, Partition]:
     ):
         theirs = state.get(name)
         if type(theirs) is not type(mine) or theirs != mine:
-            what = "another dataset" if name in ("fingerprint", "num_samples") else f"another {name}"
+            what = ("another dataset (or the same data cut otherwise: for a token dataset, another seq_len, packing "
+                    "or chunk_tokens)") if name in ("fingerprint", "num_samples") else f"another {name}"
             raise StateMismatchError(
                 f"loader state belongs to {what}: its {name} is {show(theirs)}, this loader's is {show(mine)}"
             )

@@ -46,9 +46,8 @@ from ..loader import (
     take_read_ahead,
 )
 from ..options import MAX_COUNT, check_bool, check_bytes, check_choice, check_int, check_path, show
-from ..plan import ConcatLayout, EpochPlan, layout_fingerprint
+from ..plan import CHUNK_TOKENS, ConcatLayout, EpochPlan, layout_fingerprint
 from .read import (
-    CHUNK_TOKENS,
     ChunkFetch,
     DocumentRows,
     Layout,
@@ -224,11 +223,16 @@ class TokenDataset(TokenStream):
     one segment per piece and one per row's padding, ending at rows x L).
 
     Order: sequences shuffled across windows of ``window`` logical chunks (about
-    ``chunk_tokens`` tokens each; ``None``: every chunk, a full shuffle that fetches a chunk
-    for almost every sequence), chunk order shuffled by (seed, epoch); ``shuffle=False``:
-    stored order. Every sequence once per epoch, partitioned exactly over data-parallel
-    ranks (``drop_last=True``: each rank the same count, fewer than dp_size left out;
-    False: as many repeated) and, within a rank, over DataLoader workers by whole batches.
+    ``chunk_tokens`` tokens each, 8 x 4 Mi by default; ``None``: every chunk, a full shuffle
+    that fetches a chunk for almost every sequence), chunk order shuffled by (seed, epoch);
+    ``shuffle=False``: stored order. A chunk is one fetch: through two DataLoader workers,
+    chunks of 4 Mi tokens in windows of 8 cost 1.12-1.27 s of CPU per 100 M tokens against
+    1.67-1.73 s for chunks of 1 Mi in windows of 32, the same span (a chunk's last label
+    lies in the next 1 MiB block: a chunk of 4 MiB read 5, one of 16 MiB reads 17; and a
+    quarter of the fetches; measured here, 2026-12-03). Every sequence once per epoch,
+    partitioned exactly over data-parallel ranks (``drop_last=True``: each rank the same
+    count, fewer than dp_size left out; False: as many repeated) and, within a rank, over
+    DataLoader workers by whole batches.
 
     Topology: ``rank``/``world_size`` (else torch.distributed, else RANK/WORLD_SIZE); the
     ``replication`` consecutive ranks of one tensor/context-parallel group (outermost
@@ -247,7 +251,7 @@ class TokenDataset(TokenStream):
     """
 
     def __init__(self, source: str | os.PathLike[str], seq_len: int, *, packing: str = "concat", seed: int = 0,
-                 shuffle: bool = True, window: int | None = 32, drop_last: bool = True, rank: int | None = None,
+                 shuffle: bool = True, window: int | None = 8, drop_last: bool = True, rank: int | None = None,
                  world_size: int | None = None, replication: int = 1, pipeline: int = 1,
                  dp_rank: int | None = None, dp_size: int | None = None, batch_size: int = 1,
                  batched: bool = False, cache: Any = None, storage_options: dict[str, Any] | None = None,

@@ -40,7 +40,7 @@ from ..options import (
     check_path,
     show,
 )
-from ..plan import MixturePlan, WorkerSteps, worker_steps
+from ..plan import CHUNK_TOKENS, MixturePlan, WorkerSteps, worker_steps
 from .dataset import (
     ALL_CHUNKS,
     MAX_SEED,
@@ -52,7 +52,7 @@ from .dataset import (
     group_batches,
     torch_dtype,
 )
-from .read import CHUNK_TOKENS, ChunkFetch, Layout, TokenSource, layout_identity, make_layout
+from .read import ChunkFetch, Layout, TokenSource, layout_identity, make_layout
 from .stream import TokenStream, check_reading, check_topology
 
 __all__ = ["TokenMix"]
@@ -113,7 +113,7 @@ class TokenMix(TokenStream):
     """
 
     def __init__(self, sources: Mapping[str | os.PathLike[str], float], seq_len: int, *, global_batch: int,
-                 packing: str = "concat", seed: int = 0, window: int | None = 32, steps: int | None = None,
+                 packing: str = "concat", seed: int = 0, window: int | None = 8, steps: int | None = None,
                  rank: int | None = None, world_size: int | None = None, replication: int = 1, pipeline: int = 1,
                  dp_rank: int | None = None, dp_size: int | None = None, cache: Any = None,
                  storage_options: dict[str, Any] | None = None, prefetch_bytes: int = 512 << 20,

@@ -64,12 +64,20 @@ from ..format.tokens import (
     verify_blocks,
 )
 from ..loader import BufferPool
-from ..plan import TABLE_MAGIC, ConcatLayout, DocumentLayout, DocumentTable, PackedChunk, Pieces, cu_seqlens
+from ..plan import (
+    CHUNK_TOKENS,
+    TABLE_MAGIC,
+    ConcatLayout,
+    DocumentLayout,
+    DocumentTable,
+    PackedChunk,
+    Pieces,
+    cu_seqlens,
+)
 from ..storage import RetryPolicy, Store, call_with_retry, is_local_url, open_store, run_requests, split_url
 
 __all__ = [
     "IGNORE_INDEX",
-    "CHUNK_TOKENS",
     "TokenSource",
     "TokenChunk",
     "ChunkFetch",
@@ -81,8 +89,6 @@ __all__ = [
 #: the label of a position no loss is taken at (padding, the token after a document's
 #: end): PyTorch's ``cross_entropy`` ``ignore_index`` default
 IGNORE_INDEX = -100
-#: tokens per logical chunk (one fetch): 2-4 MiB of ``.bin``, a few of its 1 MiB blocks
-CHUNK_TOKENS = 1 << 20
 #: the folder beside the manifest where document packing tables are kept, one per
 #: (seq_len, block, chunk): counted once, read by every later process
 DOCUMENT_TABLES = "plans"

@@ -253,6 +253,26 @@ def test_states_of_other_data_or_settings_are_refused(tmp_path):
         TokenDataset(tmp_path / "a", 8).load_state_dict([1, 2])
 
 
+def test_a_state_of_other_chunks_or_the_old_default_window_says_which_and_resumes_with_them(tmp_path):
+    """The defaults changed on 2026-12-03 (chunks of 4 Mi tokens in windows of 8, from 1 Mi in
+    windows of 32): a state of other chunks names chunk_tokens, one of another window names
+    the window, and each resumes where it was given the settings it was saved with."""
+    write_tokens(tmp_path, [random_documents(np.random.default_rng(8), 200)])
+    saved = TokenDataset(tmp_path, 8, chunk_tokens=64, window=32)
+    it = iter(saved)
+    head = [next(it)["input_ids"].tolist() for _ in range(5)]
+    state = saved.state_dict()
+    it.close()
+    with pytest.raises(StateMismatchError, match="chunk_tokens"):
+        TokenDataset(tmp_path, 8, chunk_tokens=128, window=32).load_state_dict(state)
+    with pytest.raises(StateMismatchError, match="another window"):
+        TokenDataset(tmp_path, 8, chunk_tokens=64).load_state_dict(state)  # the default window, 8
+    again = TokenDataset(tmp_path, 8, chunk_tokens=64, window=32)
+    again.load_state_dict(state)
+    assert head + [x["input_ids"].tolist() for x in again] == [x["input_ids"].tolist() for x in saved]
+    assert TokenDataset(tmp_path, 8).window == 8
+
+
 def test_a_second_live_pass_is_refused(tmp_path):
     write_tokens(tmp_path, [random_documents(np.random.default_rng(6), 40)])
     ds = TokenDataset(tmp_path, 8, chunk_tokens=64)
