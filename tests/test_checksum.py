@@ -28,7 +28,7 @@ def test_digest_is_xxh3_64_on_both_sides_of_the_threshold(size, seed):
 
 
 def test_a_wide_memoryview_counts_its_bytes_not_its_items():
-    # 2,048 int64 items are 16 KiB: below the threshold in items, above it in bytes at 4x
+    # 8,192 int64 items are 64 KiB: below the threshold counted in items, above it in bytes
     arr = np.arange(GIL_FREE_BYTES // 4, dtype=np.int64)
     mv = memoryview(arr)
     assert len(mv) < GIL_FREE_BYTES <= mv.nbytes

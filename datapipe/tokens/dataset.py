@@ -229,10 +229,10 @@ class TokenDataset(TokenStream):
     chunks of 4 Mi tokens in windows of 8 cost 1.12-1.27 s of CPU per 100 M tokens against
     1.67-1.73 s for chunks of 1 Mi in windows of 32, the same span (a chunk's last label
     lies in the next 1 MiB block, so a chunk of 4 MiB is read as 5 MiB and one of 16 MiB as
-    17; and there are a quarter of the fetches; measured here, 2026-12-03). Every sequence once per epoch,
-    partitioned exactly over data-parallel ranks (``drop_last=True``: each rank the same
-    count, fewer than dp_size left out; False: as many repeated) and, within a rank, over
-    DataLoader workers by whole batches.
+    17; and there are a quarter of the fetches; measured here, 2026-12-03). Every sequence
+    once per epoch, partitioned exactly over data-parallel ranks (``drop_last=True``: each
+    rank the same count, fewer than dp_size left out; False: as many repeated) and, within a
+    rank, over DataLoader workers by whole batches.
 
     Topology: ``rank``/``world_size`` (else torch.distributed, else RANK/WORLD_SIZE); the
     ``replication`` consecutive ranks of one tensor/context-parallel group (outermost
