@@ -39,7 +39,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any
 
 import numpy as np
@@ -257,7 +257,12 @@ def huge_pages_without_stalls(defrag: str | None) -> bool:
     /sys/kernel/mm/transparent_hugepage/defrag, the chosen one in brackets; None: unknown).
     With ``always``, ``madvise`` or ``defer+madvise`` an advised fault compacts memory
     directly when no huge page is free: on a busy machine that costs two to three times the
-    plain pages' faults and the copy together, in every fresh buffer of a first epoch."""
+    plain pages' faults and the copy together, in every fresh buffer of a first epoch. Free
+    huge pages are no cure in a virtual machine whose host backs guest memory as it is
+    first touched: here (``madvise``, 8 GB of free order-9 blocks in /proc/buddyinfo, a
+    new process) the fetch of one 110 MB shard took 443-530 ms advised against 155-175 ms
+    populated in small pages, and the first epoch of a new dataset 19-29k against
+    45-49k samples/s (2026-12-03, three runs each, alternating)."""
     if defrag is None or "[" not in defrag:
         return False
     return defrag.split("[", 1)[1].split("]", 1)[0] in ("defer", "never")
@@ -289,6 +294,40 @@ def _fresh_buffer(size: int) -> mmap.mmap:
             pass
         return mm
     return mmap.mmap(-1, size, flags=_ANON_PRIVATE)
+
+
+#: a shard of this many bytes or more has its sample table read on a thread of its own,
+#: beside the read of its bytes (:meth:`ShardSource.fetch`): in a new process a 110 MB
+#: shard's bytes took 120 ms (fresh pages, the copy) and its sample table 55 ms, one after
+#: the other; side by side its whole fetch took 100-136 ms against 155-175 ms (2026-12-03)
+BESIDE_BYTES = 16 << 20
+
+
+class _Beside:
+    """``fn()`` on a thread of its own, started now; :meth:`result` waits for it and
+    returns what it returned or raises what it raised."""
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="datapipe-table", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._fn()
+        except BaseException as e:  # handed to the caller of result()
+            self._error = e
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 #: A file whose status changed this recently (ns) is hashed again at its next read:
@@ -416,26 +455,35 @@ class ShardSource:
             table, keys = call_with_retry(lambda: ix.read_row_group(local, self.buffers.max_bytes), info.url,
                                           self.retry)
             return TableRows(g, info.url, table, keys)
-        try:
-            # the sample table is read in row groups from the store: retried like shard bytes;
-            # a local one is read as local shard bytes are, without the retry layer's attempt
-            # threads (its timeouts are for requests that hang on a network)
-            if self._local_index[int(self.source_of[g])]:
-                table = ix.shard_samples(local)
-            else:
-                table = call_with_retry(lambda: ix.shard_samples(local), f"{ix.url} sample table", self.retry)
-        except DatapipeError:
-            raise
-        except Exception as e:  # pyarrow errors on a damaged samples.parquet
-            raise FormatError(f"{ix.url}: cannot read the sample table of {info.url}: {e}") from e
-        if len(table.keys) != info.samples:
-            raise FormatError(f"{info.url}: index lists {len(table.keys)} samples, expected {info.samples}")
+        # the sample table is read in row groups from the store: retried like shard bytes;
+        # a local one is read as local shard bytes are, without the retry layer's attempt
+        # threads (its timeouts are for requests that hang on a network)
+        if self._local_index[int(self.source_of[g])]:
+            read_table = partial(ix.shard_samples, local)
+        else:
+            read_table = partial(call_with_retry, partial(ix.shard_samples, local), f"{ix.url} sample table",
+                                 self.retry)
+        # a large shard's table is read beside its bytes: both wait on the kernel (fresh
+        # pages, the copy, pyarrow's decode) more than on the GIL
+        side = _Beside(read_table) if info.bytes >= BESIDE_BYTES else None
         error: Exception | None = None
         identity: tuple[int, ...] | None = None
+        closer: Any = None
         try:
-            buf, closer, verified, identity = self._bytes(ix, info, cache, g)
-        except (IntegrityError, CorruptShardError) as e:
-            buf, closer, error, verified = memoryview(b""), None, e, False
+            if side is None:
+                table = self._table(read_table, ix, info)
+            try:
+                buf, closer, verified, identity = self._bytes(ix, info, cache, g)
+            except (IntegrityError, CorruptShardError) as e:
+                buf, closer, error, verified = memoryview(b""), None, e, False
+            if side is not None:
+                table = self._table(side.result, ix, info)
+        except BaseException:
+            if side is not None:
+                side.join()  # its table is dropped; nothing of it is held
+            if closer is not None:
+                closer()
+            raise
         if not verified and error is None and info.checksum and info.url not in self._changed:
             self._changed.add(info.url)
             warnings.warn(f"shard {info.url} no longer matches its index (its checksum or its size of "
@@ -465,6 +513,19 @@ class ShardSource:
                 else:
                     self.layouts.put(key, data.layout)
         return data
+
+    @staticmethod
+    def _table(read: Any, ix: Any, info: Any) -> SampleTable:
+        """Shard ``info``'s sample table from ``read()``, checked to list its samples."""
+        try:
+            table: SampleTable = read()
+        except DatapipeError:
+            raise
+        except Exception as e:  # pyarrow errors on a damaged samples.parquet
+            raise FormatError(f"{ix.url}: cannot read the sample table of {info.url}: {e}") from e
+        if len(table.keys) != info.samples:
+            raise FormatError(f"{info.url}: index lists {len(table.keys)} samples, expected {info.samples}")
+        return table
 
     def _bytes(self, ix: Any, info: Any, cache: Any, g: int) -> tuple[memoryview, Any, bool, tuple[int, ...] | None]:
         """(bytes, closer, verified, identity of the settled local file they were read
