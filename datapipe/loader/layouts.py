@@ -36,15 +36,17 @@ __all__ = ["LayoutCache", "ShardMemo"]
 
 
 class LayoutCache:
-    """Layouts by shard, least recently used first out, holding at most ``max_samples``
-    samples' positions (16 bytes per field per sample); ``max_samples=0`` keeps none."""
+    """What was found per shard (layouts; checked sample tables), by key, least recently
+    used first out, holding at most ``max_samples`` samples' worth: a layout's
+    ``samples`` (16 bytes per field per sample), or the ``cost`` :meth:`put` is given;
+    ``max_samples=0`` keeps none."""
 
     def __init__(self, max_samples: int = 1 << 20) -> None:
         self._start(max_samples)
 
     def _start(self, max_samples: int) -> None:
         self.max_samples = int(max_samples)
-        self._items: OrderedDict[Any, Layout] = OrderedDict()
+        self._items: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
         self._held = 0
         self._lock = threading.Lock()
 
@@ -60,25 +62,27 @@ class LayoutCache:
         with self._lock:
             return len(self._items)
 
-    def get(self, key: Any) -> Layout | None:
+    def get(self, key: Any) -> Any:
         with self._lock:
-            lay = self._items.get(key)
-            if lay is not None:
-                self._items.move_to_end(key)
-            return lay
+            got = self._items.get(key)
+            if got is None:
+                return None
+            self._items.move_to_end(key)
+            return got[0]
 
-    def put(self, key: Any, layout: Layout) -> None:
-        if layout.samples > self.max_samples:
+    def put(self, key: Any, item: Any, cost: int | None = None) -> None:
+        n = int(item.samples if cost is None else cost)
+        if n > self.max_samples:
             return
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
-                self._held -= old.samples
-            self._items[key] = layout
-            self._held += layout.samples
+                self._held -= old[1]
+            self._items[key] = (item, n)
+            self._held += n
             while self._held > self.max_samples:
-                _, out = self._items.popitem(last=False)
-                self._held -= out.samples
+                _, (_, out) = self._items.popitem(last=False)
+                self._held -= out
 
 
 #: one slot per shard: the file identity (device, inode, size, mtime, ctime), the shard's

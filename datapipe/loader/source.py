@@ -411,6 +411,9 @@ class ShardSource:
         self.memo = ShardMemo(self.num_shards)
         #: field layouts of verified shards, kept across epochs (bounded; see .layouts)
         self.layouts = LayoutCache()
+        #: checked sample tables by shard, for the passes after the first: 2^18 rows of the
+        #: sample table held at most (about 260 bytes each, Python and Arrow)
+        self.tables = LayoutCache(1 << 18)
         #: False: no layout is looked for, every sample is checked and parsed on its own by
         #: the strict tar parser (the reference the laid-out readers are tested against)
         self.find_layouts = True
@@ -463,14 +466,18 @@ class ShardSource:
         else:
             read_table = partial(call_with_retry, partial(ix.shard_samples, local), f"{ix.url} sample table",
                                  self.retry)
-        # a large shard's table is read beside its bytes: both wait on the kernel (fresh
-        # pages, the copy, pyarrow's decode) more than on the GIL
-        side = _Beside(read_table) if info.bytes >= BESIDE_BYTES else None
+        # a table read before (an earlier pass) is kept, checked; a large shard's table is
+        # read beside its bytes: both wait on the kernel (fresh pages, the copy, pyarrow's
+        # decode) more than on the GIL
+        kept: SampleTable | None = self.tables.get(g)
+        side = _Beside(read_table) if kept is None and info.bytes >= BESIDE_BYTES else None
         error: Exception | None = None
         identity: tuple[int, ...] | None = None
         closer: Any = None
         try:
-            if side is None:
+            if kept is not None:
+                table = kept
+            elif side is None:
                 table = self._table(read_table, ix, info)
             try:
                 buf, closer, verified, identity = self._bytes(ix, info, cache, g)
@@ -478,6 +485,10 @@ class ShardSource:
                 buf, closer, error, verified = memoryview(b""), None, e, False
             if side is not None:
                 table = self._table(side.result, ix, info)
+            if kept is None:
+                # its arrays are slices of the row groups they were read from, which stay
+                # held while it is: charged as its rows and two whole groups
+                self.tables.put(g, table, len(table) + 2 * int(ix.manifest["sample_row_group"]))
         except BaseException:
             if side is not None:
                 side.join()  # its table is dropped; nothing of it is held

@@ -95,3 +95,23 @@ def test_a_flipped_byte_in_a_large_shard_names_that_shard(large, tmp_path):
     # every sample before the damaged one came out, exact
     assert got and all(bytes(s["bin"]) == _payload(int(s["__key__"][1:])) for s in got)
     assert not _table_threads()
+
+
+def test_a_later_pass_reuses_the_checked_tables_and_a_small_cache_reads_them_again(large, monkeypatch):
+    dest, n = large
+    ds = StreamingDataset(dest, decode=None, seed=9)
+    index = ds.source.indexes[0]
+    calls = []
+    real = index.shard_samples
+    monkeypatch.setattr(index, "shard_samples", lambda i: calls.append(i) or real(i))
+    _check([dict(s) for s in ds], n)
+    first = len(calls)  # a shard fetched twice at once in a pass may be read twice
+    assert set(calls) == {0, 1, 2}
+    for epoch in (1, 2):
+        ds.set_epoch(epoch)
+        _check([dict(s) for s in ds], n)
+    assert len(calls) == first  # kept from the first pass
+    ds.source.tables = type(ds.source.tables)(max_samples=1)  # too small to keep any
+    ds.set_epoch(3)
+    _check([dict(s) for s in ds], n)
+    assert set(calls[first:]) == {0, 1, 2}
