@@ -6,7 +6,8 @@ The layout of a shard (recorded in the index, or found by
 :func:`datapipe.format.layout.find_layout`) is checked when the shard is first fetched, on
 the prefetch thread, and kept in a bounded :class:`LayoutCache` across epochs; the reader
 then cuts each sample with lookups. A layout is only ever used on bytes verified against
-the index.
+the index. A second bounded cache of the same kind keeps each shard's checked sample table
+(its rows of ``samples.parquet``), so a later pass neither decodes nor checks them again.
 
 :class:`ShardMemo` is what the processes of one dataset (the main process and its
 DataLoader workers) found about its shard files: that the bytes of a file at one identity
@@ -27,10 +28,6 @@ from collections import OrderedDict
 from multiprocessing.context import get_spawning_popen
 from multiprocessing.reduction import DupFd
 from typing import Any
-
-from ..format import MemberTable, ShardLayout
-
-Layout = ShardLayout | MemberTable
 
 __all__ = ["LayoutCache", "ShardMemo"]
 
