@@ -45,7 +45,7 @@ from .control import WorkerPasses
 from .decoding import MapPool, decode_chunks
 from .mixing import Stream, check_layout_size, epoch_layout, stream_targets
 from .pass_state import ErrorPolicy, Progress, skip_report
-from .prefetch import PassFetch, Prefetcher, ReadAhead, take_read_ahead
+from .prefetch import PassFetch, Prefetcher, ReadAhead, reads_ahead, take_read_ahead
 from .readers import read_chunks
 from .source import ShardSource
 
@@ -205,10 +205,13 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
     ``OptionError``) naming it, never converted (``window=1.9`` is no window of 1).
 
     Reading ahead across passes (without a ``cache``): shards are fetched ahead of the
-    reader within ``prefetch_bytes``, and a pass that ends (in this process, or in a
-    worker of a StreamingDataLoader, whose workers persist) leaves its prefetcher fetching
-    the first shards of the pass it guesses comes next: the next epoch if ``set_epoch``
-    moved this one on from the last (or on the first pass), else the same epoch again.
+    reader within ``prefetch_bytes``, and from the second pass an object makes in a
+    process on (in the main process, or in a worker of a StreamingDataLoader, whose
+    workers persist), a pass that ends leaves its prefetcher fetching the first shards of
+    the pass it guesses comes next: the next epoch if ``set_epoch`` moved this one on from
+    the last, else the same epoch again. A first pass reads nothing ahead: nothing says
+    another follows, and its fetches fill fresh memory, which a read ahead beside them
+    would double (see :func:`.prefetch.reads_ahead`).
     The next pass uses it if it is that pass (same epoch and worker share, no
     ``load_state_dict`` since), else closes it: a window of shards is then not read at
     each epoch's start while the trainer waits. Those bytes stay held (within
@@ -313,6 +316,8 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         self._ahead: ReadAhead | None = None
         #: the epoch of the last pass started here (to guess the next pass's epoch)
         self._last_epoch: int | None = None
+        #: passes this object started in this process (a first one reads nothing ahead)
+        self._passes_here = 0
         #: set by a StreamingDataLoader with persistent workers: where a worker's copy reads
         #: the epoch and resume state of each pass (see .control)
         self._control: Any = None
@@ -346,6 +351,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         state["_plan"] = None
         state["_live"] = None  # a worker's copy runs its own pass
         state["_ahead"] = None  # a prefetch thread: a worker runs its own
+        state["_passes_here"] = 0  # a copy's passes are its process's first
         return state
 
     # -- plan ---------------------------------------------------------------------------
@@ -602,17 +608,15 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         ahead = take_read_ahead(self._ahead, key, resumed=self._resume is not None)
         self._ahead = None
         last, self._last_epoch = self._last_epoch, key.epoch
+        before, self._passes_here = self._passes_here, self._passes_here + 1
         if ahead is not None:
             return PassFetch.adopt(ahead)
         self._tell_cache_the_future(key.rank, key.worker, key.num_workers)
         # The next pass's epoch is guessed from this one: the last pass's epoch plus one
         # when set_epoch() moved it on (or on the first pass), the same one when it did not.
         step = 0 if last == key.epoch else 1
-        # Only where a next pass will come in this process (the main process, or a worker
-        # of a StreamingDataLoader that keeps its workers; others exit after one pass), and
-        # without a cache: a cache is told each pass's fetches to the end of the next epoch
-        # (its schedule), and reads it serves ahead of that pass would not be in it.
-        reads_on = self.cache is None and (self._control is not None or worker_info() is None)
+        # a StreamingDataLoader's persistent workers have a control; the main process none
+        reads_on = reads_ahead(before, self.cache is not None, self._control is not None or worker_info() is None)
         chunks = pass_chunks(plan, real, key, self._worker_skip, self._planner() if reads_on else None, step)
         source = self.source
         # local shards without a cache: a fetch is CPU work, and the first one runs alone

@@ -42,6 +42,8 @@ store) counts each fetch as a read of that tier, its unit's bytes in the fetch's
 Reading ahead across passes: a pass whose chunks run on into the next pass's (see
 :func:`.chunks.chained_chunks`) ends when the next pass's first chunk arrives; it leaves a
 :class:`ReadAhead`, which the next pass adopts when it is the pass guessed, else closes.
+Which passes do that is :func:`reads_ahead`'s rule: not the first pass an object makes in
+a process.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from ..errors import OptionError
 from ..telemetry import Telemetry
 from .chunks import Chunk, PassKey
 
-__all__ = ["PassFetch", "Prefetcher", "ReadAhead", "ReadAheadCloser", "landed_pieces", "take_read_ahead"]
+__all__ = ["PassFetch", "Prefetcher", "ReadAhead", "ReadAheadCloser", "landed_pieces", "reads_ahead", "take_read_ahead"]
 
 
 class _Slot:
@@ -457,6 +459,23 @@ class ReadAheadCloser:
 def _stop_ahead(pre: Prefetcher, at_exit: mp_util.Finalize) -> None:
     at_exit.cancel()
     pre.stop()
+
+
+def reads_ahead(passes_before: int, cached: bool, more_passes_here: bool) -> bool:
+    """Whether a pass's chunks run on into the next pass's (a read ahead), for a dataset
+    that has started ``passes_before`` passes in this process before this one: only where
+    another pass will come in this process (``more_passes_here``: the main process, or a
+    DataLoader worker that persists; others exit after one pass), without a cache
+    (``cached``: a cache is told each pass's fetches to the end of the next epoch instead,
+    its schedule, and reads served ahead of a pass would not be in it), and not in the
+    first pass. Until a pass has run here nothing says another follows (a script that
+    makes a new dataset per pass, an evaluation), and a first pass's fetches fill fresh
+    memory: a read ahead beside them doubles that and takes the cores the pass needs.
+    Measured here (2026-12-03, a new process, 60,000 samples of 1 KiB in 14 shards): the
+    first pass took 1.17-1.37 s with its read ahead and 0.45-0.67 s without, three runs
+    each, alternating; the second pass, 0.21-0.26 s either way. From the second pass on
+    the pooled buffers of the first are there to read into."""
+    return passes_before > 0 and not cached and more_passes_here
 
 
 def take_read_ahead(ahead: ReadAhead | None, key: PassKey, resumed: bool) -> ReadAhead | None:

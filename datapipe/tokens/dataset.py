@@ -41,6 +41,7 @@ from ..loader import (
     Prefetcher,
     ReadAhead,
     pass_chunks,
+    reads_ahead,
     set_resumable_epoch,
     share_size,
     take_read_ahead,
@@ -309,6 +310,8 @@ class TokenDataset(TokenStream):
         self._plan: EpochPlan | None = None
         self._ahead: ReadAhead | None = None
         self._last_epoch: int | None = None
+        #: passes this object started in this process (a first one reads nothing ahead)
+        self._passes_here = 0
 
     @property
     def num_sequences(self) -> int:
@@ -319,6 +322,7 @@ class TokenDataset(TokenStream):
         state = super().__getstate__()
         state["_plan"] = None
         state["_ahead"] = None  # a prefetch thread: a worker runs its own
+        state["_passes_here"] = 0  # a copy's passes are its process's first
         return state
 
     # -- plan ---------------------------------------------------------------------------------
@@ -438,14 +442,16 @@ class TokenDataset(TokenStream):
     def _fetch_stage(self, plan: EpochPlan, key: PassKey, in_worker: bool) -> PassFetch:
         """The read ahead the last pass left running into this one when it guessed it right,
         else a new prefetcher over this pass's chunks (which run on into the next pass's
-        where one will come in this process, as :class:`~datapipe.StreamingDataset`'s do)."""
+        where one will come in this process, after its first pass, as
+        :class:`~datapipe.StreamingDataset`'s do: :func:`~datapipe.loader.prefetch.reads_ahead`)."""
         ahead = take_read_ahead(self._ahead, key, resumed=self._resume is not None)
         self._ahead = None
         last, self._last_epoch = self._last_epoch, key.epoch
+        before, self._passes_here = self._passes_here, self._passes_here + 1
         if ahead is not None:
             return PassFetch.adopt(ahead)
         step = 0 if last == key.epoch else 1
-        reads_on = self.cache is None and (self._control is not None or not in_worker)
+        reads_on = reads_ahead(before, self.cache is not None, self._control is not None or not in_worker)
         chunks = pass_chunks(plan, None, key, self._worker_skip, self._planner() if reads_on else None, step)
         fetch = self._fetch
         pre = Prefetcher(chunks, fetch.fetch, fetch.unit_bytes, max_bytes=self.prefetch_bytes,

@@ -1,5 +1,6 @@
 """A finished pass keeps its prefetcher running into the pass it guesses comes next (the
-next epoch after set_epoch moved on, else the same one): whatever the trainer then does
+next epoch after set_epoch moved on, else the same one), from the object's second pass in
+a process on (a first pass fetches only its own shards): whatever the trainer then does
 (another epoch, the same one, a resume, a break), every pass yields exactly what a fresh
 dataset yields for that epoch and resume point; a guessed pass runs on the prefetcher that
 read its first shards ahead."""
@@ -8,11 +9,13 @@ from __future__ import annotations
 
 from itertools import islice
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from datapipe import ShardWriter
 from datapipe.loader import StreamingDataLoader, StreamingDataset
+from datapipe.plan import EpochPlan, fetch_order
 
 N = 240
 
@@ -52,17 +55,56 @@ def test_the_guessed_next_epoch_is_read_ahead_and_used(tmp_path_factory):
     ds = StreamingDataset(url, **kw)
     ds.set_epoch(0)
     assert _keys(ds) == _fresh(url, 0, **kw)
-    ahead = ds._ahead
-    assert ahead is not None and ahead.key.epoch == 1  # set_epoch(0) then a pass: epoch 1 next
-    for g in ahead.pending.shards:  # the next pass's first shards are being read (wait for them)
-        assert ahead.pre.shard(g).shard == g
+    assert ds._ahead is None  # the first pass here: nothing read ahead
     ds.set_epoch(1)
     assert _keys(ds) == _fresh(url, 1, **kw)
+    ahead = ds._ahead
+    assert ahead is not None and ahead.key.epoch == 2  # set_epoch(1) then a pass: epoch 2 next
+    for g in ahead.pending.shards:  # the next pass's first shards are being read (wait for them)
+        assert ahead.pre.shard(g).shard == g
+    ds.set_epoch(2)
+    assert _keys(ds) == _fresh(url, 2, **kw)
     assert ds._ahead is not None and ds._ahead.pre is ahead.pre  # the pass ran on that prefetcher
-    assert ds._ahead.key.epoch == 2
+    assert ds._ahead.key.epoch == 3
     ds.set_epoch(5)  # not the guess: a new prefetcher, the same samples as a fresh dataset
     assert _keys(ds) == _fresh(url, 5, **kw)
     assert ds._ahead.pre is not ahead.pre and ds._ahead.key.epoch == 6
+
+
+@pytest.mark.parametrize("chunk_samples", [7, 32, 10_000])
+def test_a_first_pass_fetches_its_own_shards_only(tmp_path_factory, chunk_samples):
+    """Until one pass has run here, a pass fetches exactly what its plan says (the pure
+    fetch order, repeats included) and nothing of the next one; the second pass fetches
+    its own and the next pass's first shards, which the third then uses."""
+    url = _url(tmp_path_factory)
+    kw = dict(window=3, seed=3, chunk_samples=chunk_samples)
+    ds = StreamingDataset(url, **kw)
+    fetched: list[int] = []
+    fetch = ds.source.fetch
+
+    def recording(g, cache=None):
+        fetched.append(g)
+        return fetch(g, cache)
+
+    ds.source.fetch = recording  # the real fetch, each call recorded
+    plan = {e: fetch_order(EpochPlan(ds._layout(e)[0], seed=3, epoch=e, window=3), ds._layout(e)[1], 0, 0, 1,
+                           1, chunk_samples).tolist() for e in range(6)}
+    assert _keys(ds) == _fresh(url, 0, **kw)
+    assert fetched == plan[0] and ds._ahead is None
+    fetched.clear()
+    ds.set_epoch(1)
+    assert _keys(ds) == _fresh(url, 1, **kw)
+    ahead = ds._ahead
+    assert ahead is not None
+    ahead.pre.fetched(ahead.pending)  # the next pass's first chunk has landed
+    got = list(fetched)  # (it may be fetching more of epoch 2 meanwhile)
+    assert got[: len(plan[1])] == plan[1] and len(got) > len(plan[1])
+    later = plan[2] + plan[3] + plan[4] + plan[5]  # (a short pass's read ahead runs on into the next)
+    assert got[len(plan[1]):] == later[: len(got) - len(plan[1])]  # the start of epoch 2's
+    fetched.clear()
+    ds.set_epoch(2)
+    assert _keys(ds) == _fresh(url, 2, **kw)
+    assert ds._ahead is not None and ds._ahead.pre is ahead.pre
 
 
 def test_without_set_epoch_the_same_epoch_is_guessed(tmp_path_factory):

@@ -190,6 +190,26 @@ def test_order_is_deterministic_in_seed_and_epoch_and_stored_without_shuffle(tmp
     assert TokenDataset(tmp_path, 4, shuffle=False, chunk_tokens=64).sequences().tolist() == list(range(len(first)))
 
 
+def test_passes_after_the_first_read_the_next_one_ahead_and_yield_what_a_fresh_dataset_yields(tmp_path):
+    # a first pass in a process reads nothing ahead (its fetches fill fresh memory); from
+    # the second on a pass leaves the next epoch's first chunks being fetched, used by it
+    write_tokens(tmp_path, [random_documents(np.random.default_rng(3), 200)])
+    ds = TokenDataset(tmp_path, 4, seed=5, window=3, chunk_tokens=64)
+    pre = None
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        fresh = TokenDataset(tmp_path, 4, seed=5, window=3, chunk_tokens=64)
+        fresh.set_epoch(epoch)
+        got, want = [r["input_ids"].tolist() for r in ds], [r["input_ids"].tolist() for r in fresh]
+        assert got == want and len(got) == len(ds)
+        if epoch == 0:
+            assert ds._ahead is None
+            continue
+        assert ds._ahead is not None and ds._ahead.key.epoch == epoch + 1
+        assert pre is None or ds._ahead.pre is pre  # epoch 2 ran on the prefetcher epoch 1 left
+        pre = ds._ahead.pre
+
+
 # --- resume --------------------------------------------------------------------------------
 
 
