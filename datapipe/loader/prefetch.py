@@ -32,7 +32,14 @@ would delay the others by its latency: off.
 
 Budget: bytes of shards held or being fetched stay under ``max_bytes``, except that the
 shards of the chunk being read are always fetched (else a window larger than the budget
-could never be read); so the bound is ``max(max_bytes, bytes of one chunk's shards)``.
+could never be read); so the bound is ``max(max_bytes, bytes of one chunk's shards)``. A
+chunk of a later pass than the one being read (a read ahead) is also kept within the most
+bytes held so far (``peak_bytes``): it reads into the buffers the pass being read has let
+go, never into fresh memory beside them. A pass that holds its whole window to its end
+(every shard of the dataset in one window) lets its read ahead start only as it ends;
+without the rule the read ahead doubled the memory held and took fresh pages: the
+second pass of a dataset of 14 shards took 0.23-0.35 s against 0.16-0.19 s for the
+passes after it (2026-12-04).
 
 Telemetry: given a :class:`~datapipe.telemetry.Telemetry`, the prefetcher sets its
 ``prefetch_depth`` gauge to the bytes held or being fetched each time they change, and
@@ -120,6 +127,7 @@ class Prefetcher:
         self._held = 0  # bytes of shards held or being fetched
         self.peak_bytes = 0
         self._reading = 0  # number of the chunk the consumer reads
+        self._reading_tag: int | None = None  # its pass's tag (None: none read yet)
         self._stop = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
@@ -136,6 +144,7 @@ class Prefetcher:
             if isinstance(item, BaseException):
                 raise item
             self._reading = item.number
+            self._reading_tag = item.tag
             self._current = item
             self._poke()
             yield item
@@ -305,6 +314,7 @@ class Prefetcher:
         tasks: set[asyncio.Task[None]] = set()
         chunks = iter(self._chunks)
         following = first = next(chunks, None)
+        first_tag = 0 if first is None else first.tag  # the pass read until the consumer takes a chunk
         # fetches the chunk before hands over to the next: each already holds that chunk's reference
         handed: dict[int, _Slot] = {}
         while following is not None:
@@ -320,11 +330,15 @@ class Prefetcher:
                 new.refs = 1
                 chunk.slots[g] = new
 
-                def reserve(new: _Slot = new, number: int = chunk.number) -> bool:
-                    # budget, unless this chunk is the one being read (progress first)
+                def reserve(new: _Slot = new, number: int = chunk.number, tag: int = chunk.tag) -> bool:
+                    # budget, unless this chunk is the one being read (progress first); a
+                    # read ahead within the bytes held so far (see the module's notes)
                     with self._lock:
-                        if self._held + new.size > self.max_bytes and number > self._reading:
-                            return False
+                        if number > self._reading:
+                            after = self._held + new.size
+                            ahead = tag != (first_tag if self._reading_tag is None else self._reading_tag)
+                            if after > self.max_bytes or (ahead and after > self.peak_bytes):
+                                return False
                         self._live.add(new)
                         self._held += new.size
                         self.peak_bytes = max(self.peak_bytes, self._held)

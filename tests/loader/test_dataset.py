@@ -340,6 +340,41 @@ def test_prefetcher_stays_inside_its_byte_budget():
     assert len(made) == 40 and all(s.closed for s in made)  # every shard released once read
 
 
+@pytest.mark.parametrize("chunks_per_pass", [1, 3])
+def test_a_read_ahead_into_the_next_pass_holds_no_more_than_was_held_before(chunks_per_pass):
+    """Chunks of a later pass than the one being read are fetched within the most bytes held
+    so far, into what the pass being read let go: a pass that holds all its units to its end
+    lets the next pass's fetches start only once it is done with them."""
+    events, lock = [], threading.Lock()
+
+    def fetch(g):
+        with lock:
+            events.append(("fetch", g))
+        return _FakeShard()
+
+    def chunks():
+        n = 0
+        for tag in range(3):
+            for k in range(chunks_per_pass):
+                shard = np.array([0, 1, 2, 3, 4, 5])  # every chunk reads every unit
+                yield Chunk.make(n, np.arange(6), shard, np.zeros(6, np.int64), tag=tag)
+                n += 1
+
+    pre = Prefetcher(chunks(), fetch, lambda g: 100, max_bytes=10_000, concurrency=2)
+    for chunk in pre:
+        pre.fetched(chunk)
+        with lock:
+            events.append(("read", chunk.number, chunk.tag))
+        pre.done(chunk)
+    pre.close()
+    assert pre.peak_bytes == 600  # one chunk's units held at a time, never a second set beside them
+    # a pass's units are fetched once (handed on between its chunks), the next pass's only
+    # after the last chunk of this one was read
+    reads = [i for i, e in enumerate(events) if e[0] == "read"]
+    between = [sum(e[0] == "fetch" for e in events[r:nxt]) for r, nxt in zip(reads, reads[1:])]
+    assert between == ([0] * (chunks_per_pass - 1) + [6]) * 2 + [0] * (chunks_per_pass - 1)
+
+
 def test_prefetcher_reads_a_window_larger_than_its_budget():
     def chunks():
         yield Chunk.make(0, np.arange(6), np.arange(6), np.zeros(6, np.int64))

@@ -107,6 +107,23 @@ def test_a_first_pass_fetches_its_own_shards_only(tmp_path_factory, chunk_sample
     assert ds._ahead is not None and ds._ahead.pre is ahead.pre
 
 
+@pytest.mark.parametrize("window", [16, 4])
+def test_a_read_ahead_waits_for_what_the_pass_lets_go_and_is_used(tmp_path_factory, window):
+    """A read ahead reads into the bytes the pass being read let go (the mechanism:
+    test_dataset's prefetcher tests). With the whole dataset in one window (16 > 15
+    shards) the next pass's shards are fetched only as the pass ends: each pass still
+    ends, yields what a fresh dataset yields, and the next one runs on its read ahead."""
+    url = _url(tmp_path_factory)
+    kw = dict(window=window, seed=5, chunk_samples=24, prefetch_bytes=1 << 30)
+    ds = StreamingDataset(url, **kw)
+    pres = []
+    for epoch in range(4):
+        ds.set_epoch(epoch)
+        assert _keys(ds) == _fresh(url, epoch, **kw)
+        pres.append(None if ds._ahead is None else ds._ahead.pre)
+    assert pres[0] is None and pres[1] is pres[2] is pres[3] is not None
+
+
 def test_without_set_epoch_the_same_epoch_is_guessed(tmp_path_factory):
     url = _url(tmp_path_factory)
     ds = StreamingDataset(url, window=3, seed=2)
