@@ -355,7 +355,7 @@ def test_a_read_ahead_into_the_next_pass_holds_no_more_than_was_held_before(chun
     def chunks():
         n = 0
         for tag in range(3):
-            for k in range(chunks_per_pass):
+            for _ in range(chunks_per_pass):
                 shard = np.array([0, 1, 2, 3, 4, 5])  # every chunk reads every unit
                 yield Chunk.make(n, np.arange(6), shard, np.zeros(6, np.int64), tag=tag)
                 n += 1
@@ -371,7 +371,7 @@ def test_a_read_ahead_into_the_next_pass_holds_no_more_than_was_held_before(chun
     # a pass's units are fetched once (handed on between its chunks), the next pass's only
     # after the last chunk of this one was read
     reads = [i for i, e in enumerate(events) if e[0] == "read"]
-    between = [sum(e[0] == "fetch" for e in events[r:nxt]) for r, nxt in zip(reads, reads[1:])]
+    between = [sum(e[0] == "fetch" for e in events[r:nxt]) for r, nxt in itertools.pairwise(reads)]
     assert between == ([0] * (chunks_per_pass - 1) + [6]) * 2 + [0] * (chunks_per_pass - 1)
 
 
