@@ -41,21 +41,21 @@ if TYPE_CHECKING:
     from .dataset import StreamingDataset, check_worker_state, resolve_topology, set_resumable_epoch, worker_info
     from .mixing import Stream
     from .pass_state import ErrorPolicy, Progress, Skipped
-    from .prefetch import PassFetch, Prefetcher, ReadAhead, reads_ahead, take_read_ahead
+    from .prefetch import PassCount, PassFetch, Prefetcher, ReadAhead, reads_ahead, take_read_ahead
     from .source import BufferPool
 
 __all__ = ["DEFAULT_DECODERS", "Stream", "StreamingDataLoader", "StreamingDataset", "make_decoder",
            "resolve_topology", "Batch", "Column", "Chunk", "EpochPlanner", "PassKey", "pass_chunks", "ErrorPolicy",
-           "Progress", "Skipped", "PassFetch", "Prefetcher", "ReadAhead", "reads_ahead", "take_read_ahead",
-           "LazyTensor", "LazyRows", "BatchGroup", "share_size", "WorkerPasses", "BufferPool", "set_resumable_epoch",
-           "check_worker_state", "worker_info"]
+           "Progress", "Skipped", "PassCount", "PassFetch", "Prefetcher", "ReadAhead", "reads_ahead",
+           "take_read_ahead", "LazyTensor", "LazyRows", "BatchGroup", "share_size", "WorkerPasses", "BufferPool",
+           "set_resumable_epoch", "check_worker_state", "worker_info"]
 
 #: public name -> the submodule that defines it, imported on first use
 _WHERE = {"Stream": "mixing", "StreamingDataLoader": "dataloader", "StreamingDataset": "dataset",
           "resolve_topology": "dataset", "Batch": "batch", "Column": "batch", "Chunk": "chunks",
           "EpochPlanner": "chunks", "PassKey": "chunks", "pass_chunks": "chunks", "ErrorPolicy": "pass_state",
-          "Progress": "pass_state", "Skipped": "pass_state", "PassFetch": "prefetch", "Prefetcher": "prefetch",
-          "ReadAhead": "prefetch", "reads_ahead": "prefetch", "take_read_ahead": "prefetch",
+          "Progress": "pass_state", "Skipped": "pass_state", "PassCount": "prefetch", "PassFetch": "prefetch",
+          "Prefetcher": "prefetch", "ReadAhead": "prefetch", "reads_ahead": "prefetch", "take_read_ahead": "prefetch",
           "LazyTensor": "batch", "LazyRows": "batch", "BatchGroup": "batch",
           "share_size": "chunks",
           "WorkerPasses": "control", "BufferPool": "source", "set_resumable_epoch": "dataset",

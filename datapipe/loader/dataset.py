@@ -45,7 +45,7 @@ from .control import WorkerPasses
 from .decoding import MapPool, decode_chunks
 from .mixing import Stream, check_layout_size, epoch_layout, stream_targets
 from .pass_state import ErrorPolicy, Progress, skip_report
-from .prefetch import PassFetch, Prefetcher, ReadAhead, reads_ahead, take_read_ahead
+from .prefetch import PassCount, PassFetch, Prefetcher, ReadAhead, reads_ahead, take_read_ahead
 from .readers import read_chunks
 from .source import ShardSource
 
@@ -317,7 +317,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         #: the epoch of the last pass started here (to guess the next pass's epoch)
         self._last_epoch: int | None = None
         #: passes this object started in this process (a first one reads nothing ahead)
-        self._passes_here = 0
+        self._passes = PassCount()
         #: set by a StreamingDataLoader with persistent workers: where a worker's copy reads
         #: the epoch and resume state of each pass (see .control)
         self._control: Any = None
@@ -351,7 +351,6 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         state["_plan"] = None
         state["_live"] = None  # a worker's copy runs its own pass
         state["_ahead"] = None  # a prefetch thread: a worker runs its own
-        state["_passes_here"] = 0  # a copy's passes are its process's first
         return state
 
     # -- plan ---------------------------------------------------------------------------
@@ -608,7 +607,7 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         ahead = take_read_ahead(self._ahead, key, resumed=self._resume is not None)
         self._ahead = None
         last, self._last_epoch = self._last_epoch, key.epoch
-        before, self._passes_here = self._passes_here, self._passes_here + 1
+        before = self._passes.start()
         if ahead is not None:
             return PassFetch.adopt(ahead)
         self._tell_cache_the_future(key.rank, key.worker, key.num_workers)

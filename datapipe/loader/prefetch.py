@@ -56,6 +56,7 @@ a process.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import time
@@ -73,7 +74,8 @@ from ..errors import OptionError
 from ..telemetry import Telemetry
 from .chunks import Chunk, PassKey
 
-__all__ = ["PassFetch", "Prefetcher", "ReadAhead", "ReadAheadCloser", "landed_pieces", "reads_ahead", "take_read_ahead"]
+__all__ = ["PassCount", "PassFetch", "Prefetcher", "ReadAhead", "ReadAheadCloser", "landed_pieces", "reads_ahead",
+           "take_read_ahead"]
 
 
 class _Slot:
@@ -473,6 +475,31 @@ class ReadAheadCloser:
 def _stop_ahead(pre: Prefetcher, at_exit: mp_util.Finalize) -> None:
     at_exit.cancel()
     pre.stop()
+
+
+class PassCount:
+    """The passes an object has started in this process. A copy in another process (a
+    DataLoader worker, forked or unpickled) counts its own from 0: the count is kept
+    with the pid that made it, and a pickled one starts afresh."""
+
+    __slots__ = ("_n", "_pid")
+
+    def __init__(self) -> None:
+        self._pid, self._n = os.getpid(), 0
+
+    def __reduce__(self) -> tuple[type[PassCount], tuple[()]]:
+        return PassCount, ()
+
+    @property
+    def count(self) -> int:
+        """Passes started in this process so far."""
+        return self._n if self._pid == os.getpid() else 0
+
+    def start(self) -> int:
+        """Count a pass started now; returns the passes started here before it."""
+        before = self.count
+        self._pid, self._n = os.getpid(), before + 1
+        return before
 
 
 def reads_ahead(passes_before: int, cached: bool, more_passes_here: bool) -> bool:

@@ -36,6 +36,7 @@ from ..loader import (
     Chunk,
     EpochPlanner,
     LazyTensor,
+    PassCount,
     PassFetch,
     PassKey,
     Prefetcher,
@@ -311,7 +312,7 @@ class TokenDataset(TokenStream):
         self._ahead: ReadAhead | None = None
         self._last_epoch: int | None = None
         #: passes this object started in this process (a first one reads nothing ahead)
-        self._passes_here = 0
+        self._passes = PassCount()
 
     @property
     def num_sequences(self) -> int:
@@ -322,7 +323,6 @@ class TokenDataset(TokenStream):
         state = super().__getstate__()
         state["_plan"] = None
         state["_ahead"] = None  # a prefetch thread: a worker runs its own
-        state["_passes_here"] = 0  # a copy's passes are its process's first
         return state
 
     # -- plan ---------------------------------------------------------------------------------
@@ -447,7 +447,7 @@ class TokenDataset(TokenStream):
         ahead = take_read_ahead(self._ahead, key, resumed=self._resume is not None)
         self._ahead = None
         last, self._last_epoch = self._last_epoch, key.epoch
-        before, self._passes_here = self._passes_here, self._passes_here + 1
+        before = self._passes.start()
         if ahead is not None:
             return PassFetch.adopt(ahead)
         step = 0 if last == key.epoch else 1

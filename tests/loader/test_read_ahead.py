@@ -124,6 +124,40 @@ def test_a_read_ahead_waits_for_what_the_pass_lets_go_and_is_used(tmp_path_facto
     assert pres[0] is None and pres[1] is pres[2] is pres[3] is not None
 
 
+def test_a_copy_in_another_process_counts_its_own_passes(tmp_path_factory):
+    """A DataLoader worker's copy (forked: the parent's count in its memory; or unpickled)
+    makes its first pass there: it reads nothing ahead."""
+    import multiprocessing as mp
+    import pickle
+
+    url = _url(tmp_path_factory)
+    ds = StreamingDataset(url, window=3, seed=1)
+    _keys(ds)
+    _keys(ds)
+    assert ds._passes.count == 2 and ds._ahead is not None
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone._passes.count == 0
+    ds._ahead.closer.cancel()  # no prefetch thread when forking (a fork has none of its threads)
+    ds._ahead.pre.close()
+    ds._ahead = None
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_first_pass_in_a_fork, args=(ds, out))
+    child.start()
+    got = out.get(timeout=120)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    assert got == (0, True, 1, _fresh(url, 0, window=3, seed=1))  # the parent's two passes are not the child's
+    assert ds._passes.count == 2
+
+
+def _first_pass_in_a_fork(ds, out):
+    seen = ds._passes.count
+    ds.set_epoch(0)
+    keys = _keys(ds)
+    out.put((seen, ds._ahead is None, ds._passes.count, keys))
+
+
 def test_without_set_epoch_the_same_epoch_is_guessed(tmp_path_factory):
     url = _url(tmp_path_factory)
     ds = StreamingDataset(url, window=3, seed=2)

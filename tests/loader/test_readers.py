@@ -103,7 +103,7 @@ def _drop_read_ahead(ds):
     """Stop the prefetch a finished pass left running into the next one (its shards go
     back to the pool); an object's first pass in a process leaves none."""
     ahead = ds._ahead
-    first = ds._passes_here == 1
+    first = ds._passes.count == 1
     assert (ahead is None) == first  # a finished pass in the main process reads ahead, but the first
     if first:
         return
@@ -146,7 +146,7 @@ def test_dataset_with_pooled_buffers_pickles(url):
     assert list(ds) == expected
     assert ds._ahead is not None  # the second reads the next pass's first shards
     clone = pickle.loads(pickle.dumps(ds))
-    assert clone._ahead is None and clone._passes_here == 0  # a copy runs its own prefetch, its first pass
+    assert clone._ahead is None and clone._passes.count == 0  # a copy runs its own prefetch, its first pass
     _drop_read_ahead(ds)
     assert ds.source.buffers._idle
     clone = pickle.loads(pickle.dumps(ds))
