@@ -38,8 +38,8 @@ bytes held so far (``peak_bytes``): it reads into the buffers the pass being rea
 go, never into fresh memory beside them. A pass that holds its whole window to its end
 (every shard of the dataset in one window) lets its read ahead start only as it ends;
 without the rule the read ahead doubled the memory held and took fresh pages: the
-second pass of a dataset of 14 shards took 0.23-0.35 s against 0.16-0.19 s for the
-passes after it (2026-12-04).
+second pass of a dataset of 14 shards took 0.28-0.53 s against 0.15-0.19 s for the
+passes after it, and 0.17-0.23 s with it (2026-12-04).
 
 Telemetry: given a :class:`~datapipe.telemetry.Telemetry`, the prefetcher sets its
 ``prefetch_depth`` gauge to the bytes held or being fetched each time they change, and
@@ -512,7 +512,7 @@ def reads_ahead(passes_before: int, cached: bool, more_passes_here: bool) -> boo
     first pass. Until a pass has run here nothing says another follows (a script that
     makes a new dataset per pass, an evaluation), and a first pass's fetches fill fresh
     memory: a read ahead beside them doubles that and takes the cores the pass needs.
-    Measured here (2026-12-03, a new process, 60,000 samples of 1 KiB in 14 shards): the
+    Measured here (2026-12-04, a new process, 60,000 samples of 1 KiB in 14 shards): the
     first pass took 1.17-1.37 s with its read ahead and 0.45-0.67 s without, three runs
     each, alternating; the second pass, 0.21-0.26 s either way. From the second pass on
     the pooled buffers of the first are there to read into."""
