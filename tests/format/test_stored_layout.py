@@ -35,6 +35,7 @@ from datapipe.format import (
     make_manifest,
     sample_members,
 )
+from datapipe.format import layout as layout_module
 from datapipe.format.layout import MemberTable, ShardLayout, shard_members
 from datapipe.publish import write_index
 from datapipe.storage import open_store
@@ -42,10 +43,12 @@ from datapipe.storage import open_store
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 
 
-def _samples(n=30, long_keys=False, mixed=False):
+def _samples(n=30, long_keys=False, mixed=False, varied=False):
     out = []
     for i in range(n):
         key = f"d/{'k' * (95 + i) if long_keys and i % 3 == 0 else 's'}{i:03d}"  # past 100 bytes: PAX headers
+        if varied:  # keys of 6 to 98 bytes: names of 10 to 102 (100 exactly at a 96-byte key, no NUL after it)
+            key = f"d/{'v' * (i * 4 % 93)}s{i:03d}"
         s = {"__key__": key, "cls": str(i % 10), "bin": bytes([i % 256]) * (i * 131 % 1500)}
         if mixed and i % 4 == 1:
             s["seg.png"] = b"p" * i  # a dotted field, in some samples only
@@ -251,15 +254,21 @@ def test_a_layout_recorded_for_some_samples_of_a_shard_only_is_refused(tmp_path)
 
 def _base(tmp_path_factory, kind):
     dest = _write(tmp_path_factory.mktemp(kind) / "ds", _samples(24, long_keys=kind == "long_keys",
-                                                                  mixed=kind == "mixed"), max_samples=24)
+                                                                  mixed=kind == "mixed", varied=kind == "varied"),
+                  max_samples=24)
     ix = datapipe.open_index(dest)
     t = ix.shard_samples(0)
     return _shard_bytes(ix, 0), t
 
 
+#: the keys of one length; some past 100 bytes (PAX headers); fields in some samples only;
+#: keys of many lengths, some names exactly 100 bytes
+KINDS = ("uniform", "long_keys", "mixed", "varied")
+
+
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
-    return {kind: _base(tmp_path_factory, kind) for kind in ("uniform", "long_keys", "mixed")}
+    return {kind: _base(tmp_path_factory, kind) for kind in KINDS}
 
 
 def _per_sample(layout, n):
@@ -288,15 +297,26 @@ def _header_sum(block):
     return sum(block[:148]) + 8 * 32 + sum(block[156:512])
 
 
-@pytest.mark.parametrize("kind", ["uniform", "long_keys", "mixed"])
-def test_the_check_of_a_recorded_layout_lays_out_as_the_strict_parse(bases, kind):
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_check_of_a_recorded_layout_lays_out_as_the_strict_parse(bases, kind, monkeypatch):
+    """The same layout as the strict parse, and the fast check vouches for every sample
+    whose members are plain ustar headers: only those with a name past 100 bytes (a PAX
+    header) are parsed strictly."""
     src, t = bases[kind]
-    got, strict = _check(src, t), _strict_layout(src, t)
+    strict = _strict_layout(src, t)
+    parsed = []
+    strict_one = layout_module.sample_members
+    monkeypatch.setattr(layout_module, "sample_members", lambda *a: parsed.append(a[3]) or strict_one(*a))
+    got = _check(src, t)
     assert type(got) is type(strict) and _per_sample(got, len(t)) == _per_sample(strict, len(t))
+    long_names = [key for j, key in enumerate(t.keys)
+                  if any(len(f"{key}.{f}".encode()) > 100 for f in t.layout.sample(j)[0])]
+    assert parsed == long_names
+    assert kind not in ("long_keys", "varied") or long_names  # both kinds hold some
 
 
 @settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["uniform", "long_keys", "mixed"]), sample=st.integers(0, 23), member=st.integers(0, 2),
+@given(kind=st.sampled_from(KINDS), sample=st.integers(0, 23), member=st.integers(0, 2),
        at=st.one_of(st.integers(0, 511), st.sampled_from([0, 5, 99, 100, 124, 130, 134, 135, 156, 257, 263, 345])),
        value=st.integers(0, 255))
 def test_damaged_tar_headers_are_refused_or_laid_out_as_the_strict_parse(bases, kind, sample, member, at, value):
@@ -324,7 +344,7 @@ def test_damaged_tar_headers_are_refused_or_laid_out_as_the_strict_parse(bases, 
 
 
 @settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["uniform", "long_keys", "mixed"]), sample=st.integers(0, 23), pos=st.integers(0, 40),
+@given(kind=st.sampled_from(KINDS), sample=st.integers(0, 23), pos=st.integers(0, 40),
        delta=st.sampled_from([-513, -512, -1, 1, 511, 512, 1024]), rename=st.booleans())
 def test_damaged_recorded_layouts_are_refused(bases, kind, sample, pos, delta, rename):
     """A recorded bound moved, or a field renamed: never laid out otherwise than the shard is."""
