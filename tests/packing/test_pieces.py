@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 from hypothesis import given
@@ -147,10 +148,11 @@ def test_one_large_shard_is_written_by_every_worker_with_the_bytes_of_one(corpus
     assert all(piece for _, piece in writers) and len(writers) >= 3  # the one shard, in pieces for 3 workers
     assert me not in {pid for pid, _ in writers}
     listers = {tuple(json.loads(line)) for line in (trace / "listers").read_text().splitlines()}
-    # the folders, listed by other threads of the pack's own process: no listing is pickled
-    # from another process, which unpickled alone took a third of the listing's CPU
-    assert {pid for pid, _ in listers} == {me}
-    assert len(listers) > 1 and main not in {thread for _, thread in listers}
+    # the folders, listed in the pack's own process (here, or on its threads where the
+    # listing waits on storage: test_a_packs_listing_is_the_serial_one_on_threads_or_here):
+    # no listing is pickled from another process, which unpickled alone took a third of the
+    # listing's CPU
+    assert {pid for pid, _ in listers} == {me} and main
     _same_files(one, par)
     assert _samples(par) == read_corpus(corpus)
     assert datapipe.verify_dataset(par).ok
@@ -159,6 +161,7 @@ def test_one_large_shard_is_written_by_every_worker_with_the_bytes_of_one(corpus
 # A pack in which the file argv[3] grows after the listing (argv[4]: "skip" for --skip-errors).
 _GROWS = """
 import sys
+import threading
 import datapipe
 from datapipe.packing import packer
 
@@ -309,3 +312,45 @@ def test_input_error_in_a_folder_listed_by_a_worker_is_named(tmp_path):
     (src / "d3" / "bad..txt").write_bytes(b"x")
     with pytest.raises(InvalidMemberNameError, match=r"d3/bad\.\.txt"):
         datapipe.pack(str(src), str(tmp_path / "ds"), workers=3)
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_packs_listing_is_the_serial_one_on_threads_or_here(tmp_path, monkeypatch, waits):
+    """A pack lists its first folders here, and the rest on its threads only where those
+    waited on their storage: either way the serial listing, and its first error."""
+    from datapipe.packing import packer
+
+    root = str(tmp_path)
+    _tree(root)
+    for i in range(12):  # folders enough for the listing to be cut into pieces
+        os.makedirs(os.path.join(root, f"p{i:02d}", "deep"))
+        for j in range(3):
+            open(os.path.join(root, f"p{i:02d}", "deep", f"s{j}.txt"), "wb").close()
+    seen = []
+    listed_by = packer._list_folder
+
+    def watched(args):
+        seen.append(threading.current_thread().name)
+        return listed_by(args)
+
+    monkeypatch.setattr(packer, "_list_folder", watched)
+    monkeypatch.setattr(packer, "_TELLS_WAITS_S", 1e-9)  # decide after the first folder
+    monkeypatch.setattr(packer, "_listing_waits", lambda wall, cpu: waits)
+    whole = list_directory(root, skip_errors=True)
+    got = packer._list_source(root, 4, True, False, None, "first-dot")
+    assert got.samples == whole.samples
+    assert (got.dropped, got.bad, got.passed_over) == (whole.dropped, whole.bad, whole.passed_over)
+    here = threading.current_thread().name
+    assert len(seen) > 2 and seen[0] == here
+    assert all((name != here) == waits for name in seen[1:])
+    with pytest.raises(InvalidMemberNameError) as serial:
+        list_directory(root)
+    with pytest.raises(InvalidMemberNameError) as listed:
+        packer._list_source(root, 4, False, False, None, "first-dot")
+    assert str(listed.value) == str(serial.value)
+
+
+def test_a_listing_waits_when_its_wall_time_is_more_than_twice_its_cpu():
+    from datapipe.packing.packer import _listing_waits
+
+    assert _listing_waits(0.3, 0.1) and not _listing_waits(0.15, 0.1) and not _listing_waits(0.05, 0.05)
