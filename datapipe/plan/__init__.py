@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from .arrays import ArrayLike, Bools, Int64s
 from .epoch import EpochPlan
-from .future import chunk_fetches, fetch_order, first_use, worker_chunk_steps
+from .future import chunk_fetches, chunk_shards, fetch_order, first_use, worker_chunk_steps
 from .mixture import MixtureBatch, MixturePlan, WorkerSteps, mixture_counts, worker_steps
 from .partition import Partition, Split, batch_steps, per_rank_count, worker_batches
 from .permutation import derive_key, feistel_permute
@@ -67,6 +67,7 @@ __all__ = [
     "batch_steps",
     "check_counts",
     "chunk_fetches",
+    "chunk_shards",
     "cu_seqlens",
     "data_parallel",
     "derive_key",

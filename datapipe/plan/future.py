@@ -84,18 +84,22 @@ def chunk_fetches(chunk_shards: Iterable[Sequence[int]]) -> Iterator[int]:
         previous = set(int(g) for g in shards)
 
 
+def chunk_shards(plan: _RankPlan, real: Any, rank: int, worker: int, num_workers: int, batch_size: int,
+                 chunk_samples: int, skip: int = 0) -> Iterator[list[int]]:
+    """The shards each chunk of ``worker`` of ``rank`` reads (real shard numbers,
+    ``real[virtual shard]``, in order of first use), reading ``plan`` from its resume point
+    (``plan.start``, and the worker's first ``skip`` steps left out) to the end."""
+    real_arr = np.asarray(real, dtype=np.int64)
+    for steps in worker_chunk_steps(plan.start, plan.per_rank, batch_size, worker, num_workers, chunk_samples, skip):
+        vshard, _sample, _pad = plan.rank_samples(rank, steps)
+        yield first_use(real_arr[vshard]).tolist()
+
+
 def fetch_order(plan: _RankPlan, real: Any, rank: int, worker: int, num_workers: int, batch_size: int,
                 chunk_samples: int, skip: int = 0) -> Int64s:
     """The shards ``worker`` of ``rank`` fetches, in order, reading ``plan`` from its resume
     point (``plan.start``, and the worker's first ``skip`` steps left out) to the end: real
     shard numbers (``real[virtual shard]``), one entry per fetch, repeats where a shard is
-    fetched again by a later chunk."""
-    real_arr = np.asarray(real, dtype=np.int64)
-
-    def shards() -> Iterator[list[int]]:
-        for steps in worker_chunk_steps(plan.start, plan.per_rank, batch_size, worker, num_workers,
-                                        chunk_samples, skip):
-            vshard, _sample, _pad = plan.rank_samples(rank, steps)
-            yield first_use(real_arr[vshard]).tolist()
-
-    return np.fromiter(chunk_fetches(shards()), dtype=np.int64)
+    fetched again by a later chunk (:func:`chunk_fetches` of :func:`chunk_shards`)."""
+    shards = chunk_shards(plan, real, rank, worker, num_workers, batch_size, chunk_samples, skip)
+    return np.fromiter(chunk_fetches(shards), dtype=np.int64)

@@ -340,11 +340,9 @@ def test_prefetcher_stays_inside_its_byte_budget():
     assert len(made) == 40 and all(s.closed for s in made)  # every shard released once read
 
 
-@pytest.mark.parametrize("chunks_per_pass", [1, 3])
-def test_a_read_ahead_into_the_next_pass_holds_no_more_than_was_held_before(chunks_per_pass):
-    """Chunks of a later pass than the one being read are fetched within the most bytes held
-    so far, into what the pass being read let go: a pass that holds all its units to its end
-    lets the next pass's fetches start only once it is done with them."""
+def _events_of(chunk_units, tags):
+    """(events, peak bytes) of a prefetcher over chunks reading ``chunk_units`` (100 bytes a
+    unit), tagged ``tags``: ("fetch", unit) and ("read", chunk number, tag) in order."""
     events, lock = [], threading.Lock()
 
     def fetch(g):
@@ -352,27 +350,39 @@ def test_a_read_ahead_into_the_next_pass_holds_no_more_than_was_held_before(chun
             events.append(("fetch", g))
         return _FakeShard()
 
-    def chunks():
-        n = 0
-        for tag in range(3):
-            for _ in range(chunks_per_pass):
-                shard = np.array([0, 1, 2, 3, 4, 5])  # every chunk reads every unit
-                yield Chunk.make(n, np.arange(6), shard, np.zeros(6, np.int64), tag=tag)
-                n += 1
-
-    pre = Prefetcher(chunks(), fetch, lambda g: 100, max_bytes=10_000, concurrency=2)
+    chunks = (Chunk.make(n, np.arange(len(units)), np.array(units), np.zeros(len(units), np.int64), tag=tag)
+              for n, (units, tag) in enumerate(zip(chunk_units, tags)))
+    pre = Prefetcher(chunks, fetch, lambda g: 100, max_bytes=10_000, concurrency=2)
     for chunk in pre:
         pre.fetched(chunk)
         with lock:
             events.append(("read", chunk.number, chunk.tag))
         pre.done(chunk)
     pre.close()
-    assert pre.peak_bytes == 600  # one chunk's units held at a time, never a second set beside them
-    # a pass's units are fetched once (handed on between its chunks), the next pass's only
-    # after the last chunk of this one was read
+    return events, pre.peak_bytes
+
+
+@pytest.mark.parametrize("chunks_per_pass", [1, 3])
+def test_a_read_ahead_into_the_next_pass_is_handed_what_the_last_chunk_holds(chunks_per_pass):
+    """The units the last chunk of a pass and the first of the next both read are handed on
+    (fetched once for both, as between the chunks of one pass): a pass that reads all its
+    units in every chunk is fetched once over all its passes, one chunk's units held."""
+    units = [[0, 1, 2, 3, 4, 5]] * (3 * chunks_per_pass)
+    events, peak = _events_of(units, [n // chunks_per_pass for n in range(3 * chunks_per_pass)])
+    assert peak == 600
+    assert [e for e in events if e[0] == "fetch"] == [("fetch", g) for g in range(6)]
+    assert [e[1] for e in events if e[0] == "read"] == list(range(3 * chunks_per_pass))
+
+
+def test_a_read_ahead_into_the_next_pass_holds_no_more_than_was_held_before():
+    """Chunks of a later pass than the one being read are fetched within the most bytes held
+    so far, into what the pass being read let go: the next pass's units that the last chunk
+    does not hold are fetched only once it has been read; those it holds are handed on."""
+    events, peak = _events_of([[0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8], [6, 7, 8, 0, 1, 2]], [0, 1, 2])
+    assert peak == 600  # one chunk's units at a time, never a second set beside them
     reads = [i for i, e in enumerate(events) if e[0] == "read"]
-    between = [sum(e[0] == "fetch" for e in events[r:nxt]) for r, nxt in itertools.pairwise(reads)]
-    assert between == ([0] * (chunks_per_pass - 1) + [6]) * 2 + [0] * (chunks_per_pass - 1)
+    fetched = [sorted(e[1] for e in events[a:b] if e[0] == "fetch") for a, b in itertools.pairwise([0, *reads])]
+    assert fetched == [[0, 1, 2, 3, 4, 5], [6, 7, 8], [0, 1, 2]]
 
 
 def test_prefetcher_reads_a_window_larger_than_its_budget():
