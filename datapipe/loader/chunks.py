@@ -37,8 +37,10 @@ class Chunk:
     #: the fetch each shard is read from (set by the Prefetcher when it plans the chunk)
     slots: dict[int, Any] = field(default_factory=dict, repr=False)
     #: which pass of a chain of passes the chunk belongs to (see StreamingDataset's
-    #: prefetch into the next epoch); 0 for the first. No fetch is handed over from one
-    #: pass to the next, so each pass fetches what :func:`datapipe.plan.fetch_order` says.
+    #: prefetch into the next epoch); 0 for the first. The last chunk of a pass hands the
+    #: next pass's first the fetches both read (once landed whole), so a chain's fetches are
+    #: :func:`datapipe.plan.chunk_fetches` of its chunks as one run; a pass of its own (a
+    #: new prefetcher: always with a cache) fetches what :func:`datapipe.plan.fetch_order` says.
     tag: int = 0
     #: what the fetch of each of ``shards`` gave, in that order: the fetched unit, or the
     #: exception its fetch raised (set by the fetch stage when it hands the chunk on)

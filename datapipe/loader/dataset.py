@@ -380,7 +380,9 @@ class StreamingDataset(_Base):  # type: ignore[type-arg]  # torch's IterableData
         (from the resume point, if one is loaded), then the whole of each next one (by
         default one: the schedule a pass hands its cache). One entry per
         fetch (see :func:`datapipe.plan.fetch_order`); shards read outside a cache (Parquet
-        tables) are left out. A pass hands exactly this to its cache's ``set_schedule``."""
+        tables) are left out. A pass hands exactly this to its cache's ``set_schedule`` (with
+        a cache each pass fetches on its own; a read ahead without one hands the next pass
+        the fetches its last chunk holds, which it then does not make)."""
         E = LoaderOptionError
         num_workers = check_int("num_workers", num_workers, min=1, max=MAX_COUNT, error=E)
         worker = check_int("worker", worker, min=0, max=num_workers - 1, error=E)

@@ -18,11 +18,13 @@ shard of the window. The pieces hold the chunk's items in its order.
 Which fetches a pass makes is a pure function of its chunks
 (:func:`datapipe.plan.chunk_fetches`), never of timing: a chunk fetches each of its shards
 except those the chunk before it reads, which are handed over (the earlier chunk's fetch
-is kept open for it), the last chunk of a pass to the next pass's first in a read ahead
-too (:func:`datapipe.plan.chunk_shards` of the passes, one run of chunks). A shard read
-again by a later, non-adjacent chunk is fetched again, even if an earlier fetch of it is
-still open. So the loader can tell the cache its whole future in advance, and that future
-is exactly the reads the cache sees (a cache gets no read ahead: :func:`reads_ahead`).
+is kept open for it). In a read ahead the last chunk of a pass hands over to the next
+pass's first too (the passes' :func:`datapipe.plan.chunk_shards` as one run of chunks),
+once the fetch has landed whole: one that failed, or a shard that holds an error, is
+fetched again by the next pass, as a pass of its own would. A shard read again by a later,
+non-adjacent chunk is fetched again, even if an earlier fetch of it is still open. So the
+loader can tell the cache its whole future in advance, and that future is exactly the
+reads the cache sees (a cache gets no read ahead: :func:`reads_ahead`).
 
 With ``first_alone``, the first chunk's fetches run alone: the next chunk's start once they
 have landed. Where a fetch is CPU work (local shards read into fresh memory, hashed, their
@@ -85,7 +87,7 @@ __all__ = ["PassCount", "PassFetch", "Prefetcher", "ReadAhead", "ReadAheadCloser
 
 
 class _Slot:
-    __slots__ = ("data", "error", "ready", "refs", "size")
+    __slots__ = ("data", "error", "ready", "refs", "size", "task")
 
     def __init__(self, size: int) -> None:
         self.ready = threading.Event()
@@ -93,6 +95,11 @@ class _Slot:
         self.error: BaseException | None = None
         self.refs = 0
         self.size = size
+        self.task: asyncio.Task[None] | None = None  # the fetch filling it (the planner's loop)
+
+    def whole(self) -> bool:
+        """Landed, and neither the fetch nor the shard it gave holds an error."""
+        return self.ready.is_set() and self.error is None and getattr(self.data, "error", None) is None
 
 
 _END = object()
@@ -184,13 +191,7 @@ class Prefetcher:
         closing = []
         with self._lock:
             for slot in chunk.slots.values():
-                slot.refs -= 1
-                if slot.refs == 0 and slot in self._live:
-                    self._live.discard(slot)
-                    self._held -= slot.size
-                    # a fetch still running closes its own result when it finds the slot gone
-                    if slot.ready.is_set():
-                        closing.append(_take(slot))
+                closing.append(self._unref(slot))
             chunk.slots = {}
             if self._telemetry is not None:
                 self._telemetry.prefetch_depth(self._held)
@@ -200,6 +201,18 @@ class Prefetcher:
             if data is not None:
                 data.close()
         self._poke()
+
+    def _unref(self, slot: _Slot) -> Any:
+        """One reference to ``slot`` dropped (under the lock): the shard to close once the
+        lock is let go when that was the last (a fetch still running closes its own result
+        when it finds the slot gone), else None."""
+        slot.refs -= 1
+        if slot.refs == 0 and slot in self._live:
+            self._live.discard(slot)
+            self._held -= slot.size
+            if slot.ready.is_set():
+                return _take(slot)
+        return None
 
     def close(self) -> None:
         """Stop planning and fetching, wait for the planner (``close_timeout_s``) and close
@@ -323,16 +336,32 @@ class Prefetcher:
         chunks = iter(self._chunks)
         following = first = next(chunks, None)
         first_tag = 0 if first is None else first.tag  # the pass read until the consumer takes a chunk
-        # fetches the chunk before hands over to the next: each already holds that chunk's reference
-        handed: dict[int, _Slot] = {}
+        # fetches the chunk before hands over to the next: each already holds that chunk's
+        # reference; with the tag of the chunk that handed it
+        handed: dict[int, tuple[_Slot, int]] = {}
         while following is not None:
             chunk, following = following, next(chunks, None)  # the next chunk is known before this one is read
             if self._stop:
                 return
             for g in chunk.shards:
                 if g in handed:
-                    chunk.slots[g] = handed.pop(g)
-                    continue
+                    slot, tag = handed.pop(g)
+                    if tag == chunk.tag:
+                        chunk.slots[g] = slot
+                        continue
+                    # into the next pass only what landed whole: a fetch that failed (or a
+                    # shard that holds an error) is fetched again, as a new pass would
+                    if slot.task is not None and not slot.ready.is_set():
+                        await self._landed([slot.task])
+                        if self._stop:
+                            return
+                    if slot.whole():
+                        chunk.slots[g] = slot
+                        continue
+                    with self._lock:
+                        dropped = self._unref(slot)
+                    if dropped is not None:
+                        dropped.close()
                 size = max(int(self._shard_bytes(g)), 1)
                 new = _Slot(size)
                 new.refs = 1
@@ -358,7 +387,7 @@ class Prefetcher:
                     return
                 slot = new
                 await sem.acquire()
-                t = asyncio.get_running_loop().create_task(self._load(g, slot, sem))
+                t = slot.task = asyncio.get_running_loop().create_task(self._load(g, slot, sem))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
                 # let the task hand its fetch to the pool now, not after the next chunk is
@@ -370,7 +399,7 @@ class Prefetcher:
                     for g, slot in chunk.slots.items():
                         if g in keep:
                             slot.refs += 1
-                            handed[g] = slot
+                            handed[g] = (slot, chunk.tag)
             if not await self._put_async(chunk):
                 return
             if chunk is first and self.first_alone:  # the consumer's first item waits for these only

@@ -691,9 +691,10 @@ def _pack_directory(src: str, lock: WriterLock, opts: dict[str, Any], workers: i
 
 def _list_source(src: str, workers: int, skip_errors: bool, follow_links: bool, exclude: str | None,
                  keys: str) -> DirectoryListing:
-    """The listing of the folder ``src``: its first folders listed here (for
-    ``_TELLS_WAITS_S`` seconds), and the rest here too unless those waited on their storage
-    (:func:`_listing_waits`), then by up to ``workers`` threads of this process.
+    """The listing of the folder ``src``: its first folders listed here (whole folders,
+    for ``_TELLS_WAITS_S`` seconds or more: at least one of the ``2 x workers`` pieces), and
+    the rest here too unless those waited on their storage (:func:`_listing_waits`), then by
+    up to ``workers`` threads of this process.
 
     A listing that waits (a cold network file system: each file's status a round trip)
     overlaps its waits on threads, which wait without the GIL. One that does not (warm, or

@@ -374,6 +374,43 @@ def test_a_read_ahead_into_the_next_pass_is_handed_what_the_last_chunk_holds(chu
     assert [e[1] for e in events if e[0] == "read"] == list(range(3 * chunks_per_pass))
 
 
+@pytest.mark.parametrize("how", ["raised", "held"])
+def test_a_fetch_that_failed_is_fetched_again_by_the_next_pass_not_handed_on(how):
+    """Within a pass a failed fetch is handed on like any (its chunks all meet the error);
+    the next pass of a read ahead fetches it again, as a pass of its own would, and hands
+    on the fetch that landed whole."""
+    calls = []
+
+    class Failed:  # what ShardSource.fetch gives for a shard that fails its checksum
+        error = ValueError("fails its checksum")
+
+        def close(self):
+            pass
+
+    def fetch(g):
+        calls.append(g)
+        if len(calls) == 1:
+            if how == "raised":
+                raise OSError("the store went away")
+            return Failed()
+        return _FakeShard()
+
+    chunks = (Chunk.make(n, np.arange(1), np.array([0]), np.zeros(1, np.int64), tag=tag)
+              for n, tag in enumerate([0, 0, 1, 1, 2]))
+    pre = Prefetcher(chunks, fetch, lambda g: 100, max_bytes=10_000, concurrency=2)
+    got = []
+    for chunk in pre:
+        try:
+            got.append(type(pre.shard(0)).__name__)
+        except OSError:
+            got.append("OSError")
+        pre.done(chunk)
+    pre.close()
+    first = "OSError" if how == "raised" else "Failed"
+    assert got == [first, first, "_FakeShard", "_FakeShard", "_FakeShard"]
+    assert calls == [0, 0]  # the failed one, then once for passes 1 and 2
+
+
 def test_a_read_ahead_into_the_next_pass_holds_no_more_than_was_held_before():
     """Chunks of a later pass than the one being read are fetched within the most bytes held
     so far, into what the pass being read let go: the next pass's units that the last chunk
