@@ -245,7 +245,7 @@ def _vouched(arr: NDArray[Any], stored: StoredLayout, offs: NDArray[Any], ends: 
     # the names each member should have, made whole for the members of one key length at a
     # time (a table of each field's suffix at that length, the keys' bytes over it), and
     # compared four bytes at a time: a gathered row is contiguous, its 100 name bytes 25 words
-    lengths = np.unique(kl[fine]).tolist()
+    lengths = np.flatnonzero(np.bincount(kl[fine], minlength=1)).tolist()  # (np.unique imports numpy.ma)
     for k in lengths:
         rows: Any = np.flatnonzero(fine & (kl == k)) if len(lengths) > 1 else slice(None)
         tails = np.zeros((len(suffixes), 100), dtype=np.uint8)

@@ -360,6 +360,8 @@ class Prefetcher:
                         continue
                     with self._lock:
                         dropped = self._unref(slot)
+                        if self._telemetry is not None:
+                            self._telemetry.prefetch_depth(self._held)
                     if dropped is not None:
                         dropped.close()
                 size = max(int(self._shard_bytes(g)), 1)

@@ -379,13 +379,13 @@ def test_a_fetch_that_failed_is_fetched_again_by_the_next_pass_not_handed_on(how
     """Within a pass a failed fetch is handed on like any (its chunks all meet the error);
     the next pass of a read ahead fetches it again, as a pass of its own would, and hands
     on the fetch that landed whole."""
-    calls = []
+    calls, closed = [], []
 
     class Failed:  # what ShardSource.fetch gives for a shard that fails its checksum
         error = ValueError("fails its checksum")
 
         def close(self):
-            pass
+            closed.append(self)
 
     def fetch(g):
         calls.append(g)
@@ -409,6 +409,7 @@ def test_a_fetch_that_failed_is_fetched_again_by_the_next_pass_not_handed_on(how
     first = "OSError" if how == "raised" else "Failed"
     assert got == [first, first, "_FakeShard", "_FakeShard", "_FakeShard"]
     assert calls == [0, 0]  # the failed one, then once for passes 1 and 2
+    assert len(closed) == (how == "held") and pre._held == 0  # the failed shard closed once, nothing held
 
 
 def test_a_read_ahead_into_the_next_pass_holds_no_more_than_was_held_before():
