@@ -13,7 +13,6 @@ has none, names no sample (WebDataset skips it; the packer refuses it).
 
 from __future__ import annotations
 
-import re
 import tarfile
 from collections.abc import Callable, Iterator
 from zlib import adler32
@@ -35,17 +34,21 @@ __all__ = [
 BLOCK = 512
 END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
 _ZERO_BLOCK = b"\0" * BLOCK
-_NAME_RE = re.compile(r"^((?:.*/|)[^./][^./]*)\.([^/]*)$")  # the leading [^./]: no dot-files
 _MAX_SIZE = 8**11 - 1  # 11 octal digits in the ustar size field
 
 
 def split_member_name(name: str) -> tuple[str, str] | None:
-    """``'dir/x.y/img1.seg.png' -> ('dir/x.y/img1', 'seg.png')``; ``None`` if the name has
-    no key/field shape (no dot in the basename, or a leading dot)."""
-    m = _NAME_RE.match(name)
-    if m is None or not m.group(2):
+    r"""``'dir/x.y/img1.seg.png' -> ('dir/x.y/img1', 'seg.png')``: the key is the folders and
+    the basename up to its first dot, the field the rest. ``None`` if the name has no
+    key/field shape: no dot in the basename, a leading dot (a dot-file), nothing after the
+    dot, or a newline in the folders (the rule as the expression
+    ``^((?:.*/|)[^./][^./]*)\.([^/]*)$`` states it, whose ``.`` matches no newline; string
+    operations here: a listing cuts every file's name, a tar scan every member's)."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot <= slash or dot == len(name) - 1 or "\n" in name[:slash]:
         return None
-    return m.group(1), m.group(2)
+    return name[:dot], name[dot + 1 :]
 
 
 def check_key(key: str) -> None:

@@ -2,11 +2,14 @@
 GNU tar, zstd and webdataset."""
 
 import io
+import re
 import subprocess
 import tarfile
 
 import pytest
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import datapipe
 from datapipe.errors import CorruptShardError, InvalidMemberNameError
@@ -167,9 +170,6 @@ def test_zstd_frames_are_independent_range_reads(tmp_path):
 
 def test_header_byte_sum_is_the_plain_sum():
     """The strict parser's fast header sum (Adler-32 halves) equals sum() for any block."""
-    from hypothesis import given, settings
-    from hypothesis import strategies as st
-
     from datapipe.format.tar import _byte_sum
 
     @settings(max_examples=300, deadline=None)
@@ -179,3 +179,21 @@ def test_header_byte_sum_is_the_plain_sum():
 
     check()
     assert _byte_sum(b"\xff" * 512) == 512 * 255
+
+
+#: the first-dot rule as an expression (WebDataset's reader cuts names this way); the
+#: leading [^./]: no dot-files
+_FIRST_DOT = re.compile(r"^((?:.*/|)[^./][^./]*)\.([^/]*)$")
+_NAME_CHARS = st.sampled_from(list("ab./\n\\ é_-0"))
+
+
+@settings(max_examples=500)
+@given(folders=st.lists(st.text(_NAME_CHARS, min_size=1, max_size=4), max_size=3),
+       name=st.text(_NAME_CHARS, min_size=0, max_size=8))
+def test_a_member_name_is_cut_as_the_first_dot_expression_cuts_it(folders, name):
+    """``split_member_name`` cuts without the expression; the key and field are the ones
+    the expression gives (dots, newlines and backslashes anywhere, in the folders and the
+    name), and None where it gives none or an empty field."""
+    path = "".join(f + "/" for f in folders) + name
+    m = _FIRST_DOT.match(path)
+    assert split_member_name(path) == (None if m is None or not m.group(2) else (m.group(1), m.group(2)))

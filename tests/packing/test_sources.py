@@ -17,7 +17,7 @@ import datapipe
 from datapipe.errors import PackOptionError
 from datapipe.format.tar import split_member_name
 from datapipe.packing import file_key
-from datapipe.packing.sources import DOT_FILE, DOT_FOLDER, LINKED_FOLDER, NO_EXTENSION, first_dot
+from datapipe.packing.sources import DOT_FILE, DOT_FOLDER, LINKED_FOLDER, NO_EXTENSION
 
 # relative path -> content: the kinds of names a real /usr/share tree holds
 TREE = {
@@ -178,17 +178,3 @@ def test_a_real_doc_tree_packs_every_file_with_keys_file(tmp_path):
         (fld,) = [k for k in s if not k.startswith("__")]
         got[_unescape(s["__key__"])] = s[fld]
     assert got == expected
-
-
-_NAME_CHARS = st.sampled_from(list("ab.\n\\ é_-0"))
-
-
-@settings(max_examples=500)
-@given(folders=st.lists(st.text(_NAME_CHARS, min_size=1, max_size=4), max_size=3),
-       name=st.text(_NAME_CHARS, min_size=1, max_size=8))
-def test_the_listings_first_dot_cut_is_the_readers(folders, name):
-    """The listing cuts a file's name at its first dot without the reader's expression; the
-    key and field are the ones the reader's ``split_member_name`` gives the path (dots,
-    newlines and backslashes anywhere, in the folders and the name)."""
-    prefix = "".join(f + "/" for f in folders)
-    assert first_dot(prefix, name) == split_member_name(prefix + name)
