@@ -229,6 +229,10 @@ class ConcatLayout(_Layout):
         first = c * self.chunk_sequences
         return first * self.seq_len, (first + int(self.counts[c])) * self.seq_len + self.extra
 
+    def largest_chunk_tokens(self) -> int:
+        """The most tokens one chunk's :meth:`chunk_token_range` spans."""
+        return int(self.counts.max()) * self.seq_len + self.extra if self.num_chunks else 0
+
     def chunk_pieces(self, chunk: int) -> Pieces:
         """:meth:`chunk_token_range` cut at part boundaries: the reads of one chunk."""
         a, b = self.chunk_token_range(chunk)
@@ -802,6 +806,10 @@ class DocumentLayout(_Layout):
         """[start, stop) of the stream that chunk ``chunk``'s documents occupy."""
         c = int(_check_ids("chunk", [chunk], self.num_chunks)[0])
         return int(self.chunk_token_start[c]), int(self.chunk_token_start[c + 1])
+
+    def largest_chunk_tokens(self) -> int:
+        """The most tokens one chunk's :meth:`chunk_token_range` spans."""
+        return int(np.diff(self.chunk_token_start).max()) if self.num_chunks else 0
 
     def chunk_pieces(self, chunk: int) -> Pieces:
         """:meth:`chunk_token_range` cut at part boundaries: the reads of one chunk."""

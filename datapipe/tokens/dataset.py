@@ -50,6 +50,7 @@ from ..loader import (
 from ..options import MAX_COUNT, check_bool, check_bytes, check_choice, check_int, check_path, show
 from ..plan import CHUNK_TOKENS, ConcatLayout, EpochPlan, layout_fingerprint
 from .read import (
+    MAX_PREFETCH_BYTES,
     ChunkFetch,
     DocumentRows,
     Layout,
@@ -244,7 +245,8 @@ class TokenDataset(TokenStream):
 
     Reads: each chunk's block-aligned ranges of ``.bin`` (through ``cache.read_range`` when a
     :class:`~datapipe.TieredCache` is given, else the store), fetched ahead within
-    ``prefetch_bytes`` by ``concurrency`` threads, every block checked against the part's
+    ``prefetch_bytes`` (None: two shuffle windows of chunks and one chunk more, at most 512
+    MiB, in each DataLoader worker) by ``concurrency`` threads, every block checked against the part's
     ``.xxh`` before a token of it is used (a damaged byte is a ChecksumError naming file and
     block). ``batch_size``: the DataLoader's (a StreamingDataLoader sets it), so workers
     take whole batches in turn; ``batched=True``: yield :class:`~datapipe.loader.Batch` es of
@@ -257,7 +259,7 @@ class TokenDataset(TokenStream):
                  world_size: int | None = None, replication: int = 1, pipeline: int = 1,
                  dp_rank: int | None = None, dp_size: int | None = None, batch_size: int = 1,
                  batched: bool = False, cache: Any = None, storage_options: dict[str, Any] | None = None,
-                 prefetch_bytes: int = 512 << 20, concurrency: int = 4, chunk_samples: int = 4096,
+                 prefetch_bytes: int | None = None, concurrency: int = 4, chunk_samples: int = 4096,
                  chunk_tokens: int = CHUNK_TOKENS, extra_token: bool = True, pad_id: int | None = None,
                  dtype: str = "int64") -> None:
         E = LoaderOptionError
@@ -272,8 +274,9 @@ class TokenDataset(TokenStream):
         self.rank, self.world_size = check_topology(rank, world_size, replication, pipeline, dp_rank, dp_size)
         batch_size = check_int("batch_size", batch_size, min=1, max=MAX_COUNT, error=E)
         batched = check_bool("batched", batched, error=E)
-        prefetch_bytes = check_bytes("prefetch_bytes", prefetch_bytes, min=1, error=E,
-                                     hint="bytes of chunks fetched ahead of the reader")
+        if prefetch_bytes is not None:
+            prefetch_bytes = check_bytes("prefetch_bytes", prefetch_bytes, min=1, error=E,
+                                         hint="bytes of chunks fetched ahead of the reader, or None")
         concurrency = check_int("concurrency", concurrency, min=1, max=MAX_THREADS, error=E)
         chunk_samples = check_int("chunk_samples", chunk_samples, min=1, max=MAX_COUNT, error=E)
         chunk_tokens = check_int("chunk_tokens", chunk_tokens, min=1, max=1 << 34, error=E,
@@ -287,8 +290,7 @@ class TokenDataset(TokenStream):
         storage_options = check_reading(storage_options, cache)
         self._init_stream(self.rank, self.world_size, replication, pipeline, dp_rank, dp_size)
         self.url = url
-        self.source = TokenSource(url, storage_options,
-                                  max_pooled_bytes=prefetch_bytes)
+        self.source = TokenSource(url, storage_options, max_pooled_bytes=prefetch_bytes or MAX_PREFETCH_BYTES)
         self.seq_len, self.packing = seq_len, packing
         if packing == "concat" and not extra_token:
             self.layout: Layout = ConcatLayout(self.source.part_tokens, seq_len,
@@ -303,11 +305,14 @@ class TokenDataset(TokenStream):
         #: logical chunks a sequence may move across; None (every chunk) is stored as 2**62
         self.window = ALL_CHUNKS if window is None else window
         self.batch_size, self.batched = batch_size, batched
-        self.prefetch_bytes, self.concurrency, self.chunk_samples = prefetch_bytes, concurrency, chunk_samples
+        self.concurrency, self.chunk_samples = concurrency, chunk_samples
         self.pad_id = pad_id if pad_id is not None else (self.source.eos_id or 0)
         self.dtype = dtype
         self.fingerprint = layout_fingerprint(self.layout.counts, layout_identity(self.source, self.layout))
         self._fetch = ChunkFetch([self.source], [self.layout], cache)
+        #: the fetch budget: as given, else two windows and a chunk (ChunkFetch.read_ahead_bytes)
+        self.prefetch_bytes = prefetch_bytes or self._fetch.read_ahead_bytes(self.window)
+        self.source.pool.max_bytes = self.prefetch_bytes
         self._plan: EpochPlan | None = None
         self._ahead: ReadAhead | None = None
         self._last_epoch: int | None = None

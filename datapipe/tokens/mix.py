@@ -52,7 +52,7 @@ from .dataset import (
     group_batches,
     torch_dtype,
 )
-from .read import ChunkFetch, Layout, TokenSource, layout_identity, make_layout
+from .read import MAX_PREFETCH_BYTES, ChunkFetch, Layout, TokenSource, layout_identity, make_layout
 from .stream import TokenStream, check_reading, check_topology
 
 __all__ = ["TokenMix"]
@@ -116,7 +116,7 @@ class TokenMix(TokenStream):
                  packing: str = "concat", seed: int = 0, window: int | None = 8, steps: int | None = None,
                  rank: int | None = None, world_size: int | None = None, replication: int = 1, pipeline: int = 1,
                  dp_rank: int | None = None, dp_size: int | None = None, cache: Any = None,
-                 storage_options: dict[str, Any] | None = None, prefetch_bytes: int = 512 << 20,
+                 storage_options: dict[str, Any] | None = None, prefetch_bytes: int | None = None,
                  concurrency: int = 4, chunk_tokens: int = CHUNK_TOKENS, chunk_steps: int = 64,
                  pad_id: int | None = None, dtype: str = "int64") -> None:
         E = LoaderOptionError
@@ -132,7 +132,8 @@ class TokenMix(TokenStream):
         if steps is not None:
             steps = check_int("steps", steps, min=0, max=ENDLESS, error=E, hint="global steps of a pass, or None")
         rank, world_size = check_topology(rank, world_size, replication, pipeline, dp_rank, dp_size)
-        prefetch_bytes = check_bytes("prefetch_bytes", prefetch_bytes, min=1, error=E)
+        if prefetch_bytes is not None:
+            prefetch_bytes = check_bytes("prefetch_bytes", prefetch_bytes, min=1, error=E)
         concurrency = check_int("concurrency", concurrency, min=1, max=MAX_THREADS, error=E)
         chunk_tokens = check_int("chunk_tokens", chunk_tokens, min=1, max=1 << 34, error=E)
         chunk_steps = check_int("chunk_steps", chunk_steps, min=1, max=MAX_COUNT, error=E)
@@ -143,14 +144,14 @@ class TokenMix(TokenStream):
         self._init_stream(rank, world_size, replication, pipeline, dp_rank, dp_size)
         #: the sources' names (as given), in the mix's order: ``source`` values index it
         self.names = names
-        self.sources = [TokenSource(u, storage_options,
-                                    max_pooled_bytes=prefetch_bytes) for u in names]
+        self.sources = [TokenSource(u, storage_options, max_pooled_bytes=prefetch_bytes or MAX_PREFETCH_BYTES)
+                        for u in names]
         self.layouts: list[Layout] = [make_layout(s, seq_len, packing, chunk_tokens) for s in self.sources]
         self.seq_len, self.packing, self.global_batch, self.seed = seq_len, packing, global_batch, seed
         self.window = ALL_CHUNKS if window is None else window
         self.steps = steps
         self.cache = cache
-        self.prefetch_bytes, self.concurrency, self.chunk_steps = prefetch_bytes, concurrency, chunk_steps
+        self.concurrency, self.chunk_steps = concurrency, chunk_steps
         self.dtype = dtype
         eos = self.sources[0].eos_id
         self.pad_id = pad_id if pad_id is not None else (eos or 0)
@@ -161,6 +162,10 @@ class TokenMix(TokenStream):
         except (OptionError, PlanError) as e:  # a weight that rounds to 0, a source of no sequence, ...
             raise E(f"sources={show(sources)}: {e}") from None
         self._fetch = ChunkFetch(self.sources, self.layouts, cache)
+        #: the fetch budget: as given, else two windows and a chunk of every source
+        self.prefetch_bytes = prefetch_bytes or self._fetch.read_ahead_bytes(self.window)
+        for s in self.sources:
+            s.pool.max_bytes = self.prefetch_bytes
         #: the global step the next pass starts at
         self._start = 0
         self._set_state(self._plan.state_dict(0))

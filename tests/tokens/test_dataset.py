@@ -190,6 +190,40 @@ def test_order_is_deterministic_in_seed_and_epoch_and_stored_without_shuffle(tmp
     assert TokenDataset(tmp_path, 4, shuffle=False, chunk_tokens=64).sequences().tolist() == list(range(len(first)))
 
 
+def test_the_default_fetch_budget_is_two_windows_and_a_chunk_and_passes_stay_within_it(tmp_path):
+    # a worker's buffers are fresh memory: by default it fetches ahead what the window it
+    # reads and the next one hold, not a fixed 512 MiB
+    from datapipe.plan import ConcatLayout
+    from datapipe.tokens.read import MAX_PREFETCH_BYTES, ChunkFetch
+
+    rng = np.random.default_rng(11)
+    write_tokens(tmp_path, [random_documents(rng, 900), random_documents(rng, 700)])
+    kw = dict(seed=2, window=3, chunk_tokens=512, chunk_samples=16, batch_size=4, batched=True)
+    ds = TokenDataset(tmp_path, 16, **kw)
+    lay, src = ds.layout, ds.source
+    assert lay.num_chunks > 10
+    largest = max(b - a for a, b in map(lay.chunk_token_range, range(lay.num_chunks)))
+    assert lay.largest_chunk_tokens() == largest
+    budget = 7 * (largest * src.itemsize + src.block_bytes)  # 2 x 3 chunks and one more
+    assert ds.prefetch_bytes == budget == src.pool.max_bytes
+    whole = TokenDataset(tmp_path, 16, **{**kw, "window": None})  # every chunk in one window
+    assert whole.prefetch_bytes == (2 * lay.num_chunks + 1) * (largest * src.itemsize + src.block_bytes)
+    assert TokenDataset(tmp_path, 16, prefetch_bytes=12345).prefetch_bytes == 12345
+    roomy = TokenDataset(tmp_path, 16, **{**kw, "prefetch_bytes": MAX_PREFETCH_BYTES})
+    for epoch in range(3):  # the same sequences; from the second pass on one reads the next ahead
+        ds.set_epoch(epoch)
+        roomy.set_epoch(epoch)
+        got = [b["input_ids"].tolist() for b in ds]
+        assert got == [b["input_ids"].tolist() for b in roomy] and sum(map(len, got)) == len(ds)
+        if epoch:
+            assert 0 < ds._ahead.pre.peak_bytes <= budget
+    # the bound is capped: a window of every chunk of a large stream asks for at most 512 MiB
+    big = ConcatLayout([1 << 31], 2048)
+    assert ChunkFetch([src], [big]).read_ahead_bytes(8) == 17 * (big.largest_chunk_tokens() * src.itemsize
+                                                                   + src.block_bytes)
+    assert ChunkFetch([src], [big]).read_ahead_bytes(1 << 62) == MAX_PREFETCH_BYTES
+
+
 def test_passes_after_the_first_read_the_next_one_ahead_and_yield_what_a_fresh_dataset_yields(tmp_path):
     # a first pass in a process reads nothing ahead (its fetches fill fresh memory); from
     # the second on a pass leaves the next epoch's first chunks being fetched, used by it

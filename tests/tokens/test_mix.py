@@ -156,6 +156,18 @@ def test_a_small_source_repeats_by_whole_epochs(tmp_path):
         assert sorted(q for ee, q in small_ids if ee == e) == list(range(small))
 
 
+def test_the_default_fetch_budget_holds_two_windows_and_a_chunk_of_every_source(tmp_path):
+    streams = _sources(tmp_path, [200, 4], 4)
+    mix = TokenMix(dict.fromkeys(streams, 1), L, global_batch=4, chunk_tokens=40, window=3)
+    want = 0
+    for src, lay in zip(mix.sources, mix.layouts):  # the small source has fewer chunks than a window
+        want += (2 * min(3, lay.num_chunks) + 1) * (lay.largest_chunk_tokens() * src.itemsize + src.block_bytes)
+    assert mix.layouts[1].num_chunks < 3 < mix.layouts[0].num_chunks
+    assert mix.prefetch_bytes == want and all(src.pool.max_bytes == want for src in mix.sources)
+    given = TokenMix(dict.fromkeys(streams, 1), L, global_batch=4, prefetch_bytes=1 << 20)
+    assert given.prefetch_bytes == 1 << 20 and given.sources[0].pool.max_bytes == 1 << 20
+
+
 def test_through_loader_workers_whole_per_rank_batches_in_step_order(tmp_path):
     streams = _sources(tmp_path, [30, 20], 2)
     names = list(streams)
