@@ -11,9 +11,9 @@ A state may hold three kinds of arrays (docs/CHECKPOINT_FORMAT.md, "Global tenso
   every rank of the writer.
 
 Each becomes a leaf with a ``global`` record (global shape, offset, region). A region that
-several ranks hold (replicas) is stored once, by one of them chosen by the leaf's path
-(so the writes of a replicated model spread over its holders); the others record it with
-``replica: true`` and store no bytes in a shared tier. A node-local part is a one-part
+several ranks hold (replicas) is stored once, by one of them (:func:`choose_holders`: the
+boxes of one set of holders dealt out by size, so each holder writes its share of the
+bytes); the others record it with ``replica: true`` and store no bytes in a shared tier. A node-local part is a one-part
 checkpoint that must be whole on its own, so there every holder stores its copy
 (``Leaf.copy``, staged only when a node-local tier is due). Plain tensors outside
 :class:`Replicated` stay per-rank leaves, as before.
@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import zlib
 from typing import Any, NamedTuple
 
 from ..errors import UnsupportedStateError
 from .leaf import Leaf
 
-__all__ = ["Replicated", "LocalShard", "Box", "dtensor_type", "dtensor_box", "is_placed", "local_data", "place"]
+__all__ = ["Replicated", "LocalShard", "Box", "dtensor_type", "dtensor_box", "is_placed", "local_data", "place",
+           "choose_holders"]
 
 
 class Replicated:
@@ -102,8 +102,13 @@ class Box(NamedTuple):
     global_shape: tuple[int, ...]
     offset: tuple[int, ...]
     shape: tuple[int, ...]
-    replica: bool  # another holder stores it
-    shared: bool  # more than one rank holds it (a Replicate placement over a mesh dim of size > 1)
+    holders: tuple[int, ...]  # the ranks that hold it, in rank order (more than one: a Replicate
+    #                           placement over a mesh dimension of size > 1)
+    rank: int  # this rank
+
+    @property
+    def shared(self) -> bool:
+        return len(self.holders) > 1
 
 
 def _mesh_facts(mesh: Any, memo: dict[Any, Any]) -> tuple[Any, Any, int]:
@@ -119,12 +124,9 @@ def _mesh_facts(mesh: Any, memo: dict[Any, Any]) -> tuple[Any, Any, int]:
 
 def dtensor_box(x: Any, path: str, memo: dict[Any, Any] | None = None,
                 local_shape: tuple[int, ...] | None = None) -> Box:
-    """Where a DTensor's local shard on this rank lies. ``replica``: another rank of the
-    mesh holds the same box (it differs from this rank only in coordinates of
-    ``Replicate`` mesh dimensions) and stores it: of the holders, the one at
-    ``crc32(path) mod holders`` in rank order, the same choice on every holder (paths and
-    the mesh's rank table are the same there), spreading the writes of a replicated state
-    over its holders instead of loading them all on the lowest. ``memo``: a dict that
+    """Where a DTensor's local shard on this rank lies, and which ranks hold the same box
+    (they differ from this rank only in coordinates of ``Replicate`` mesh dimensions; which
+    of them stores it is :func:`choose_holders`'s choice). ``memo``: a dict that
     lives through one walk of a state, sharing the work of DTensors alike (same mesh,
     placements and global shape). ``local_shape``: the shape of ``x.to_local()`` where the
     caller has it already (each ``to_local`` is an autograd call, a cost per DTensor)."""
@@ -143,8 +145,7 @@ def dtensor_box(x: Any, path: str, memo: dict[Any, Any] | None = None,
             f"state path {path!r}: the DTensor's local tensor has shape {local_shape}, its "
             f"placements give {shape} (padded shards are not supported)"
         )
-    replica = rank != holders[zlib.crc32(path.encode()) % len(holders)]
-    return Box(global_shape, offset, shape, replica, len(holders) > 1)
+    return Box(global_shape, offset, shape, tuple(holders), rank)
 
 
 def _box_facts(mesh: Any, placements: tuple[Any, ...], global_shape: tuple[int, ...], path: str,
@@ -191,26 +192,64 @@ def place(leaf: Leaf, x: Any, rank: int, replicated: bool, memo: dict[Any, Any] 
     :func:`dtensor_box`."""
     if leaf.kind == "npscalar" or not (replicated or is_placed(x)):
         return leaf
+    pending = None
     if isinstance(x, LocalShard):
         gshape, offset, replica = x.global_shape, x.offset, x.replica
         _check_box(leaf.path, gshape, offset, leaf.shape)
     elif is_placed(x):
         box = dtensor_box(x, leaf.path, memo, local_shape=leaf.shape)  # the leaf is of x.to_local()
-        gshape, offset, replica = box.global_shape, box.offset, box.replica
+        gshape, offset, replica = box.global_shape, box.offset, False
+        if box.shared:  # its holder is chosen once the walk has met every box (choose_holders)
+            pending = (box.holders, box.rank)
     else:  # a plain array the caller declared replicated: all of it, stored by rank 0
         gshape, offset, replica = leaf.shape, (0,) * len(leaf.shape), rank != 0
     leaf.shard = {"shape": list(gshape), "offset": list(offset), "region": list(leaf.shape), "replica": replica}
-    if replica:
-        # This rank holds the bytes too: a node-local part stores them (it must be whole on
-        # its own); a shared part records the box and stores nothing (its holder does).
-        leaf.copy = dataclasses.replace(leaf, shard=dict(leaf.shard, replica=False))
-        if leaf.kind == "torch":
-            import torch
-
-            leaf.obj = torch.empty(0, dtype=leaf.obj.dtype)
-        else:
-            import numpy as np
-
-            leaf.obj = np.empty(0, dtype=leaf.obj.dtype)
-        leaf.shape, leaf.nbytes, leaf.strides, leaf.device = (0,), 0, None, "cpu"
+    if pending is not None:
+        if memo is None:
+            raise UnsupportedStateError(f"state path {leaf.path!r}: a box several ranks hold needs the walk's memo "
+                                        "(a datapipe bug: please report it)")
+        memo.setdefault(_SHARED, []).append((leaf, *pending))
+    elif replica:
+        _as_replica(leaf)
     return leaf
+
+
+#: the memo's key for the boxes several ranks hold, met so far in a walk: (leaf, holders, rank)
+_SHARED = ("shared boxes",)
+
+
+def choose_holders(memo: dict[Any, Any]) -> None:
+    """After a walk (its ``memo`` given to :func:`place`): which holder stores each box that
+    several ranks hold; on the others its leaf becomes a replica. For each set of holders,
+    its boxes by size (largest first, then by path) each go to the holder with the fewest
+    bytes so far (then the first in rank order): every holder deals the same boxes alike,
+    in whatever order its walk met them (paths, shapes and the mesh are the same there), and
+    writes about its share of the bytes. (A choice by a hash of the path spread them
+    unevenly: 8 of 12 equal boxes on one of two holders, whose writes then took 4/3 of the
+    time.)"""
+    groups: dict[tuple[int, ...], list[tuple[Leaf, int]]] = {}
+    for leaf, holders, rank in memo.pop(_SHARED, ()):
+        groups.setdefault(holders, []).append((leaf, rank))
+    for holders, boxes in groups.items():
+        load = [0] * len(holders)
+        for leaf, rank in sorted(boxes, key=lambda b: (-b[0].nbytes, b[0].path)):
+            k = min(range(len(holders)), key=lambda i: (load[i], i))
+            load[k] += leaf.nbytes
+            if holders[k] != rank:
+                leaf.shard = dict(leaf.shard or {}, replica=True)
+                _as_replica(leaf)
+
+
+def _as_replica(leaf: Leaf) -> None:
+    """This rank holds the bytes too: a node-local part stores them (it must be whole on its
+    own); a shared part records the box and stores nothing (its holder does)."""
+    leaf.copy = dataclasses.replace(leaf, shard=dict(leaf.shard or {}, replica=False))
+    if leaf.kind == "torch":
+        import torch
+
+        leaf.obj = torch.empty(0, dtype=leaf.obj.dtype)
+    else:
+        import numpy as np
+
+        leaf.obj = np.empty(0, dtype=leaf.obj.dtype)
+    leaf.shape, leaf.nbytes, leaf.strides, leaf.device = (0,), 0, None, "cpu"

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, UnsupportedStateError
 from ..topology import Topology
-from .dtensor import Replicated, is_placed, local_data, place
+from .dtensor import Replicated, choose_holders, is_placed, local_data, place
 from .leaf import Leaf, dense_permuted, torch_copyable, torch_dtype_name
 
 __all__ = ["flatten", "unflatten", "MAX_STATE_DEPTH", "MAX_INT_BITS", "MAX_TREE_PAYLOAD"]
@@ -164,6 +164,7 @@ def flatten(state: Any, *, allow_meta: bool = False, rank: int | None = None) ->
         )
 
     tree = walk(state, "")
+    choose_holders(memo)
     return tree, leaves
 
 

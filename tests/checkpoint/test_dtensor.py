@@ -1,6 +1,7 @@
 """dtensor_box shares the work of DTensors alike (same mesh, placements and global shape)
-through a memo that lives for one walk: the answers with the memo are those without it,
-the replica choice stays per path (one holder stores each box), and the refusals (a
+through a memo that lives for one walk: the answers with the memo are those without it;
+each box two ranks hold is stored by exactly one of them, whatever order each walked its
+state in, and each stores its share of the bytes (boxes of unequal sizes); and the refusals (a
 _StridedShard after an equal-looking Shard, a padded local tensor, a rank outside the
 mesh) still fire for every DTensor. 4 real ranks over gloo on a 2x2 CPU mesh."""
 
@@ -35,19 +36,28 @@ def _worker(rank: int, port: int, root: str) -> None:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from datapipe.checkpoint.dtensor import dtensor_box
+    from datapipe.checkpoint.flatten import flatten
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     mesh = init_device_mesh("cpu", (2, 2))
     coord = mesh.get_coordinate()
     memo: dict = {}
-    boxes = {}
+    model = {}
     for i in range(24):  # alike: one mesh, (Replicate, Shard(0)), global (8, 3)
         x = DTensor.from_local(torch.full((4, 3), float(i)), mesh, [Replicate(), Shard(0)], run_check=False)
         got = dtensor_box(x, f"model.layer{i}", memo)
         assert got == dtensor_box(x, f"model.layer{i}")  # without the memo: the same
         assert got.offset == (4 * coord[1], 0) and got.shape == (4, 3) and got.shared
-        boxes[f"model.layer{i}"] = got.replica
-    out = {"replica": boxes}
+        assert got.holders == ((0, 2) if coord[1] == 0 else (1, 3)) and got.rank == rank
+        model[f"layer{i}"] = x
+    for i in range(5):  # and some of other sizes: rows 4 * (i + 1) of 3 on each holder pair
+        model[f"big{i}"] = DTensor.from_local(torch.full((4 * (i + 1), 3), -1.0), mesh, [Replicate(), Shard(0)],
+                                              run_check=False)
+    # the ranks of the second mesh row walk the state in another order: the same choice
+    names = sorted(model, reverse=coord[0] == 1)
+    _tree, leaves = flatten({"model": {k: model[k] for k in names}}, rank=rank)
+    out = {"replica": {leaf.path: bool(leaf.shard["replica"]) for leaf in leaves},
+           "bytes": sum(leaf.nbytes for leaf in leaves)}
     # equal-looking but not alike: a _StridedShard on the same mesh and global shape
     strided = DTensor.from_local(torch.zeros(4, 3), mesh, [Replicate(), _StridedShard(0, split_factor=2)],
                                  run_check=False)
@@ -73,14 +83,17 @@ def test_memoised_boxes_agree_and_refusals_still_fire(tmp_path):
     spawn_ranks(_worker, (free_port(), str(tmp_path)), WORLD)
     got = [json.load(open(tmp_path / f"r{r}.json")) for r in range(WORLD)]
     # ranks r and r+2 hold the same box (they differ in the Replicate coordinate): exactly
-    # one of them stores each path, and the choice is spread over both
-    stores = {r: 0 for r in range(WORLD)}
+    # one of them stores each path, though they walked the state in opposite orders
+    assert len(got[0]["replica"]) == 29
     for path in got[0]["replica"]:
         for a, b in ((0, 2), (1, 3)):
             assert got[a]["replica"][path] != got[b]["replica"][path], path
-        for r in range(WORLD):
-            stores[r] += not got[r]["replica"][path]
-    assert all(n > 0 for n in stores.values()), stores
+    # each holder stores its share: 24 boxes of 48 bytes and 5 of 48-240 bytes (1,872 per
+    # pair) dealt largest first to the holder with fewer bytes: within one box of the half
+    total = 24 * 48 + sum(48 * (i + 1) for i in range(5))
+    stored = [g["bytes"] for g in got]
+    for a, b in ((0, 2), (1, 3)):
+        assert stored[a] + stored[b] == total and abs(stored[a] - stored[b]) <= 48, stored
     for r in range(WORLD):
         assert "_StridedShard" in got[r]["strided"] and "'strided'" in got[r]["strided"]
         assert "padded shards" in got[r]["padded"] and "'padded'" in got[r]["padded"]

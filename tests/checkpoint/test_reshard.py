@@ -293,8 +293,8 @@ def test_bytes_written_are_the_unique_bytes_and_metadata_is_json(saved):
     replicas = [leaf for p in parts for leaf in p["leaves"] if leaf.get("global", {}).get("replica")]
     assert replicas and all(leaf["nbytes"] == 0 for leaf in replicas)
     # the Replicated tensor is stored by rank 0; each HSDP box (held by two ranks) by one of
-    # its holders chosen by its path: the writes spread over all four ranks, and no rank
-    # stores a box that another also stores
+    # its holders (dealt by size, dtensor.choose_holders): the writes spread over all four
+    # ranks, and no rank stores a box that another also stores
     assert all(leaf.get("global", {}).get("replica") for p in parts if p["rank"] != 0
                for leaf in p["leaves"] if leaf["path"].startswith("extra.rep"))
     model = [(p["rank"], leaf) for p in parts for leaf in p["leaves"] if leaf["path"].startswith("model")]
