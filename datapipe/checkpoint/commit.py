@@ -2,8 +2,9 @@
 
 The commit rule: a checkpoint exists once ``step-N/manifest.json`` exists and verifies.
 Rank 0 writes it only after finding every rank's part document in storage; a rank writes
-its part only after all of its chunks are durable. In between, rank 0 writes the parts
-index of a multi-rank step (the part documents it just read, in one object), so that a
+its part only after all of its chunks are durable. In between, rank 0 checks that the
+pieces the parts record of each global tensor tile it exactly once (:func:`await_parts`),
+and writes the parts index of a multi-rank step (the part documents it just read, in one object), so that a
 reader of every part makes one request instead of one per rank. Coordination goes through
 storage alone, never through the training process group. ``latest`` moves after the manifest;
 retention runs after that and deletes a manifest before the data it names.
@@ -34,6 +35,7 @@ from .format import (
     parts_index_key,
     step_dir,
 )
+from .overlap import GlobalTensor, Piece, tiling_defect
 
 __all__ = ["sync_dirs", "await_parts", "write_parts_index", "write_manifest", "write_latest", "apply_retention",
            "scan_steps", "read_latest_step"]
@@ -64,6 +66,7 @@ def await_parts(store: Store, step: int, attempt: str, world_size: int,
     found: list[dict[str, Any]] = []
     docs: list[bytes] | None = []
     kept = 0
+    tensors: dict[str, GlobalTensor] = {}
     while True:
         while len(found) < world_size:
             r = len(found)
@@ -81,6 +84,8 @@ def await_parts(store: Store, step: int, attempt: str, world_size: int,
                     f"rank {doc.get('rank')}/{doc.get('world_size')}, expected step {step} attempt "
                     f"{attempt!r} rank {r}/{world_size}"
                 )
+            if world_size > 1:
+                _add_pieces(tensors, doc, r, store.url(key))
             found.append({"rank": r, "key": key, "checksum": checksum(data), "doc_bytes": len(data),
                           "data_bytes": doc["data_bytes"], "stored_bytes": doc["stored_bytes"]})
             kept += len(data)
@@ -89,6 +94,14 @@ def await_parts(store: Store, step: int, attempt: str, world_size: int,
                 if kept > keep_docs:
                     docs = None
         if len(found) == world_size:
+            urls = [store.url(p["key"]) for p in found]
+            for gt in tensors.values():
+                why = tiling_defect(gt, urls)
+                if why is not None:
+                    raise CheckpointError(
+                        f"step {step}: global tensor {gt.path!r:.100}: {why}; the checkpoint is not "
+                        "committed (do the ranks that hold a DTensor together all save it, with the "
+                        "same mesh and placements?)")
             return found, docs
         now = time.monotonic()
         if now > deadline:
@@ -101,6 +114,36 @@ def await_parts(store: Store, step: int, attempt: str, world_size: int,
                 )
             continue  # every one is there now: read them
         time.sleep(min(max(0.002, (now - t0) / 16), 0.5, max(0.0, deadline - now) + 0.001))
+
+
+def _add_pieces(tensors: dict[str, GlobalTensor], doc: dict[str, Any], r: int, url: str) -> None:
+    """The global tensors rank ``r``'s part names and the pieces of them it stores, added to
+    ``tensors`` (a box a rank records as a replica stores nothing: its holder's part stores
+    it). Only the geometry: the reader checks every other field of a record before it
+    trusts it."""
+    leaves = doc.get("leaves")
+    for spec in leaves if isinstance(leaves, list) else ():
+        g = spec.get("global") if isinstance(spec, dict) else None
+        if not isinstance(g, dict):
+            continue
+        path = spec.get("path")
+        shape: Any = g.get("shape")
+        start: Any = g.get("offset")
+        region: Any = g.get("region")
+        if not (isinstance(path, str) and all(isinstance(v, list) for v in (shape, start, region))
+                and len(shape) == len(start) == len(region)
+                and all(type(x) is int and x >= 0 for v in (shape, start, region) for x in v)
+                and all(o + k <= n for n, o, k in zip(shape, start, region))):
+            raise CheckpointError(f"{url}: malformed global record of leaf {path!r:.100}")
+        gt = tensors.get(path)
+        if gt is None:
+            gt = tensors[path] = GlobalTensor(path, str(spec.get("kind")), str(spec.get("dtype")), 0,
+                                              tuple(shape), where=url)
+        elif gt.shape != tuple(shape):
+            raise CheckpointError(f"{url}: global tensor {path!r:.100} is {list(shape)} here, "
+                                  f"{list(gt.shape)} in {gt.where}; the checkpoint is not committed")
+        if g.get("replica") is False:
+            gt.pieces.append(Piece(r, 0, tuple(start), tuple(region)))
 
 
 def write_parts_index(store: Store, step: int, attempt: str, parts: list[dict[str, Any]],

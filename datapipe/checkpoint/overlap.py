@@ -62,8 +62,9 @@ def tiling_defect(gt: GlobalTensor, urls: list[str]) -> str | None:
     total = math.prod(gt.shape)
     if sum(math.prod(p.shape) for p in pieces) != total:
         holders = sorted({p.rank for p in gt.pieces})
-        return (f"its stored pieces hold {sum(math.prod(p.shape) for p in pieces)} of {total} elements "
-                f"(pieces in {', '.join(urls[r] for r in holders[:8])}{' ...' if len(holders) > 8 else ''})")
+        where = (f"pieces in {', '.join(urls[r] for r in holders[:8])}{' ...' if len(holders) > 8 else ''}"
+                 if holders else "no part stores a piece of it")
+        return f"its stored pieces hold {sum(math.prod(p.shape) for p in pieces)} of {total} elements ({where})"
     if len(gt.shape) == 0 or len(pieces) < 2:
         return None
     d = max(range(len(gt.shape)), key=lambda i: len({p.start[i] for p in pieces}))
